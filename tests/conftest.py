@@ -1,0 +1,35 @@
+"""Shared fixtures: XLA:CPU environment, a real loopback GCS server, tiny data."""
+from __future__ import annotations
+
+import os
+
+# Before torch_xla is imported anywhere in the test process.
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("MPLBACKEND", "Agg")
+os.environ.setdefault("LABKIT_CONSOLE", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import uuid
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """A fake-gcs-server on 127.0.0.1 for the whole session; STORAGE_EMULATOR_HOST points at it."""
+    from labkit.gcs_emulator import LocalGCSServer
+
+    server = LocalGCSServer(root=tmp_path_factory.mktemp("gcs"))
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server):
+    """A fresh, empty bucket name on the session server."""
+    from labkit import gcs
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    gcs.client().create_bucket(name)
+    return name
