@@ -15,7 +15,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   start=$(date +%s)
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet -r requirements.txt
-  .venv/bin/python -m pip install --quiet --no-deps -e . 2>&1 | grep -v -i -E 'warning|^ *$' || true
+  .venv/bin/python -m pip install --quiet --no-deps -e . > .venv/labkit-editable.log 2>&1 || { cat .venv/labkit-editable.log >&2; exit 1; }
   .venv/bin/python -c "import labkit, data_tools" || { echo "[bootstrap] editable install of labkit failed" >&2; exit 1; }
   echo "$want" > "$stamp"
   echo "[bootstrap] done in $(( $(date +%s) - start )) s" >&2

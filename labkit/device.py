@@ -1,0 +1,289 @@
+"""One runtime for TPU, GPU, XLA:CPU and CPU: detect once, then the same calls everywhere.
+
+    import labkit
+    rt = labkit.setup()                 # or setup("xla-cpu"), or LABKIT_BACKEND=cpu
+    x = rt.to_device(batch); ...; rt.sync()
+
+Detection order: TPU (PJRT, needs torch_xla + libtpu or PJRT_DEVICE=TPU), CUDA (torch's own
+backend: torch_xla 2.9 has no CUDA backend), XLA:CPU (torch_xla importable), plain CPU.
+`setup()` is idempotent: a notebook may run the cell twice and gets the same Runtime.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+BACKENDS = ("tpu", "cuda", "xla-cpu", "cpu")
+_runtimes: dict[str, "Runtime"] = {}
+_current: "Runtime | None" = None
+_xla_kind: str | None = None  # the PJRT device this process committed to (cannot change later)
+
+
+class BackendError(RuntimeError):
+    """A backend was asked for that this machine or process cannot give."""
+
+
+def _has_torch_xla() -> bool:
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def _tpu_evidence() -> str | None:
+    """Why we think a TPU is attached, or None. Cheap: no runtime initialisation."""
+    if os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
+        return "PJRT_DEVICE=TPU"
+    if os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("COLAB_TPU_ADDR"):
+        return "TPU environment variables"
+    if importlib.util.find_spec("libtpu") is not None and (
+        os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0")
+    ):
+        return "libtpu and /dev/accel*"
+    return None
+
+
+def detect() -> dict:
+    """What this machine offers, without committing to anything."""
+    return {
+        "torch_xla": _has_torch_xla(),
+        "tpu": _tpu_evidence(),
+        "cuda": torch.cuda.is_available(),
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
+
+
+def _describe(found: dict) -> str:
+    parts = []
+    parts.append(f"TPU ({found['tpu']})" if found["tpu"] else "no TPU")
+    parts.append(f"{found['cuda_devices']} CUDA device(s)" if found["cuda"] else "no CUDA GPU")
+    parts.append("torch_xla installed" if found["torch_xla"] else "torch_xla not installed")
+    return ", ".join(parts)
+
+
+def resolve_backend(backend: str | None = None) -> str:
+    """Pick the backend: the argument, else LABKIT_BACKEND, else the best one found."""
+    name = backend or os.environ.get("LABKIT_BACKEND") or None
+    found = detect()
+    if name is None:
+        if found["torch_xla"] and found["tpu"]:
+            return "tpu"
+        if found["cuda"]:
+            return "cuda"
+        return "xla-cpu" if found["torch_xla"] else "cpu"
+    name = name.strip().lower().replace("_", "-")
+    name = {"xla": "xla-cpu" if not found["tpu"] else "tpu", "gpu": "cuda", "xlacpu": "xla-cpu"}.get(name, name)
+    source = "backend argument" if backend else "LABKIT_BACKEND"
+    if name not in BACKENDS:
+        raise BackendError(f"unknown backend {name!r} (from {source}); valid names: {', '.join(BACKENDS)}")
+    if name == "tpu" and not (found["torch_xla"] and found["tpu"]):
+        raise BackendError(f"backend 'tpu' was asked for ({source}) but this machine has {_describe(found)}. "
+                           "On Colab pick Runtime > Change runtime type > TPU; or use one of: "
+                           + ", ".join(b for b in BACKENDS if b != "tpu"))
+    if name == "cuda" and not found["cuda"]:
+        raise BackendError(f"backend 'cuda' was asked for ({source}) but this machine has {_describe(found)}")
+    if name == "xla-cpu" and not found["torch_xla"]:
+        raise BackendError(f"backend 'xla-cpu' was asked for ({source}) but torch_xla is not installed: "
+                           "pip install torch==2.9.0 torch_xla==2.9.0")
+    return name
+
+
+@dataclass
+class Runtime:
+    """Where tensors live and how replicas talk. Build it with `labkit.setup()`."""
+
+    kind: str
+    device: torch.device
+    world_size: int = 1
+    ordinal: int = 0
+    local_ordinal: int = 0
+    local_device_count: int = 1
+    spmd: bool = False
+    info: dict = field(default_factory=dict)
+
+    @property
+    def is_xla(self) -> bool:
+        return self.kind in ("tpu", "xla-cpu")
+
+    @property
+    def is_master(self) -> bool:
+        return self.ordinal == 0
+
+    # -- the few calls a training loop needs -------------------------------------------------
+    def sync(self) -> None:
+        """Cut the lazy graph and launch it (XLA). Elsewhere a no-op: eager ops already ran."""
+        if self.is_xla:
+            import torch_xla
+
+            torch_xla.sync()
+
+    def to_device(self, obj, non_blocking: bool = False):
+        if isinstance(obj, torch.Tensor):
+            return obj.to(self.device, non_blocking=non_blocking)
+        if isinstance(obj, dict):
+            return {k: self.to_device(v, non_blocking) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            out = [self.to_device(v, non_blocking) for v in obj]
+            return type(obj)(out) if not hasattr(obj, "_fields") else type(obj)(*out)
+        return obj
+
+    def master_print(self, *args, **kwargs) -> None:
+        if self.is_master:
+            print(*args, **kwargs, flush=True)
+
+    def rendezvous(self, tag: str) -> None:
+        if self.world_size <= 1:
+            return
+        if self.is_xla:
+            import torch_xla.core.xla_model as xm
+
+            xm.rendezvous(tag)
+        elif torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    def add_step_closure(self, fn, args=()) -> None:
+        """Run fn(*args) after the current step's graph has executed (XLA), or now (eager).
+
+        On XLA reading a tensor inside the closure costs one device->host transfer but no extra
+        graph execution, because the values are already computed when the closure runs."""
+        if self.is_xla:
+            import torch_xla.core.xla_model as xm
+
+            xm.add_step_closure(fn, args=args)
+        else:
+            fn(*args)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum or mean over replicas (identity with one replica). Returns a new tensor on XLA."""
+        if op not in ("sum", "mean"):
+            raise ValueError(f"all_reduce op must be 'sum' or 'mean', got {op!r}")
+        if self.world_size <= 1 or self.spmd:
+            return tensor
+        if self.is_xla:
+            import torch_xla.core.xla_model as xm
+
+            out = xm.all_reduce(xm.REDUCE_SUM, tensor)
+        else:
+            out = tensor.clone()
+            torch.distributed.all_reduce(out)
+        return out / self.world_size if op == "mean" else out
+
+    def autocast(self, enabled: bool = True):
+        """bf16 autocast on XLA and CUDA. On plain CPU a no-op (bf16 matmuls there are slow
+        and gain nothing for learning purposes); it says so once."""
+        if not enabled:
+            return contextlib.nullcontext()
+        if self.is_xla:
+            return torch.autocast("xla", dtype=torch.bfloat16)
+        if self.kind == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        if not self.info.get("_bf16_note"):
+            self.info["_bf16_note"] = True
+            self.master_print("[labkit] bf16 requested on plain CPU: running in float32 (autocast is off here)")
+        return contextlib.nullcontext()
+
+    def manual_seed(self, seed: int) -> None:
+        random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            import numpy as np
+
+            np.random.seed(seed % 2**32)
+        except ImportError:  # pragma: no cover
+            pass
+        if self.is_xla:
+            import torch_xla.core.xla_model as xm
+
+            xm.set_rng_state(seed, device=self.device)
+        elif self.kind == "cuda":
+            torch.cuda.manual_seed_all(seed)
+
+    def mesh(self, axis_names=("data",)):
+        """A 1-D SPMD mesh over all devices (data parallel). Needs setup(spmd=True)."""
+        if not self.spmd:
+            raise BackendError("rt.mesh() needs SPMD: call labkit.setup(spmd=True) before any XLA tensor exists")
+        import numpy as np
+        import torch_xla.distributed.spmd as xs
+
+        n = self.local_device_count
+        return xs.Mesh(np.arange(n), (n,) + (1,) * (len(axis_names) - 1), axis_names)
+
+    def __repr__(self) -> str:
+        extra = ", spmd" if self.spmd else ""
+        return (f"Runtime(kind={self.kind!r}, device={str(self.device)!r}, world_size={self.world_size}, "
+                f"ordinal={self.ordinal}, local_devices={self.local_device_count}{extra})")
+
+
+def _setup_xla(kind: str, spmd: bool) -> Runtime:
+    global _xla_kind
+    want = "TPU" if kind == "tpu" else "CPU"
+    if _xla_kind is not None and _xla_kind != kind:
+        raise BackendError(f"this process already runs XLA as {_xla_kind!r}; PJRT cannot switch to {kind!r} "
+                           "in the same process: restart the kernel")
+    if _xla_kind is None:
+        os.environ.setdefault("PJRT_DEVICE", want)
+        if os.environ["PJRT_DEVICE"].upper() != want:
+            raise BackendError(f"backend {kind!r} conflicts with PJRT_DEVICE={os.environ['PJRT_DEVICE']}")
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    if spmd and not xr.is_spmd():
+        xr.use_spmd()  # must happen before any XLA tensor is created
+    _xla_kind = kind
+    device = torch_xla.device()
+    is_spmd = xr.is_spmd()
+    if is_spmd:
+        world, ordinal, local = xr.process_count(), xr.process_index(), 0
+        local_count = xr.global_runtime_device_count()
+    else:
+        world, ordinal, local = xr.world_size(), xr.global_ordinal(), xr.local_ordinal()
+        local_count = xr.addressable_device_count()
+    actual = xr.device_type()
+    if actual != want:
+        raise BackendError(f"asked for {kind!r} but PJRT started {actual!r} devices (PJRT fell back); "
+                           "check libtpu and that no other process holds the TPU")
+    return Runtime(kind, device, world, ordinal, local, local_count, is_spmd, {"pjrt_device": actual})
+
+
+def _setup_cuda() -> Runtime:
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl")  # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR
+    torch.cuda.set_device(local)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Runtime("cuda", torch.device("cuda", local), world, rank, local, torch.cuda.device_count(), False,
+                   {"name": torch.cuda.get_device_name(local)})
+
+
+def setup(backend: str | None = None, *, spmd: bool = False, verbose: bool = False) -> Runtime:
+    """Detect (or take) the backend, initialise it once, and return the Runtime.
+
+    backend: None (auto), "tpu", "cuda", "xla-cpu" or "cpu"; LABKIT_BACKEND overrides auto.
+    spmd: XLA only; one process drives all local devices (torch_xla SPMD)."""
+    global _current
+    kind = resolve_backend(backend)
+    rt = _runtimes.get(kind)
+    if rt is None or (spmd and not rt.spmd):
+        if kind in ("tpu", "xla-cpu"):
+            rt = _setup_xla(kind, spmd)
+        elif kind == "cuda":
+            rt = _setup_cuda()
+        else:
+            if spmd:
+                raise BackendError("spmd=True needs an XLA backend (tpu or xla-cpu)")
+            rt = Runtime("cpu", torch.device("cpu"))
+        _runtimes[kind] = rt
+    _current = rt
+    if verbose:
+        rt.master_print(f"[labkit] {rt}")
+    return rt
+
+
+def current_runtime() -> Runtime | None:
+    """The Runtime most recently returned by setup(), or None."""
+    return _current

@@ -1,0 +1,163 @@
+"""Feed a host DataLoader to the device, overlapping the copy with compute.
+
+    train = labkit.device_loader(torch.utils.data.DataLoader(ds, batch_size=128), rt)
+    for x, y in train: ...            # x, y are already on rt.device
+
+- XLA (TPU, XLA:CPU): torch_xla's ParallelLoader/MpDeviceLoader: a background thread copies
+  batches to the device and keeps a few ready (`device_prefetch`). Under SPMD the batch is
+  sharded along dim 0 over the mesh's "data" axis.
+- CUDA: pinned host memory, `non_blocking` copies on a side stream, one batch ahead.
+- CPU: pass-through.
+
+Static shapes matter on XLA: a smaller last batch is a new graph, i.e. a recompilation (tens
+of seconds for ResNet-50). So batches whose size differs from the first one are dropped by
+default (`drop_partial=True`) and counted in `.dropped`.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+def _leading_dim(batch):
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    if isinstance(batch, dict):
+        for v in batch.values():
+            return _leading_dim(v)
+    if isinstance(batch, (list, tuple)) and batch:
+        return _leading_dim(batch[0])
+    return None
+
+
+class _HostSide:
+    """Iterates the host loader, drops partial batches, counts what was pulled."""
+
+    def __init__(self, owner: "ParallelLoader"):
+        self.owner = owner
+
+    def __iter__(self):
+        o = self.owner
+        size = None
+        skip, o.skip_batches = o.skip_batches, 0
+        for i, batch in enumerate(o.loader):
+            if i < skip:  # resuming mid-epoch: skipped on the host, never copied to the device
+                continue
+            n = _leading_dim(batch)
+            if size is None:
+                size = n
+            if o.drop_partial and n is not None and n != size:
+                o.dropped += 1
+                continue
+            with o._lock:
+                o.fetched += 1
+            yield batch
+
+    def __len__(self):
+        return len(self.owner)
+
+
+class ParallelLoader:
+    """Same iteration protocol on every backend: yields batches already on `rt.device`.
+
+    Attributes for the curious: `fetched` (host batches pulled so far, including the ones
+    waiting in the prefetch queue), `yielded` (batches handed to the training loop),
+    `dropped` (partial batches skipped)."""
+
+    def __init__(self, loader, rt, *, drop_partial: bool = True, device_prefetch: int = 4,
+                 loader_prefetch: int = 8, host_to_device_threads: int = 1, input_sharding=None):
+        self.loader, self.rt, self.drop_partial = loader, rt, drop_partial
+        self.device_prefetch, self.loader_prefetch = device_prefetch, loader_prefetch
+        self.host_to_device_threads = host_to_device_threads
+        self.input_sharding = input_sharding
+        self.fetched = self.yielded = self.dropped = 0
+        self.skip_batches = 0  # the next iteration skips this many host batches (then resets)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        n = len(self.loader)
+        ds, bs = getattr(self.loader, "dataset", None), getattr(self.loader, "batch_size", None)
+        if self.drop_partial and bs and not getattr(self.loader, "drop_last", True):
+            try:
+                n = len(ds) // bs  # the partial batch will be dropped
+            except TypeError:
+                pass
+        return n
+
+    def set_epoch(self, epoch: int) -> None:
+        for obj in (self.loader, getattr(self.loader, "dataset", None)):
+            if hasattr(obj, "set_epoch"):
+                obj.set_epoch(epoch)
+                return
+
+    def __iter__(self):
+        self.fetched = self.yielded = self.dropped = 0
+        host = _HostSide(self)
+        if self.rt.is_xla:
+            it = self._xla_iter(host)
+        elif self.rt.kind == "cuda":
+            it = self._cuda_iter(host)
+        else:
+            it = iter(host)
+        for batch in it:
+            self.yielded += 1
+            yield batch
+
+    def _xla_iter(self, host):
+        import torch_xla.distributed.parallel_loader as pl
+
+        kwargs = dict(loader_prefetch_size=self.loader_prefetch, device_prefetch_size=self.device_prefetch,
+                      host_to_device_transfer_threads=self.host_to_device_threads)
+        sharding = self.input_sharding
+        if sharding is None and self.rt.spmd:
+            import torch_xla.distributed.spmd as xs
+
+            # shard dim 0 of every input over the data axis; other dims replicated
+            sharding = xs.ShardingSpec(self.rt.mesh(), ("data",), minibatch=False)
+        if sharding is not None:
+            kwargs["input_sharding"] = sharding
+        loader = pl.ParallelLoader(host, [self.rt.device], **kwargs)
+        try:
+            yield from loader.per_device_loader(self.rt.device)
+        finally:
+            loader.close()
+
+    def _cuda_iter(self, host):
+        stream = torch.cuda.Stream(device=self.rt.device)
+
+        def copy(batch):
+            with torch.cuda.stream(stream):
+                pinned = _map(batch, lambda t: t.pin_memory() if not t.is_pinned() else t)
+                return self.rt.to_device(pinned, non_blocking=True)
+
+        it = iter(host)
+        nxt = None
+        for batch in it:
+            nxt = copy(batch)
+            break
+        while nxt is not None:
+            # the consumer's stream must wait for the copy; record_stream stops the allocator
+            # from reusing the memory while the side stream still owns it
+            torch.cuda.current_stream(self.rt.device).wait_stream(stream)
+            _map(nxt, lambda t: t.record_stream(torch.cuda.current_stream(self.rt.device)) or t)
+            cur, nxt = nxt, None
+            for batch in it:
+                nxt = copy(batch)  # one batch ahead, overlapping the consumer's compute
+                break
+            yield cur
+
+
+def _map(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map(v, fn) for v in obj)
+    return obj
+
+
+def device_loader(loader, rt, **kwargs) -> ParallelLoader:
+    """Wrap a host loader for `rt` (see ParallelLoader for options)."""
+    return ParallelLoader(loader, rt, **kwargs)

@@ -1,0 +1,244 @@
+"""A small training loop with named hooks, the same on TPU, GPU, XLA:CPU and CPU.
+
+    trainer = Trainer(model, optimizer, rt, TrainConfig.from_env(), train_loader, eval_loader)
+    history = trainer.fit()
+
+Change behaviour by overriding one hook in a subclass, not by copying the loop:
+  train_step(batch) -> loss    forward + backward (under bf16 autocast when cfg.bf16)
+  run_optimizer()              gradient reduction/clipping + step (labkit.optimizer_step)
+  eval_step(batch) -> dict     summed device tensors, e.g. loss_sum, correct, count
+  on_log(record)               a dict of Python numbers every cfg.log_every steps (master only)
+
+Every step ends with `rt.sync()`. Losses are summed on the device and read only at log
+time, inside a step closure: one device->host transfer per log interval, none per step.
+Callbacks (e.g. labkit's Dashboard or CheckpointManager glue) may define on_train_begin,
+on_log, on_eval, on_epoch_end and on_train_end, each taking the trainer first.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .config import TrainConfig
+from .loader import ParallelLoader, device_loader
+from .metrics import DeviceAccumulator, read
+from .optim import optimizer_step
+
+
+class Trainer:
+    def __init__(self, model, optimizer, rt, cfg: TrainConfig | None = None, train_loader=None,
+                 eval_loader=None, scheduler=None, loss_fn=None, callbacks=(), checkpoint=None):
+        self.rt, self.cfg = rt, cfg or TrainConfig()
+        self.model = model.to(rt.device)  # keeps the Parameter objects: an optimizer built before still works
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.loss_fn = loss_fn or F.cross_entropy
+        self.train_loader = self._wrap(train_loader)
+        self.eval_loader = self._wrap(eval_loader) if eval_loader is not None else None
+        self.callbacks = list(callbacks)
+        self.checkpoint = checkpoint
+        self.step = 0              # optimizer steps done
+        self.epoch = 0             # current epoch
+        self.batch_in_epoch = 0    # batches of the current epoch done
+        self.history: list[dict] = []
+        self.eval_history: list[dict] = []
+        self._acc = DeviceAccumulator(rt)
+        self._stop = False
+
+    def _wrap(self, loader):
+        if loader is None or isinstance(loader, ParallelLoader):
+            return loader
+        return device_loader(loader, self.rt)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def train_step(self, batch):
+        x, y = batch
+        with self.rt.autocast(self.cfg.bf16):
+            loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        return loss
+
+    def run_optimizer(self):
+        optimizer_step(self.optimizer, self.rt, clip_norm=self.cfg.clip_norm or None)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def eval_step(self, batch) -> dict:
+        x, y = batch
+        with self.rt.autocast(self.cfg.bf16):
+            out = self.model(x)
+        loss = F.cross_entropy(out.float(), y, reduction="sum")
+        correct = (out.argmax(dim=-1) == y).sum()
+        return {"loss_sum": loss, "correct": correct, "count": torch.full((), y.shape[0], device=y.device)}
+
+    def on_log(self, record: dict) -> None:
+        for cb in self.callbacks:
+            if hasattr(cb, "on_log"):
+                cb.on_log(self, record)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def batch_size_of(self, batch) -> int:
+        x = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values())) if isinstance(batch, dict) else batch
+        return int(x.shape[0])
+
+    def _call(self, name: str, *args) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, name, None)
+            if fn is not None:
+                fn(self, *args)
+
+    def steps_per_epoch(self) -> int:
+        return len(self.train_loader)
+
+    def total_steps(self) -> int:
+        total = self.cfg.epochs * self.steps_per_epoch()
+        return min(total, self.cfg.max_steps) if self.cfg.max_steps else total
+
+    def stop(self) -> None:
+        """Ask the loop to stop after the current step (e.g. from a callback)."""
+        self._stop = True
+
+    # -- state (what a checkpoint holds) ---------------------------------------------------
+    def state_dict(self) -> dict:
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                 "config": self.cfg.to_dict()}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.batch_in_epoch = int(state["batch_in_epoch"])
+
+    # -- the loop --------------------------------------------------------------------------
+    def _log_due(self, now: float) -> bool:
+        c = self.cfg
+        if c.log_every and self.step % c.log_every == 0:
+            return True
+        return bool(c.log_seconds) and now - self._last_log_t >= c.log_seconds
+
+    def _emit(self, sums: dict, meta: dict) -> None:
+        """Runs in a step closure (after the step executed): reads the sums, builds the record."""
+        vals = read(sums)
+        now = time.perf_counter()
+        steps = vals.pop("_steps")
+        examples = meta["examples"]
+        dt = now - self._last_emit_t
+        self._last_emit_t = now
+        rec = {"step": meta["step"], "epoch": meta["epoch"], "loss": vals.pop("loss") / max(steps, 1),
+               "examples": examples, "examples_per_s": examples / dt if dt > 0 else float("nan"),
+               "global_rate": meta["epoch_examples"] / max(now - self._epoch_t0, 1e-9),
+               "elapsed_s": now - self._t0, "lr": self.optimizer.param_groups[0]["lr"]}
+        rec.update({k: v / max(steps, 1) for k, v in vals.items()})
+        self.history.append(rec)
+        self.on_log(rec)
+
+    def evaluate(self) -> dict:
+        """Run eval_step over the eval loader; sums are reduced across replicas and read once."""
+        if self.eval_loader is None:
+            return {}
+        self.model.eval()
+        totals: dict = {}
+        with torch.no_grad():
+            for batch in self.eval_loader:
+                for k, v in self.eval_step(batch).items():
+                    totals[k] = totals[k] + v.float() if k in totals else v.float()
+                self.rt.sync()
+        self.model.train()
+        totals = {k: self.rt.all_reduce(v, "sum") for k, v in totals.items()}
+        self.rt.sync()
+        vals = read(totals)  # one transfer, once per evaluation
+        count = max(vals.pop("count", 0), 1)
+        out = {"step": self.step, "epoch": self.epoch}
+        if "loss_sum" in vals:
+            out["val_loss"] = vals.pop("loss_sum") / count
+        if "correct" in vals:
+            out["val_acc"] = vals.pop("correct") / count
+        out.update(vals)
+        self.eval_history.append(out)
+        self._call("on_eval", out)
+        return out
+
+    def fit(self) -> list[dict]:
+        c, rt = self.cfg, self.rt
+        if c.resume and self.checkpoint is not None:
+            state = self.checkpoint.restore()
+            if state is not None:
+                self.load_state_dict(state)
+                rt.master_print(f"[labkit] resumed at step {self.step} (epoch {self.epoch}, batch {self.batch_in_epoch})")
+        self.model.train()
+        self._t0 = self._last_emit_t = self._last_log_t = time.perf_counter()
+        self._stop = False
+        self._call("on_train_begin")
+        total = self.total_steps()
+        while self.epoch < c.epochs and self.step < total and not self._stop:
+            self._run_epoch(total)
+            if self._stop or self.step >= total and self.batch_in_epoch < self.steps_per_epoch():
+                break  # stopped mid-epoch: keep epoch/batch position for an exact resume
+            if c.eval_every and self.eval_loader is not None and (self.epoch + 1) % c.eval_every == 0:
+                self.evaluate()
+            self._call("on_epoch_end")
+            self.epoch += 1
+            self.batch_in_epoch = 0
+        self._call("on_train_end")
+        return self.history
+
+    def _run_epoch(self, total: int) -> None:
+        c, rt = self.cfg, self.rt
+        loader = self.train_loader
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(self.epoch)
+        skip = self.batch_in_epoch
+        if skip:  # resuming mid-epoch: the same epoch order, minus what was done
+            rt.master_print(f"[labkit] skipping {skip} batches of epoch {self.epoch} already trained")
+            if isinstance(loader, ParallelLoader):
+                loader.skip_batches = skip  # skipped on the host, never copied to the device
+        batches = iter(loader)
+        if skip and not isinstance(loader, ParallelLoader):
+            batches = itertools.islice(batches, skip, None)
+        self._epoch_t0 = time.perf_counter()
+        epoch_examples = 0
+        interval_examples = 0
+        for batch in batches:
+            n = self.batch_size_of(batch)
+            loss = self.train_step(batch)
+            self.run_optimizer()
+            self._acc.add(loss=loss.detach())
+            self.step += 1
+            self.batch_in_epoch += 1
+            epoch_examples += n * rt.world_size
+            interval_examples += n * rt.world_size
+            now = time.perf_counter()
+            if self._log_due(now) or self.step >= total:
+                sums = self._acc.take()
+                self._last_log_t = now
+                if rt.is_master:  # only the master reads and draws
+                    meta = {"step": self.step, "epoch": self.epoch, "examples": interval_examples,
+                            "epoch_examples": epoch_examples}
+                    rt.add_step_closure(self._emit, args=(sums, meta))
+                interval_examples = 0
+            rt.sync()  # ends the step: the graph runs, closures run after it
+            if self.checkpoint is not None and c.checkpoint_every and self.step % c.checkpoint_every == 0:
+                self.checkpoint.save(self.step, self.state_dict(), metrics=self._last_metrics())
+            if self.step >= total or self._stop:
+                break
+
+    def _last_metrics(self) -> dict:
+        return dict(self.eval_history[-1]) if self.eval_history else {}
+
+
+def count_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def chance_accuracy(num_classes: int) -> float:
+    return 1.0 / num_classes if num_classes else math.nan
