@@ -33,8 +33,8 @@ class Trainer:
     def __init__(self, model, optimizer, rt, cfg: TrainConfig | None = None, train_loader=None,
                  eval_loader=None, scheduler=None, loss_fn=None, callbacks=(), checkpoint=None):
         self.rt, self.cfg = rt, cfg or TrainConfig()
-        self.model = model.to(rt.device)  # keeps the Parameter objects: an optimizer built before still works
         self.optimizer, self.scheduler = optimizer, scheduler
+        self.model = _move_model(model, optimizer, rt.device)
         self.loss_fn = loss_fn or F.cross_entropy
         self.train_loader = self._wrap(train_loader)
         self.eval_loader = self._wrap(eval_loader) if eval_loader is not None else None
@@ -234,6 +234,24 @@ class Trainer:
 
     def _last_metrics(self) -> dict:
         return dict(self.eval_history[-1]) if self.eval_history else {}
+
+
+def _move_model(model, optimizer, device):
+    """Move the model to the device; if that replaced the Parameter objects (CPU -> XLA does),
+    point the optimizer at the new ones so an optimizer built before the move still trains."""
+    before = list(model.parameters())
+    model = model.to(device)
+    after = list(model.parameters())
+    remap = {id(a): b for a, b in zip(before, after) if a is not b}
+    if remap and optimizer is not None:
+        for group in optimizer.param_groups:
+            group["params"] = [remap.get(id(p), p) for p in group["params"]]
+        moved = {}
+        for p, st in optimizer.state.items():
+            moved[remap.get(id(p), p)] = {k: v.to(device) if torch.is_tensor(v) and v.dim() else v for k, v in st.items()}
+        optimizer.state.clear()
+        optimizer.state.update(moved)
+    return model
 
 
 def count_params(model) -> int:

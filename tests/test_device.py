@@ -1,0 +1,89 @@
+"""labkit.setup(): detection, overrides, idempotence, clear errors."""
+import pytest
+import torch
+
+import labkit
+from labkit.device import BackendError, resolve_backend
+
+
+def test_default_backend_here_is_xla_cpu(monkeypatch):
+    monkeypatch.delenv("LABKIT_BACKEND", raising=False)
+    # this machine: torch_xla installed, no TPU, no GPU
+    assert resolve_backend() == "xla-cpu"
+
+
+@pytest.mark.parametrize("kind", ["xla-cpu", "cpu"])
+def test_setup_twice_returns_same_runtime(kind):
+    rt1 = labkit.setup(kind)
+    rt2 = labkit.setup(kind)
+    assert rt1 is rt2
+    assert labkit.current_runtime() is rt2
+    assert rt1.kind == kind and rt1.world_size == 1 and rt1.ordinal == 0 and rt1.is_master
+    assert rt1.is_xla == (kind == "xla-cpu")
+    assert rt1.device.type == ("xla" if kind == "xla-cpu" else "cpu")
+
+
+def test_env_override_and_bad_name(monkeypatch):
+    monkeypatch.setenv("LABKIT_BACKEND", "cpu")
+    assert labkit.setup().kind == "cpu"
+    monkeypatch.setenv("LABKIT_BACKEND", "tpux")
+    with pytest.raises(BackendError) as e:
+        labkit.setup()
+    msg = str(e.value)
+    assert "'tpux'" in msg and "LABKIT_BACKEND" in msg
+    for name in labkit.BACKENDS:
+        assert name in msg
+
+
+def test_tpu_where_none_says_what_was_found(monkeypatch):
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    monkeypatch.delenv("COLAB_TPU_ADDR", raising=False)
+    with pytest.raises(BackendError) as e:
+        labkit.setup("tpu")
+    msg = str(e.value)
+    assert "no TPU" in msg and "no CUDA GPU" in msg and "torch_xla installed" in msg
+
+
+def test_cuda_where_none(monkeypatch):
+    with pytest.raises(BackendError, match="'cuda' was asked for"):
+        labkit.setup("cuda")
+
+
+def test_runtime_helpers_xla():
+    rt = labkit.setup("xla-cpu")
+    batch = {"x": torch.ones(2, 3), "meta": [torch.zeros(1), "keep"], "n": 3}
+    moved = rt.to_device(batch)
+    assert moved["x"].device.type == "xla" and moved["meta"][0].device.type == "xla"
+    assert moved["meta"][1] == "keep" and moved["n"] == 3
+    t = torch.tensor([1.0, 2.0], device=rt.device)
+    assert rt.all_reduce(t, "mean") is t  # one replica: identity, no collective
+    with pytest.raises(ValueError, match="'max'"):
+        rt.all_reduce(t, "max")
+    rt.rendezvous("noop")  # world size 1: returns
+    seen = []
+    rt.add_step_closure(lambda v: seen.append(v.item()), args=(t.sum(),))
+    assert seen == []  # deferred until the step ends
+    rt.sync()
+    assert seen == [3.0]
+
+
+def test_autocast(capsys):
+    xla = labkit.setup("xla-cpu")
+    lin = torch.nn.Linear(4, 2).to(xla.device)
+    with xla.autocast(True):
+        y = lin(torch.ones(1, 4, device=xla.device))
+    assert y.dtype == torch.bfloat16
+    cpu = labkit.setup("cpu")
+    lin = torch.nn.Linear(4, 2)
+    with cpu.autocast(True):
+        y = lin(torch.ones(1, 4))
+    assert y.dtype == torch.float32
+    assert "bf16 requested on plain CPU" in capsys.readouterr().out
+    labkit.setup("xla-cpu")
+
+
+def test_mesh_needs_spmd():
+    rt = labkit.setup("xla-cpu")
+    with pytest.raises(BackendError, match="spmd=True"):
+        rt.mesh()

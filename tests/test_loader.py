@@ -1,0 +1,61 @@
+"""device_loader: device tensors, prefetch, static shapes (no recompiles)."""
+import time
+
+import torch
+
+import labkit
+from labkit import TrainConfig, Trainer, device_loader
+from tests.helpers import blobs, mlp, xla_counts
+
+
+def test_xla_loader_yields_device_tensors_and_prefetches():
+    rt = labkit.setup("xla-cpu")
+    dl = torch.utils.data.DataLoader(blobs(n=320), batch_size=32)
+    loader = device_loader(dl, rt, device_prefetch=4)
+    assert len(loader) == 10
+    it = iter(loader)
+    x, y = next(it)
+    assert x.device.type == "xla" and y.device.type == "xla" and x.shape == (32, 16)
+    time.sleep(1.0)  # a slow training step: the background thread keeps loading
+    assert loader.yielded == 1 and loader.fetched >= 3, (loader.fetched, loader.yielded)
+    rest = list(it)
+    assert len(rest) == 9 and loader.fetched == loader.yielded == 10
+
+
+def test_cpu_loader_is_pass_through():
+    rt = labkit.setup("cpu")
+    dl = torch.utils.data.DataLoader(blobs(n=100), batch_size=32)
+    loader = device_loader(dl, rt)
+    batches = list(loader)
+    assert len(loader) == 3 == len(batches) and loader.dropped == 1  # 100 = 3*32 + 4
+    assert all(b[0].shape[0] == 32 and b[0].device.type == "cpu" for b in batches)
+    assert len(device_loader(dl, rt, drop_partial=False)) == 4
+
+
+def test_partial_batches_dropped_no_recompiles_over_three_epochs():
+    """200 samples / batch 32 leaves a partial batch of 8 each epoch: dropped, so after
+    the warm-up epoch the number of compiled graphs stays flat."""
+    rt = labkit.setup("xla-cpu")
+    model = mlp()
+    counts = []
+
+    class Count:
+        def on_epoch_end(self, trainer):
+            counts.append(xla_counts()[0])
+
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), rt,
+                 TrainConfig(epochs=4, log_every=3, eval_every=0),
+                 torch.utils.data.DataLoader(blobs(n=200), batch_size=32, shuffle=True), callbacks=[Count()])
+    tr.fit()
+    assert tr.step == 4 * 6 and tr.train_loader.dropped == 1
+    assert counts[1] == counts[2] == counts[3], counts
+
+
+def test_skip_batches_on_host():
+    rt = labkit.setup("xla-cpu")
+    dl = torch.utils.data.DataLoader(torch.arange(10.0).reshape(10, 1), batch_size=2)
+    loader = device_loader(dl, rt)
+    loader.skip_batches = 3
+    got = [b.cpu().flatten().tolist() for b in loader]
+    assert got == [[6.0, 7.0], [8.0, 9.0]] and loader.fetched == 2
+    assert len(list(loader)) == 5  # the skip applies once
