@@ -111,10 +111,7 @@ class ParallelLoader:
                       host_to_device_transfer_threads=self.host_to_device_threads)
         sharding = self.input_sharding
         if sharding is None and self.rt.spmd:
-            import torch_xla.distributed.spmd as xs
-
-            # shard dim 0 of every input over the data axis; other dims replicated
-            sharding = xs.ShardingSpec(self.rt.mesh(), ("data",), minibatch=False)
+            sharding = BatchSharding(self.rt.mesh())
         if sharding is not None:
             kwargs["input_sharding"] = sharding
         loader = pl.ParallelLoader(host, [self.rt.device], **kwargs)
@@ -146,6 +143,27 @@ class ParallelLoader:
                 nxt = copy(batch)  # one batch ahead, overlapping the consumer's compute
                 break
             yield cur
+
+
+class BatchSharding:
+    """SPMD input sharding for batches of mixed rank (images 4-D, labels 1-D): dim 0 split
+    over the mesh's "data" axis, other dims replicated. torch_xla's ShardingSpec fits one
+    rank only (it silently replicates tensors of another rank), so build one per rank."""
+
+    minibatch = False
+
+    def __init__(self, mesh, axis: str = "data"):
+        self.mesh, self.axis, self._specs = mesh, axis, {}
+
+    def xla_spec(self, t: torch.Tensor):
+        import torch_xla.distributed.spmd as xs
+
+        if t.dim() == 0:
+            return None
+        spec = self._specs.get(t.dim())
+        if spec is None:
+            spec = self._specs[t.dim()] = xs.ShardingSpec(self.mesh, (self.axis,) + (None,) * (t.dim() - 1))
+        return spec.xla_spec(t)
 
 
 def _map(obj, fn):

@@ -1,0 +1,30 @@
+# Two commands do all set-up on a fresh machine (Python 3.11): they create or reuse .venv/
+# from the pinned requirements, then run.
+#   make notebook   the main job: notebook 01 headless on the default backend (executed copy
+#                   and figures in artifacts/). CI-sized by default: LABKIT_FAST=0 for a full run.
+#   make test       the whole test suite (unit tests + both notebooks under nbval) on XLA:CPU.
+SHELL := /bin/bash
+PY := .venv/bin/python
+LABKIT_FAST ?= 1
+NOTEBOOK ?= notebooks/01_resnet50_cifar10.ipynb
+
+.PHONY: venv notebook notebooks test bench clean
+
+venv:
+	@bash scripts/bootstrap.sh
+
+notebook: venv
+	MPLBACKEND=Agg LABKIT_FAST=$(LABKIT_FAST) $(PY) scripts/run_notebooks.py $(NOTEBOOK) --out artifacts
+
+notebooks: venv
+	MPLBACKEND=Agg LABKIT_FAST=$(LABKIT_FAST) $(PY) scripts/run_notebooks.py notebooks/*.ipynb --out artifacts
+
+test: venv
+	PJRT_DEVICE=CPU LABKIT_FAST=1 MPLBACKEND=Agg LABKIT_CONSOLE=1 $(PY) -m pytest tests notebooks \
+		--nbval-lax --nbval-current-env --durations=15
+
+bench: venv
+	for b in bench/bench_*.py; do PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf artifacts .pytest_cache

@@ -1,0 +1,64 @@
+"""Run notebooks headless, save the executed copies and every figure they drew.
+
+    python scripts/run_notebooks.py notebooks/01_resnet50_cifar10.ipynb [more.ipynb] [--out artifacts]
+
+Each notebook runs in a fresh kernel of this Python (the project venv), with its folder as the
+working directory. Executed copies go to OUT/<name>.ipynb; every image/png output is written
+to OUT/<name>/figure-<cell>-<n>.png so a person can look at them. Exits non-zero if a cell fails.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+
+def run(path: Path, out: Path, timeout: int) -> float:
+    nb = nbformat.read(path, as_version=4)
+    os.environ["LABKIT_ARTIFACTS"] = str((out / path.stem).resolve())
+    (out / path.stem).mkdir(parents=True, exist_ok=True)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent.resolve())}})
+    t0 = time.perf_counter()
+    try:
+        client.execute()
+    finally:
+        elapsed = time.perf_counter() - t0
+        nbformat.write(nb, out / path.name)
+        n = 0
+        for i, cell in enumerate(nb.cells):
+            for o in cell.get("outputs", []):
+                data = o.get("data", {})
+                if "image/png" in data:
+                    n += 1
+                    (out / path.stem / f"figure-{i:02d}-{n}.png").write_bytes(base64.b64decode(data["image/png"]))
+        print(f"[run_notebooks] {path.name}: {elapsed:.1f} s, {n} figure(s) -> {out / path.stem}", flush=True)
+    return elapsed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("notebooks", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, default=Path("artifacts"))
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per cell")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for nb in args.notebooks:
+        try:
+            run(nb, args.out, args.timeout)
+        except CellExecutionError as e:
+            failed += 1
+            print(f"[run_notebooks] {nb} FAILED:\n{str(e)[-3000:]}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
