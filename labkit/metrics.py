@@ -1,14 +1,17 @@
-"""Running sums kept on the device, read without extra syncs.
+"""Per-step values kept on the device, read without extra syncs.
 
     acc = DeviceAccumulator(rt)
-    acc.add(loss=loss.detach(), correct=correct)     # every step: stays on the device
+    acc.add(loss=loss.detach())                         # every step: stays on the device
     if time_to_log:
-        rt.add_step_closure(show, args=(acc.take(),))  # values read after the step ran
+        rt.add_step_closure(show, args=(acc.take(),))   # read after the step ran
+    ...
+    def show(sums): print(read(sums))                   # {'loss': sum over the interval, '_steps': n}
 
-`take()` hands back the sums and restarts them, without changing the graph: every step
-computes `sum = where(keep, sum, 0) + x` where `keep` is one of two device tensors made
-once. Resetting with a fresh `torch.zeros` would instead make the step after each read a
-different graph, i.e. one more compilation on XLA.
+Why a list of per-step tensors rather than a running sum on the device: a running sum makes
+every step's graph take the previous step's output as an input (a dependency between steps)
+and measured ~3-6 % slower per step on XLA:CPU (bench/bench_loop.py); keeping each step's
+loss alive only adds an output to the graph it already computes. At read time all of them
+come back in ONE batched device->host transfer and are summed on the host.
 """
 from __future__ import annotations
 
@@ -18,48 +21,55 @@ import torch
 class DeviceAccumulator:
     def __init__(self, rt):
         self.rt = rt
-        self._one = torch.ones((), dtype=torch.bool, device=rt.device)
-        self._zero = torch.zeros((), dtype=torch.bool, device=rt.device)
-        self._keep = self._zero  # first add starts the sums
-        self._sums: dict[str, torch.Tensor] = {}
-        self.steps = 0  # host-side count of add() calls since the last take()
+        self._vals: dict[str, list[torch.Tensor]] = {}
+        self.steps = 0  # add() calls since the last take()
 
     def add(self, **values: torch.Tensor) -> None:
-        keep = self._keep
         for name, v in values.items():
-            v = v.detach().float()
-            prev = self._sums.get(name)
-            # where() rather than prev * keep: a NaN must not survive a restart
-            self._sums[name] = v if prev is None else torch.where(keep, prev, torch.zeros_like(prev)) + v
-        self._keep = self._one
+            self._vals.setdefault(name, []).append(v.detach())
         self.steps += 1
 
     def take(self) -> dict:
-        """The current sums (device tensors) and how many steps they cover; restarts the sums."""
-        out = dict(self._sums)
+        """{name: [per-step device tensors]} plus '_steps'; starts a new interval."""
+        out: dict = dict(self._vals)
         out["_steps"] = self.steps
-        self._keep = self._zero
+        self._vals = {}
         self.steps = 0
         return out
 
 
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy device tensors to the CPU in one go (one TransferFromDevice on XLA)."""
+    if not tensors:
+        return []
+    if tensors[0].device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        return xm._maybe_convert_to_cpu(list(tensors))  # batched: one transfer for all
+    return [t.detach().cpu() for t in tensors]  # CUDA: the first copy waits, the rest are cheap
+
+
 def read(values: dict) -> dict:
-    """Device tensors -> Python floats, in ONE device->host transfer for all of them.
+    """Device tensors (or lists of them) -> Python numbers; lists are summed. One transfer.
 
     Call it inside a step closure: the values are then already computed, so on XLA it costs
     that transfer and no graph execution. (Outside a closure it would first execute the
     pending graph: a host sync.)"""
-    keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
-    tensors = [values[k] for k in keys]
-    out = dict(values)
-    if not tensors:
-        return out
-    if tensors[0].device.type == "xla":
-        import torch_xla.core.xla_model as xm
-
-        cpu = xm._maybe_convert_to_cpu(tensors)  # batched transfer (one TransferFromDevice)
-    else:
-        cpu = [t.detach().cpu() for t in tensors]  # CUDA: sync once, then cheap copies
-    for k, t in zip(keys, cpu):
-        out[k] = t.item() if t.numel() == 1 else t.tolist()
+    flat, where = [], []
+    for k, v in values.items():
+        items = v if isinstance(v, list) else [v]
+        for t in items:
+            if isinstance(t, torch.Tensor):
+                flat.append(t)
+                where.append(k)
+    out = {k: v for k, v in values.items() if not isinstance(v, (list, torch.Tensor))}
+    for k, t in zip(where, to_host(flat)):
+        val = t.item() if t.numel() == 1 else t.tolist()
+        if isinstance(values[k], list):
+            out[k] = out.get(k, 0.0) + val
+        else:
+            out[k] = val
+    for k, v in values.items():  # empty lists read as 0
+        if isinstance(v, list) and k not in out:
+            out[k] = 0.0
     return out
