@@ -35,6 +35,9 @@ class Trainer:
         self.rt, self.cfg = rt, cfg or TrainConfig()
         self.optimizer, self.scheduler = optimizer, scheduler
         self.model = _move_model(model, optimizer, rt.device)
+        if rt.kind == "cuda" and rt.world_size > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            # DDP all-reduces gradients during backward, so optimizer_step is a plain step there
+            self.model = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=[rt.device.index])
         self.loss_fn = loss_fn or F.cross_entropy
         self.train_loader = self._wrap(train_loader)
         self.eval_loader = self._wrap(eval_loader) if eval_loader is not None else None
