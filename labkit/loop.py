@@ -38,6 +38,7 @@ class Trainer:
         if rt.kind == "cuda" and rt.world_size > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             # DDP all-reduces gradients during backward, so optimizer_step is a plain step there
             self.model = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=[rt.device.index])
+        self.module = getattr(self.model, "module", self.model)  # unwrapped: what checkpoints hold
         self.loss_fn = loss_fn or F.cross_entropy
         self.train_loader = self._wrap(train_loader)
         self.eval_loader = self._wrap(eval_loader) if eval_loader is not None else None
@@ -107,7 +108,7 @@ class Trainer:
 
     # -- state (what a checkpoint holds) ---------------------------------------------------
     def state_dict(self) -> dict:
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                  "config": self.cfg.to_dict()}
         if self.scheduler is not None:
@@ -115,7 +116,7 @@ class Trainer:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
