@@ -4,7 +4,8 @@
     history = trainer.fit()
 
 Change behaviour by overriding one hook in a subclass, not by copying the loop:
-  train_step(batch) -> loss    forward + backward (under bf16 autocast when cfg.bf16)
+  train_step(batch) -> loss    forward + backward (under bf16 autocast when cfg.bf16); may return
+                               {"loss": t, "acc": t, ...}: extras are averaged into the records
   run_optimizer()              gradient reduction/clipping + step (labkit.optimizer_step)
   eval_step(batch) -> dict     summed device tensors, e.g. loss_sum, correct, count
   on_log(record)               a dict of Python numbers every cfg.log_every steps (master only)
@@ -12,7 +13,8 @@ Change behaviour by overriding one hook in a subclass, not by copying the loop:
 Every step ends with `rt.sync()`. Losses are summed on the device and read only at log
 time, inside a step closure: one device->host transfer per log interval, none per step.
 Callbacks (e.g. labkit's Dashboard or CheckpointManager glue) may define on_train_begin,
-on_log, on_eval, on_epoch_end and on_train_end, each taking the trainer first.
+on_step_end (after each step's sync, with the batch), on_log, on_eval, on_epoch_end and
+on_train_end, each taking the trainer first.
 """
 from __future__ import annotations
 
@@ -215,8 +217,12 @@ class Trainer:
         for batch in batches:
             n = self.batch_size_of(batch)
             loss = self.train_step(batch)
+            extra = {}
+            if isinstance(loss, dict):  # {"loss": ..., "acc": ...}: extras are averaged per interval too
+                extra = {k: v for k, v in loss.items() if k != "loss"}
+                loss = loss["loss"]
             self.run_optimizer()
-            self._acc.add(loss=loss.detach())
+            self._acc.add(loss=loss.detach(), **extra)
             self.step += 1
             self.batch_in_epoch += 1
             epoch_examples += n * rt.world_size
@@ -231,6 +237,7 @@ class Trainer:
                     rt.add_step_closure(self._emit, args=(sums, meta))
                 interval_examples = 0
             rt.sync()  # ends the step: the graph runs, closures run after it
+            self._call("on_step_end", batch)  # host-side only (e.g. the dashboard notes batch shapes)
             if self.checkpoint is not None and c.checkpoint_every and self.step % c.checkpoint_every == 0:
                 self.checkpoint.save(self.step, self.state_dict(), metrics=self._last_metrics())
             if self.step >= total or self._stop:

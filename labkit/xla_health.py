@@ -1,0 +1,218 @@
+"""XLA health while training: compiles, recompilations and why, CPU fallbacks, transfers, memory.
+
+    mon = HealthMonitor(rt, warmup_steps=2)
+    mon.on_step(step, batch)        # every step, after rt.sync(): host-side shapes + a counter read
+    info = mon.interval(steps=20)   # every log interval: what happened since the last call
+
+Everything here reads torch_xla.debug.metrics, a registry of counters kept on the host by
+torch_xla's C++ runtime: reading it never executes a graph and never copies from the device
+(checked in tests/test_xla_health.py). The batch shapes come from tensor metadata, which lazy
+tensors hold on the host too. Costs: ~1 us per step (one counter read, one tuple of shapes),
+~50 us per interval (listing the counters). On CUDA/CPU the XLA parts read as None.
+
+A compile after warm-up is a recompilation. Its usual cause is an input shape that differs from
+the warm-up shapes (a short last batch, variable sequence lengths); when the shapes match, the
+graph itself changed (a Python number baked into the graph, data-dependent Python control flow).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+
+import torch
+
+
+def _met():
+    """torch_xla.debug.metrics if torch_xla is already imported, else None (never imports it:
+    importing torch_xla on a CUDA machine would start a PJRT client for nothing)."""
+    if "torch_xla" not in sys.modules:
+        return None
+    import torch_xla.debug.metrics as met
+
+    return met
+
+
+def snapshot(rt=None) -> dict | None:
+    """Totals so far in this process, or None when not running on XLA. Host-only."""
+    if rt is not None and not rt.is_xla:
+        return None
+    met = _met()
+    if met is None:
+        return None
+
+    def metric(name):
+        d = met.metric_data(name)
+        return (d[0], d[1]) if d else (0, 0.0)
+
+    compiles, compile_ns = metric("CompileTime")
+    execs, exec_ns = metric("ExecuteTime")
+    xfers, xfer_ns = metric("TransferFromDeviceTime")
+    fallbacks = {n: met.counter_value(n) or 0 for n in met.counter_names() if n.startswith("aten::")}
+    return {"compiles": compiles, "compile_s": compile_ns / 1e9, "executions": execs, "execute_s": exec_ns / 1e9,
+            "transfers": xfers, "transfer_s": xfer_ns / 1e9, "fallbacks": fallbacks,
+            "cached_compiles": met.counter_value("CachedCompile") or 0, "t": time.perf_counter()}
+
+
+def compile_count() -> int:
+    """Graphs compiled so far (UncachedCompile): one counter read, for per-step use."""
+    met = _met()
+    return (met.counter_value("UncachedCompile") or 0) if met is not None else 0
+
+
+def device_memory(rt) -> dict | None:
+    """{'used': bytes, 'limit': bytes or None, 'peak': bytes or None}, or None where unknown.
+
+    TPU: xm.get_memory_info (allocator statistics kept by PJRT on the host). CUDA: torch's
+    allocator counters (host-side, no synchronisation). XLA:CPU and CPU report nothing."""
+    if rt is None:
+        return None
+    try:
+        if rt.kind == "cuda":
+            idx = rt.device.index or 0
+            return {"used": torch.cuda.memory_allocated(idx), "peak": torch.cuda.max_memory_allocated(idx),
+                    "limit": torch.cuda.get_device_properties(idx).total_memory}
+        if rt.is_xla:
+            import torch_xla.core.xla_model as xm
+
+            info = xm.get_memory_info(rt.device)
+            used = info.get("bytes_used", info.get("kb_total", 0) - info.get("kb_free", 0))
+            return {"used": used, "limit": info.get("bytes_limit"), "peak": info.get("peak_bytes_used")}
+    except (RuntimeError, AttributeError, KeyError):
+        return None  # XLA:CPU: "GetAllocatorStats is not supported"
+    return None
+
+
+def shape_signature(batch) -> tuple:
+    """The shapes (and dtypes) of the tensors in a batch, as a hashable tuple. Host metadata only."""
+    if isinstance(batch, torch.Tensor):
+        return ((None, tuple(batch.shape), str(batch.dtype).replace("torch.", "")),)
+    if isinstance(batch, dict):
+        items = sorted(batch.items(), key=lambda kv: str(kv[0]))
+    elif isinstance(batch, (list, tuple)):
+        items = list(enumerate(batch))
+    else:
+        return ()
+    return tuple((k, tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in items if isinstance(v, torch.Tensor))
+
+
+def _fmt_shape(s) -> str:
+    return "[" + ",".join(str(d) for d in s) + "]"
+
+
+def describe_change(old: tuple, new: tuple) -> str:
+    """Plain words for how `new` differs from `old` (two shape signatures)."""
+    if len(old) != len(new) or [k for k, *_ in old] != [k for k, *_ in new]:
+        return f"batch structure changed ({len(old)}→{len(new)} tensors)"
+    parts = []
+    for (k, s0, d0), (_, s1, d1) in zip(old, new):
+        name = "input" if k is None else f"input {k!r}" if isinstance(k, str) else f"input {k}"
+        if s0 != s1:
+            if len(s0) == len(s1) and s0[1:] == s1[1:]:
+                parts.append(f"batch shape changed ({s0[0]}→{s1[0]})")
+            elif len(s0) == len(s1) and s0[0] == s1[0] and sum(a != b for a, b in zip(s0, s1)) == 1:
+                i = next(i for i, (a, b) in enumerate(zip(s0, s1)) if a != b)
+                parts.append(f"{name} dim {i} changed ({s0[i]}→{s1[i]})")
+            else:
+                parts.append(f"{name} shape changed ({_fmt_shape(s0)}→{_fmt_shape(s1)})")
+        elif d0 != d1:
+            parts.append(f"{name} dtype changed ({d0}→{d1})")
+    parts = list(dict.fromkeys(parts))  # x and y both lose rows: say it once
+    return "; ".join(parts) if parts else "same input shapes"
+
+
+SAME_SHAPES_REASON = ("graph changed with the same input shapes (a Python number baked into the graph, "
+                      "e.g. a float learning rate or step count, or data-dependent Python control flow)")
+
+
+class HealthMonitor:
+    """Watches compiles per step and XLA counters per interval; produces warnings in plain words."""
+
+    def __init__(self, rt, warmup_steps: int = 2):
+        self.rt = rt
+        self.enabled = bool(rt is not None and rt.is_xla)
+        self.warmup_steps = warmup_steps
+        self.warm_shapes: Counter = Counter()   # signature -> steps seen during warm-up
+        self.events: list[dict] = []            # recompilations after warm-up
+        self._last_compiles = compile_count() if self.enabled else 0
+        self._last = snapshot(rt)
+        self._first = self._last
+        self._new_events: list[dict] = []
+        self._fallback_steps: dict[str, int] = {}
+        self.warnings: dict[str, str] = {}      # key -> current message (insertion ordered)
+        self._memory_ok = True
+
+    # per step ----------------------------------------------------------------------------
+    def on_step(self, step: int, batch) -> None:
+        """Call after the step's rt.sync(): XLA compiles synchronously inside sync, so a change
+        of the counter since the previous call belongs to this step."""
+        if not self.enabled:
+            return
+        sig = shape_signature(batch)
+        c = compile_count()
+        new = c - self._last_compiles
+        self._last_compiles = c
+        if step <= self.warmup_steps:
+            self.warm_shapes[sig] += 1
+            return
+        if new > 0:
+            ref = self.warm_shapes.most_common(1)[0][0] if self.warm_shapes else sig
+            reason = describe_change(ref, sig) if sig not in self.warm_shapes else SAME_SHAPES_REASON
+            ev = {"step": step, "compiles": new, "reason": reason, "shapes": [list(s) for _, s, _ in sig]}
+            self.events.append(ev)
+            self._new_events.append(ev)
+
+    def resync(self) -> None:
+        """Forget compiles since the last step (e.g. evaluation graphs): they are not recompilations."""
+        if self.enabled:
+            self._last_compiles = compile_count()
+
+    # per interval ------------------------------------------------------------------------
+    def interval(self, steps: int) -> dict:
+        """Counters since the previous call, totals, memory and the current warnings."""
+        out = {"xla": self.enabled, "compiles": None, "compile_s": None, "graphs_total": None,
+               "transfers": None, "fallbacks": {}, "recompiles": len(self.events), "new_recompiles": self._new_events,
+               "memory": self._memory()}
+        self._new_events = []
+        now = snapshot(self.rt)
+        if now is not None and self._last is not None:
+            prev = self._last
+            out.update(compiles=now["compiles"] - prev["compiles"], compile_s=now["compile_s"] - prev["compile_s"],
+                       graphs_total=now["compiles"], transfers=now["transfers"] - prev["transfers"],
+                       execute_s=now["execute_s"] - prev["execute_s"])
+            out["fallbacks"] = {k: v - prev["fallbacks"].get(k, 0) for k, v in now["fallbacks"].items()
+                                if v - prev["fallbacks"].get(k, 0) > 0}
+            self._last = now
+            self._update_warnings(out, steps)
+        out["warnings"] = list(self.warnings.values())
+        return out
+
+    def _memory(self):
+        if not self._memory_ok:
+            return None
+        mem = device_memory(self.rt)
+        self._memory_ok = mem is not None  # unsupported once (XLA:CPU): do not ask again
+        return mem
+
+    def _update_warnings(self, out: dict, steps: int) -> None:
+        by_reason: dict[str, int] = {}
+        for ev in self.events:
+            by_reason[ev["reason"]] = by_reason.get(ev["reason"], 0) + 1
+        for reason, n in by_reason.items():
+            times = "once" if n == 1 else f"{n} times"
+            self.warnings["recompile:" + reason] = f"recompiled {times} after warm-up: {reason}"
+        steps = max(steps, 1)
+        for op, n in out["fallbacks"].items():
+            key = "fallback:" + op
+            if n >= steps:
+                self.warnings[key] = (f"{op} falls back to CPU every step ({n} times in the last {steps} steps): "
+                                      "each fallback copies tensors to the host and back and cuts the graph")
+            elif key not in self.warnings or "every step" not in self.warnings[key]:
+                total = (self._last or {}).get("fallbacks", {}).get(op, n)
+                self.warnings[key] = f"{op} fell back to CPU {total} times so far"
+        # the loop's own metric read is one transfer per interval; fallbacks bring their own
+        extra = out["transfers"] - 1 - sum(out["fallbacks"].values())
+        if extra >= max(2, steps // 2):
+            self.warnings["transfers"] = (f"{out['transfers']} device->host transfers in the last {steps} steps: "
+                                          "a .item(), float(t), print(t) or .cpu() in the step waits for the device "
+                                          "each time; move it into a step closure")
