@@ -9,12 +9,14 @@
 __version__ = "0.1.0"
 
 from .config import TrainConfig, fast_mode, from_env
+from .dashboard import Dashboard, force_console
 from .device import BACKENDS, BackendError, Runtime, current_runtime, setup
 from .doctor import doctor
+from .explain import explain
 from .loader import ParallelLoader, device_loader
 from .loop import Trainer
 from .optim import clip_grad_norm, optimizer_step
 
-__all__ = ["BACKENDS", "BackendError", "ParallelLoader", "Runtime", "TrainConfig", "Trainer",
-           "clip_grad_norm", "current_runtime", "device_loader", "doctor", "fast_mode", "from_env",
-           "optimizer_step", "setup"]
+__all__ = ["BACKENDS", "BackendError", "Dashboard", "ParallelLoader", "Runtime", "TrainConfig", "Trainer",
+           "clip_grad_norm", "current_runtime", "device_loader", "doctor", "explain", "fast_mode",
+           "force_console", "from_env", "optimizer_step", "setup"]

@@ -372,7 +372,7 @@ def render(dash: Dashboard):
         ax.set(title="XLA per interval (dotted: recompiles)", xlabel="step")
     else:
         ax.text(0.5, 0.5, "not running on XLA", ha="center", va="center", transform=ax.transAxes, color="gray")
-        ax.set(title="XLA")
+        ax.set(title="XLA", xticks=[], yticks=[])
     ax = fig.add_subplot(gs[1, 1:])
     ax.axis("off")
     f = dash.frame_preview()

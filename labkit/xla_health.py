@@ -125,10 +125,15 @@ SAME_SHAPES_REASON = ("graph changed with the same input shapes (a Python number
                       "e.g. a float learning rate or step count, or data-dependent Python control flow)")
 
 
+last_monitor: "HealthMonitor | None" = None  # the most recent one (labkit.explain reads its events)
+
+
 class HealthMonitor:
     """Watches compiles per step and XLA counters per interval; produces warnings in plain words."""
 
     def __init__(self, rt, warmup_steps: int = 2):
+        global last_monitor
+        last_monitor = self
         self.rt = rt
         self.enabled = bool(rt is not None and rt.is_xla)
         self.warmup_steps = warmup_steps

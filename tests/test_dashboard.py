@@ -1,0 +1,202 @@
+"""The dashboard on a real loop (XLA:CPU and CPU): what it draws, that it adds no syncs, its warnings,
+its console twin and exports, and the figure rendered in a real notebook kernel."""
+import base64
+import io
+import json
+import os
+
+import pytest
+import torch
+
+import labkit
+from labkit import Dashboard, TrainConfig, Trainer
+from labkit.dashboard import ConsoleSink, environment, force_console
+from tests.helpers import blobs, mlp
+
+
+class FakeSink:
+    """Records what the dashboard would draw."""
+
+    min_interval_s = 0.0
+
+    def __init__(self):
+        self.frames = []
+
+    def draw(self, frame, dash):
+        self.frames.append(frame)
+
+
+class LossKeeper(Trainer):
+    """Keeps each step's loss tensor (on the device, read only after training) and a train accuracy."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.step_losses = []
+
+    def train_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        loss = torch.nn.functional.cross_entropy(out, y)
+        loss.backward()
+        self.step_losses.append(loss.detach())
+        return {"loss": loss, "acc": (out.argmax(-1) == y).float().mean()}
+
+
+def _run(rt, dim, steps=60, log_every=20, callbacks=(), n=None, trainer_cls=Trainer, **cfg):
+    ds = blobs(n=n or 32 * steps, dim=dim)
+    model = mlp(dim=dim)
+    tr = trainer_cls(model, torch.optim.SGD(model.parameters(), lr=0.1), rt,
+                     TrainConfig(epochs=1, log_every=log_every, eval_every=0, **cfg),
+                     torch.utils.data.DataLoader(ds, batch_size=32), callbacks=list(callbacks))
+    tr.fit()
+    return tr
+
+
+def test_fake_sink_draws_each_interval_with_the_loop_numbers():
+    rt = labkit.setup("xla-cpu")
+    sink = FakeSink()
+    dash = Dashboard(title="t", sink=sink, flops_per_step=2e6, tokens_per_step=32, peak_flops=1e12)
+    tr = _run(rt, dim=21, callbacks=[dash], trainer_cls=LossKeeper)
+    assert [f["step"] for f in sink.frames] == [20, 40, 60] and dash.frames == 3
+    losses = torch.stack(tr.step_losses).cpu().tolist()  # read after training: the test may sync
+    accs = [h["acc"] for h in tr.history]
+    for i, f in enumerate(sink.frames):
+        assert f["loss"] == pytest.approx(sum(losses[20 * i:20 * i + 20]) / 20, rel=1e-5)
+        assert f["acc"] == accs[i] and 0 <= f["acc"] <= 1
+        assert f["total"] == 60 and f["epoch"] == 0 and f["world_size"] == 1
+        assert f["rate"] > 0 and f["global_rate"] > 0 and f["tokens_per_s"] > 0 and 0 < f["mfu"] < 1
+        assert f["health"]["xla"] and f["health"]["transfers"] == 1  # the loop's one read per interval
+    assert sink.frames[0]["health"]["compiles"] >= 1 and sink.frames[-1]["health"]["compiles"] == 0
+    assert sink.frames[-1]["eta_s"] == 0 and not sink.frames[-1]["warnings"]
+
+
+def _counts():
+    import torch_xla.debug.metrics as met
+
+    def n(name):
+        d = met.metric_data(name)
+        return d[0] if d else 0
+
+    return {"compiles": n("CompileTime"), "executions": n("ExecuteTime"), "transfers": n("TransferFromDeviceTime")}
+
+
+def test_dashboard_adds_no_device_syncs():
+    """Same 60-step loop with and without the dashboard (fresh graphs for each: different widths)."""
+    rt = labkit.setup("xla-cpu")
+    deltas = []
+    for dim, cbs in ((22, []), (23, [Dashboard(sink=ConsoleSink(io.StringIO()))])):
+        before = _counts()
+        _run(rt, dim=dim, callbacks=cbs)
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+        deltas.append({k: v - before[k] for k, v in _counts().items()})
+    without, with_dash = deltas
+    assert with_dash["compiles"] == without["compiles"]
+    assert with_dash["executions"] == without["executions"]
+    assert abs(with_dash["transfers"] - without["transfers"]) <= 3, deltas
+    assert cbs[0].frames == 3 and len(cbs[0].sink.stream.getvalue().splitlines()) == 3
+
+
+def test_recompilation_after_warmup_names_the_shape_change():
+    rt = labkit.setup("xla-cpu")
+    out = io.StringIO()
+    dash = Dashboard(title="shapes", sink=ConsoleSink(out))
+    ds = blobs(n=100, dim=24)  # batches of 32, 32, 32, 4
+    model = mlp(dim=24)
+    loader = labkit.device_loader(torch.utils.data.DataLoader(ds, batch_size=32), rt, drop_partial=False)
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt,
+                 TrainConfig(epochs=2, log_every=2, eval_every=0), loader, callbacks=[dash])
+    tr.fit()
+    assert tr.step == 8
+    assert [e["step"] for e in dash.health.events] == [4]  # epoch 2's short batch hits the cache
+    msg = "recompiled once after warm-up: batch shape changed (32→4)"
+    assert msg in dash.frame()["warnings"]
+    assert out.getvalue().count(msg) == 1  # printed once, when it appeared
+    info = labkit.explain(verbose=False)
+    assert info["recompiles"] == 1 and any("drop_last" in a for a in info["advice"])
+
+
+def test_cpu_fallback_warning_names_the_op(capsys):
+    rt = labkit.setup("xla-cpu")
+
+    class Nonzero(Trainer):
+        def train_step(self, batch):
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self.model(x), y)
+            loss = loss + 0.0 * torch.nonzero(y >= 0).float().sum()  # no XLA lowering: runs on the CPU
+            loss.backward()
+            return loss
+
+    dash = Dashboard(title="fallback", sink=ConsoleSink())
+    _run(rt, dim=25, steps=10, log_every=5, callbacks=[dash], trainer_cls=Nonzero)
+    text = capsys.readouterr().out
+    assert "aten::nonzero falls back to CPU every step (5 times in the last 5 steps)" in text
+    assert "xfers 6" in text  # each fallback copies to the host: 5 + the loop's own read
+    assert "device->host transfers" not in text  # ... which the fallback warning already explains
+    info = labkit.explain(verbose=False)
+    assert info["fallbacks"]["aten::nonzero"] >= 10
+    assert any("aten::nonzero" in a and "mask" in a for a in info["advice"])
+
+
+def test_console_twin_exports_and_plain_cpu(tmp_path):
+    assert environment() == "console"  # tests set LABKIT_CONSOLE=1
+    force_console(True)
+    assert environment() == "console"
+    force_console(False)
+    rt = labkit.setup("cpu")
+    dash = Dashboard(title="cpu", sink=ConsoleSink(io.StringIO()), tensorboard_dir=str(tmp_path / "tb"))
+    tr = _run(rt, dim=16, steps=12, log_every=4, callbacks=[dash])
+    assert [r["step"] for r in dash.history] == [4, 8, 12]
+    assert [r["loss"] for r in dash.history] == [h["loss"] for h in tr.history]
+    lines = dash.sink.stream.getvalue().splitlines()
+    assert len(lines) == 3 and lines[-1].startswith("[cpu] step 12/12 ep 0 | loss ")
+    assert dash.frame()["health"]["xla"] is False and "compiles" not in lines[-1]
+    rows = (tmp_path / "h.csv").read_text() if dash.to_csv(tmp_path / "h.csv") else ""
+    assert rows.splitlines()[0].startswith("step,epoch,loss") and len(rows.splitlines()) == 4
+    data = json.loads(open(dash.to_json(tmp_path / "h.json") and tmp_path / "h.json").read())
+    assert [r["step"] for r in data["history"]] == [4, 8, 12] and data["recompiles"] == []
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+    info = labkit.explain(verbose=False)
+    assert info["xla"] is False and "not running on XLA" in info["text"]
+
+
+def _blank(png: bytes) -> bool:
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(io.BytesIO(png), format="png")[..., :3]
+    return float((img < 0.9).mean()) < 0.01  # under 1 % of pixels carry ink
+
+
+NOTEBOOK = [
+    "import os\nos.environ.pop('LABKIT_CONSOLE', None)\nimport torch, labkit\n"
+    "from tests.helpers import blobs, mlp",
+    "rt = labkit.setup('xla-cpu')\nmodel = mlp()\ndash = labkit.Dashboard(title='kernel test', every=0)\n"
+    "train = labkit.device_loader(torch.utils.data.DataLoader(blobs(n=200), batch_size=32), rt, drop_partial=False)\n"
+    "tr = labkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt, labkit.TrainConfig(epochs=2, log_every=2),\n"
+    "    train, torch.utils.data.DataLoader(blobs(n=64), batch_size=32), callbacks=[dash])\n"
+    "tr.fit()\nassert type(dash.sink).__name__ == 'NotebookSink', dash.sink\nassert dash.frames >= 7\n"
+    "assert len(dash.health.events) == 1, dash.health.events  # the short last batch (200 = 6 x 32 + 8)",
+    "dash.save_png(os.environ['DASH_PNG'])",
+]
+
+
+@pytest.mark.timeout(180)
+def test_figure_renders_in_a_real_kernel(tmp_path):
+    import nbclient
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in NOTEBOOK])
+    png_path = tmp_path / "dash.png"
+    os.environ["DASH_PNG"] = str(png_path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    nbclient.NotebookClient(nb, timeout=150, kernel_name="python3", resources={"metadata": {"path": root}}).execute()
+    outs = nb.cells[1].outputs
+    images = [o for o in outs if "image/png" in o.get("data", {})]
+    htmls = [o for o in outs if "text/html" in o.get("data", {})]
+    assert len(images) == 1 and len(htmls) == 1, [o.get("output_type") for o in outs]  # updated in place
+    shown = base64.b64decode(images[0]["data"]["image/png"])
+    assert "step 14/14" in htmls[0]["data"]["text/html"]  # the last update, not the first draw
+    assert len(shown) > 10_000 and not _blank(shown)
+    saved = png_path.read_bytes()
+    assert saved[:8] == b"\x89PNG\r\n\x1a\n" and len(saved) > 20_000 and not _blank(saved)
