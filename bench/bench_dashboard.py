@@ -1,12 +1,12 @@
 """Step time of labkit's Trainer with the dashboard vs without, same model, same run.
 
-    PJRT_DEVICE=CPU .venv/bin/python bench/bench_dashboard.py [--steps 300] [--trials 5]
+    PJRT_DEVICE=CPU .venv/bin/python bench/bench_dashboard.py [--steps 600] [--trials 5]   # ~6 min on 2 cores
 
 Three Trainers over one MLP (batch 256, 1024->1536->1536->10, ~6 GFLOP per step: ~30 ms per
 step on a 2-core XLA:CPU), loss read every 20 steps in a step closure:
   plain    no callbacks
   console  Dashboard with the console twin (one line per interval, written to /dev/null)
-  figure   Dashboard drawing like the notebook (header each >= 1 s, PNG figure each >= 10 s and at
+  figure   Dashboard drawing like the notebook (header each >= 1 s, PNG figure each >= 15 s and at
            the end of every fit(): one trial = one fit, so trials are long to amortise that)
 Trials interleave (rotating order) after each loop's warm-up, so drifts of the machine hit all.
 Prints per-trial times and the ratios dashboard / plain (goal <= 1.02).
@@ -29,7 +29,7 @@ from labkit.dashboard import ConsoleSink, Dashboard, NotebookSink, _html
 
 class FigureSink:
     """What NotebookSink does minus the IPython display calls: the HTML header every >= 1 s, the
-    PNG figure every >= 10 s and at the end of each fit() (each trial here ends one)."""
+    PNG figure every >= 15 s and at the end of each fit() (each trial here ends one)."""
 
     min_interval_s = NotebookSink.min_interval_s
 
@@ -75,7 +75,7 @@ class Loop:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--dim", type=int, default=1024)

@@ -129,12 +129,12 @@ class NotebookSink:
 
     The header (progress, numbers, warnings) costs well under a millisecond and is updated at most
     every `min_interval_s`. Rendering the figure costs ~0.15-0.25 s of host time (matplotlib Agg on
-    one core), which the training loop waits for: it is redrawn at most every `figure_every_s`
-    (10 s: <= ~2 % of the time) and at the end; Dashboard(every=...) sets both."""
+    one core at 72 dpi), which the training loop waits for: it is redrawn at most every `figure_every_s`
+    (15 s: ~1 % of the time) and at the end; Dashboard(every=...) sets both."""
 
     min_interval_s = 1.0
 
-    def __init__(self, figure_every_s: float = 10.0):
+    def __init__(self, figure_every_s: float = 15.0):
         self.figure_every_s = figure_every_s
         self._html = self._img = None
         self._img_t = 0.0
@@ -168,8 +168,14 @@ def _html(f: dict) -> str:
 
 
 class Dashboard:
-    """Trainer callback; see the module docstring. `every`: minimum seconds between draws
-    (default: the sink's own, 0 for the console, 2 s for the figure); the last draw always happens."""
+    """Trainer callback; see the module docstring.
+
+    total_steps: for progress and ETA (default: the trainer's). flops_per_step / tokens_per_step:
+    work of ONE replica's step (MFU = its FLOP/s over peak_flops, one chip's peak: guessed for
+    known TPUs/GPUs); tokens/s is shown for all replicas. every: minimum seconds between draws
+    (default: the sink's own: 0 for the console line, 1 s for the notebook header and 15 s for
+    its figure); the last draw always happens. sink: anything with draw(frame, dashboard)
+    (default: chosen by environment()). tensorboard_dir: also write the numbers there."""
 
     def __init__(self, total_steps=None, title="training", flops_per_step=None, tokens_per_step=None,
                  peak_flops=None, every=None, sink=None, tensorboard_dir=None, smoothing=0.6):
@@ -220,7 +226,8 @@ class Dashboard:
         s = self.smoothing
         sps = steps / dt if dt > 0 else float("nan")
         self._rate = record["examples_per_s"] if self._rate is None else s * self._rate + (1 - s) * record["examples_per_s"]
-        self._sps = sps if self._sps is None else s * self._sps + (1 - s) * sps
+        if math.isfinite(sps):
+            self._sps = sps if self._sps is None else s * self._sps + (1 - s) * sps
         row = {k: record[k] for k in ("step", "epoch", "loss", "lr", "elapsed_s", "examples_per_s", "global_rate")}
         row.update({k: v for k, v in record.items() if k not in row and isinstance(v, (int, float))})
         row["rate"] = self._rate
@@ -315,7 +322,7 @@ class Dashboard:
         """A matplotlib Figure of the current state (not attached to pyplot: nothing auto-displays)."""
         return render(self)
 
-    def png_bytes(self, dpi=80) -> bytes:
+    def png_bytes(self, dpi=72) -> bytes:
         buf = io.BytesIO()
         self.figure().savefig(buf, format="png", dpi=dpi)
         return buf.getvalue()

@@ -138,6 +138,7 @@ class HealthMonitor:
         self.enabled = bool(rt is not None and rt.is_xla)
         self.warmup_steps = warmup_steps
         self.warm_shapes: Counter = Counter()   # signature -> steps seen during warm-up
+        self.steps_seen = 0
         self.events: list[dict] = []            # recompilations after warm-up
         self._last_compiles = compile_count() if self.enabled else 0
         self._last = snapshot(rt)
@@ -157,7 +158,8 @@ class HealthMonitor:
         c = compile_count()
         new = c - self._last_compiles
         self._last_compiles = c
-        if step <= self.warmup_steps:
+        self.steps_seen += 1
+        if self.steps_seen <= self.warmup_steps:  # counted from here, not from step 0: resumes warm up too
             self.warm_shapes[sig] += 1
             return
         if new > 0:
