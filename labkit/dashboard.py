@@ -365,15 +365,15 @@ def render(dash: Dashboard):
     ax.plot(steps, [r["loss"] for r in rows], "o-", ms=3, label="train")
     if any("val_loss" in e for e in evals):
         ax.plot([e["step"] for e in evals if "val_loss" in e], [e["val_loss"] for e in evals if "val_loss" in e],
-                "s--", ms=4, label="val")
+                "s--", ms=4, color="C1", label="val")
     ax.set(title="loss", xlabel="step")
     ax.legend(fontsize=8)
     ax = fig.add_subplot(gs[0, 1])
     if any("acc" in r for r in rows):
-        ax.plot([r["step"] for r in rows if "acc" in r], [r["acc"] for r in rows if "acc" in r], "o-", ms=3, label="train")
+        ax.plot([r["step"] for r in rows if "acc" in r], [r["acc"] for r in rows if "acc" in r], "o-", ms=3, color="C0", label="train")
     if any("val_acc" in e for e in evals):
         ax.plot([e["step"] for e in evals if "val_acc" in e], [e["val_acc"] for e in evals if "val_acc" in e],
-                "s--", ms=4, label="val")
+                "s--", ms=4, color="C1", label="val")
     if ax.lines:
         ax.legend(fontsize=8)
     else:
@@ -405,6 +405,7 @@ def render(dash: Dashboard):
     lines = [f"{f['title']}   step {f['step']}" + (f"/{f['total']} ({100 * f['step'] / f['total']:.0f}%)" if f["total"] else "")
              + f"   epoch {f['epoch']}   elapsed {_fmt_t(f['elapsed_s'])}   ETA {_fmt_t(f['eta_s'])}",
              f"loss {f['loss']:.4f}" + (f"   val {f['val_loss']:.4f}" if f["val_loss"] is not None else "")
+             + (f"   acc {f['acc']:.3f}" if f["acc"] is not None else "")
              + (f"   val acc {f['val_acc']:.3f}" if f["val_acc"] is not None else "") + f"   lr {f['lr']:.3g}",
              f"Rate {_fmt_n(f['rate'])}/s   GlobalRate {_fmt_n(f['global_rate'])}/s   per replica "
              f"{_fmt_n(f['rate_per_replica'])}/s, {_fmt_n(f['global_rate_per_replica'])}/s (x{f['world_size']})"]

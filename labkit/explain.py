@@ -80,8 +80,9 @@ def _advice(d: dict, events: list[dict]) -> list[str]:
                "no XLA lowering for it here; move it out of the training step or find an equivalent op")
         out.append(f"{op} ran on the CPU {n} time(s): each time the tensors travel to the host and back and "
                    f"the graph is cut. {why[0].upper() + why[1:]}.")
-    if d["transfers"] > 10 and d["transfers"] > 0.5 * max(d["executions"], 1):
-        out.append(f"{d['transfers']} device->host transfers for {d['executions']} executions "
+    own = d["transfers"] - sum(d["fallbacks"].values())  # each fallback brings its own transfer
+    if own > 10 and own > 0.5 * max(d["executions"], 1):
+        out.append(f"{own} device->host transfers (besides the fallbacks) for {d['executions']} executions "
                    f"({d['transfer_s']:.2f} s): something reads tensors every step (.item(), float(t), print, .cpu()). "
                    "Move the read into a step closure (rt.add_step_closure) and read every N steps.")
     if not out:

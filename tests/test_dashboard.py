@@ -172,9 +172,14 @@ NOTEBOOK = [
     "import os\nos.environ.pop('LABKIT_CONSOLE', None)\nimport torch, labkit\n"
     "from tests.helpers import blobs, mlp",
     "rt = labkit.setup('xla-cpu')\nmodel = mlp()\ndash = labkit.Dashboard(title='kernel test', every=0)\n"
-    "train = labkit.device_loader(torch.utils.data.DataLoader(blobs(n=200), batch_size=32), rt, drop_partial=False)\n"
-    "tr = labkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt, labkit.TrainConfig(epochs=2, log_every=2),\n"
-    "    train, torch.utils.data.DataLoader(blobs(n=64), batch_size=32), callbacks=[dash])\n"
+    "ds = blobs(n=264)\ntrain_ds, val_ds = torch.utils.data.Subset(ds, range(200)), torch.utils.data.Subset(ds, range(200, 264))\n"
+    "train = labkit.device_loader(torch.utils.data.DataLoader(train_ds, batch_size=32), rt, drop_partial=False)\n"
+    "class WithAcc(labkit.Trainer):\n"
+    "    def train_step(self, batch):\n"
+    "        x, y = batch\n        out = self.model(x)\n        loss = torch.nn.functional.cross_entropy(out, y)\n"
+    "        loss.backward()\n        return {'loss': loss, 'acc': (out.argmax(-1) == y).float().mean()}\n"
+    "tr = WithAcc(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), rt,\n"
+    "    labkit.TrainConfig(epochs=2, log_every=2), train, torch.utils.data.DataLoader(val_ds, batch_size=32), callbacks=[dash])\n"
     "tr.fit()\nassert type(dash.sink).__name__ == 'NotebookSink', dash.sink\nassert dash.frames >= 7\n"
     "assert len(dash.health.events) == 1, dash.health.events  # the short last batch (200 = 6 x 32 + 8)",
     "dash.save_png(os.environ['DASH_PNG'])",
