@@ -161,6 +161,23 @@ def test_console_twin_exports_and_plain_cpu(tmp_path):
     assert info["xla"] is False and "not running on XLA" in info["text"]
 
 
+def test_only_the_master_draws():
+    from types import SimpleNamespace
+
+    from labkit.device import Runtime
+
+    sink = FakeSink()
+    dash = Dashboard(sink=sink)
+    worker = SimpleNamespace(rt=Runtime("cpu", torch.device("cpu"), world_size=2, ordinal=1), step=0,
+                             cfg=TrainConfig(), total_steps=lambda: 10)
+    dash.on_train_begin(worker)
+    dash.on_log(worker, {"step": 5, "epoch": 0, "loss": 1.0, "lr": 0.1, "elapsed_s": 1.0, "examples": 10,
+                         "examples_per_s": 10.0, "global_rate": 10.0})
+    dash.on_eval(worker, {"step": 5, "epoch": 0, "val_loss": 1.0})
+    dash.on_train_end(worker)
+    assert sink.frames == [] and dash.history == [] and dash.evals == []
+
+
 def _blank(png: bytes) -> bool:
     import matplotlib.image as mpimg
 
@@ -183,6 +200,8 @@ NOTEBOOK = [
     "tr.fit()\nassert type(dash.sink).__name__ == 'NotebookSink', dash.sink\nassert dash.frames >= 7\n"
     "assert len(dash.health.events) == 1, dash.health.events  # the short last batch (200 = 6 x 32 + 8)",
     "dash.save_png(os.environ['DASH_PNG'])",
+    "labkit.force_console()\nd2 = labkit.Dashboard(title='twin')\ntr.callbacks = [d2]\ntr.cfg.epochs = 3\ntr.fit()\n"
+    "assert type(d2.sink).__name__ == 'ConsoleSink'",
 ]
 
 
@@ -203,5 +222,7 @@ def test_figure_renders_in_a_real_kernel(tmp_path):
     shown = base64.b64decode(images[0]["data"]["image/png"])
     assert "step 14/14" in htmls[0]["data"]["text/html"]  # the last update, not the first draw
     assert len(shown) > 10_000 and not _blank(shown)
+    twin = "".join(o.get("text", "") for o in nb.cells[3].outputs if o.get("name") == "stdout")
+    assert "[twin] step 16/21 ep 2 | loss " in twin and not any("image/png" in o.get("data", {}) for o in nb.cells[3].outputs)
     saved = png_path.read_bytes()
     assert saved[:8] == b"\x89PNG\r\n\x1a\n" and len(saved) > 20_000 and not _blank(saved)
