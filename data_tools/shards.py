@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import os
+import tarfile
 import tempfile
 import time
 
@@ -131,6 +132,11 @@ def _sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def _padded(n: int) -> int:
+    """Size on disk of a tar with `n` bytes of blocks: tarfile pads the archive to 10 KiB records."""
+    return -(-n // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
+
+
 def write_shards(images: np.ndarray, labels, out: str, *, split: str = "train", class_names=None,
                  upsample: int = 1, samples_per_shard: int = 1000, max_shard_bytes: int = 64 << 20,
                  encoding: str = "png", source: str = "custom", extra: dict | None = None,
@@ -139,8 +145,8 @@ def write_shards(images: np.ndarray, labels, out: str, *, split: str = "train", 
 
     `upsample` repeats the set K times with unique keys (`<split>-<rep>-<index>`); mean/std are
     computed on the images once (repetition does not change them). Shards close at
-    `samples_per_shard` samples or once they reach `max_shard_bytes` (a shard may exceed it by one
-    sample). Returns the manifest dict."""
+    `samples_per_shard` samples or before they would exceed `max_shard_bytes` (tar bytes; only a
+    sample larger than the cap on its own). Returns the manifest dict."""
     import webdataset as wds
     from labkit import gcs
 
@@ -177,19 +183,28 @@ def write_shards(images: np.ndarray, labels, out: str, *, split: str = "train", 
         if verbose:
             print(f"wrote {name}: {entry['samples']} samples, {entry['bytes'] / 1e6:.1f} MB", flush=True)
 
-    writer = wds.ShardWriter(os.path.join(local_dir, f"{split}-%06d.tar"), maxcount=samples_per_shard,
-                             maxsize=max_shard_bytes, post=post, verbose=0)
+    # We decide when a shard closes: ShardWriter's own size counts payload bytes only, while a tar
+    # member costs a pax header block, its pax record and its own header (3 x 512 bytes, the
+    # mtime is stored as a float) plus the payload padded to 512: ~3x the bytes of a 32x32 PNG.
+    writer = wds.ShardWriter(os.path.join(local_dir, f"{split}-%06d.tar"), maxcount=1 << 62, maxsize=float("inf"),
+                             post=post, verbose=0)
+    tar_bytes = 1024  # the end-of-archive blocks
     try:
         for rep in range(upsample):
             for i in range(len(images)):
-                if writer.count >= writer.maxcount or writer.size >= writer.maxsize:
-                    writer.next_stream()  # open the next shard ourselves to start its count at 0
+                key = f"{split}-{rep:02d}-{i:07d}" if upsample > 1 else f"{split}-{i:07d}"
+                sample = {"__key__": key, encoding: encode_image(images[i], encoding), "cls": str(int(labels[i]))}
+                cost = sum(1536 + -(-len(sample[k] if k == encoding else sample[k].encode()) // 512) * 512
+                           for k in (encoding, "cls"))
+                if counts and (counts[-1] >= samples_per_shard or _padded(tar_bytes + cost) > max_shard_bytes):
+                    writer.next_stream()  # closes (and posts) the current shard
                     counts.append(0)
+                    tar_bytes = 1024
                 if not counts:
                     counts.append(0)
-                key = f"{split}-{rep:02d}-{i:07d}" if upsample > 1 else f"{split}-{i:07d}"
-                writer.write({"__key__": key, encoding: encode_image(images[i], encoding), "cls": str(int(labels[i]))})
+                writer.write(sample)
                 counts[-1] += 1
+                tar_bytes += cost
     finally:
         writer.close()
         if remote:
