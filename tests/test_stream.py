@@ -1,0 +1,245 @@
+"""Streaming loader: exact coverage over replicas x workers, reproducible order, errors that name the shard."""
+import io
+import json
+import os
+import shutil
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from data_tools import ShardError, load_source, make_loader, verify_manifest, write_shards
+from data_tools.stream import PAD_LABEL
+
+
+@pytest.fixture(scope="module")
+def digits():
+    x, y, names = load_source("digits", "train")
+    return x[:330], y[:330], names
+
+
+@pytest.fixture(scope="module")
+def even(tmp_path_factory, digits):
+    """320 samples in 8 equal shards of 40."""
+    out = tmp_path_factory.mktemp("even")
+    x, y, names = digits
+    write_shards(x[:320], y[:320], str(out), class_names=names, samples_per_shard=40, source="digits")
+    return out
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory, digits):
+    """330 samples in 9 shards: eight of 40, one of 10."""
+    out = tmp_path_factory.mktemp("uneven")
+    x, y, names = digits
+    write_shards(x, y, str(out), class_names=names, samples_per_shard=40, source="digits")
+    return out
+
+
+def _keys(loader):
+    out = []
+    for x, y, k in loader:
+        assert x.dtype == torch.float32 and y.dtype == torch.int64 and x.shape[1:] == (3, 32, 32)
+        out.append([key for key, label in zip(k, y.tolist()) if label != PAD_LABEL])
+    return out
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_every_sample_once_across_2_replicas_x_2_workers(even, train):
+    man = str(even / "manifest.json")
+    per_replica = []
+    for rank in range(2):
+        ld = make_loader(man, 10, train=train, rank=rank, world_size=2, num_workers=2, return_keys=True, seed=1)
+        batches = _keys(ld)
+        assert len(batches) == len(ld) == 16  # 320 / (2 x 10)
+        assert all(len(b) == 10 for b in batches)
+        per_replica.append([k for b in batches for k in b])
+    everything = per_replica[0] + per_replica[1]
+    assert len(everything) == 320 == len(set(everything))
+    assert not set(per_replica[0]) & set(per_replica[1])
+
+
+def test_uneven_shards_equal_full_batches_per_replica(uneven):
+    man = str(uneven / "manifest.json")
+    for rank in range(2):
+        ld = make_loader(man, 16, train=True, rank=rank, world_size=2, num_workers=2, return_keys=True)
+        batches = _keys(ld)
+        assert len(ld) == len(batches) == 330 // 32  # the replica with 170 samples and the one with 160 alike
+        assert all(len(b) == 16 for b in batches)
+        keys = [k for b in batches for k in b]
+        held = sum(ld.stream.counts[i] for i in ld.stream._replica_shards())  # 4 or 5 shards: 130..200 samples
+        assert len(set(keys)) == min(held, 160)  # cycling repeats only what its share lacks
+
+
+def test_eval_covers_every_sample_once_with_padding(uneven):
+    man = str(uneven / "manifest.json")
+    ld = make_loader(man, 64, train=False, return_keys=True)
+    keys = [k for b in _keys(ld) for k in b]
+    assert len(ld) == 6 and sorted(keys) == sorted(set(keys)) and len(keys) == 330
+    x, y, k = list(ld)[-1]
+    assert x.shape[0] == 64 and (y == PAD_LABEL).sum() == 64 - 330 % 64 and float(x[y == PAD_LABEL].abs().sum()) == 0
+    part = make_loader(man, 64, train=False, last_batch="partial")
+    assert [b[0].shape[0] for b in part] == [64] * 5 + [10]
+    assert len(make_loader(man, 64, train=False, last_batch="drop")) == 5
+    # two replicas x two workers: still exactly once
+    keys = []
+    for rank in range(2):
+        keys += [k for b in _keys(make_loader(man, 32, train=False, rank=rank, world_size=2, num_workers=2,
+                                              return_keys=True)) for k in b]
+    assert len(keys) == 330 == len(set(keys))
+
+
+def test_same_seed_and_epoch_same_order_other_epoch_differs(even):
+    man = str(even / "manifest.json")
+
+    def run(epoch, seed=0, workers=2):
+        ld = make_loader(man, 16, train=True, num_workers=workers, return_keys=True, seed=seed, shuffle_buffer=50)
+        ld.set_epoch(epoch)
+        return [k for b in _keys(ld) for k in b]
+
+    a, b = run(3), run(3)
+    assert a == b
+    assert run(4) != a and sorted(run(4)) == sorted(a)
+    assert run(3, seed=1) != a
+    # a plain loop without set_epoch moves to the next epoch by itself
+    ld = make_loader(man, 16, train=True, return_keys=True)
+    e0 = [k for b in _keys(ld) for k in b]
+    e1 = [k for b in _keys(ld) for k in b]
+    assert ld.epoch == 1 and e0 != e1 and sorted(e0) == sorted(e1)
+
+
+def test_train_batches_are_augmented_and_normalised(even):
+    man = str(even / "manifest.json")
+    m = json.loads((even / "manifest.json").read_text())
+    ev = torch.cat([x for x, _ in make_loader(man, 64, train=False)])
+    assert abs(float(ev.mean())) < 0.05 and abs(float(ev.std()) - 1) < 0.05  # manifest mean/std applied
+    a = next(iter(make_loader(man, 8, train=True, shuffle_buffer=1, seed=0)))[0]
+    b = next(iter(make_loader(man, 8, train=True, shuffle_buffer=1, seed=5)))[0]
+    assert not torch.equal(a, b)  # different crops/flips (shard order differs too)
+    pad_value = (0 - m["mean"][0]) / m["std"][0]
+    crops = torch.cat([x for x, _ in make_loader(man, 64, train=True)])
+    assert (crops[:, 0, 0, :] == pad_value).float().mean() > 0.2  # zero padding shows in crops
+
+
+def test_gcs_round_trip(gcs_bucket, digits):
+    x, y, names = digits
+    url = f"gs://{gcs_bucket}/digits/train"
+    write_shards(x[:120], y[:120], url, class_names=names, samples_per_shard=30)
+    ld = make_loader(url + "/manifest.json", 20, train=False, return_keys=True, verify=True)
+    keys = [k for b in _keys(ld) for k in b]
+    assert len(keys) == 120 == len(set(keys))
+    # a brace URL finds the manifest beside the shards; two workers use the gs:// handler after fork
+    ld = make_loader(url + "/train-{000000..000003}.tar", 20, train=True, num_workers=2)
+    xb, yb = next(iter(ld))
+    assert len(ld) == 6 and xb.shape == (20, 3, 32, 32)
+    import importlib
+
+    assert importlib.import_module("webdataset.gopen").gopen_schemes["gs"].__module__ == "data_tools.shards"
+
+
+def test_url_list_without_manifest_needs_num_samples(tmp_path, even):
+    for i in range(4):
+        shutil.copy(even / f"train-{i:06d}.tar", tmp_path)
+    urls = [str(tmp_path / f"train-{i:06d}.tar") for i in range(4)]
+    with pytest.raises(ValueError, match="num_samples"):
+        make_loader(urls, 10, train=True)
+    ld = make_loader(urls, 10, train=True, num_samples=160, return_keys=True)
+    assert len(ld) == 16 and len({k for b in _keys(ld) for k in b}) == 160
+    assert sum(len(b) for b in _keys(make_loader(urls, 50, train=False, return_keys=True,
+                                                 last_batch="partial"))) == 160
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_empty_url_list_and_too_few_shards(even):
+    with pytest.raises(ValueError, match="no shard URLs"):
+        make_loader([], 8, train=True)
+    with pytest.raises(ValueError, match=r"8 shard\(s\) for 3 replica\(s\) x 3 worker\(s\) = 9"):
+        make_loader(str(even / "manifest.json"), 8, train=True, rank=0, world_size=3, num_workers=3)
+
+
+def test_truncated_and_corrupt_tar_name_the_shard(tmp_path, even):
+    d = _copy(even, tmp_path / "t")
+    shard = d / "train-000002.tar"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2 + 100])
+    with pytest.raises(ShardError, match="train-000002.tar.*(corrupt or truncated|samples, manifest)"):
+        list(make_loader(str(d / "manifest.json"), 10, train=False))
+    # garbage in a header block
+    shard.write_bytes(data[:5120] + b"\xff" * 1024 + data[6144:])
+    with pytest.raises(ShardError, match="train-000002.tar"):
+        list(make_loader(str(d / "manifest.json"), 10, train=False, num_workers=2))
+    # skip_corrupt: the rest is read and the loss is counted
+    ld = make_loader(str(d / "manifest.json"), 10, train=False, skip_corrupt=True, last_batch="partial")
+    n = sum(b[0].shape[0] for b in ld)
+    assert ld.skipped >= 1 and n + ld.skipped >= 320 - 40 and n < 320
+
+
+def _rewrite(shard, fn):
+    """Rewrite a tar member by member through fn(name, data) -> (name, data) or None."""
+    with tarfile.open(shard) as tf:
+        members = [(m.name, tf.extractfile(m).read()) for m in tf.getmembers()]
+    with tarfile.open(shard, "w") as tf:
+        for name, data in members:
+            r = fn(name, data)
+            if r is not None:
+                ti = tarfile.TarInfo(r[0]); ti.size = len(r[1])
+                tf.addfile(ti, io.BytesIO(r[1]))
+
+
+def test_missing_cls_and_bad_png_name_shard_and_key(tmp_path, even):
+    d = _copy(even, tmp_path / "m")
+    _rewrite(d / "train-000001.tar", lambda n, b: None if n == "train-0000045.cls" else (n, b))
+    with pytest.raises(ShardError, match=r"train-000001.tar: sample 'train-0000045' has no 'cls'"):
+        list(make_loader(str(d / "manifest.json"), 10, train=False))
+    _rewrite(d / "train-000003.tar", lambda n, b: (n, b"not a png") if n == "train-0000130.png" else (n, b))
+    ld = make_loader(str(d / "manifest.json"), 10, train=True, skip_corrupt=True, return_keys=True)
+    keys = {k for b in _keys(ld) for k in b}
+    assert ld.skipped == 2 and "train-0000045" not in keys and len(ld) == 32
+    shutil.copy(even / "train-000001.tar", d)  # only the bad png is left
+    with pytest.raises(ShardError, match=r"train-000003.tar: sample 'train-0000130' cannot be decoded"):
+        list(make_loader(str(d / "manifest.json"), 10, train=False, skip_corrupt=False))
+
+
+def test_sha256_mismatch_with_verify(tmp_path, even):
+    d = _copy(even, tmp_path / "s")
+    shard = d / "train-000005.tar"
+    data = bytearray(shard.read_bytes())
+    data[2000] ^= 0xFF  # one flipped byte inside a PNG payload: tar still parses
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="train-000005.tar: sha256"):
+        verify_manifest(str(d / "manifest.json"))
+    with pytest.raises(ValueError, match="train-000005.tar: sha256"):
+        list(make_loader(str(d / "manifest.json"), 10, train=False, verify=True))
+
+
+# -- feeding labkit's Trainer on XLA:CPU ------------------------------------------------------------
+def test_feeds_trainer_on_xla_without_recompiles(even):
+    import torch_xla.debug.metrics as met
+
+    import labkit
+    from labkit import TrainConfig, Trainer
+
+    rt = labkit.setup("xla-cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    train = make_loader(str(even / "manifest.json"), 32, train=True, num_workers=2)
+    epochs_seen = []
+
+    class Probe:
+        def on_epoch_end(self, trainer):
+            epochs_seen.append((train.epoch, met.metric_data("CompileTime")[0], met.counter_value("UncachedCompile")))
+
+    tr = Trainer(model, opt, rt, TrainConfig(epochs=2, log_every=5, eval_every=0), train, callbacks=[Probe()])
+    hist = tr.fit()
+    assert tr.step == 2 * 10 and [e[0] for e in epochs_seen] == [0, 1]
+    assert epochs_seen[1][1] == epochs_seen[0][1], epochs_seen  # no compile in epoch 2
+    assert epochs_seen[1][2] == epochs_seen[0][2], epochs_seen
+    assert all(np.isfinite(h["loss"]) for h in hist)
