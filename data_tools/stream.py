@@ -119,6 +119,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.std = tuple(std if std is not None else m.get("std", CIFAR_STD))
         self.image_size = tuple(m.get("image_size", (32, 32)))
         self.epoch = 0
+        self._decoded = 0  # per process: detects a pass with nothing readable
         self._skipped = mp.Value("q", 0)  # shared with DataLoader workers (they run in other processes)
         S, R, W = len(self.urls), self.world_size, self.num_workers
         if S < R * W:
@@ -258,18 +259,16 @@ class ShardStream(torch.utils.data.IterableDataset):
             for i in shards:
                 yield from self._read_tar(i)
             return
-        quota = self._worker_batches(worker) * self.batch_size
-        made, p = 0, 0
-        while made < quota:
+        # Endless passes; _batches stops at the quota, so a pass is only started when needed and
+        # samples skipped as corrupt are made up for from the next pass.
+        p = 0
+        while True:
             rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker, p])
             order = shards if p == 0 else list(rng.permutation(shards))
-            got = 0
-            for s in self._shuffle((s for i in order for s in self._read_tar(i)), rng):
-                got += 1
-                yield s
-            if got == 0:
+            before = self._decoded
+            yield from self._shuffle((s for i in order for s in self._read_tar(i)), rng)
+            if self._decoded == before:
                 raise ShardError(f"no readable samples in shards {[self.urls[i] for i in shards]}")
-            made += got
             p += 1
 
     def _decode(self, samples, rng):
@@ -305,6 +304,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                     img = img[i:i + h, j:j + w]
                 if rng.random() < 0.5:
                     img = img[:, ::-1]
+            self._decoded += 1
             yield img, label, key
 
     def _batches(self, items, quota=None):
@@ -391,7 +391,19 @@ class ShardLoader(torch.utils.data.DataLoader):
         if self._iterated and not self._epoch_set:
             self.dataset.epoch += 1
         self._iterated, self._epoch_set = True, False
-        return super().__iter__()
+        return self._guarded(super().__iter__())
+
+    @staticmethod
+    def _guarded(it):
+        """Stop worker processes as soon as the loop ends by error or break: left to the garbage
+        collector (the iterator sits in the exception's traceback), their shutdown waited 10 s."""
+        try:
+            yield from it
+        except BaseException:
+            stop = getattr(it, "_shutdown_workers", None)
+            if stop is not None:
+                stop()
+            raise
 
 
 def make_loader(source, batch_size: int, *, train: bool, rank=None, world_size=None, num_workers: int = 0,

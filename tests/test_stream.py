@@ -199,8 +199,9 @@ def test_missing_cls_and_bad_png_name_shard_and_key(tmp_path, even):
         list(make_loader(str(d / "manifest.json"), 10, train=False))
     _rewrite(d / "train-000003.tar", lambda n, b: (n, b"not a png") if n == "train-0000130.png" else (n, b))
     ld = make_loader(str(d / "manifest.json"), 10, train=True, skip_corrupt=True, return_keys=True)
-    keys = {k for b in _keys(ld) for k in b}
-    assert ld.skipped == 2 and "train-0000045" not in keys and len(ld) == 32
+    batches = _keys(ld)
+    keys = {k for b in batches for k in b}
+    assert ld.skipped == 2 and "train-0000045" not in keys and len(ld) == len(batches) == 32
     shutil.copy(even / "train-000001.tar", d)  # only the bad png is left
     with pytest.raises(ShardError, match=r"train-000003.tar: sample 'train-0000130' cannot be decoded"):
         list(make_loader(str(d / "manifest.json"), 10, train=False, skip_corrupt=False))
