@@ -244,3 +244,26 @@ def test_feeds_trainer_on_xla_without_recompiles(even):
     assert epochs_seen[1][1] == epochs_seen[0][1], epochs_seen  # no compile in epoch 2
     assert epochs_seen[1][2] == epochs_seen[0][2], epochs_seen
     assert all(np.isfinite(h["loss"]) for h in hist)
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_tar_reader_matches_tarfile(tmp_path, fmt):
+    from data_tools.stream import TarFormatError, iter_tar
+
+    members = [("a/b/k1.png", b"x" * 700), ("k1.cls", b"3"), ("d" * 120 + "/k2.png", b""), ("k2.cls", b"12" * 300)]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+        for name, data in members:
+            ti = tarfile.TarInfo(name); ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+        dir_info = tarfile.TarInfo("somedir"); dir_info.type = tarfile.DIRTYPE
+        tf.addfile(dir_info)
+    raw = buf.getvalue()
+    assert list(iter_tar(io.BytesIO(raw))) == members
+    ends = []  # every cut before the end-of-archive blocks is an error, never a silent short read
+    last = max(i for i in range(0, len(raw), 512) if raw[i:i + 512].strip(b"\0"))
+    for cut in range(0, last + 512, 256):
+        with pytest.raises(TarFormatError):
+            list(iter_tar(io.BytesIO(raw[:cut])))
+        ends.append(cut)
+    assert len(ends) > 5
