@@ -27,6 +27,7 @@ import numpy as np
 MANIFEST = "manifest.json"
 FORMAT = "labkit-shards/1"
 ENCODINGS = ("png", "ppm")
+SHARD_MTIME = 1_700_000_000  # member timestamps: fixed, so equal inputs give byte-identical shards
 
 
 # -- reading any URL -----------------------------------------------------------------------------
@@ -183,18 +184,19 @@ def write_shards(images: np.ndarray, labels, out: str, *, split: str = "train", 
         if verbose:
             print(f"wrote {name}: {entry['samples']} samples, {entry['bytes'] / 1e6:.1f} MB", flush=True)
 
-    # We decide when a shard closes: ShardWriter's own size counts payload bytes only, while a tar
-    # member costs a pax header block, its pax record and its own header (3 x 512 bytes, the
-    # mtime is stored as a float) plus the payload padded to 512: ~3x the bytes of a 32x32 PNG.
+    # A fixed integer mtime: with the default (float time.time()) every member gets a pax header
+    # (two more 512-byte blocks: shards 2x larger and slower to parse), and the same images would
+    # give a different sha256 on every run. We decide when a shard closes: ShardWriter's own size
+    # counts payload bytes only, while a member costs a 512-byte header plus padding to 512.
     writer = wds.ShardWriter(os.path.join(local_dir, f"{split}-%06d.tar"), maxcount=1 << 62, maxsize=float("inf"),
-                             post=post, verbose=0)
+                             post=post, verbose=0, mtime=SHARD_MTIME)
     tar_bytes = 1024  # the end-of-archive blocks
     try:
         for rep in range(upsample):
             for i in range(len(images)):
                 key = f"{split}-{rep:02d}-{i:07d}" if upsample > 1 else f"{split}-{i:07d}"
                 sample = {"__key__": key, encoding: encode_image(images[i], encoding), "cls": str(int(labels[i]))}
-                cost = sum(1536 + -(-len(sample[k] if k == encoding else sample[k].encode()) // 512) * 512
+                cost = sum(512 + -(-len(sample[k] if k == encoding else sample[k].encode()) // 512) * 512
                            for k in (encoding, "cls"))
                 if counts and (counts[-1] >= samples_per_shard or _padded(tar_bytes + cost) > max_shard_bytes):
                     writer.next_stream()  # closes (and posts) the current shard

@@ -29,12 +29,13 @@ from __future__ import annotations
 import io
 import math
 import multiprocessing as mp
-import zlib
 
 import numpy as np
 import torch
 
 from .shards import check_shard_bytes, load_manifest, open_url, register_gs, sibling
+from .tario import TarFormatError, iter_tar
+from .transforms import augment, decode_image, scale_stats, to_batch
 
 PAD_LABEL = -100  # F.cross_entropy's default ignore_index
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -86,72 +87,6 @@ def _allocate(total: int, weights: list[float]) -> list[int]:
     for i in sorted(range(len(ideal)), key=lambda i: (out[i] - ideal[i], i))[: total - sum(out)]:
         out[i] += 1
     return out
-
-
-class TarFormatError(ValueError):
-    """A tar header fails its checksum or the archive ends inside a member."""
-
-
-def _read_exact(f, n: int) -> bytes:
-    data = f.read(n)
-    while len(data) < n:  # streams (gs://, pipes) may return short reads
-        more = f.read(n - len(data))
-        if not more:
-            break
-        data += more
-    return data
-
-
-def iter_tar(f):
-    """(name, bytes) of each regular file in an uncompressed tar stream (ustar, pax, GNU long names).
-
-    Python's tarfile spends ~100 us per member on pax header parsing, more than decoding the
-    32x32 PNG inside; this reads the 512-byte headers directly (checksums verified)."""
-    long_name = None
-    offset = 0
-    while True:
-        h = _read_exact(f, 512)
-        if h == b"\0" * 512:
-            return  # end-of-archive blocks (what follows is padding)
-        if not h:  # tar writers always end with zero blocks: a clean cut between members is truncation
-            raise TarFormatError(f"archive ends at byte {offset} without the end-of-archive blocks")
-        if len(h) < 512:
-            raise TarFormatError(f"archive ends inside a header at byte {offset}")
-        try:
-            stored = int(h[148:156].replace(b"\0", b" ").strip() or b"0", 8)
-            size = (int.from_bytes(h[125:136], "big") if h[124] & 0x80
-                    else int(h[124:136].replace(b"\0", b" ").strip() or b"0", 8))
-        except ValueError:
-            raise TarFormatError(f"unreadable tar header at byte {offset}") from None
-        if stored != sum(h) - sum(h[148:156]) + 8 * 32:
-            raise TarFormatError(f"tar header checksum mismatch at byte {offset}")
-        pad = -size % 512
-        data = _read_exact(f, size + pad)
-        if len(data) < size + pad:
-            member = h[:100].split(b"\0", 1)[0].decode("utf-8", "replace")
-            raise TarFormatError(f"archive ends inside member {member!r} at byte {offset}")
-        data = data[:size] if pad else data
-        offset += 512 + size + pad
-        kind = h[156:157]
-        if kind == b"x":  # pax extended header: "LEN key=value\n" records; only path matters here
-            for rec in data.split(b"\n"):
-                _, _, kv = rec.partition(b" ")
-                if kv.startswith(b"path="):
-                    long_name = kv[5:].decode("utf-8")
-            continue
-        if kind == b"L":  # GNU long name
-            long_name = data.rstrip(b"\0").decode("utf-8")
-            continue
-        if kind not in (b"0", b"\0", b"7"):  # directories, links, global headers: no sample data
-            long_name = None
-            continue
-        if long_name is None:
-            name = h[:100].split(b"\0", 1)[0].decode("utf-8")
-            prefix = h[345:500].split(b"\0", 1)[0].decode("utf-8") if h[257:262] == b"ustar" else ""
-            name = f"{prefix}/{name}" if prefix else name
-        else:
-            name, long_name = long_name, None
-        yield name, data
 
 
 class ShardStream(torch.utils.data.IterableDataset):
@@ -287,7 +222,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                     yield sample
         except FileNotFoundError:
             raise FileNotFoundError(f"shard not found: {url}") from None
-        except (TarFormatError, EOFError, zlib.error, OSError) as e:
+        except (TarFormatError, EOFError, OSError) as e:
             msg = f"shard {url}: corrupt or truncated tar after {n} sample(s) (last key {key!r}): {e}"
             if not self.skip_corrupt:
                 raise ShardError(msg) from e
@@ -334,8 +269,6 @@ class ShardStream(torch.utils.data.IterableDataset):
             p += 1
 
     def _decode(self, samples, rng):
-        from PIL import Image
-
         h, w = self.image_size
         for s in samples:
             url, key = s["__url__"], s["__key__"]
@@ -347,7 +280,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                 if ext is None:
                     raise ShardError(f"shard {url}: sample {key!r} has no image (png/ppm/jpg) field")
                 try:
-                    img = np.asarray(Image.open(io.BytesIO(s[ext])).convert("RGB"))
+                    img = decode_image(s[ext])
                     label = int(s["cls"])
                 except Exception as e:
                     raise ShardError(f"shard {url}: sample {key!r} cannot be decoded: {e}") from e
@@ -358,26 +291,17 @@ class ShardStream(torch.utils.data.IterableDataset):
                     raise
                 self._count_skip()
                 continue
-            if self.augment:  # random crop with zero padding + horizontal flip
-                p = self.crop_padding
-                if p:
-                    img = np.pad(img, ((p, p), (p, p), (0, 0)))
-                    i, j = rng.integers(0, 2 * p + 1, size=2)
-                    img = img[i:i + h, j:j + w]
-                if rng.random() < 0.5:
-                    img = img[:, ::-1]
+            if self.augment:
+                img = augment(img, rng, self.crop_padding)
             self._decoded += 1
             yield img, label, key
 
     def _batches(self, items, quota=None):
-        mean = torch.tensor(self.mean, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
-        std = torch.tensor(self.std, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
+        mean, std = scale_stats(self.mean, self.std)
         buf, made = [], 0
 
         def collate(buf):
-            x = torch.from_numpy(np.stack([b[0] for b in buf])).permute(0, 3, 1, 2).float()
-            x = ((x - mean) / std).contiguous()  # (x/255 - m)/s with the 255 folded in
-            y = torch.tensor([b[1] for b in buf], dtype=torch.int64)
+            x, y = to_batch([b[0] for b in buf], [b[1] for b in buf], mean, std)
             return (x, y, [b[2] for b in buf]) if self.return_keys else (x, y)
 
         for item in items:

@@ -65,7 +65,9 @@ def test_write_local_counts_caps_and_manifest(tmp_path):
         assert os.path.getsize(tmp_path / s["name"]) == s["bytes"]
     assert sorted(_tar_members(tmp_path / "val-000000.tar")[:2]) == ["val-0000000.cls", "val-0000000.png"]
     verify_manifest(str(tmp_path / "manifest.json"))
-    # byte cap in tar bytes (~5 KB per sample: pax headers + padded payloads; 10 KiB records)
+    again = write_shards(x, y, str(tmp_path / "again"), split="val", class_names=names, samples_per_shard=40)
+    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in m["shards"]]  # reproducible bytes
+    # byte cap in tar bytes (~2.5 KB per sample: headers + padded payloads; 10 KiB records)
     m2 = write_shards(x[:10], y[:10], str(tmp_path / "small"), samples_per_shard=100, max_shard_bytes=12_000)
     assert len(m2["shards"]) >= 3 and sum(s["samples"] for s in m2["shards"]) == 10
     assert all(s["bytes"] <= 12_000 for s in m2["shards"]), m2["shards"]

@@ -248,7 +248,7 @@ def test_feeds_trainer_on_xla_without_recompiles(even):
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 def test_tar_reader_matches_tarfile(tmp_path, fmt):
-    from data_tools.stream import TarFormatError, iter_tar
+    from data_tools.tario import TarFormatError, iter_tar
 
     members = [("a/b/k1.png", b"x" * 700), ("k1.cls", b"3"), ("d" * 120 + "/k2.png", b""), ("k2.cls", b"12" * 300)]
     buf = io.BytesIO()
