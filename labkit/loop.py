@@ -79,7 +79,9 @@ class Trainer:
             out = self.model(x)
         loss = F.cross_entropy(out.float(), y, reduction="sum")
         correct = (out.argmax(dim=-1) == y).sum()
-        return {"loss_sum": loss, "correct": correct, "count": torch.full((), y.shape[0], device=y.device)}
+        # labels < 0 are padding (data_tools pads the last eval batch with -100, cross_entropy's
+        # ignore_index, to keep shapes static): they add no loss, no hit and no count
+        return {"loss_sum": loss, "correct": correct, "count": (y >= 0).sum()}
 
     def on_log(self, record: dict) -> None:
         for cb in self.callbacks:

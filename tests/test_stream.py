@@ -220,7 +220,9 @@ def test_sha256_mismatch_with_verify(tmp_path, even):
 
 
 # -- feeding labkit's Trainer on XLA:CPU ------------------------------------------------------------
-def test_feeds_trainer_on_xla_without_recompiles(even):
+def test_feeds_trainer_on_xla_without_recompiles(even, uneven):
+    """2 epochs + evaluation each epoch: no compile after the first epoch, and the padded eval
+    batches count exactly the 330 real samples."""
     import torch_xla.debug.metrics as met
 
     import labkit
@@ -232,18 +234,23 @@ def test_feeds_trainer_on_xla_without_recompiles(even):
                                 torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     train = make_loader(str(even / "manifest.json"), 32, train=True, num_workers=2)
-    epochs_seen = []
+    val = make_loader(str(uneven / "manifest.json"), 64, train=False, mean=train.mean, std=train.std)
+    seen = []
 
     class Probe:
         def on_epoch_end(self, trainer):
-            epochs_seen.append((train.epoch, met.metric_data("CompileTime")[0], met.counter_value("UncachedCompile")))
+            seen.append((train.epoch, met.metric_data("CompileTime")[0], met.counter_value("UncachedCompile")))
 
-    tr = Trainer(model, opt, rt, TrainConfig(epochs=2, log_every=5, eval_every=0), train, callbacks=[Probe()])
+    tr = Trainer(model, opt, rt, TrainConfig(epochs=2, log_every=5, eval_every=1), train, val, callbacks=[Probe()])
     hist = tr.fit()
-    assert tr.step == 2 * 10 and [e[0] for e in epochs_seen] == [0, 1]
-    assert epochs_seen[1][1] == epochs_seen[0][1], epochs_seen  # no compile in epoch 2
-    assert epochs_seen[1][2] == epochs_seen[0][2], epochs_seen
+    assert tr.step == 2 * 10 and [e[0] for e in seen] == [0, 1]
+    assert seen[1][1:] == seen[0][1:], seen  # CompileTime and UncachedCompile unchanged in epoch 2
     assert all(np.isfinite(h["loss"]) for h in hist)
+    # val_acc over the real samples only: recount on the host with the same model
+    model_cpu = tr.module.to("cpu").eval()
+    with torch.no_grad():
+        hits = sum(int((model_cpu(x).argmax(1) == y).sum()) for x, y in val)  # padding (-100) never hits
+    assert hits > 0 and tr.eval_history[-1]["val_acc"] == pytest.approx(hits / 330, abs=1e-6)
 
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
