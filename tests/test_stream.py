@@ -138,6 +138,25 @@ def test_gcs_round_trip(gcs_bucket, digits):
     assert importlib.import_module("webdataset.gopen").gopen_schemes["gs"].__module__ == "data_tools.shards"
 
 
+def test_http_manifest_and_brace_url(even):
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(even))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        ld = make_loader(base + "/manifest.json", 40, train=False, return_keys=True)
+        assert len({k for b in _keys(ld) for k in b}) == 320
+        ld = make_loader(base + "/train-{000000..000007}.tar", 40, train=True, num_workers=2)
+        assert len(ld) == 8 and sum(1 for _ in ld) == 8  # the manifest beside them was found over http
+    finally:
+        server.shutdown()
+
+
 def test_url_list_without_manifest_needs_num_samples(tmp_path, even):
     for i in range(4):
         shutil.copy(even / f"train-{i:06d}.tar", tmp_path)
@@ -175,9 +194,19 @@ def test_truncated_and_corrupt_tar_name_the_shard(tmp_path, even):
     with pytest.raises(ShardError, match="train-000002.tar"):
         list(make_loader(str(d / "manifest.json"), 10, train=False, num_workers=2))
     # skip_corrupt: the rest is read and the loss is counted
-    ld = make_loader(str(d / "manifest.json"), 10, train=False, skip_corrupt=True, last_batch="partial")
+    ld = make_loader(str(d / "manifest.json"), 10, train=False, skip_corrupt=True, last_batch="partial",
+                     num_workers=2)  # the counter is shared with the worker processes
     n = sum(b[0].shape[0] for b in ld)
     assert ld.skipped >= 1 and n + ld.skipped >= 320 - 40 and n < 320
+
+
+def test_missing_shard_or_manifest_is_named(tmp_path, even):
+    d = _copy(even, tmp_path / "g")
+    os.remove(d / "train-000006.tar")
+    with pytest.raises(FileNotFoundError, match="train-000006.tar"):
+        list(make_loader(str(d / "manifest.json"), 10, train=False))
+    with pytest.raises(FileNotFoundError, match="manifest not found: .*nope/manifest.json"):
+        make_loader(str(tmp_path / "nope" / "manifest.json"), 10, train=True)
 
 
 def _rewrite(shard, fn):
