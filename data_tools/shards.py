@@ -58,6 +58,18 @@ def open_url(url: str):
     return importlib.import_module("webdataset.gopen").gopen(url, "rb")
 
 
+def is_not_found(e: BaseException) -> bool:
+    """FileNotFoundError, or google-cloud-storage's NotFound (raised on the first read of a
+    missing gs:// object)."""
+    if isinstance(e, FileNotFoundError):
+        return True
+    try:
+        from google.api_core.exceptions import NotFound
+    except ImportError:
+        return False
+    return isinstance(e, NotFound)
+
+
 def read_bytes(url: str) -> bytes:
     with open_url(url) as f:
         return f.read()
@@ -74,10 +86,12 @@ def load_manifest(url: str) -> dict:
     """Read a manifest.json (path or URL); shard URLs are added as m["urls"]."""
     try:
         m = json.loads(read_bytes(url))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"manifest not found: {url}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"manifest {url} is not valid JSON: {e}") from None
+    except Exception as e:
+        if is_not_found(e):
+            raise FileNotFoundError(f"manifest not found: {url}") from None
+        raise
     if m.get("format") != FORMAT or "shards" not in m:
         raise ValueError(f"{url} is not a labkit shard manifest (format={m.get('format')!r})")
     m["urls"] = [sibling(url, s["name"]) for s in m["shards"]]

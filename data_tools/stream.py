@@ -33,7 +33,7 @@ import multiprocessing as mp
 import numpy as np
 import torch
 
-from .shards import check_shard_bytes, load_manifest, open_url, register_gs, sibling
+from .shards import check_shard_bytes, is_not_found, load_manifest, open_url, register_gs, sibling
 from .tario import TarFormatError, iter_tar
 from .transforms import augment, decode_image, scale_stats, to_batch
 
@@ -220,9 +220,11 @@ class ShardStream(torch.utils.data.IterableDataset):
                 if sample:
                     n += 1
                     yield sample
-        except FileNotFoundError:
-            raise FileNotFoundError(f"shard not found: {url}") from None
-        except (TarFormatError, EOFError, OSError) as e:
+        except Exception as e:
+            if is_not_found(e):
+                raise FileNotFoundError(f"shard not found: {url}") from None
+            if not isinstance(e, (TarFormatError, EOFError, OSError)):
+                raise
             msg = f"shard {url}: corrupt or truncated tar after {n} sample(s) (last key {key!r}): {e}"
             if not self.skip_corrupt:
                 raise ShardError(msg) from e

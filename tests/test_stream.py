@@ -136,6 +136,13 @@ def test_gcs_round_trip(gcs_bucket, digits):
     import importlib
 
     assert importlib.import_module("webdataset.gopen").gopen_schemes["gs"].__module__ == "data_tools.shards"
+    from labkit import gcs
+
+    gcs.blob(url + "/train-000003.tar").delete()
+    with pytest.raises(FileNotFoundError, match="shard not found: gs://.*train-000003.tar"):
+        list(make_loader(url + "/manifest.json", 20, train=False))
+    with pytest.raises(FileNotFoundError, match="manifest not found"):
+        make_loader(f"gs://{gcs_bucket}/nothing/manifest.json", 20, train=False)
 
 
 def test_http_manifest_and_brace_url(even):
