@@ -16,13 +16,21 @@ Training: every replica yields exactly floor(samples / (world * batch)) full bat
 the same number everywhere (collectives stay in step, shapes stay static). A worker whose shards
 hold fewer samples than its share reads them again (re-shuffled); extra samples are left for the
 next epoch's shuffle. Shard order is a permutation seeded by (seed, epoch), the sample shuffle
-buffer by (seed, epoch, rank, worker): the same seed and epoch give the same batches.
+buffer by (seed, epoch, rank, worker): the same seed, epoch, world size and num_workers give the
+same batches. Iterating again without set_epoch() advances the epoch by itself.
 
 Evaluation: each replica reads its shards once, in order. Every sample is seen exactly once
 across replicas. `last_batch="pad"` (default) pads each worker's last batch to full size with
 zero images and label -100 (PyTorch's cross_entropy ignore_index), keeping shapes static;
 count real samples with `(y >= 0).sum()`. "partial" yields the smaller batch (a recompile on
-XLA), "drop" drops it. Replicas may get different numbers of eval batches.
+XLA), "drop" drops it (labkit.Trainer's eval_step counts labels >= 0). Replicas may get
+different numbers of eval batches.
+
+Bad data raises with the shard URL (and key): ShardError for a corrupt/truncated tar, a sample
+without `cls` or an undecodable image; ValueError for a sha256 mismatch (verify=True reads each
+shard whole and checks it before yielding from it); FileNotFoundError for a missing shard.
+skip_corrupt=True skips such samples instead (not sha256 mismatches) and counts them in
+`loader.skipped` (shared with worker processes; a sample met again in a later pass counts again).
 """
 from __future__ import annotations
 
