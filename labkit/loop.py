@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .checkpoint import check_compatible, rng_state, set_rng_state, versions
 from .config import TrainConfig
 from .loader import ParallelLoader, device_loader
 from .metrics import DeviceAccumulator, read
@@ -114,18 +115,21 @@ class Trainer:
     def state_dict(self) -> dict:
         state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                 "config": self.cfg.to_dict()}
+                 "config": self.cfg.to_dict(), "rng": rng_state(self.rt), "versions": versions()}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        check_compatible(state["model"], self.module)  # names the first mismatched key
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
+        if "rng" in state:  # dropout/augmentation draws continue exactly where they stopped
+            set_rng_state(state["rng"], self.rt)
 
     # -- the loop --------------------------------------------------------------------------
     def _log_due(self, now: float) -> bool:
@@ -197,7 +201,11 @@ class Trainer:
             self._call("on_epoch_end")
             self.epoch += 1
             self.batch_in_epoch = 0
-        self._call("on_train_end")
+        try:
+            self._call("on_train_end")
+        finally:
+            if self.checkpoint is not None and hasattr(self.checkpoint, "wait"):
+                self.checkpoint.wait()  # the last async upload finishes (or raises) before fit returns
         return self.history
 
     def _run_epoch(self, total: int) -> None:
