@@ -1,0 +1,168 @@
+"""CheckpointManager against a real folder and a real loopback GCS server: atomic pointer,
+retention, best metric, verified uploads, faults (server down, corrupt object, missing bucket,
+two writers, shape mismatch), XLA state saved with one batched transfer."""
+import json
+import os
+
+import pytest
+import torch
+
+from labkit.checkpoint import CheckpointManager, check_compatible, rng_state, set_rng_state, to_cpu
+
+
+def _state(step, n=4):
+    return {"model": {"w": torch.full((n, n), float(step)), "b": torch.arange(n, dtype=torch.float32)},
+            "step": step, "rng": rng_state()}
+
+
+def test_local_roundtrip_retention_and_best(tmp_path):
+    m = CheckpointManager(tmp_path, keep=2, best_metric="val_acc", mode="max", save_every=2)
+    accs = {1: 0.1, 2: 0.2, 3: 0.9, 4: 0.3, 5: 0.2, 6: 0.4, 7: 0.5, 8: 0.1}
+    saved = [s for s, a in accs.items() if m.save(s, _state(s), metrics={"val_acc": a})]
+    m.wait()
+    # periodic (even steps) plus every improvement (1, 2, 3)
+    assert saved == [1, 2, 3, 4, 6, 8]
+    names = sorted(n for n in os.listdir(tmp_path) if n.endswith(".pt"))
+    assert names == ["ckpt-00000003.pt", "ckpt-00000006.pt", "ckpt-00000008.pt"]  # last 2 + best
+    ptr = json.loads((tmp_path / "latest").read_text())
+    assert ptr["step"] == 8 and ptr["best"]["step"] == 3 and ptr["metrics"]["val_acc"] == 0.1
+    st = m.restore()
+    assert st["step"] == 8 and torch.equal(st["model"]["w"], torch.full((4, 4), 8.0))
+    assert m.restore(step=3)["model"]["w"][0, 0] == 3.0
+    # a new manager picks the best up from the pointer: 0.5 is no improvement over 0.9
+    m2 = CheckpointManager(tmp_path, keep=2, save_every=100)
+    assert not m2.save(9, _state(9), metrics={"val_acc": 0.5})
+
+
+def test_restore_empty_and_missing_step(tmp_path):
+    m = CheckpointManager(tmp_path / "none")
+    assert m.restore() is None
+    with pytest.raises(FileNotFoundError, match="ckpt-00000005.pt"):
+        m.restore(step=5)
+
+
+def test_rng_state_roundtrip_is_weights_only_safe(tmp_path):
+    import random
+
+    import numpy as np
+
+    s = rng_state()
+    torch.save(s, tmp_path / "r.pt")
+    a = (random.random(), np.random.rand(), torch.rand(1))
+    set_rng_state(torch.load(tmp_path / "r.pt", weights_only=True))
+    b = (random.random(), np.random.rand(), torch.rand(1))
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def test_corrupt_newest_falls_back_with_warning(tmp_path):
+    m = CheckpointManager(tmp_path, keep=3, async_save=False)
+    for s in (1, 2, 3):
+        m.save(s, _state(s))
+    p = tmp_path / "ckpt-00000003.pt"
+    p.write_bytes(p.read_bytes()[:100])  # truncated
+    with pytest.warns(UserWarning, match="ckpt-00000003.pt"):
+        st = m.restore()
+    assert st["step"] == 2
+
+
+def test_shape_mismatch_names_key():
+    a = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    b = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    check_compatible(a.state_dict(), a)
+    with pytest.raises(ValueError, match=r"'1\.weight'"):
+        check_compatible(a.state_dict(), b)
+
+
+def test_trainer_load_state_dict_rejects_other_shape(tmp_path):
+    import labkit
+
+    rt = labkit.setup("cpu")
+    mk = lambda k: torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, k))
+    t1 = labkit.Trainer(mk(2), torch.optim.SGD(mk(2).parameters(), lr=0.1), rt, labkit.TrainConfig())
+    m = CheckpointManager(tmp_path, async_save=False)
+    m.save(1, t1.state_dict())
+    model = mk(3)
+    t2 = labkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt, labkit.TrainConfig())
+    with pytest.raises(ValueError, match=r"1\.weight"):
+        t2.load_state_dict(m.restore())
+
+
+def test_gcs_roundtrip_corrupt_and_two_writers(gcs_bucket):
+    from labkit import gcs
+
+    root = f"gs://{gcs_bucket}/run"
+    m = CheckpointManager(root, keep=2)
+    for s in (1, 2, 3):
+        m.save(s, _state(s))
+    m.wait()
+    names = sorted(b.name for b in gcs.client().list_blobs(gcs_bucket))
+    assert names == ["run/ckpt-00000002.pt", "run/ckpt-00000003.pt", "run/latest"]
+    assert m.restore()["step"] == 3
+    # a second writer that read the pointer before the first moved it loses, with a clear error
+    other = CheckpointManager(root, keep=2, async_save=False)
+    m.save(4, _state(4))
+    m.wait()
+    with pytest.raises(RuntimeError, match="another writer"):
+        other.save(5, _state(5))
+    assert m.latest()["step"] == 4
+    # corrupt the newest object: restore warns and falls back to step 3
+    gcs.blob(f"{root}/ckpt-00000004.pt").upload_from_string(b"garbage")
+    with pytest.warns(UserWarning, match="ckpt-00000004.pt"):
+        assert m.restore()["step"] == 3
+
+
+def test_missing_bucket_is_a_clear_error(gcs_server):
+    with pytest.raises(FileNotFoundError, match="no-such-bucket-xyz"):
+        CheckpointManager("gs://no-such-bucket-xyz/run")
+
+
+def test_server_down_during_upload_then_recovers(tmp_path, monkeypatch):
+    from labkit import gcs
+    from labkit.gcs_emulator import LocalGCSServer
+
+    # stop()+start() leaves this server's address in the environment: monkeypatch puts the
+    # session server's back afterwards
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", os.environ.get("STORAGE_EMULATOR_HOST", ""))
+    with LocalGCSServer(root=tmp_path / "srv") as server:
+        gcs.client().create_bucket("faults")
+        m = CheckpointManager("gs://faults/run", keep=2, retry_deadline_s=2)
+        m.save(1, _state(1))
+        m.wait()
+        server.stop()
+        m.save(2, _state(2, n=64))  # async: training goes on, the error comes at wait()
+        with pytest.raises(RuntimeError, match="ckpt-00000002.pt"):
+            m.wait()
+        server.start()
+        assert m.latest()["step"] == 1  # the pointer still names the last good checkpoint
+        m.save(3, _state(3))
+        m.wait()
+        assert m.latest()["step"] == 3 and m.restore()["step"] == 3
+
+
+def test_async_error_surfaces_on_next_save(tmp_path):
+    m = CheckpointManager(tmp_path / "ro", keep=2)
+    m.save(1, {"x": lambda: 0})  # pickling a lambda fails in the background thread
+    with pytest.raises(RuntimeError, match="earlier checkpoint save"):
+        m.save(2, _state(2))
+
+
+def test_xla_state_moves_in_one_transfer_and_loads_on_cpu(tmp_path):
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    dev = torch_xla.device()
+    model = torch.nn.Linear(16, 4).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 16, device=dev)).sum().backward()
+    opt.step()
+    torch_xla.sync()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    met.clear_all()
+    cpu = to_cpu(state)
+    assert (met.metric_data("CompileTime") or (0,))[0] == 0  # no compile to save
+    assert met.metric_data("TransferFromDeviceTime")[0] == 1  # one batched transfer
+    m = CheckpointManager(tmp_path, async_save=False)
+    m.save(1, state)
+    back = m.restore()
+    assert back["model"]["weight"].device.type == "cpu"
+    assert torch.equal(back["model"]["weight"], cpu["model"]["weight"])
