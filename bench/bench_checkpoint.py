@@ -29,8 +29,8 @@ from labkit.gcs_emulator import LocalGCSServer
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=36)
-    ap.add_argument("--save-at", type=int, nargs="+", default=[6, 16, 26])
+    ap.add_argument("--steps", type=int, default=44)
+    ap.add_argument("--save-at", type=int, nargs="+", default=[8, 26])
     a = ap.parse_args()
     import torch_xla.debug.metrics as met
 
@@ -44,6 +44,8 @@ def main():
 
     with LocalGCSServer() as server:
         gcs.client().create_bucket("bench-ckpt")
+        if os.environ.get("BENCH_NICE_SERVER", "1") == "1":  # stands in for a remote server's CPUs
+            os.setpriority(os.PRIO_PROCESS, server.proc.pid, 10)
         ckpt = CheckpointManager("gs://bench-ckpt/run", keep=2, rt=rt, best_metric=None)
 
         class Probe:

@@ -320,6 +320,12 @@ class CheckpointManager:
 
     def _write_guarded(self, *args):
         try:
+            # lower this thread's CPU priority: serializing and uploading should take idle cycles,
+            # not the host threads that feed and run the training step (Linux: per-thread nice)
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except (AttributeError, OSError):
+                pass
             self._write(*args)
         except BaseException as e:  # surfaced on the next save()/wait()
             self._error = e
