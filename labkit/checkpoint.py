@@ -11,15 +11,13 @@ server's crc32c matched ours, so a reader never sees half a checkpoint. On GCS t
 written with if_generation_match (the generation last read, 0 to create): of two writers only one
 wins, the other gets a clear error. Old objects (beyond the last `keep`, except the best) are deleted
 after the pointer moved. Uploads run in one background thread, at most one pending; their errors
-surface on the next save(), wait() or close().
+surface on the next save(), wait() or close(). The folder/GCS specifics live in labkit.storage.
 """
 from __future__ import annotations
 
 import io
-import json
 import os
 import random
-import re
 import tempfile
 import threading
 import time
@@ -29,9 +27,7 @@ import numpy as np
 import torch
 
 from . import gcs
-
-_NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
-
+from .storage import NAME as _NAME, GCSStore, LocalStore
 
 def object_name(step: int) -> str:
     return f"ckpt-{int(step):08d}.pt"
@@ -135,126 +131,6 @@ def check_compatible(model_state: dict, target_model) -> None:
             raise ValueError(f"model key {k!r} is missing from the checkpoint")
 
 
-# -- storage ---------------------------------------------------------------------------------------
-class _Local:
-    def __init__(self, root):
-        self.root = str(root)
-        os.makedirs(self.root, exist_ok=True)
-        self.generation = None
-
-    def url(self, name):
-        return os.path.join(self.root, name)
-
-    def put(self, tmp, name, crc):
-        os.replace(tmp, self.url(name))  # same folder: atomic rename
-        if gcs.crc32c_b64(self.url(name)) != crc:
-            raise IOError(f"crc32c mismatch after writing {self.url(name)}")
-
-    def get(self, name) -> bytes:
-        with open(self.url(name), "rb") as f:
-            return f.read()
-
-    def names(self):
-        return sorted(n for n in os.listdir(self.root) if _NAME.match(n))
-
-    def delete(self, name):
-        try:
-            os.remove(self.url(name))
-        except FileNotFoundError:
-            pass
-
-    def read_pointer(self):
-        try:
-            return json.loads(self.get("latest"))
-        except FileNotFoundError:
-            return None
-
-    def write_pointer(self, data: dict):
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".latest-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, self.url("latest"))
-
-    def tmpdir(self):
-        return self.root
-
-
-class _GCS:
-    def __init__(self, root, retry_deadline_s):
-        gcs.ensure_bucket(root)  # missing bucket: FileNotFoundError now, not at the first save
-        self.root = root.rstrip("/")
-        self.bucket, self.prefix = gcs.parse_url(self.root + "/")
-        self.retry_deadline_s = retry_deadline_s
-        self.generation = None  # of `latest` as last read or written; 0: create only
-
-    def url(self, name):
-        return gcs.join(self.root, name)
-
-    def _retry(self):
-        from google.api_core.retry import Retry
-        from google.cloud.storage.retry import DEFAULT_RETRY
-
-        return Retry(predicate=DEFAULT_RETRY._predicate, initial=0.2, maximum=5.0, multiplier=2.0,
-                     timeout=self.retry_deadline_s)
-
-    def put(self, tmp, name, crc):
-        try:
-            b = gcs.upload_file(tmp, self.url(name), timeout=min(120, self.retry_deadline_s + 5), retry=self._retry())
-        except IOError:
-            raise
-        except Exception as e:
-            raise IOError(f"upload of checkpoint {self.url(name)} failed after retries "
-                          f"(deadline {self.retry_deadline_s}s): {type(e).__name__}: {e}") from e
-        if b.crc32c != crc:
-            raise IOError(f"crc32c mismatch for {self.url(name)}")
-
-    def get(self, name) -> bytes:
-        return gcs.blob(self.url(name)).download_as_bytes(retry=self._retry())
-
-    def names(self):
-        blobs = gcs.client().list_blobs(self.bucket, prefix=self.prefix)
-        out = [b.name[len(self.prefix):] for b in blobs]
-        return sorted(n for n in out if _NAME.match(n))
-
-    def delete(self, name):
-        from google.api_core import exceptions
-
-        try:
-            gcs.blob(self.url(name)).delete(retry=self._retry())
-        except exceptions.NotFound:
-            pass
-
-    def read_pointer(self):
-        from google.api_core import exceptions
-
-        b = gcs.blob(self.url("latest"))
-        try:
-            data = b.download_as_bytes(retry=self._retry())
-        except exceptions.NotFound:
-            self.generation = 0
-            return None
-        self.generation = b.generation
-        return json.loads(data)
-
-    def write_pointer(self, data: dict):
-        from google.api_core import exceptions
-
-        if self.generation is None:
-            self.read_pointer()
-        b = gcs.blob(self.url("latest"))
-        try:
-            # no retry: a retried conditional write could report a 412 for our own first success
-            b.upload_from_string(json.dumps(data), content_type="application/json",
-                                 if_generation_match=self.generation, retry=None)
-        except exceptions.PreconditionFailed:
-            raise RuntimeError(f"{self.url('latest')} was moved by another writer (expected generation "
-                               f"{self.generation}); two runs are saving to the same prefix") from None
-        self.generation = b.generation
-
-    def tmpdir(self):
-        return None
-
-
 # -- the manager ----------------------------------------------------------------------------------
 class CheckpointManager:
     def __init__(self, root, keep: int = 3, best_metric: str | None = "val_acc", mode: str = "max",
@@ -268,7 +144,7 @@ class CheckpointManager:
 
             rt = current_runtime()
         self.rt = rt
-        self.store = _GCS(self.root, retry_deadline_s) if gcs.is_gcs(self.root) else _Local(self.root)
+        self.store = GCSStore(self.root, retry_deadline_s) if gcs.is_gcs(self.root) else LocalStore(self.root)
         ptr = self.store.read_pointer() if self._master else None
         self.best = ptr.get("best") if ptr else None  # {"step", "name", "value"}
         self._thread: threading.Thread | None = None
