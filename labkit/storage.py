@@ -25,6 +25,12 @@ class LocalStore:
         self.root = str(root)
         os.makedirs(self.root, exist_ok=True)
         self.generation = None
+        for n in os.listdir(self.root):  # temp files of a writer killed mid-save (never visible as checkpoints)
+            if n.startswith(".ckpt-") and n.endswith(".tmp"):
+                try:
+                    os.remove(os.path.join(self.root, n))
+                except FileNotFoundError:
+                    pass
 
     def url(self, name):
         return os.path.join(self.root, name)

@@ -42,12 +42,15 @@ def test_kill_and_resume_bit_identical(tmp_path, backend):
     _same(tmp_path / "ref.pt", tmp_path / "resumed.pt")
 
 
-def test_kill_inside_upload_gcs(tmp_path, gcs_bucket):
-    root = f"gs://{gcs_bucket}/run"
-    _run(tmp_path / "ref", tmp_path / "ref.pt", "cpu")
-    _run(root, tmp_path / "x.pt", "cpu", env={"LABKIT_CKPT_KILL_IN_UPLOAD": "9"}, expect_kill=True)
+@pytest.mark.parametrize("backend,where", [("cpu", "gcs"), ("xla-cpu", "local")])
+def test_kill_inside_upload(tmp_path, request, backend, where):
+    root = f"gs://{request.getfixturevalue('gcs_bucket')}/run" if where == "gcs" else str(tmp_path / "run")
+    _run(tmp_path / "ref", tmp_path / "ref.pt", backend)
+    _run(root, tmp_path / "x.pt", backend, env={"LABKIT_CKPT_KILL_IN_UPLOAD": "9"}, expect_kill=True)
     from labkit.checkpoint import CheckpointManager
 
     assert CheckpointManager(root).latest()["step"] == 6  # the half-done save of step 9 is invisible
-    _run(root, tmp_path / "resumed.pt", "cpu", "--resume")
+    _run(root, tmp_path / "resumed.pt", backend, "--resume")
     _same(tmp_path / "ref.pt", tmp_path / "resumed.pt")
+    if where == "local":  # the killed writer's temp file was swept; only named checkpoints remain
+        assert all(not n.endswith(".tmp") for n in os.listdir(root))
