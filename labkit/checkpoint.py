@@ -145,7 +145,7 @@ class CheckpointManager:
             rt = current_runtime()
         self.rt = rt
         self.store = GCSStore(self.root, retry_deadline_s) if gcs.is_gcs(self.root) else LocalStore(self.root)
-        ptr = self.store.read_pointer() if self._master else None
+        ptr = self.store.read_pointer()  # every replica: the same best value -> the same save decisions
         self.best = ptr.get("best") if ptr else None  # {"step", "name", "value"}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
