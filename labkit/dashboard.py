@@ -32,11 +32,6 @@ from .xla_health import HealthMonitor
 _forced: str | None = None
 _detected: str | None = None
 
-# Peak dense bf16 FLOP/s per chip, for MFU when peak_flops is not given (vendor figures).
-PEAK_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5litepod": 197e12, "v5p": 459e12, "v6e": 918e12,
-              "H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "T4": 65e12}
-
-
 def force_console(on: bool = True) -> None:
     """Use the console twin even inside a notebook (or undo with on=False)."""
     global _forced
@@ -171,9 +166,10 @@ class Dashboard:
     """Trainer callback; see the module docstring.
 
     total_steps: for progress and ETA (default: the trainer's). flops_per_step / tokens_per_step:
-    work of ONE replica's step (MFU = its FLOP/s over peak_flops, one chip's peak: guessed for
-    known TPUs/GPUs); tokens/s is shown for all replicas. every: minimum seconds between draws
-    (default: the sink's own: 0 for the console line, 1 s for the notebook header and 15 s for
+    work of ONE replica's step (MFU = its FLOP/s over peak_flops, one chip's peak; by default
+    labkit.flops.peak_flops: a table for TPUs/GPUs, a measured matmul rate on a CPU; the figure's
+    source is kept in .peak_source); tokens/s is shown for all replicas. every: minimum seconds
+    between draws (default: the sink's own: 0 for the console line, 1 s for the notebook header and 15 s for
     its figure); the last draw always happens. sink: anything with draw(frame, dashboard)
     (default: chosen by environment()). tensorboard_dir: also write the numbers there."""
 
@@ -181,6 +177,7 @@ class Dashboard:
                  peak_flops=None, every=None, sink=None, tensorboard_dir=None, smoothing=0.6):
         self.total_steps, self._total_given, self.title = total_steps, total_steps, title
         self.flops_per_step, self.tokens_per_step, self.peak_flops = flops_per_step, tokens_per_step, peak_flops
+        self.peak_source = "given" if peak_flops else None  # where peak_flops came from (labkit.flops)
         self.every, self.sink, self.tensorboard_dir, self.smoothing = every, sink, tensorboard_dir, smoothing
         self.history: list[dict] = []   # one row per log interval (what was drawn)
         self.evals: list[dict] = []
@@ -204,7 +201,9 @@ class Dashboard:
         if self.sink is None and self._active:
             self.sink = ConsoleSink() if environment() == "console" else NotebookSink()
         if self.peak_flops is None and self.flops_per_step:
-            self.peak_flops = _guess_peak(rt)
+            from . import flops  # the chip's table figure, or a measured one on a CPU (~1 s, once)
+
+            self.peak_flops, self.peak_source = flops.peak_flops(rt)
         if self.tensorboard_dir and self._active and self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -429,17 +428,3 @@ def render(dash: Dashboard):
         y -= 0.1
     fig.suptitle(dash.title)
     return fig
-
-
-def _guess_peak(rt) -> float | None:
-    name = ""
-    if rt.kind == "cuda":
-        import torch
-
-        name = torch.cuda.get_device_name(rt.device)
-    elif rt.kind == "tpu":
-        name = os.environ.get("TPU_ACCELERATOR_TYPE", "")
-    for key, v in PEAK_FLOPS.items():
-        if key.lower() in name.lower():
-            return v
-    return None

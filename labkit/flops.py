@@ -1,0 +1,117 @@
+"""Peak FLOP/s of the chip we run on, and model FLOPs utilisation (MFU).
+
+    peak, source = labkit.flops.peak_flops(rt)   # (1.97e14, "TPU v5e (TPU v5 lite): 197 TFLOP/s bf16 dense, ...")
+    print(f"MFU {mfu(flops_per_step, step_time_s, peak):.1%}")
+
+MFU = (FLOPs the model needs per step / step time) / the chip's peak FLOP/s. The model's FLOPs
+are counted from its shapes (e.g. GPT.flops_per_token), not measured, so work the hardware does
+on top (recomputation, padding, optimizer) does not raise MFU. Peaks are per chip, dense (no
+2:4 sparsity), bf16 on the matrix units; a run with world_size chips compares one replica's
+FLOP/s with one chip's peak.
+
+On a CPU there is no vendor figure worth quoting, so `measure_cpu_peak()` times a float32
+matmul for about a second (once per process) and uses that; the source string says "measured".
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+
+# Peak dense bf16 FLOP/s per chip. Sources: Google Cloud TPU system-architecture pages
+# ("Peak compute per chip (bf16)": v2 45, v3 123, v4 275, v5e 197, v5p 459, v6e/Trillium 918
+# TFLOPs; v3/v4/v5e/v6e checked against cloud.google.com/tpu/docs/<version>); NVIDIA data
+# sheets (A100 312, H100 SXM 989, H100 PCIe 756, H200 989, L4 121, T4 65 TFLOPS bf16/fp16
+# tensor core, dense: the "with sparsity" figures are twice these).
+PEAK_FLOPS: dict[str, float] = {
+    "TPU v2": 45e12, "TPU v3": 123e12, "TPU v4": 275e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
+    "TPU v6e": 918e12, "A100": 312e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12,
+    "L4": 121e12, "T4": 65e12,
+}
+SOURCES = {"tpu": "Google Cloud TPU docs", "cuda": "NVIDIA data sheet"}
+
+# Names as the chips report themselves -> PEAK_FLOPS keys, first match wins. XLA's device kind
+# says "TPU v5 lite" for v5e, "TPU v5" for v5p, "TPU v6 lite" for v6e; TPU_ACCELERATOR_TYPE says
+# "v5litepod-8", "v5p-8", "v6e-8"; CUDA says e.g. "NVIDIA H100 80GB HBM3", "NVIDIA L4".
+_ALIASES = [
+    (r"v6e|v6 ?lite|trillium", "TPU v6e"), (r"v5e|v5 ?lite", "TPU v5e"), (r"v5p|\bv5\b", "TPU v5p"),
+    (r"\bv4", "TPU v4"), (r"\bv3", "TPU v3"), (r"\bv2", "TPU v2"),
+    (r"\bA100", "A100"), (r"\bH100.*PCIe", "H100 PCIe"), (r"\bH100", "H100"), (r"\bH200", "H200"),
+    (r"\bL4\b", "L4"), (r"\bT4\b", "T4"),
+]
+
+_cpu_peak: float | None = None
+
+
+def detect_chip(rt) -> str | None:
+    """The chip's own name: 'TPU v5 lite', 'v5litepod-8', 'NVIDIA H100 80GB HBM3', 'cpu', or None."""
+    kind = getattr(rt, "kind", None)
+    if kind == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(rt.device)
+    if kind == "tpu":
+        try:  # the runtime's device kind, e.g. "TPU v4" (host-side, no device work)
+            import torch_xla.core.xla_model as xm
+
+            name = xm.xla_device_kind(rt.device)
+            if name and name.strip().upper() != "TPU":
+                return name
+        except Exception:  # noqa: BLE001 - older torch_xla: fall back to the TPU VM's environment
+            pass
+        return os.environ.get("TPU_ACCELERATOR_TYPE") or "TPU (unknown version)"
+    if kind in ("cpu", "xla-cpu"):
+        return "cpu"
+    return None
+
+
+def lookup(chip: str | None) -> tuple[str, float] | None:
+    """(PEAK_FLOPS key, peak) for a chip name as detect_chip reports it, or None."""
+    for pattern, key in _ALIASES:
+        if chip and re.search(pattern, chip, flags=re.IGNORECASE):
+            return key, PEAK_FLOPS[key]
+    return None
+
+
+def measure_cpu_peak(seconds: float = 1.0, n: int = 1024) -> float:
+    """FLOP/s of float32 n x n matmuls on this CPU (torch's own BLAS, all threads), timed for about
+    `seconds` once per process and cached. A measured ceiling, not a vendor figure: MFU against it
+    says how close a model gets to what this machine's matmul actually does."""
+    global _cpu_peak
+    if _cpu_peak is None:
+        import torch
+
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up: thread pool, caches
+        reps, t0 = 0, time.perf_counter()
+        while True:
+            a @ b
+            reps += 1
+            dt = time.perf_counter() - t0
+            if dt >= seconds:
+                break
+        _cpu_peak = 2 * n**3 * reps / dt
+    return _cpu_peak
+
+
+def peak_flops(rt) -> tuple[float | None, str]:
+    """(peak FLOP/s of one chip, where the figure comes from). LABKIT_PEAK_FLOPS overrides."""
+    env = os.environ.get("LABKIT_PEAK_FLOPS")
+    if env:
+        return float(env), "LABKIT_PEAK_FLOPS"
+    chip = detect_chip(rt)
+    if chip == "cpu":
+        p = measure_cpu_peak()
+        return p, f"CPU: {p / 1e9:.0f} GFLOP/s float32 matmul, measured here"
+    found = lookup(chip)
+    if found is None:
+        return None, f"unknown chip {chip!r}: no peak (set LABKIT_PEAK_FLOPS to give one)"
+    key, v = found
+    return v, f"{key} ({chip}): {v / 1e12:.0f} TFLOP/s bf16 dense, {SOURCES.get(rt.kind, 'vendor figure')}"
+
+
+def mfu(flops_per_step: float, step_time_s: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s over peak (None when the peak is unknown)."""
+    if not peak or step_time_s <= 0:
+        return None
+    return flops_per_step / step_time_s / peak
