@@ -1,0 +1,254 @@
+"""A small decoder-only transformer (GPT) for byte-level language modelling.
+
+    model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64))
+    logits, loss = model(x, y)                    # x, y: (B, T) int64 byte ids
+    out = model.generate(prompt, 200, temperature=0.8, top_k=40)   # (B, 200) on the host
+
+The architecture is the one GPT-2 made standard: token + learned position embeddings, then
+n_layer pre-norm blocks (x + attn(ln(x)), x + mlp(ln(x))), a final LayerNorm and an output
+layer that shares its weight with the token embedding. Pre-norm keeps the residual stream an
+identity path, so deep stacks train without warm-up tricks; weight tying saves vocab*n_embd
+parameters and ties "what a byte means" on input to "how likely it is" on output.
+
+`LMTrainer` is labkit's Trainer with the two hooks a language model needs (the model returns
+the loss itself; evaluation sums loss and next-byte hits over every position).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .loop import Trainer
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256       # bytes: no tokenizer to download or train
+    block_size: int = 256       # longest context (positions the model has embeddings for)
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    bias: bool = True           # biases in Linear and LayerNorm layers
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj.residual = True  # scaled init, see GPT._init
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, heads, T, head_dim): each head attends on its own slice of the channels
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # is_causal=True: position t sees positions <= t only. On XLA this lowers to plain
+        # matmul + mask + softmax (no fused kernel), which XLA's compiler then fuses itself.
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj.residual = True
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))   # pre-norm: normalise the branch input, never the residual
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.apply(self._init)
+
+    def lm_head(self, h):
+        """Output logits with the token embedding as the output matrix (weight tying).
+
+        Tied by construction rather than by sharing one Parameter between two modules: moving
+        a model to an XLA device replaces each module's Parameter separately, which silently
+        unties a shared one (the output copy then gets no optimizer updates)."""
+        return F.linear(h, self.wte.weight)
+
+    def _init(self, m):
+        # GPT-2's init: N(0, 0.02) everywhere; the projections that write into the residual
+        # stream get std 0.02/sqrt(2*n_layer), so the stream's variance stays ~constant at init
+        # however many blocks add to it (each block adds two such projections).
+        if isinstance(m, nn.Linear):
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(m, "residual", False) else 0.02
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters (the tied matrix is one). non_embedding drops the position table,
+        which is a lookup, not a matmul; the token table stays because lm_head multiplies by it."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward) at context length seq_len (default block_size).
+
+        6*N + 12*L*T*d (Kaplan et al. 2020, as in the PaLM paper's MFU appendix): every weight does
+        one multiply-add (2 FLOPs) per token forward and two in backward (grads for the input and
+        for the weight), hence 6 per parameter; attention's QK^T and AV products have no weights,
+        2*T*d FLOPs each per layer per token forward, times 3 for backward. Causal masking would
+        halve them, but the usual convention (and the hardware) computes the full T x T scores.
+        LayerNorms, GELU, softmax and biases are ignored: a few % of the total at these sizes."""
+        T = seq_len or self.cfg.block_size
+        return 6 * self.num_params() + 12 * self.cfg.n_layer * T * self.cfg.n_embd
+
+    def hidden(self, idx):
+        """Final-LayerNorm activations (B, T, n_embd) for token ids idx (B, T)."""
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} is longer than block_size={self.cfg.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)
+
+    def forward(self, idx, targets=None):
+        """Logits (B, T, vocab) and, when targets (B, T) are given, the mean cross-entropy in nats
+        (float32 even under bf16 autocast; targets of -1 are ignored)."""
+        logits = self.lm_head(self.hidden(idx))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None):
+        """Continue prompts idx (B, T0) by max_new_tokens bytes; returns them as a (B, max_new_tokens)
+        CPU tensor. temperature 0 (or top_k=1) is greedy decoding.
+
+        Written for XLA, where every new graph is a compile (seconds on a TPU, tens on big models):
+        - The model always runs on a fixed (B, block_size) window kept on the device. Growing
+          the input by one token per step (the textbook loop) would be a new shape, hence a new
+          compile, for every token until the window is full.
+        - While the window fills, the position to read and write is a device tensor, not a Python
+          int: the graph is identical at every step, only the data changes. Once full, the window
+          slides left by one (a second graph). So two step graphs in all, however many tokens.
+        - Sampling stays on the device (Gumbel-max: argmax(logits/temperature + Gumbel noise) draws
+          from softmax(logits/temperature); top_k masks with a fixed k). torch.multinomial may run
+          on the CPU under XLA, and .item() per token would stop the device every step.
+        - Each step ends with a sync, which cuts the lazy graph (otherwise it would grow by a whole
+          forward pass per token); the tokens come to the host once, at the end.
+        Costs: every step computes the full window even while it is mostly padding (causal
+        attention makes the padding after the read position invisible to it), and there is no
+        key/value cache, so each token costs a full forward pass over block_size positions."""
+        if top_k is not None and not 1 <= top_k <= self.cfg.vocab_size:
+            raise ValueError(f"top_k={top_k} must be between 1 and vocab_size={self.cfg.vocab_size}")
+        dev, T = idx.device, self.cfg.block_size
+        sync = _sync_fn(dev)
+        B, n = idx.shape[0], min(idx.shape[1], T)
+        if n == 0:
+            raise ValueError("generate needs a prompt of at least one token")
+        buf = F.pad(idx[:, -n:], (0, T - n))                      # (B, T): prompt, then padding
+        cols = torch.arange(T, device=dev).unsqueeze(0)
+        out = torch.zeros(B, max_new_tokens, dtype=torch.long, device=dev)
+        out_cols = torch.arange(max_new_tokens, device=dev).unsqueeze(0)
+        pos = torch.full((1,), n, dtype=torch.long, device=dev)   # tokens in the window (device)
+        step = torch.zeros((1,), dtype=torch.long, device=dev)
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                full = n >= T                                      # host-side: picks the graph
+                h = self.hidden(buf)
+                h = h[:, -1:] if full else h.index_select(1, pos - 1)
+                nxt = _sample(self.lm_head(h)[:, 0].float(), temperature, top_k)   # (B,)
+                out = torch.where(out_cols == step, nxt[:, None], out)
+                step = step + 1
+                if full:
+                    buf = torch.cat([buf[:, 1:], nxt[:, None]], dim=1)
+                else:
+                    buf = torch.where(cols == pos, nxt[:, None], buf)
+                    pos = pos + 1
+                    n += 1
+                sync()
+        finally:
+            self.train(was_training)
+        return out.cpu()  # the one device->host transfer
+
+
+def _sample(logits, temperature: float, top_k: int | None):
+    """One token id per row, computed on the device without data-dependent shapes."""
+    if temperature == 0 or top_k == 1:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    u = torch.rand_like(logits).clamp_(1e-10, 1.0 - 1e-7)  # clamp: log(0) would be -inf
+    return (logits - torch.log(-torch.log(u))).argmax(dim=-1)
+
+
+def _sync_fn(device):
+    if device.type == "xla":
+        import torch_xla
+
+        return torch_xla.sync
+    return lambda: None
+
+
+class LMTrainer(Trainer):
+    """labkit.Trainer for next-token prediction: batches are (x, y), both (B, T) token ids.
+
+    Records: loss in nats per token; evaluate() gives val_loss (nats per token) and val_acc
+    (next-token accuracy). examples/s counts sequences: tokens/s = examples/s * T."""
+
+    def train_step(self, batch):
+        x, y = batch
+        with self.rt.autocast(self.cfg.bf16):
+            _, loss = self.model(x, y)
+        loss.backward()
+        return loss
+
+    def eval_step(self, batch) -> dict:
+        x, y = batch
+        with self.rt.autocast(self.cfg.bf16):
+            logits, _ = self.model(x)
+        logits = logits.float()
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction="sum")
+        return {"loss_sum": loss, "correct": (logits.argmax(-1) == y).sum(), "count": (y >= 0).sum()}
+
+
+def bits_per_byte(nats_per_token: float) -> float:
+    """Cross-entropy in nats per byte -> bits per byte (the usual unit for byte/char models)."""
+    return nats_per_token / math.log(2)
