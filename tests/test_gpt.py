@@ -1,0 +1,221 @@
+"""The byte-level GPT, its generation on XLA, FLOP counts, MFU, and the text batches."""
+import math
+
+import pytest
+import torch
+
+import labkit
+from labkit import flops, text
+from labkit.gpt import GPT, GPTConfig, LMTrainer, bits_per_byte
+from labkit.xla_health import compile_count
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def xla_first():
+    """Start the XLA device before any backward pass: autograd sizes its per-device queues at its
+    first backward, and an XLA backward after that fails inside the engine."""
+    labkit.setup("xla-cpu")
+
+
+TINY = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def tiny(seed=0, spread=0.0, cfg=TINY):
+    torch.manual_seed(seed)
+    m = GPT(cfg)
+    if spread:  # well-separated logits: greedy picks cannot flip on float rounding
+        torch.nn.init.normal_(m.wte.weight, std=spread)
+    return m.eval()
+
+
+def naive_greedy(model, idx, n):
+    """The textbook loop: crop to the window, run, take the last position's argmax, append."""
+    for _ in range(n):
+        logits, _ = model(idx[:, -model.cfg.block_size:])
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx[:, -n:]
+
+
+def test_shapes_and_initial_loss_near_uniform():
+    m = tiny()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 256, (4, 16), generator=g)
+    logits, loss = m(x, y)
+    assert logits.shape == (4, 16, 256) and loss.dim() == 0
+    assert abs(loss.item() - math.log(256)) < 0.1, loss.item()   # small init: ~uniform predictions
+    assert m(x[:, :5])[0].shape == (4, 5, 256) and m(x)[1] is None
+    with pytest.raises(ValueError, match="block_size=16"):
+        m(torch.zeros(1, 17, dtype=torch.long))
+    assert bits_per_byte(math.log(256)) == pytest.approx(8.0)
+
+
+def test_causal_future_tokens_do_not_change_earlier_logits():
+    m = tiny()
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    x2 = x.clone()
+    x2[:, 9] = (x2[:, 9] + 1) % 256
+    a, b = m(x)[0], m(x2)[0]
+    torch.testing.assert_close(a[:, :9], b[:, :9])
+    assert (a[:, 9:] - b[:, 9:]).abs().amax(-1).min() > 0  # every later position sees the change
+
+
+def test_weight_tying_and_parameter_count():
+    cfg = TINY
+    m = tiny()
+    d, L, V, T = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size
+    assert [n for n, p in m.named_parameters() if p.shape == (V, d)] == ["wte.weight"]  # one matrix
+    h = torch.randn(3, d)
+    torch.testing.assert_close(m.lm_head(h), h @ m.wte.weight.T)
+    # by hand: per block 2 LayerNorms (2d each), qkv (3d*d + 3d), proj (d*d + d), fc (4d*d + 4d), proj (4d*d + d)
+    per_block = 4 * d + 3 * d * d + 3 * d + d * d + d + 4 * d * d + 4 * d + 4 * d * d + d
+    total = V * d + T * d + L * per_block + 2 * d
+    assert m.num_params(non_embedding=False) == total == sum(p.numel() for p in m.parameters())
+    assert m.num_params() == total - T * d
+    # the output gradient reaches the embedding (it is the same tensor)
+    x = torch.randint(0, 256, (2, 8))
+    m.train()
+    m(x, x)[1].backward()
+    untouched = torch.ones(V, dtype=torch.bool)
+    untouched[x.unique()] = False   # rows not used as inputs get gradient only through the head
+    assert m.wte.weight.grad[untouched].abs().sum() > 0
+
+
+def test_flops_per_token_matches_hand_count():
+    cfg = TINY
+    m = tiny()
+    d, L, V, T = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size
+    # matmuls per token, forward: qkv 3d^2, proj d^2, mlp 8d^2 multiply-adds per layer, head d*V;
+    # attention scores QK^T and weights x V: T*d multiply-adds each per layer. 2 FLOPs per
+    # multiply-add, and backward costs twice the forward.
+    fwd = 2 * (L * 12 * d * d + d * V) + 2 * L * 2 * T * d
+    hand = 3 * fwd
+    got = m.flops_per_token()
+    assert got == 6 * m.num_params() + 12 * L * T * d
+    assert abs(got - hand) / hand < 0.03, (got, hand)  # the rest: biases and LayerNorms, counted in 6N
+    assert m.flops_per_token(seq_len=8) < got
+
+
+def test_mfu_and_peak_lookup(monkeypatch):
+    assert flops.mfu(2e12, 0.5, 8e12) == pytest.approx(0.5)
+    assert flops.mfu(2e12, 0.5, None) is None
+    assert flops.lookup("TPU v5 lite") == ("TPU v5e", 197e12)
+    assert flops.lookup("v5p-8")[1] == 459e12 and flops.lookup("v6e-8")[1] == 918e12
+    assert flops.lookup("TPU v4")[1] == 275e12 and flops.lookup("NVIDIA H100 80GB HBM3")[1] == 989e12
+    assert flops.lookup("NVIDIA L40S") is None and flops.lookup("cpu") is None
+    rt = labkit.setup("cpu")
+    peak, source = flops.peak_flops(rt)
+    assert peak > 1e8 and "measured" in source
+    monkeypatch.setenv("LABKIT_PEAK_FLOPS", "1.5e14")
+    assert flops.peak_flops(rt) == (1.5e14, "LABKIT_PEAK_FLOPS")
+
+
+def test_greedy_generate_matches_naive_loop_on_cpu():
+    m = tiny(spread=1.0)
+    prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(3))
+    ref = naive_greedy(m, prompt, 30)   # 5 + 30 > block_size 16: the window fills, then slides
+    assert torch.equal(m.generate(prompt, 30, temperature=0), ref)
+    assert torch.equal(m.generate(prompt, 30, top_k=1), ref)
+    long = torch.randint(0, 256, (1, 40))   # longer than the window: only the last 16 count
+    assert torch.equal(m.generate(long, 5, temperature=0), naive_greedy(m, long, 5))
+
+
+def test_top_k_samples_only_among_the_k_best():
+    m = tiny(spread=0.2)   # peaked enough for a clear top 3, flat enough to sample among them
+    torch.manual_seed(4)
+    prompt = torch.randint(0, 256, (3, 4))
+    out = m.generate(prompt, 20, temperature=1.5, top_k=3)
+    seq = torch.cat([prompt, out], 1)
+    for t in range(20):
+        ctx = seq[:, : 4 + t][:, -16:]
+        top3 = m(ctx)[0][:, -1].topk(3).indices
+        assert (top3 == out[:, t : t + 1]).any(1).all(), t
+    assert m.training is False and len(set(out.flatten().tolist())) > 3   # it samples, not argmax
+
+
+def test_generate_on_xla_compiles_a_fixed_number_of_graphs():
+    rt = labkit.setup("xla-cpu")
+    cpu_model = tiny(spread=1.0)
+    prompt = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(5))
+    expected = naive_greedy(cpu_model, prompt, 40)
+    m = tiny(spread=1.0).to(rt.device)
+    p = prompt.to(rt.device)
+    c0 = compile_count()
+    out = m.generate(p, 40, temperature=0)
+    first = compile_count() - c0
+    assert torch.equal(out, expected)
+    # one graph per phase (window filling, window sliding) plus set-up: not one per token
+    assert first <= 6, first
+    c1 = compile_count()
+    m.generate(p, 40, temperature=0.8, top_k=8)   # sampling adds its own step graphs, once
+    c2 = compile_count()
+    assert c2 - c1 <= 6, c2 - c1
+    m.generate(p, 40, temperature=0.8, top_k=8)
+    assert compile_count() == c2                   # same shapes again: everything cached
+    m.generate(p, 90, temperature=0.8, top_k=8)    # 50 more tokens: a new output buffer, no more
+    assert compile_count() - c2 <= 3
+
+
+def test_trainer_lowers_loss_on_xla_without_recompiles():
+    rt = labkit.setup("xla-cpu")
+    rt.manual_seed(0)
+    train, val = text.split(text.load_corpus("offline"))
+    cfg = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    compiles = []
+
+    class Count:
+        def on_step_end(self, trainer, batch):
+            compiles.append(compile_count())
+
+    tc = labkit.TrainConfig(max_steps=40, log_every=10)
+    tr = LMTrainer(model, opt, rt, tc, text.TextBatches(train, 8, 32, 40),
+                   text.TextBatches(val, 8, 32, 2, fixed=True), callbacks=[Count()])
+    hist = tr.fit()
+    losses = [h["loss"] for h in hist]
+    assert losses[-1] < losses[0] - 0.3 and losses[-1] < math.log(256) - 1.5, losses
+    assert len(set(compiles[3:])) == 1, compiles      # flat after warm-up
+    ev = tr.eval_history[-1]
+    assert ev["val_loss"] < math.log(256) - 1.5 and 0 < ev["val_acc"] < 1
+
+
+def test_text_batches_shapes_reproducible_and_errors(tmp_path):
+    data = text.load_corpus("offline")
+    assert len(data) > 300_000 and b" the " in data
+    train, val = text.split(data)
+    assert len(train) + len(val) == len(data) and abs(len(val) / len(data) - 0.1) < 0.001
+    b = text.TextBatches(train, 4, 8, steps=3, seed=7)
+    got = list(b)
+    assert len(b) == 3 == len(got)
+    for x, y in got:
+        assert x.shape == y.shape == (4, 8) and x.dtype == torch.int64
+        assert torch.equal(x[:, 1:], y[:, :-1])
+    again = list(text.TextBatches(train, 4, 8, steps=3, seed=7))
+    assert all(torch.equal(a[0], c[0]) for a, c in zip(got, again))
+    b.set_epoch(1)
+    assert not torch.equal(next(iter(b))[0], got[0][0])             # a new draw per epoch
+    ev = text.TextBatches(val, 4, 8, steps=2, fixed=True)
+    first = next(iter(ev))[0]
+    ev.set_epoch(5)
+    assert torch.equal(next(iter(ev))[0], first)                      # evaluation: same windows
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"too short")
+    with pytest.raises(ValueError, match="short.txt.*block_size=64"):
+        text.TextBatches(text.load_corpus(str(short)), 2, 64, 1, name=str(short))
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        text.load_corpus(str(tmp_path / "nope.txt"))
+    assert text.decode(text.encode("héllo")) == "héllo"
+
+
+def test_download_caches_once_and_names_the_url(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "src.txt"
+    src.write_text("to be or not to be")
+    path = text.download(src.as_uri(), "x.txt")
+    src.unlink()                                   # the second call must not fetch again
+    assert text.download(src.as_uri(), "x.txt") == path and path.read_text() == "to be or not to be"
+    with pytest.raises(ConnectionError, match="missing.txt"):
+        text.download((tmp_path / "missing.txt").as_uri(), "y.txt")
+    assert not (tmp_path / "cache" / "y.txt").exists()
