@@ -62,16 +62,27 @@ def to_cpu(state, rt=None):
             # clone: the trainer keeps updating its CPU tensors in place while the upload runs
             moved[id(t)] = t.detach().to("cpu", copy=True)
 
-    def rebuild(o):
+    def rebuild(o, path):
         if torch.is_tensor(o):
             return moved[id(o)]
         if isinstance(o, dict):
-            return {k: rebuild(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return [rebuild(v) for v in o]  # tuples become lists: weights_only-safe either way
-        return o
+            return {k: rebuild(v, f"{path}[{k!r}]") for k, v in o.items()}
+        if isinstance(o, (list, tuple)) and not isinstance(o, torch.Size):
+            return [rebuild(v, f"{path}[{i}]") for i, v in enumerate(o)]  # tuples become lists: weights_only-safe
+        if isinstance(o, np.generic):  # e.g. a scheduler's lr computed with np.cos: torch.load(weights_only) refuses it
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return torch.from_numpy(np.array(o))
+        if o is None or isinstance(o, _PLAIN):
+            return o
+        raise TypeError(f"{path} is a {type(o).__module__}.{type(o).__qualname__}: a checkpoint holds only tensors, "
+                        "numbers, strings, lists and dicts (what torch.load(weights_only=True) accepts); "
+                        "convert it before saving")
 
-    return rebuild(state)
+    return rebuild(state, "state")
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, torch.Size, torch.dtype, torch.device)
 
 
 def rng_state(rt=None) -> dict:

@@ -82,7 +82,9 @@ class LocalGCSServer:
             self.stop()
             raise RuntimeError(f"fake-gcs-server did not answer on {self.url} within {timeout}s")
         if self.set_env:
-            self._old_env = os.environ.get("STORAGE_EMULATOR_HOST")
+            current = os.environ.get("STORAGE_EMULATOR_HOST")
+            if current != self.url:  # a restart keeps what was there before the first start
+                self._old_env = current
             os.environ["STORAGE_EMULATOR_HOST"] = self.url
         return self
 

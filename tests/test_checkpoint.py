@@ -139,11 +139,18 @@ def test_server_down_during_upload_then_recovers(tmp_path, monkeypatch):
         assert m.latest()["step"] == 3 and m.restore()["step"] == 3
 
 
-def test_async_error_surfaces_on_next_save(tmp_path):
+def test_async_error_surfaces_on_next_save(tmp_path, monkeypatch):
     m = CheckpointManager(tmp_path / "ro", keep=2)
-    m.save(1, {"x": lambda: 0})  # pickling a lambda fails in the background thread
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(m.store, "put", disk_full)  # the upload fails in the background thread
+    m.save(1, _state(1))
+    monkeypatch.undo()
     with pytest.raises(RuntimeError, match="earlier checkpoint save"):
         m.save(2, _state(2))
+    assert m.latest() is None  # the failed save never moved the pointer
 
 
 def test_xla_state_moves_in_one_transfer_and_loads_on_cpu(tmp_path):
@@ -166,3 +173,24 @@ def test_xla_state_moves_in_one_transfer_and_loads_on_cpu(tmp_path):
     back = m.restore()
     assert back["model"]["weight"].device.type == "cpu"
     assert torch.equal(back["model"]["weight"], cpu["model"]["weight"])
+
+
+def test_numpy_values_are_stored_as_plain_numbers_and_other_objects_are_refused(tmp_path):
+    import numpy as np
+
+    # LambdaLR with an np.cos schedule keeps numpy floats in its state; weights_only loading refuses those
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + np.cos(np.pi * s / 10)))
+    opt.step()
+    sched.step()
+    assert any(isinstance(v, np.generic) for v in sched.state_dict()["_last_lr"])
+    mgr = CheckpointManager(tmp_path / "ck", best_metric=None, async_save=False)
+    mgr.save(1, {"scheduler": sched.state_dict(), "arr": np.arange(3)})
+    back = mgr.restore()
+    assert back["scheduler"]["_last_lr"] == pytest.approx([float(v) for v in sched.state_dict()["_last_lr"]])
+    assert type(back["scheduler"]["_last_lr"][0]) is float
+    assert torch.equal(back["arr"], torch.arange(3))
+    with pytest.raises(TypeError, match=r"state\['extra'\]\['fn'\] is a builtins.function"):
+        mgr.save(2, {"extra": {"fn": lambda: 0}})
+    assert mgr.restore()["scheduler"]["last_epoch"] == 1  # the refused save left the good one in place
