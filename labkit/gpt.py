@@ -172,6 +172,8 @@ class GPT(nn.Module):
         Costs: every step computes the full window even while it is mostly padding (causal
         attention makes the padding after the read position invisible to it), and there is no
         key/value cache, so each token costs a full forward pass over block_size positions."""
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
         if top_k is not None and not 1 <= top_k <= self.cfg.vocab_size:
             raise ValueError(f"top_k={top_k} must be between 1 and vocab_size={self.cfg.vocab_size}")
         dev, T = idx.device, self.cfg.block_size

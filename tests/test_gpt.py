@@ -156,7 +156,8 @@ def test_generate_on_xla_compiles_a_fixed_number_of_graphs():
     assert compile_count() - c2 <= 3
 
 
-def test_trainer_lowers_loss_on_xla_without_recompiles():
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])   # bf16 autocast: the TPU default
+def test_trainer_lowers_loss_on_xla_without_recompiles(bf16):
     rt = labkit.setup("xla-cpu")
     rt.manual_seed(0)
     train, val = text.split(text.load_corpus("offline"))
@@ -170,7 +171,7 @@ def test_trainer_lowers_loss_on_xla_without_recompiles():
         def on_step_end(self, trainer, batch):
             compiles.append(compile_count())
 
-    tc = labkit.TrainConfig(max_steps=40, log_every=10)
+    tc = labkit.TrainConfig(max_steps=40, log_every=10, bf16=bf16)
     tr = LMTrainer(model, opt, rt, tc, text.TextBatches(train, 8, 32, 40),
                    text.TextBatches(val, 8, 32, 2, fixed=True), callbacks=[Count()])
     hist = tr.fit()
