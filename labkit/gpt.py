@@ -251,6 +251,22 @@ class LMTrainer(Trainer):
         return {"loss_sum": loss, "correct": (logits.argmax(-1) == y).sum(), "count": (y >= 0).sum()}
 
 
+def adamw(model, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95), rt=None) -> torch.optim.AdamW:
+    """AdamW as GPTs are usually trained: weight decay on matrices only (not on biases, LayerNorm
+    gains), and on XLA `capturable=True`.
+
+    Why capturable on XLA: plain AdamW computes its bias corrections, e.g. sqrt(1 - beta2**step),
+    as Python floats on the host. torch_xla sends most Python numbers to the device as data, but
+    bakes 0 and 1 into the graph as constants; once the correction rounds to exactly 1.0 in
+    float32 (step ~325 for beta2=0.95, ~16,600 for 0.999) the graph changes and XLA recompiles
+    mid-run (measured in tests/test_gpt.py). capturable keeps the step count on the device and
+    computes the corrections there: one graph for the whole run, for a few more ops per step."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, capturable=bool(rt is not None and rt.is_xla))
+
+
 def bits_per_byte(nats_per_token: float) -> float:
     """Cross-entropy in nats per byte -> bits per byte (the usual unit for byte/char models)."""
     return nats_per_token / math.log(2)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import labkit
-from labkit import flops, text
+from labkit import flops, gpt, text
 from labkit.gpt import GPT, GPTConfig, LMTrainer, bits_per_byte
 from labkit.xla_health import compile_count
 
@@ -164,7 +164,7 @@ def test_trainer_lowers_loss_on_xla_without_recompiles(bf16):
     cfg = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)
     torch.manual_seed(0)
     model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = gpt.adamw(model, 1e-2, rt=rt)   # built before the Trainer moves the model: it remaps the params
     compiles = []
 
     class Count:
@@ -220,3 +220,23 @@ def test_download_caches_once_and_names_the_url(tmp_path, monkeypatch):
     with pytest.raises(ConnectionError, match="missing.txt"):
         text.download((tmp_path / "missing.txt").as_uri(), "y.txt")
     assert not (tmp_path / "cache" / "y.txt").exists()
+
+
+@pytest.mark.parametrize("capturable", [False, True], ids=["plain", "labkit"])
+def test_adamw_keeps_one_graph_past_the_bias_correction_rounding(capturable):
+    """Plain AdamW on XLA recompiles once sqrt(1 - 0.95**step) rounds to 1.0 (step ~325):
+    torch_xla bakes the constant 1 into the graph. gpt.adamw (capturable on XLA) does not."""
+    rt = labkit.setup("xla-cpu")
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4).to(rt.device)   # the optimizer's graph is what matters, not the model's
+    opt = gpt.adamw(m, 1e-3, rt=rt if capturable else None)
+    x = torch.ones(2, 4).to(rt.device)
+    counts = []
+    for _ in range(340):
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rt.sync()
+        counts.append(compile_count())
+    extra = counts[-1] - counts[3]
+    assert extra == (0 if capturable else 1), (extra, [i for i in range(1, 340) if counts[i] != counts[i - 1]])

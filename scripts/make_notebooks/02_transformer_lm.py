@@ -45,7 +45,7 @@ Every claim the text makes is checked by an `assert`. On Colab: *Runtime → Cha
 md("""
 ## Parameters
 Every knob lives in this cell; each can be set from the environment as `LABKIT_<NAME>` (for example
-`LABKIT_MAX_STEPS=500`). `LABKIT_FAST=1` gives the CI-sized run: a 2-layer, 64-wide model for 200 steps
+`LABKIT_MAX_STEPS=500`). `LABKIT_FAST=1` gives the CI-sized run: a 2-layer, 64-wide model for 400 steps
 (well under a minute of training on a 2-core CPU). The defaults are sized for one Colab TPU (10.7 M parameters,
 5000 steps).
 """)
@@ -73,9 +73,10 @@ class Params:
     temperature: float = 0.8
     top_k: int = 40
     seed: int = 0
-    # CI-sized: offline text, a tiny model, a high learning rate so 200 steps show real learning
+    # CI-sized: offline text, a tiny model, a high learning rate so 400 steps show real learning; 400 > 325
+    # also checks that AdamW does not recompile where its bias correction rounds to 1 (see "Train")
     FAST = {"source": "offline", "block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64, "dropout": 0.0,
-            "batch_size": 16, "max_steps": 200, "evals": 2, "eval_batches": 4, "lr": 1e-2, "log_every": 20,
+            "batch_size": 16, "max_steps": 400, "evals": 2, "eval_batches": 4, "lr": 1e-2, "log_every": 40,
             "gen_tokens": 150}
 
 
@@ -189,7 +190,7 @@ md("""
 per weight forward, two backward; the second term is attention's score and mixing products).
 """)
 code('''
-from labkit.gpt import GPT, GPTConfig, LMTrainer, bits_per_byte
+from labkit.gpt import GPT, GPTConfig, LMTrainer, adamw, bits_per_byte
 from labkit import flops
 
 gcfg = GPTConfig(block_size=P.block_size, n_layer=P.n_layer, n_head=P.n_head, n_embd=P.n_embd, dropout=P.dropout)
@@ -211,7 +212,13 @@ md("""
 ## 4. Train
 The same `labkit` loop as the ResNet notebook, with the two hooks a language model changes (`LMTrainer`: the
 model computes its own loss; evaluation sums loss and next-byte hits over every position). AdamW with a
-linear warm-up and cosine decay. The dashboard gets the work per step, so it reports tokens per second and
+linear warm-up and cosine decay.
+
+One XLA trap hides in plain AdamW: it computes its bias correction `sqrt(1 - beta2**step)` as a Python
+number. torch_xla passes most Python numbers to the device as data, but writes 0 and 1 into the graph as
+constants, so on the step where that correction rounds to exactly 1.0 (around step 325 with beta2 = 0.95) the
+graph changes and XLA recompiles in the middle of the run. `labkit.gpt.adamw` sets `capturable=True` on XLA,
+which keeps the step count on the device and computes the correction there: one graph for the whole run. The dashboard gets the work per step, so it reports tokens per second and
 MFU = achieved FLOP/s ÷ peak FLOP/s of one chip. On a CPU there is no meaningful vendor peak, so labkit
 measures one: a float32 matrix multiply timed for a second.
 """)
@@ -225,10 +232,7 @@ def schedule(step, total=P.max_steps, warm=max(1, P.max_steps // 20)):
 rt.manual_seed(P.seed)
 torch.manual_seed(P.seed)
 model = GPT(gcfg)
-decay = [p for p in model.parameters() if p.dim() >= 2]      # matrices decay; biases and LayerNorm gains do not
-no_decay = [p for p in model.parameters() if p.dim() < 2]
-optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": P.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                              lr=P.lr, betas=(0.9, 0.95))
+optimizer = adamw(model, P.lr, P.weight_decay, betas=(0.9, 0.95), rt=rt)   # decay on matrices only; capturable on XLA
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 cfg = labkit.TrainConfig(epochs=P.evals, max_steps=P.max_steps, batch_size=P.batch_size, lr=P.lr, bf16=BF16,
                          clip_norm=1.0, log_every=P.log_every, eval_every=1, seed=P.seed)
