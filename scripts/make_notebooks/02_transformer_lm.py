@@ -218,7 +218,8 @@ One XLA trap hides in plain AdamW: it computes its bias correction `sqrt(1 - bet
 number. torch_xla passes most Python numbers to the device as data, but writes 0 and 1 into the graph as
 constants, so on the step where that correction rounds to exactly 1.0 (around step 325 with beta2 = 0.95) the
 graph changes and XLA recompiles in the middle of the run. `labkit.gpt.adamw` sets `capturable=True` on XLA,
-which keeps the step count on the device and computes the correction there: one graph for the whole run. The dashboard gets the work per step, so it reports tokens per second and
+which keeps the step count on the device and computes the correction there: one graph for the whole run.
+(The learning rate is a Python number too: the schedule below never reaches exactly 0 for the same reason.) The dashboard gets the work per step, so it reports tokens per second and
 MFU = achieved FLOP/s ÷ peak FLOP/s of one chip. On a CPU there is no meaningful vendor peak, so labkit
 measures one: a float32 matrix multiply timed for a second.
 """)
@@ -253,6 +254,9 @@ md("""
   loss is at least 1.5 nats (over 2 bits per byte) below uniform guessing.
 * After warm-up XLA compiled nothing new during training. (Evaluation has its own forward-only graphs,
   compiled at the first evaluation and reused after; the dashboard does not count them as recompilations.)
+* Why validation can sit *below* training here: each training point averages an interval during which the
+  model kept improving, and with the offline text the last 10 % (the reference's last sections) is simply
+  easier to predict: the same model scores ~0.25 nats lower on it than on training windows (measured).
 * Throughput in tokens per second and MFU, with where the peak figure comes from. On a CPU the peak is what
   torch's own float32 matmul reaches on these cores, so MFU there says how close the whole compiled training
   step gets to one large matmul; it is not comparable with a TPU's MFU against the chip's rated bf16 peak.
