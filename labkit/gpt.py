@@ -11,7 +11,8 @@ identity path, so deep stacks train without warm-up tricks; weight tying saves v
 parameters and ties "what a byte means" on input to "how likely it is" on output.
 
 `LMTrainer` is labkit's Trainer with the two hooks a language model needs (the model returns
-the loss itself; evaluation sums loss and next-byte hits over every position).
+the loss itself; evaluation sums loss and next-byte hits over every position); `adamw` builds
+the usual optimizer, set up so that XLA keeps one graph for the whole run.
 """
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ class GPT(nn.Module):
         one multiply-add (2 FLOPs) per token forward and two in backward (grads for the input and
         for the weight), hence 6 per parameter; attention's QK^T and AV products have no weights,
         2*T*d FLOPs each per layer per token forward, times 3 for backward. Causal masking would
-        halve them, but the usual convention (and the hardware) computes the full T x T scores.
+        halve them; the usual convention (PaLM's) counts the full T x T scores, as plain attention computes them.
         LayerNorms, GELU, softmax and biases are ignored: a few % of the total at these sizes."""
         T = seq_len or self.cfg.block_size
         return 6 * self.num_params() + 12 * self.cfg.n_layer * T * self.cfg.n_embd
