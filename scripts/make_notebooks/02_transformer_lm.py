@@ -32,7 +32,7 @@ What this notebook does, top to bottom:
 1. **Set-up**: the same one call as notebook 01 finds the accelerator; a doctor checks versions.
 2. **Text**: bytes are the tokens (256 of them, no tokenizer). Offline the text is the Python Language
    Reference that ships inside every Python installation; online, tiny-shakespeare (1 MB).
-3. **The model**: a decoder-only transformer written out in `labkit/gpt.py` (~250 lines): pre-norm blocks,
+3. **The model**: a decoder-only transformer written out in `labkit/gpt.py` (under 300 lines): pre-norm blocks,
    causal self-attention, an output layer tied to the input embedding.
 4. **Training** with labkit's loop and dashboard: loss, tokens per second, and **MFU** (model FLOPs
    utilisation: the share of the chip's peak arithmetic the model actually uses).
@@ -347,6 +347,8 @@ md("""
 """)
 
 nb = nbf.v4.new_notebook()
+for i, c in enumerate(cells):
+    c["id"] = f"cell-{i:02d}"   # stable ids: regenerating gives a clean diff
 nb.cells = cells
 nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
 nb.metadata["language_info"] = {"name": "python"}
