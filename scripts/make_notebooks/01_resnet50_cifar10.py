@@ -4,23 +4,14 @@
 
 Edit the cells here, not in the .ipynb, so the notebook stays reviewable and output-free.
 """
+import sys
 from pathlib import Path
 
-import nbformat as nbf
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nbcells import Cells  # noqa: E402
 
-cells = []
-
-
-def md(s):
-    cells.append(nbf.v4.new_markdown_cell(s.strip()))
-
-
-def code(s, tags=None):
-    c = nbf.v4.new_code_cell(s.strip())
-    if tags:
-        c.metadata["tags"] = tags
-    cells.append(c)
-
+nb = Cells()
+md, code = nb.md, nb.code
 
 md("""
 # ResNet-50 on CIFAR-10, streamed as WebDataset shards, on TPU / GPU / CPU
@@ -290,7 +281,9 @@ def build(seed):
     if P.optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=P.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     elif P.optimizer == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=P.lr, weight_decay=0.05)
+        # capturable on XLA: the bias corrections are computed on the device, so the graph does not
+        # change (recompile) when one of them rounds to exactly 1.0 after ~16,600 steps (see labkit.gpt.adamw)
+        opt = torch.optim.AdamW(model.parameters(), lr=P.lr, weight_decay=0.05, capturable=rt.is_xla)
     else:
         raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {P.optimizer!r} (parameter 'optimizer')")
     return model, opt
@@ -442,12 +435,4 @@ md("""
 Next: `02_transformer_lm.ipynb` trains a GPT-style transformer with the same `labkit` calls.
 """)
 
-nb = nbf.v4.new_notebook()
-nb.cells = cells
-nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-nb.metadata["language_info"] = {"name": "python"}
-nb.metadata["accelerator"] = "TPU"
-nb.metadata["colab"] = {"provenance": []}
-out = Path(__file__).resolve().parents[2] / "notebooks" / "01_resnet50_cifar10.ipynb"
-nbf.write(nb, out)
-print("wrote", out)
+nb.write("01_resnet50_cifar10.ipynb")

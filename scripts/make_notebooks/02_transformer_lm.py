@@ -4,23 +4,14 @@
 
 Edit the cells here, not in the .ipynb, so the notebook stays reviewable and output-free.
 """
+import sys
 from pathlib import Path
 
-import nbformat as nbf
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nbcells import Cells  # noqa: E402
 
-cells = []
-
-
-def md(s):
-    cells.append(nbf.v4.new_markdown_cell(s.strip()))
-
-
-def code(s, tags=None):
-    c = nbf.v4.new_code_cell(s.strip())
-    if tags:
-        c.metadata["tags"] = tags
-    cells.append(c)
-
+nb = Cells()
+md, code = nb.md, nb.code
 
 md("""
 # A GPT-style transformer language model on TPU / GPU / CPU
@@ -346,14 +337,4 @@ md("""
   doing well for its size.
 """)
 
-nb = nbf.v4.new_notebook()
-for i, c in enumerate(cells):
-    c["id"] = f"cell-{i:02d}"   # stable ids: regenerating gives a clean diff
-nb.cells = cells
-nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-nb.metadata["language_info"] = {"name": "python"}
-nb.metadata["accelerator"] = "TPU"
-nb.metadata["colab"] = {"provenance": []}
-out = Path(__file__).resolve().parents[2] / "notebooks" / "02_transformer_lm.ipynb"
-nbf.write(nb, out)
-print("wrote", out)
+nb.write("02_transformer_lm.ipynb")
