@@ -22,6 +22,20 @@ _UNIT = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "
 _DYNAMIC = {"nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "index.Tensor"}
 
 
+def parse_duration(text: str) -> float:
+    """Seconds in a metrics-report duration such as "01m16s524ms188.877us".
+
+    The report rounds every unit but the last to the nearest instead of truncating (CompileTime
+    with 132,737,647 ns prints as "133ms737.647us"), so a unit followed by more than half a unit
+    of smaller ones was rounded up: take the one back."""
+    parts = [(float(v), _UNIT[u]) for v, u in _TIME.findall(text)]
+    total = 0.0
+    for i, (v, unit) in enumerate(parts):
+        rest = sum(w * u for w, u in parts[i + 1:])
+        total += (v - 1 if i + 1 < len(parts) and v >= 1 and rest > 0.5 * unit else v) * unit
+    return total
+
+
 def parse_report(text: str) -> dict:
     """Counters and metrics out of met.metrics_report() text: {'counters': {...}, 'metrics': {name: (n, seconds)}}."""
     counters, metrics, name, kind = {}, {}, None, None
@@ -36,7 +50,7 @@ def parse_report(text: str) -> dict:
             metrics[name] = (int(float(line.split(":", 1)[1])), 0.0)
         elif name and kind == "Metric" and line.startswith("Accumulator:"):
             acc = line.split(":", 1)[1].strip()
-            secs = sum(float(v) * _UNIT[u] for v, u in _TIME.findall(acc))
+            secs = parse_duration(acc)
             metrics[name] = (metrics.get(name, (0, 0.0))[0], secs)
     return {"counters": counters, "metrics": metrics}
 

@@ -147,6 +147,7 @@ def test_async_error_surfaces_on_next_save(tmp_path, monkeypatch):
 
     monkeypatch.setattr(m.store, "put", disk_full)  # the upload fails in the background thread
     m.save(1, _state(1))
+    m._thread.join()  # the failure happens in the background; let it happen before restoring put
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="earlier checkpoint save"):
         m.save(2, _state(2))

@@ -1,5 +1,6 @@
 """XLA health readings: host-only, shape-change descriptions, recompiles with unchanged shapes,
 and labkit.explain over a live process and over a saved metrics_report() text."""
+import pytest
 import torch
 
 import labkit
@@ -80,3 +81,15 @@ def test_explain_parses_a_saved_report_like_the_live_one():
     assert saved["fallbacks"]["aten::nonzero"] >= 1 and "aten::nonzero" in saved["text"]
     p = parse_report("Metric: CompileTime\n  TotalSamples: 3\n  Accumulator: 01m02s500ms\nCounter: aten::foo\n  Value: 7\n")
     assert p == {"counters": {"aten::foo": 7}, "metrics": {"CompileTime": (3, 62.5)}}
+
+
+def test_report_durations_undo_the_reports_rounding():
+    from labkit.explain import parse_duration
+
+    # torch_xla printed 132,737,647 ns as "133ms737.647us" and 16.524 s as "17s524ms...": each unit but the
+    # last is rounded to the nearest
+    assert parse_duration("133ms737.647us") == pytest.approx(0.132737647)
+    assert parse_duration("17s524ms188.877us") == pytest.approx(16.524188877)
+    assert parse_duration("01m16s424ms") == pytest.approx(76.424)
+    assert parse_duration("02m40s") == pytest.approx(100.0)
+    assert parse_duration("512.25us") == pytest.approx(512.25e-6)
