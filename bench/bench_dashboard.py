@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 
 import labkit
-from labkit.dashboard import ConsoleSink, Dashboard, NotebookSink, _html
+from labkit.dashboard import ConsoleSink, Dashboard, NotebookSink
+from labkit.dashboard_view import _html
 
 
 class FigureSink:

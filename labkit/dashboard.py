@@ -24,9 +24,9 @@ import json
 import math
 import os
 import sys
-import textwrap
 import time
 
+from .dashboard_view import _html, render, summary_line
 from .xla_health import HealthMonitor
 
 _forced: str | None = None
@@ -54,48 +54,6 @@ def environment() -> str:
             if ip is not None and getattr(ip, "kernel", None) is not None:
                 _detected = "colab" if "google.colab" in sys.modules else "notebook"
     return _detected
-
-
-def _fmt_n(x, unit="") -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    for div, suf in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.3g}{suf}{unit}"
-    return f"{x:.3g}{unit}"
-
-
-def _fmt_t(s) -> str:
-    if s is None or not math.isfinite(s):
-        return "-"
-    s = int(s)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
-def summary_line(f: dict) -> str:
-    """The compact one-line form of a frame (the console twin prints it)."""
-    tot = f"/{f['total']}" if f.get("total") else ""
-    parts = [f"[{f['title']}] step {f['step']}{tot} ep {f['epoch']}", f"loss {f['loss']:.4f}"]
-    if f.get("val_loss") is not None:
-        parts[-1] += f" val {f['val_loss']:.4f}"
-    if f.get("acc") is not None or f.get("val_acc") is not None:
-        parts.append("acc " + " val ".join(f"{v:.3f}" if v is not None else "-" for v in (f.get("acc"), f.get("val_acc"))))
-    rate = f"rate {_fmt_n(f['rate'])}/s global {_fmt_n(f['global_rate'])}/s"
-    if f["world_size"] > 1:
-        rate += f" ({_fmt_n(f['rate_per_replica'])}/s per replica)"
-    parts.append(rate)
-    if f.get("tokens_per_s") is not None:
-        parts.append(f"{_fmt_n(f['tokens_per_s'])} tok/s")
-    if f.get("mfu") is not None:
-        parts.append(f"MFU {100 * f['mfu']:.1f}%")
-    h = f["health"]
-    if h.get("xla"):
-        parts.append(f"compiles {h['compiles']} ({h['compile_s']:.1f}s) graphs {h['graphs_total']} xfers {h['transfers']}")
-    if h.get("memory"):
-        m = h["memory"]
-        parts.append(f"mem {_fmt_n(m['used'], 'B')}" + (f"/{_fmt_n(m['limit'], 'B')}" if m.get("limit") else ""))
-    parts.append(f"ETA {_fmt_t(f.get('eta_s'))}")
-    return " | ".join(parts)
 
 
 class ConsoleSink:
@@ -150,16 +108,6 @@ class NotebookSink:
             self._html.update(html)
             if img is not None:
                 self._img.update(img)
-
-
-def _html(f: dict) -> str:
-    import html as h
-
-    pct = 100 * f["step"] / f["total"] if f.get("total") else 0
-    warn = "".join(f"<li style='color:#b45309'>{h.escape(w)}</li>" for w in f["warnings"])
-    bar = f"<progress value='{pct:.1f}' max='100' style='width:40%'></progress> " if f.get("total") else ""
-    return (f"<div style='font-family:monospace'><b>{h.escape(f['title'])}</b> {bar}"
-            f"{h.escape(summary_line(f))}" + (f"<ul>{warn}</ul>" if warn else "") + "</div>")
 
 
 class Dashboard:
@@ -349,82 +297,3 @@ class Dashboard:
             with open(path, "w") as f:
                 f.write(text)
         return text
-
-
-def render(dash: Dashboard):
-    """Loss, accuracy, throughput, XLA compiles/transfers, and a text panel (progress, health)."""
-    from matplotlib.figure import Figure
-
-    rows, evals = dash.history, dash.evals
-    fig = Figure(figsize=(13, 6.5))
-    fig.subplots_adjust(left=0.05, right=0.98, top=0.9, bottom=0.08, hspace=0.35, wspace=0.2)
-    gs = fig.add_gridspec(2, 3)
-    steps = [r["step"] for r in rows]
-    ax = fig.add_subplot(gs[0, 0])
-    ax.plot(steps, [r["loss"] for r in rows], "o-", ms=3, label="train")
-    if any("val_loss" in e for e in evals):
-        ax.plot([e["step"] for e in evals if "val_loss" in e], [e["val_loss"] for e in evals if "val_loss" in e],
-                "s--", ms=4, color="C1", label="val")
-    ax.set(title="loss", xlabel="step")
-    ax.legend(fontsize=8)
-    ax = fig.add_subplot(gs[0, 1])
-    if any("acc" in r for r in rows):
-        ax.plot([r["step"] for r in rows if "acc" in r], [r["acc"] for r in rows if "acc" in r], "o-", ms=3, color="C0", label="train")
-    if any("val_acc" in e for e in evals):
-        ax.plot([e["step"] for e in evals if "val_acc" in e], [e["val_acc"] for e in evals if "val_acc" in e],
-                "s--", ms=4, color="C1", label="val")
-    if ax.lines:
-        ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no accuracy yet", ha="center", va="center", transform=ax.transAxes, color="gray")
-    ax.set(title="accuracy", xlabel="step")
-    ax = fig.add_subplot(gs[0, 2])
-    ax.plot(steps, [r["rate"] for r in rows], "o-", ms=3, label="Rate (moving avg)")
-    ax.plot(steps, [r["global_rate"] for r in rows], "--", label="GlobalRate (epoch)")
-    if dash.world_size > 1:
-        ax.plot(steps, [r["rate_per_replica"] for r in rows], ":", label="Rate per replica")
-    ax.set(title="examples/s", xlabel="step")
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
-    ax = fig.add_subplot(gs[1, 0])
-    if any("xla_compiles" in r for r in rows):
-        ax.bar(steps, [r.get("xla_compiles", 0) for r in rows], width=max(1, (steps[-1] - steps[0]) / max(len(steps), 1) * 0.4)
-               if len(steps) > 1 else 1, label="compiles", color="tab:red")
-        ax.plot(steps, [r.get("xla_transfers", 0) for r in rows], "k.-", label="device->host transfers")
-        for ev in dash.health.events if dash.health else []:
-            ax.axvline(ev["step"], color="tab:orange", lw=0.8, ls=":")
-        ax.legend(fontsize=8)
-        ax.set(title="XLA per interval (dotted: recompiles)", xlabel="step")
-    else:
-        ax.text(0.5, 0.5, "not running on XLA", ha="center", va="center", transform=ax.transAxes, color="gray")
-        ax.set(title="XLA", xticks=[], yticks=[])
-    ax = fig.add_subplot(gs[1, 1:])
-    ax.axis("off")
-    f = dash.frame_preview()
-    lines = [f"{f['title']}   step {f['step']}" + (f"/{f['total']} ({100 * f['step'] / f['total']:.0f}%)" if f["total"] else "")
-             + f"   epoch {f['epoch']}   elapsed {_fmt_t(f['elapsed_s'])}   ETA {_fmt_t(f['eta_s'])}",
-             f"loss {f['loss']:.4f}" + (f"   val {f['val_loss']:.4f}" if f["val_loss"] is not None else "")
-             + (f"   acc {f['acc']:.3f}" if f["acc"] is not None else "")
-             + (f"   val acc {f['val_acc']:.3f}" if f["val_acc"] is not None else "") + f"   lr {f['lr']:.3g}",
-             f"Rate {_fmt_n(f['rate'])}/s   GlobalRate {_fmt_n(f['global_rate'])}/s   per replica "
-             f"{_fmt_n(f['rate_per_replica'])}/s, {_fmt_n(f['global_rate_per_replica'])}/s (x{f['world_size']})"]
-    if f["tokens_per_s"] is not None or f["mfu"] is not None:
-        lines.append(f"tokens/s {_fmt_n(f['tokens_per_s'])}   MFU " + (f"{100 * f['mfu']:.1f}%" if f["mfu"] is not None else "- (peak unknown)"))
-    h = f["health"]
-    if h.get("xla"):
-        lines.append(f"XLA: {h['compiles']} compiles ({h['compile_s']:.2f} s) last interval, {h['graphs_total']} graphs "
-                     f"in all, {h['recompiles']} recompiles after warm-up, {h['transfers']} transfers")
-        if h["fallbacks"]:
-            lines.append("CPU fallbacks: " + ", ".join(f"{k} x{v}" for k, v in h["fallbacks"].items()))
-    if h.get("memory"):
-        m = h["memory"]
-        lines.append(f"device memory {_fmt_n(m['used'], 'B')}" + (f" of {_fmt_n(m['limit'], 'B')}" if m.get("limit") else ""))
-    y = 0.97
-    for ln in lines:
-        ax.text(0.0, y, ln, family="monospace", fontsize=9, va="top", transform=ax.transAxes)
-        y -= 0.1
-    for w in f["warnings"][:5]:
-        ax.text(0.0, y, "! " + textwrap.shorten(w, 130), fontsize=9, va="top", color="#b45309", transform=ax.transAxes)
-        y -= 0.1
-    fig.suptitle(dash.title)
-    return fig
