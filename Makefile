@@ -14,10 +14,10 @@ venv:
 	@bash scripts/bootstrap.sh
 
 notebook: venv
-	MPLBACKEND=Agg LABKIT_FAST=$(LABKIT_FAST) $(PY) scripts/run_notebooks.py $(NOTEBOOK) --out artifacts
+	LABKIT_FAST=$(LABKIT_FAST) $(PY) scripts/run_notebooks.py $(NOTEBOOK) --out artifacts
 
 notebooks: venv
-	MPLBACKEND=Agg LABKIT_FAST=$(LABKIT_FAST) $(PY) scripts/run_notebooks.py notebooks/*.ipynb --out artifacts
+	LABKIT_FAST=$(LABKIT_FAST) $(PY) scripts/run_notebooks.py notebooks/*.ipynb --out artifacts
 
 test: venv
 	PJRT_DEVICE=CPU LABKIT_FAST=1 MPLBACKEND=Agg LABKIT_CONSOLE=1 $(PY) -m pytest tests notebooks \

@@ -23,6 +23,9 @@ from nbclient.exceptions import CellExecutionError
 def run(path: Path, out: Path, timeout: int) -> float:
     nb = nbformat.read(path, as_version=4)
     os.environ["LABKIT_ARTIFACTS"] = str((out / path.stem).resolve())
+    # the kernel's own inline backend renders figures into the executed copy without a display;
+    # MPLBACKEND=Agg (right for pytest) would make plt.show() and returned figures draw nothing
+    os.environ.pop("MPLBACKEND", None)
     (out / path.stem).mkdir(parents=True, exist_ok=True)
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent.resolve())}})
