@@ -4,7 +4,8 @@
 
 Each notebook runs in a fresh kernel of this Python (the project venv), with its folder as the
 working directory. Executed copies go to OUT/<name>.ipynb; every image/png output is written
-to OUT/<name>/figure-<cell>-<n>.png so a person can look at them. Exits non-zero if a cell fails.
+to OUT/<name>/figure-<cell>-<n>.png so a person can look at them. What the cells printed (loss,
+accuracy, the XLA summary) is echoed with the cell number unless --quiet. Exits non-zero if a cell fails.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 
-def run(path: Path, out: Path, timeout: int) -> float:
+def run(path: Path, out: Path, timeout: int, quiet: bool = False) -> float:
     nb = nbformat.read(path, as_version=4)
     os.environ["LABKIT_ARTIFACTS"] = str((out / path.stem).resolve())
     # the kernel's own inline backend renders figures into the executed copy without a display;
@@ -38,6 +39,9 @@ def run(path: Path, out: Path, timeout: int) -> float:
         n = 0
         for i, cell in enumerate(nb.cells):
             for o in cell.get("outputs", []):
+                if o.get("output_type") == "stream" and o.get("name") == "stdout" and not quiet:
+                    lines = o["text"].rstrip("\n").splitlines()  # what the cell printed: loss, accuracy, XLA summary
+                    print("\n".join(f"  [{i:02d}] {ln}" for ln in lines[:25]), flush=True)
                 data = o.get("data", {})
                 if "image/png" in data:
                     n += 1
@@ -51,12 +55,13 @@ def main() -> int:
     ap.add_argument("notebooks", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=Path("artifacts"))
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per cell")
+    ap.add_argument("--quiet", action="store_true", help="do not echo what the cells printed")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for nb in args.notebooks:
         try:
-            run(nb, args.out, args.timeout)
+            run(nb, args.out, args.timeout, args.quiet)
         except CellExecutionError as e:
             failed += 1
             print(f"[run_notebooks] {nb} FAILED:\n{str(e)[-3000:]}", file=sys.stderr)
