@@ -8,15 +8,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nbcells import Cells  # noqa: E402
+from nbcells import COLAB_SETUP, Cells, colab_badge  # noqa: E402
 
 nb = Cells()
 md, code = nb.md, nb.code
 
-md("""
+md(f"""
 # A GPT-style transformer language model on TPU / GPU / CPU
 
-[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/02_transformer_lm.ipynb)
+{colab_badge("02_transformer_lm.ipynb")}
 
 What this notebook does, top to bottom:
 
@@ -84,21 +84,7 @@ md("""
 On Colab this installs what is missing: PyTorch/XLA on a TPU runtime (torch 2.9.0 and torch_xla 2.9.0
 must move together) and labkit itself. Elsewhere it does nothing.
 """)
-code('''
-import importlib.util, subprocess
-
-IN_COLAB = "google.colab" in sys.modules
-if IN_COLAB and importlib.util.find_spec("labkit") is None:
-    on_tpu = bool(os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("COLAB_TPU_ADDR") or os.path.exists("/dev/accel0"))
-    pkgs = ["torch==2.9.0", "torchvision==0.24.0"] + (["torch_xla[tpu]==2.9.0"] if on_tpu else [])
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *pkgs,
-                    "labkit @ git+https://github.com/labkit/labkit"], check=True)
-    import labkit
-    P = labkit.from_env(Params)
-import labkit
-
-print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
-''')
+code(COLAB_SETUP)
 
 md("""
 ## 1. Find the device

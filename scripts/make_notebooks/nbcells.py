@@ -12,6 +12,30 @@ import nbformat as nbf
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
+# The Colab set-up cell, the same in every notebook: it must run before labkit exists, so it
+# cannot live in labkit. Expects `Params` from the parameters cell; re-reads P after installing.
+COLAB_SETUP = '''
+import importlib.util, subprocess
+
+IN_COLAB = "google.colab" in sys.modules
+if IN_COLAB and importlib.util.find_spec("labkit") is None:
+    on_tpu = bool(os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("COLAB_TPU_ADDR") or os.path.exists("/dev/accel0"))
+    pkgs = ["torch==2.9.0", "torchvision==0.24.0"] + (["torch_xla[tpu]==2.9.0"] if on_tpu else [])
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *pkgs,
+                    "labkit @ git+https://github.com/labkit/labkit"], check=True)
+    import labkit
+    P = labkit.from_env(Params)
+import labkit
+
+print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
+'''
+
+
+def colab_badge(name: str) -> str:
+    """The "Open in Colab" badge for notebooks/<name>."""
+    return ("[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+            f"(https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/{name})")
+
 
 class Cells:
     def __init__(self):
