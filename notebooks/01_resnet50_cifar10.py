@@ -1,46 +1,45 @@
-"""Write notebooks/01_resnet50_cifar10.ipynb (without outputs) from the cells below.
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-    .venv/bin/python scripts/make_notebooks/01_resnet50_cifar10.py
+# %% [markdown]
+# # ResNet-50 on CIFAR-10, streamed as WebDataset shards, on TPU / GPU / CPU
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/01_resnet50_cifar10.ipynb)
+#
+# What this notebook does, top to bottom:
+#
+# 1. **Set-up**: one call finds the accelerator (a TPU through PyTorch/XLA, a GPU, or the CPU); a doctor checks versions.
+# 2. **Data**: CIFAR-10 written as WebDataset shards (plain POSIX tar files) to a folder or to Google Cloud
+#    Storage, then streamed back: random shard order, an in-memory shuffle buffer, and the same number of
+#    batches on every replica.
+# 3. **Training**: torchvision's ResNet-50 with a CIFAR stem, labkit's training loop, and a live dashboard with
+#    loss, throughput and XLA's health (compilations, CPU fallbacks, device→host transfers).
+# 4. **Checkpoints** that survive preemption, and a resume.
+# 5. **What XLA did**: the metrics report in plain words.
+#
+# Offline (no internet, as in CI) the data are scikit-learn's bundled handwritten digits, upscaled to 32×32 RGB:
+# real images, 10 classes, the same code path. Every claim the text makes is checked by an `assert`.
+#
+# On Colab: *Runtime → Change runtime type → TPU* (or a GPU), then *Run all*.
 
-Edit the cells here, not in the .ipynb, so the notebook stays reviewable and output-free.
-"""
-import sys
-from pathlib import Path
+# %% [markdown]
+# ## Parameters
+# Every knob lives in this cell. Each one can also be set from the environment as `LABKIT_<NAME>`
+# (for example `LABKIT_EPOCHS=5`); `LABKIT_FAST=1` gives the CI-sized run (digits, a few dozen steps).
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nbcells import COLAB_SETUP, Cells, colab_badge  # noqa: E402
-
-nb = Cells()
-md, code = nb.md, nb.code
-
-md(f"""
-# ResNet-50 on CIFAR-10, streamed as WebDataset shards, on TPU / GPU / CPU
-
-{colab_badge("01_resnet50_cifar10.ipynb")}
-
-What this notebook does, top to bottom:
-
-1. **Set-up**: one call finds the accelerator (a TPU through PyTorch/XLA, a GPU, or the CPU); a doctor checks versions.
-2. **Data**: CIFAR-10 written as WebDataset shards (plain POSIX tar files) to a folder or to Google Cloud
-   Storage, then streamed back: random shard order, an in-memory shuffle buffer, and the same number of
-   batches on every replica.
-3. **Training**: torchvision's ResNet-50 with a CIFAR stem, labkit's training loop, and a live dashboard with
-   loss, throughput and XLA's health (compilations, CPU fallbacks, device→host transfers).
-4. **Checkpoints** that survive preemption, and a resume.
-5. **What XLA did**: the metrics report in plain words.
-
-Offline (no internet, as in CI) the data are scikit-learn's bundled handwritten digits, upscaled to 32×32 RGB:
-real images, 10 classes, the same code path. Every claim the text makes is checked by an `assert`.
-
-On Colab: *Runtime → Change runtime type → TPU* (or a GPU), then *Run all*.
-""")
-
-md("""
-## Parameters
-Every knob lives in this cell. Each one can also be set from the environment as `LABKIT_<NAME>`
-(for example `LABKIT_EPOCHS=5`); `LABKIT_FAST=1` gives the CI-sized run (digits, a few dozen steps).
-""")
-code('''
+# %% tags=["parameters"]
 import dataclasses, os, sys
 
 
@@ -79,24 +78,36 @@ try:
 except ImportError:  # first run on Colab: the next cell installs labkit and reads the parameters again
     P = Params()
 P
-''', tags=["parameters"])
 
-md("""
-## Set-up
-On Colab this installs what is missing: PyTorch/XLA on a TPU runtime (torch 2.9.0 and torch_xla 2.9.0
-must move together; a mismatch is the most common broken install), and labkit itself. Elsewhere it does
-nothing: use the project's `make notebook`, which builds the pinned environment.
-""")
-code(COLAB_SETUP)
+# %% [markdown]
+# ## Set-up
+# On Colab this installs what is missing: PyTorch/XLA on a TPU runtime (torch 2.9.0 and torch_xla 2.9.0
+# must move together; a mismatch is the most common broken install), and labkit itself. Elsewhere it does
+# nothing: use the project's `make notebook`, which builds the pinned environment.
 
-md("""
-## 1. Find the device
-`labkit.setup()` looks for a TPU (PJRT), then a CUDA GPU, then torch_xla on the CPU (`PJRT_DEVICE=CPU`, how
-CI runs this notebook), then plain PyTorch. Running it again returns the same runtime. The doctor prints
-versions and warns about the classic traps (torch/torch_xla mismatch, PJRT silently on CPU, deprecated
-variables such as `XLA_USE_BF16`).
-""")
-code('''
+# %% tags=["setup"]
+import importlib.util, subprocess
+
+IN_COLAB = "google.colab" in sys.modules
+if IN_COLAB and importlib.util.find_spec("labkit") is None:
+    on_tpu = bool(os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("COLAB_TPU_ADDR") or os.path.exists("/dev/accel0"))
+    pkgs = ["torch==2.9.0", "torchvision==0.24.0"] + (["torch_xla[tpu]==2.9.0"] if on_tpu else [])
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *pkgs,
+                    "labkit @ git+https://github.com/labkit/labkit"], check=True)
+    import labkit
+    P = labkit.from_env(Params)
+import labkit
+
+print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
+
+# %% [markdown]
+# ## 1. Find the device
+# `labkit.setup()` looks for a TPU (PJRT), then a CUDA GPU, then torch_xla on the CPU (`PJRT_DEVICE=CPU`, how
+# CI runs this notebook), then plain PyTorch. Running it again returns the same runtime. The doctor prints
+# versions and warns about the classic traps (torch/torch_xla mismatch, PJRT silently on CPU, deprecated
+# variables such as `XLA_USE_BF16`).
+
+# %%
 import torch
 
 rt = labkit.setup()
@@ -104,20 +115,19 @@ report = labkit.doctor(rt)
 assert labkit.setup() is rt       # a second call (or running this cell again) gives the same runtime
 BF16 = rt.kind == "tpu" if P.bf16 == "auto" else P.bf16.lower() in ("1", "true", "yes", "on")
 print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), bf16 autocast {'on' if BF16 else 'off'}")
-''')
 
-md("""
-## 2. Write the data as WebDataset shards
-A *shard* is an ordinary tar file holding a few thousand samples, each stored as `KEY.png` + `KEY.cls`.
-Reading a few large files sequentially is what object stores (GCS) and disks do best; reading 50,000
-small files is not. Next to the shards, `manifest.json` records each shard's sample count and sha256,
-the class names and the per-channel mean/std (used to normalise).
+# %% [markdown]
+# ## 2. Write the data as WebDataset shards
+# A *shard* is an ordinary tar file holding a few thousand samples, each stored as `KEY.png` + `KEY.cls`.
+# Reading a few large files sequentially is what object stores (GCS) and disks do best; reading 50,000
+# small files is not. Next to the shards, `manifest.json` records each shard's sample count and sha256,
+# the class names and the per-channel mean/std (used to normalise).
+#
+# `data_dir` may be a local folder or `gs://bucket/prefix`. With `local_gcs=True` (the CI setting) a real
+# GCS-API server runs on 127.0.0.1 and the official `google-cloud-storage` client talks to it exactly as it
+# would to Google: the same `gs://` code path, no account needed.
 
-`data_dir` may be a local folder or `gs://bucket/prefix`. With `local_gcs=True` (the CI setting) a real
-GCS-API server runs on 127.0.0.1 and the official `google-cloud-storage` client talks to it exactly as it
-would to Google: the same `gs://` code path, no account needed.
-""")
-code('''
+# %%
 import json, socket
 from labkit import gcs
 from data_tools.shards import load_manifest, write_dataset
@@ -158,13 +168,12 @@ for split in ("train", "val"):
           f"(mean {[round(v, 3) for v in m['mean']]}, std {[round(v, 3) for v in m['std']]})")
 CLASSES = load_manifest(manifests["train"])["class_names"]
 print("classes:", CLASSES)
-''')
 
-md("""
-Look inside one shard: it is a plain tar file, readable by any tool (`tar tf` works on it). Samples are
-grouped by key; the extensions say how each part is decoded.
-""")
-code('''
+# %% [markdown]
+# Look inside one shard: it is a plain tar file, readable by any tool (`tar tf` works on it). Samples are
+# grouped by key; the extensions say how each part is decoded.
+
+# %%
 import itertools
 from data_tools.shards import load_manifest, open_url
 from data_tools.tario import iter_tar
@@ -175,24 +184,23 @@ with open_url(first) as f:                    # a local file or a streaming gs:/
     names = [name for name, _ in itertools.islice(iter_tar(f), 6)]
 print(first, "->", names, "...")
 assert names[0].endswith((".cls", ".png")) and names[0].split(".")[0] == names[1].split(".")[0]
-''')
 
-md("""
-## 3. Stream the shards
-`data_tools.stream.make_loader` deals shards to replicas (TPU cores) and then to DataLoader workers,
-shuffles shard order and samples with a seed that depends on the epoch, decodes PNGs, augments
-(random crop with 4-pixel padding, horizontal flip) and normalises.
+# %% [markdown]
+# ## 3. Stream the shards
+# `data_tools.stream.make_loader` deals shards to replicas (TPU cores) and then to DataLoader workers,
+# shuffles shard order and samples with a seed that depends on the epoch, decodes PNGs, augments
+# (random crop with 4-pixel padding, horizontal flip) and normalises.
+#
+# Two rules keep XLA fast and collectives safe:
+# * **Static shapes.** Every training batch has the same shape; a smaller last batch would be a new
+#   graph to compile. So an epoch is `floor(samples / (replicas × batch))` full batches on *every* replica.
+# * **Same count everywhere.** If one replica had one batch more, it would wait forever in the gradient
+#   all-reduce for partners that already finished the epoch.
+#
+# Evaluation reads every sample exactly once; its last batch is padded to full size with label −100
+# (`cross_entropy`'s ignore index), so shapes stay static and the accuracy stays exact.
 
-Two rules keep XLA fast and collectives safe:
-* **Static shapes.** Every training batch has the same shape; a smaller last batch would be a new
-  graph to compile. So an epoch is `floor(samples / (replicas × batch))` full batches on *every* replica.
-* **Same count everywhere.** If one replica had one batch more, it would wait forever in the gradient
-  all-reduce for partners that already finished the epoch.
-
-Evaluation reads every sample exactly once; its last batch is padded to full size with label −100
-(`cross_entropy`'s ignore index), so shapes stay static and the accuracy stays exact.
-""")
-code('''
+# %%
 from data_tools.stream import make_loader
 
 train_loader = make_loader(manifests["train"], P.batch_size, train=True, num_workers=P.num_workers, seed=P.seed)
@@ -203,8 +211,8 @@ assert len(train_loader) == n_train // (rt.world_size * P.batch_size)
 x, y = next(iter(train_loader))
 print(f"{len(train_loader)} batches per epoch per replica; a batch: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}")
 print(f"normalised pixels: mean {x.mean():.2f}, std {x.std():.2f}")
-''')
-code('''
+
+# %%
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -216,18 +224,17 @@ for ax, img, label in zip(axes.flat, x[:16], y[:16]):
     ax.axis("off")
 fig.suptitle(f"training batch after augmentation ({SOURCE})")
 plt.show()
-''')
 
-md("""
-## 4. The model: ResNet-50 with a CIFAR stem
-torchvision's ResNet-50 was designed for 224×224 ImageNet images: a 7×7 stride-2 convolution and a
-stride-2 max-pool shrink the image 4× before the first residual block. On a 32×32 image that leaves 8×8
-feature maps after the stem and 1×1 at the end, throwing away most of the picture. The usual CIFAR
-adjustment (`cifar_stem=True`) uses a 3×3 stride-1 first convolution and no max-pool: the residual stages
-see 32×32 maps, accuracy is much higher, and each image costs about **16× more FLOPs**. The CI-sized run
-keeps torchvision's stem to stay within a few minutes on two CPU cores.
-""")
-code('''
+# %% [markdown]
+# ## 4. The model: ResNet-50 with a CIFAR stem
+# torchvision's ResNet-50 was designed for 224×224 ImageNet images: a 7×7 stride-2 convolution and a
+# stride-2 max-pool shrink the image 4× before the first residual block. On a 32×32 image that leaves 8×8
+# feature maps after the stem and 1×1 at the end, throwing away most of the picture. The usual CIFAR
+# adjustment (`cifar_stem=True`) uses a 3×3 stride-1 first convolution and no max-pool: the residual stages
+# see 32×32 maps, accuracy is much higher, and each image costs about **16× more FLOPs**. The CI-sized run
+# keeps torchvision's stem to stay within a few minutes on two CPU cores.
+
+# %%
 from labkit.models import resnet50_cifar, resnet_flops_per_image
 
 probe = resnet50_cifar(num_classes=len(CLASSES), cifar_stem=P.cifar_stem)
@@ -236,26 +243,25 @@ N_PARAMS = sum(p.numel() for p in probe.parameters())
 print(f"ResNet-50, {'CIFAR' if P.cifar_stem else 'ImageNet'} stem: {N_PARAMS / 1e6:.1f} M parameters, "
       f"{FLOPS_FWD / 1e9:.2f} GFLOPs per image forward (x3 for a training step: forward + backward)")
 del probe
-''')
 
-md("""
-## 5. Train
-labkit's `Trainer` is a plain loop with named hooks (`train_step`, `eval_step`, `run_optimizer`, `on_log`).
-On XLA every step only *records* operations; `torch_xla.sync()` at the end of the step compiles the graph
-(the first time) and runs it. Three habits make it fast:
+# %% [markdown]
+# ## 5. Train
+# labkit's `Trainer` is a plain loop with named hooks (`train_step`, `eval_step`, `run_optimizer`, `on_log`).
+# On XLA every step only *records* operations; `torch_xla.sync()` at the end of the step compiles the graph
+# (the first time) and runs it. Three habits make it fast:
+#
+# * **No host syncs in the step.** `loss.item()` would make the host wait for the device every step. The loop
+#   sums losses on the device and reads them once every `log_every` steps inside a step closure.
+# * **Static shapes** (above): the graph compiles at steps 0 and 1 (the optimizer's momentum buffers appear at
+#   step 1), then every step reuses it.
+# * **Background input.** `labkit.ParallelLoader` (torch_xla's `MpDeviceLoader` on TPU) copies the next
+#   batches to the device while the current step runs.
+#
+# The dashboard below updates in place: curves, examples/s, MFU, and XLA's health panel (compiles per
+# interval, recompilations after warm-up with what changed, ops that fell back to the CPU, transfers).
+# A checkpoint is written every `checkpoint_every` steps in a background thread; training does not wait for it.
 
-* **No host syncs in the step.** `loss.item()` would make the host wait for the device every step. The loop
-  sums losses on the device and reads them once every `log_every` steps inside a step closure.
-* **Static shapes** (above): the graph compiles at steps 0 and 1 (the optimizer's momentum buffers appear at
-  step 1), then every step reuses it.
-* **Background input.** `labkit.ParallelLoader` (torch_xla's `MpDeviceLoader` on TPU) copies the next
-  batches to the device while the current step runs.
-
-The dashboard below updates in place: curves, examples/s, MFU, and XLA's health panel (compiles per
-interval, recompilations after warm-up with what changed, ops that fell back to the CPU, transfers).
-A checkpoint is written every `checkpoint_every` steps in a background thread; training does not wait for it.
-""")
-code('''
+# %%
 import time
 from labkit.checkpoint import CheckpointManager, to_cpu
 
@@ -298,17 +304,16 @@ final = trainer.evaluate() if not trainer.eval_history or trainer.eval_history[-
 ckpt.save(trainer.step, trainer.state_dict(), metrics=final, force=True)
 ckpt.wait()
 print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f}, val accuracy {final['val_acc']:.1%}")
-''')
 
-md("""
-### Did it learn, and did XLA behave?
-Each claim is checked:
-* the training loss fell: the mean of the last three logged intervals is at least 0.3 nats below the first;
-* validation accuracy is well above chance (10 classes: 10 %);
-* after warm-up XLA compiled nothing new during training: one graph served every step. (Evaluation
-  compiles its own forward-only graph once; the dashboard does not count that as a recompilation.)
-""")
-code('''
+# %% [markdown]
+# ### Did it learn, and did XLA behave?
+# Each claim is checked:
+# * the training loss fell: the mean of the last three logged intervals is at least 0.3 nats below the first;
+# * validation accuracy is well above chance (10 classes: 10 %);
+# * after warm-up XLA compiled nothing new during training: one graph served every step. (Evaluation
+#   compiles its own forward-only graph once; the dashboard does not count that as a recompilation.)
+
+# %%
 losses = [r["loss"] for r in history]
 first, last = losses[0], float(np.mean(losses[-3:]))
 print(f"train loss {first:.3f} -> {last:.3f} over {len(losses)} log intervals")
@@ -321,24 +326,22 @@ if rt.is_xla:
     assert not recompiles, f"XLA recompiled after warm-up: {recompiles}"
 rates = [r["examples_per_s"] for r in history[1:]]
 print(f"throughput: {np.median(rates):.0f} examples/s (median over intervals after the first)")
-''')
 
-code('''
+# %%
 ART = os.environ.get("LABKIT_ARTIFACTS")
 if ART:                                       # headless runs keep the dashboard for a person to look at
     os.makedirs(ART, exist_ok=True)
     print("saved", dash.save_png(os.path.join(ART, "dashboard-resnet50.png")), dash.to_csv(os.path.join(ART, "history-resnet50.csv")))
 dash.figure()
-''')
 
-md("""
-## 6. Evaluate: accuracy per class
-A confusion matrix, built the XLA way. The tempting `pred[y >= 0]` (dropping the padded tail of the last
-batch) has a data-dependent size: XLA cannot compile that, so the op (`aten::nonzero`) falls back to the
-CPU with a round trip each batch. Instead every padded sample is sent to an extra "bin" that is thrown away:
-the shapes never change, the counts stay on the device, and one transfer at the end reads the matrix.
-""")
-code('''
+# %% [markdown]
+# ## 6. Evaluate: accuracy per class
+# A confusion matrix, built the XLA way. The tempting `pred[y >= 0]` (dropping the padded tail of the last
+# batch) has a data-dependent size: XLA cannot compile that, so the op (`aten::nonzero`) falls back to the
+# CPU with a round trip each batch. Instead every padded sample is sent to an extra "bin" that is thrown away:
+# the shapes never change, the counts stay on the device, and one transfer at the end reads the matrix.
+
+# %%
 C = len(CLASSES)
 model.eval()
 conf = torch.zeros(C * C + 1, dtype=torch.long, device=rt.device)
@@ -357,32 +360,30 @@ overall = conf.diag().sum().item() / conf.sum().item()
 assert conf.sum().item() == sum(s["samples"] for s in load_manifest(manifests["val"])["shards"])
 assert abs(overall - final["val_acc"]) < 1e-6, (overall, final["val_acc"])
 print(f"overall {overall:.1%}: the same as the training loop's evaluation")
-''')
 
-md("""
-## 7. Checkpoints: restore and resume
-Each checkpoint holds the model, optimizer and scheduler, the step, epoch and batch position, every RNG
-(Python, NumPy, torch, XLA), the run's config and the library versions. It is uploaded in the background,
-its checksum compared with the server's, and only then does the small `latest` pointer move; a reader never
-sees half a checkpoint. The last `keep` checkpoints and the best one (by validation accuracy) are kept.
+# %% [markdown]
+# ## 7. Checkpoints: restore and resume
+# Each checkpoint holds the model, optimizer and scheduler, the step, epoch and batch position, every RNG
+# (Python, NumPy, torch, XLA), the run's config and the library versions. It is uploaded in the background,
+# its checksum compared with the server's, and only then does the small `latest` pointer move; a reader never
+# sees half a checkpoint. The last `keep` checkpoints and the best one (by validation accuracy) are kept.
+#
+# First: what was saved is what we trained.
 
-First: what was saved is what we trained.
-""")
-code('''
+# %%
 state = ckpt.restore()                          # the newest checkpoint, as CPU tensors
 print(f"{CKPT}: latest is step {state['step']} (epoch {state['epoch']}), saved by torch {state['versions'].get('torch')}")
 live = to_cpu(trainer.module.state_dict(), rt)  # all tensors in one batched transfer (not one per tensor)
 assert state["step"] == trainer.step
 assert all(torch.equal(live[k], state["model"][k]) for k in live), "restored weights differ from the trained ones"
 print(f"all {len(live)} tensors restored bit for bit")
-''')
 
-md("""
-Now the preemption drill: a brand-new model and optimizer (as after a TPU VM restart), `resume=True`, and
-training continues from the checkpoint, at the step and batch where it stopped. If nothing had been restored
-the loss would start again near ln(10) ≈ 2.3.
-""")
-code('''
+# %% [markdown]
+# Now the preemption drill: a brand-new model and optimizer (as after a TPU VM restart), `resume=True`, and
+# training continues from the checkpoint, at the step and batch where it stopped. If nothing had been restored
+# the loss would start again near ln(10) ≈ 2.3.
+
+# %%
 model2, optimizer2 = build(P.seed + 1)        # different initial weights: only the checkpoint can explain a good loss
 scheduler2 = torch.optim.lr_scheduler.LambdaLR(optimizer2, schedule)
 cfg2 = dataclasses.replace(cfg, resume=True, max_steps=trainer.step + P.resume_steps, epochs=cfg.epochs + 1,
@@ -394,31 +395,26 @@ print(f"resumed at step {trainer.step}, now at step {resumed.step}; loss {hist2[
       f"(the first run started at {first:.3f} and ended at {last:.3f})")
 assert resumed.step == trainer.step + P.resume_steps
 assert hist2[0]["loss"] < first - 0.3, "the resumed run did not start from the trained weights"
-''')
 
-md("""
-## 8. What did XLA do?
-`labkit.explain()` reads torch_xla's metrics report and says, in plain words, where the time went: compiling
-vs executing graphs, recompilations and their causes, `aten::` ops that fell back to the CPU, and device→host
-transfers, each with what to do about it. On a GPU or plain CPU it says there is no XLA to explain.
-""")
-code('''
+# %% [markdown]
+# ## 8. What did XLA do?
+# `labkit.explain()` reads torch_xla's metrics report and says, in plain words, where the time went: compiling
+# vs executing graphs, recompilations and their causes, `aten::` ops that fell back to the CPU, and device→host
+# transfers, each with what to do about it. On a GPU or plain CPU it says there is no XLA to explain.
+
+# %%
 info = labkit.explain()
-''')
 
-md("""
-**The lessons in those numbers**
-* *Compile time vs execute time*: a ResNet-50 training graph takes tens of seconds to compile on a CPU host
-  and about a minute on a TPU host; it is paid once if shapes never change. Most of a short run's time is
-  compilation; a long run amortises it.
-* *Recompilations*: each is another full compile. Causes: a batch of another size, a Python number that
-  changes every step baked into the graph, data-dependent control flow.
-* *CPU fallbacks* (`aten::` counters): the op ran on the host, with a transfer each way. One per step can
-  halve TPU throughput.
-* *Transfers*: the loop reads its metrics once per log interval; anything more is a `.item()`, a `print(tensor)`
-  or a `.cpu()` somewhere in the step.
-
-Next: `02_transformer_lm.ipynb` trains a GPT-style transformer with the same `labkit` calls.
-""")
-
-nb.write("01_resnet50_cifar10.ipynb")
+# %% [markdown]
+# **The lessons in those numbers**
+# * *Compile time vs execute time*: a ResNet-50 training graph takes tens of seconds to compile on a CPU host
+#   and about a minute on a TPU host; it is paid once if shapes never change. Most of a short run's time is
+#   compilation; a long run amortises it.
+# * *Recompilations*: each is another full compile. Causes: a batch of another size, a Python number that
+#   changes every step baked into the graph, data-dependent control flow.
+# * *CPU fallbacks* (`aten::` counters): the op ran on the host, with a transfer each way. One per step can
+#   halve TPU throughput.
+# * *Transfers*: the loop reads its metrics once per log interval; anything more is a `.item()`, a `print(tensor)`
+#   or a `.cpu()` somewhere in the step.
+#
+# Next: `02_transformer_lm.ipynb` trains a GPT-style transformer with the same `labkit` calls.

@@ -1,0 +1,43 @@
+"""Notebook sources: every .ipynb equals the jupytext py:percent file beside it, and the set-up cell is the same
+in every notebook."""
+
+import importlib.util
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _sync():
+    spec = importlib.util.spec_from_file_location("sync_notebooks", ROOT / "scripts" / "sync_notebooks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_notebook_has_a_source_and_they_agree():
+    sync = _sync()
+    sources = sync.sources()
+    ipynbs = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    assert {p.stem for p in ipynbs} == {p.stem for p in sources}, "an .ipynb without a .py source, or the reverse"
+    stale = [s.name for s in sources if s.with_suffix(".ipynb").read_text() != sync.text(sync.build(s))]
+    assert not stale, f"{stale}: .ipynb differs from its source; run python scripts/sync_notebooks.py"
+
+
+def test_the_check_notices_an_edited_notebook(tmp_path):
+    sync = _sync()
+    src = sync.sources()[0]
+    nb = nbformat.reads(src.with_suffix(".ipynb").read_text(), as_version=4)
+    nb.cells[-1].source += "\n# edited in Colab"
+    assert nbformat.writes(nb) + "\n" != sync.text(sync.build(src))
+
+
+def test_set_up_cell_is_the_same_everywhere():
+    cells = {}
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        tagged = [c.source for c in nb.cells if "setup" in c.metadata.get("tags", [])]
+        assert len(tagged) == 1, f"{path.name}: expected one cell tagged 'setup', found {len(tagged)}"
+        cells[path.name] = tagged[0]
+    assert len(set(cells.values())) == 1, f"set-up cells differ between {sorted(cells)}"
