@@ -1,6 +1,6 @@
 """Stream tar shards (local, gs://, http) into static-shape batches, split over replicas and workers.
 
-    from data_tools.stream import make_loader
+    from data_tools import make_loader        # data_tools.loader: the DataLoader around ShardStream
     train = make_loader("gs://bucket/cifar/train/manifest.json", 128, train=True, num_workers=2)
     val = make_loader("/data/cifar/val/manifest.json", 256, train=False, mean=train.mean, std=train.std)
     for epoch in range(3):
@@ -9,8 +9,10 @@
 
 Distribution is explicit (webdataset's default node splitter reads RANK/WORLD_SIZE, which
 torch_xla's launcher does not set, so every core would read every shard): replica = `rank`/
-`world_size` arguments, else labkit.device.current_runtime(), else torch.distributed, else 0/1;
-worker = the DataLoader worker. Shards are dealt round-robin, replicas first, then workers.
+`world_size` arguments, else labkit.device.current_runtime() (torch_xla.runtime's global_ordinal/
+world_size, or the SPMD process index/count), else torch.distributed, else 0/1; worker = the
+DataLoader worker. Shards are dealt round-robin, replicas first (the node splitter), then workers
+(the worker splitter); training permutes shard order first (shardshuffle, seeded by seed and epoch).
 
 Training: every replica yields exactly floor(samples / (world * batch)) full batches per epoch,
 the same number everywhere (collectives stay in step, shapes stay static). A worker whose shards
@@ -27,30 +29,42 @@ XLA), "drop" drops it (labkit.Trainer's eval_step counts labels >= 0). Replicas 
 different numbers of eval batches.
 
 Bad data raises with the shard URL (and key): ShardError for a corrupt/truncated tar, a sample
-without `cls` or an undecodable image; ValueError for a sha256 mismatch (verify=True reads each
-shard whole and checks it before yielding from it); FileNotFoundError for a missing shard.
-skip_corrupt=True skips such samples instead (not sha256 mismatches) and counts them in
-`loader.skipped` (shared with worker processes; a sample met again in a later pass counts again).
+without `cls`, a label outside the manifest's classes, an undecodable image, a sha256 mismatch, or
+a shard from another write than its manifest's (see data_tools.writer); FileNotFoundError for a
+missing shard; OSError (ConnectionError, TimeoutError) for I/O that failed after bounded retries
+(see data_tools.urls). verify="stream" (default) hashes each shard as its bytes pass (no second
+read; see bench/bench_data.py for the cost) and raises at the shard's end, when its samples are
+already on their way; verify=True reads each shard whole and checks it before yielding from it.
+skip_corrupt=True skips corrupt samples instead (never I/O failures, never a shard of another
+write) and counts them in `loader.skipped` (shared with worker processes; a sample met again in
+a later pass counts again); a streamed sha256 mismatch is then a warning.
 """
 from __future__ import annotations
 
+import hashlib
 import io
+import itertools
 import math
 import multiprocessing as mp
+import os
+import random
+import warnings
 
+import braceexpand
 import numpy as np
 import torch
+import webdataset as wds
+from webdataset.tariterators import group_by_keys
 
-from .shards import check_shard_bytes, is_not_found, load_manifest, open_url, register_gs, sibling
-from .tario import TarFormatError, iter_tar
+from labkit.device import current_runtime
+
+from .manifest import GROUP_PREFIX, HashingReader, ShardError, check_digest, load_manifest
+from .tario import TarFormatError, TarGroupError, iter_tar
 from .transforms import augment, decode_image, scale_stats, to_batch
+from .urls import DEFAULT_TIMEOUT, is_not_found, open_url, register_webdataset, sibling
 
 PAD_LABEL = -100  # F.cross_entropy's default ignore_index
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-
-
-class ShardError(ValueError):
-    """Bad shard data; the message names the shard URL (and the key when known)."""
 
 
 def resolve_replica(rank=None, world_size=None) -> tuple[int, int]:
@@ -61,8 +75,6 @@ def resolve_replica(rank=None, world_size=None) -> tuple[int, int]:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
         return int(rank), int(world_size)
-    from labkit.device import current_runtime
-
     rt = current_runtime()
     if rt is not None:
         return rt.ordinal, rt.world_size
@@ -73,8 +85,6 @@ def resolve_replica(rank=None, world_size=None) -> tuple[int, int]:
 
 def expand_urls(source) -> list[str]:
     """A brace pattern ("dir/train-{000000..000003}.tar"), or a list of them, -> list of URLs."""
-    import braceexpand
-
     items = [source] if isinstance(source, str) else list(source or [])
     urls = [u for s in items for u in braceexpand.braceexpand(str(s))]
     if not urls:
@@ -101,15 +111,19 @@ class ShardStream(torch.utils.data.IterableDataset):
     """The webdataset pipeline of one replica: shards -> samples -> shuffle -> decode -> batches."""
 
     def __init__(self, source, batch_size: int, *, train: bool, rank=None, world_size=None, num_workers: int = 0,
-                 seed: int = 0, shuffle_buffer: int = 1000, verify: bool = False, skip_corrupt: bool = False,
+                 seed: int = 0, shuffle_buffer: int = 1000, verify: bool | str = "stream", skip_corrupt: bool = False,
                  num_samples: int | None = None, mean=None, std=None, last_batch: str = "pad",
-                 return_keys: bool = False, augment: bool = True, crop_padding: int = 4):
+                 return_keys: bool = False, augment: bool = True, crop_padding: int = 4,
+                 timeout: float = DEFAULT_TIMEOUT):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if last_batch not in ("pad", "partial", "drop"):
             raise ValueError(f"last_batch must be 'pad', 'partial' or 'drop', got {last_batch!r}")
-        register_gs()
-        self.manifest = self._find_manifest(source)
+        if verify not in (True, False, "stream"):
+            raise ValueError(f"verify must be True (whole shard first), 'stream' or False, got {verify!r}")
+        register_webdataset()
+        self.timeout = float(timeout)
+        self.manifest = self._find_manifest(source, self.timeout)
         if self.manifest is not None and (isinstance(source, str) and source.endswith(".json")):
             self.urls = list(self.manifest["urls"])
         else:
@@ -126,6 +140,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.mean = tuple(mean if mean is not None else m.get("mean", CIFAR_MEAN))
         self.std = tuple(std if std is not None else m.get("std", CIFAR_STD))
         self.image_size = tuple(m.get("image_size", (32, 32)))
+        self.num_classes, self.generation = m.get("num_classes"), m.get("generation")
         self.epoch = 0
         self._decoded = 0  # per process: detects a pass with nothing readable
         self._skipped = mp.Value("q", 0)  # shared with DataLoader workers (they run in other processes)
@@ -149,15 +164,17 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     # -- setup helpers --------------------------------------------------------------------
     @staticmethod
-    def _find_manifest(source):
+    def _find_manifest(source, timeout):
         if isinstance(source, dict):
             raise TypeError("pass the manifest's path or URL, not the dict (shard URLs are relative to it)")
-        if isinstance(source, str) and source.endswith(".json"):
-            return load_manifest(source)
+        if isinstance(source, (str, os.PathLike)):
+            source = os.fspath(source)
+            if source.endswith((".json", "/")) or os.path.isdir(source):  # a folder: load_manifest says so
+                return load_manifest(source, timeout)
         urls = expand_urls(source)
         try:  # a manifest beside the shards gives sample counts and mean/std
-            return load_manifest(sibling(urls[0], "manifest.json"))
-        except Exception:
+            return load_manifest(sibling(urls[0], "manifest.json"), timeout)
+        except (FileNotFoundError, ValueError):  # none there, or not ours; network failures do raise
             return None
 
     def _entries(self) -> list:
@@ -203,61 +220,61 @@ class ShardStream(torch.utils.data.IterableDataset):
         with self._skipped.get_lock():
             self._skipped.value += n
 
+    def _open(self, url: str, entry):
+        """The shard's byte stream, checked as self.verify asks; returns (stream, hasher or None)."""
+        stream = open_url(url, self.timeout)
+        if not entry or not self.verify:
+            return stream, None
+        if self.verify == "stream":
+            stream = HashingReader(stream)
+            return stream, stream
+        with stream:
+            data = stream.read()
+        check_digest(len(data), hashlib.sha256(data).hexdigest(), url, entry)
+        return io.BytesIO(data), None
+
     def _read_tar(self, idx: int):
+        """Samples of one shard. Only a broken tar or wrong count is corruption (skippable)."""
         url, entry = self.urls[idx], self.entries[idx]
-        key, n = None, 0
+        group = GROUP_PREFIX + self.generation if (entry and self.generation) else None
+        n, key = 0, None
         try:
-            stream = open_url(url)
-            if self.verify and entry:
-                data = stream.read()
-                stream.close()
-                check_shard_bytes(data, url, entry)
-                stream = io.BytesIO(data)
+            stream, hasher = self._open(url, entry)
             with stream:
-                sample = {}
-                for name, payload in iter_tar(stream):
-                    base = name.rsplit("/", 1)[-1]
-                    k, _, ext = base.partition(".")
-                    k = name[: len(name) - len(base)] + k
-                    if k != key:
-                        if sample:
-                            n += 1
-                            yield sample
-                        key, sample = k, {"__key__": k, "__url__": url}
-                    sample[ext.lower()] = payload
-                if sample:
-                    n += 1
+                members = ({"fname": name, "data": data, "__url__": url} for name, data in iter_tar(stream, group))
+                for sample in group_by_keys(members):
+                    n, key = n + 1, sample["__key__"]
                     yield sample
-        except Exception as e:
-            if is_not_found(e):
-                raise FileNotFoundError(f"shard not found: {url}") from None
-            if not isinstance(e, (TarFormatError, EOFError, OSError)):
+                if hasher is not None:
+                    hasher.finish(url, entry)
+        except TarGroupError as e:
+            raise ShardError(f"shard {url} is not from the write that manifest.json describes (generation "
+                             f"{self.generation}; {e}): the folder is being rewritten or a rewrite was "
+                             "interrupted - write it again") from None
+        except ShardError as e:  # sha256 or size differs: the shard's samples were already yielded
+            if not self.skip_corrupt:
                 raise
+            warnings.warn(str(e), stacklevel=2)
+            return
+        except (TarFormatError, EOFError) as e:
             msg = f"shard {url}: corrupt or truncated tar after {n} sample(s) (last key {key!r}): {e}"
             if not self.skip_corrupt:
                 raise ShardError(msg) from e
             self._count_skip(max(1, (entry["samples"] - n) if entry else 1))
             return
+        except OSError as e:  # the network or the disk failed: never a corrupt sample, never skipped
+            if is_not_found(e):
+                raise FileNotFoundError(f"shard not found: {url}") from None
+            raise type(e)(f"shard {url}: read failed after {n} sample(s): {e}") from e
+        except Exception as e:
+            if is_not_found(e):  # google-cloud-storage's NotFound is no OSError
+                raise FileNotFoundError(f"shard not found: {url}") from None
+            raise
         if entry and n != entry["samples"]:
             msg = f"shard {url}: {n} samples, manifest says {entry['samples']} (truncated or replaced)"
             if not self.skip_corrupt:
                 raise ShardError(msg)
             self._count_skip(max(0, entry["samples"] - n))
-
-    def _shuffle(self, samples, rng):
-        if self.shuffle_buffer <= 1:
-            yield from samples
-            return
-        buf = []
-        for s in samples:
-            if len(buf) < self.shuffle_buffer:
-                buf.append(s)
-                continue
-            j = rng.integers(len(buf))
-            buf[j], s = s, buf[j]
-            yield s
-        rng.shuffle(buf)  # the end of a pass flushes: a pass never leaks into the next one
-        yield from buf
 
     def _samples(self, worker: int):
         """Raw samples of this worker: training cycles its shards until its batch quota is met."""
@@ -266,20 +283,23 @@ class ShardStream(torch.utils.data.IterableDataset):
             for i in shards:
                 yield from self._read_tar(i)
             return
-        # Endless passes; _batches stops at the quota, so a pass is only started when needed and
-        # samples skipped as corrupt are made up for from the next pass.
-        p = 0
-        while True:
-            rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker, p])
-            order = shards if p == 0 else list(rng.permutation(shards))
+        # Endless passes; the quota stops the pipeline, so a pass is only started when needed and
+        # samples skipped as corrupt are made up for from the next pass. webdataset's shuffle
+        # flushes its buffer at the end of its input: a pass never leaks into the next one.
+        for p in itertools.count():
+            seed = np.random.SeedSequence([self.seed, self.epoch, self.rank, worker, p]).generate_state(2)
+            rng = random.Random(int(seed[0]) << 32 | int(seed[1]))
+            order = shards if p == 0 else rng.sample(shards, len(shards))
             before = self._decoded
-            yield from self._shuffle((s for i in order for s in self._read_tar(i)), rng)
+            samples = (s for i in order for s in self._read_tar(i))
+            yield from (wds.filters._shuffle(samples, self.shuffle_buffer, self.shuffle_buffer, rng)
+                        if self.shuffle_buffer > 1 else samples)
             if self._decoded == before:
                 raise ShardError(f"no readable samples in shards {[self.urls[i] for i in shards]}")
-            p += 1
 
     def _decode(self, samples, rng):
         h, w = self.image_size
+        k = self.num_classes
         for s in samples:
             url, key = s["__url__"], s["__key__"]
             try:
@@ -294,6 +314,9 @@ class ShardStream(torch.utils.data.IterableDataset):
                     label = int(s["cls"])
                 except Exception as e:
                     raise ShardError(f"shard {url}: sample {key!r} cannot be decoded: {e}") from e
+                if not (0 <= label < k if k else label >= 0):  # -100 would be taken for padding
+                    raise ShardError(f"shard {url}: sample {key!r} has label {label}, outside "
+                                     + (f"0..{k - 1} ({k} classes in manifest.json)" if k else "0.. (no manifest)"))
                 if img.shape[:2] != (h, w):
                     raise ShardError(f"shard {url}: sample {key!r} is {img.shape[1]}x{img.shape[0]}, expected {w}x{h}")
             except ShardError:
@@ -306,30 +329,13 @@ class ShardStream(torch.utils.data.IterableDataset):
             self._decoded += 1
             yield img, label, key
 
-    def _batches(self, items, quota=None):
-        mean, std = scale_stats(self.mean, self.std)
-        buf, made = [], 0
-
-        def collate(buf):
-            x, y = to_batch([b[0] for b in buf], [b[1] for b in buf], mean, std)
-            return (x, y, [b[2] for b in buf]) if self.return_keys else (x, y)
-
-        for item in items:
-            buf.append(item)
-            if len(buf) == self.batch_size:
-                yield collate(buf)
-                buf, made = [], made + 1
-                if quota is not None and made >= quota:
-                    return
-        if buf and not self.train and self.last_batch != "drop":
-            if self.last_batch == "pad":
-                x, y, *k = collate(buf)
-                n = self.batch_size - len(buf)
-                x = torch.cat([x, torch.zeros((n,) + tuple(x.shape[1:]))])
-                y = torch.cat([y, torch.full((n,), PAD_LABEL, dtype=torch.int64)])
-                yield (x, y, k[0] + [""] * n) if self.return_keys else (x, y)
-            else:
-                yield collate(buf)
+    def _collate(self, items):
+        x, y = to_batch([b[0] for b in items], [b[1] for b in items], *self._stats)
+        n = self.batch_size - len(items)
+        if n and self.last_batch == "pad":  # static shapes: zero images, label -100 (ignored by the loss)
+            x = torch.cat([x, torch.zeros((n,) + tuple(x.shape[1:]))])
+            y = torch.cat([y, torch.full((n,), PAD_LABEL, dtype=torch.int64)])
+        return (x, y, [b[2] for b in items] + [""] * n) if self.return_keys else (x, y)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -337,89 +343,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         if nw != self.num_workers:
             raise RuntimeError(f"ShardStream was planned for {self.num_workers} worker(s) but runs in {nw}; "
                                "pass the DataLoader's num_workers to make_loader")
-        import webdataset as wds
-
+        self._stats = scale_stats(self.mean, self.std)
         rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker, 1 << 20])
-        quota = self._worker_batches(worker) if self.train else None
-        return iter(wds.DataPipeline(lambda: self._samples(worker), lambda it: self._decode(it, rng),
-                                     lambda it: self._batches(it, quota)))
-
-
-class ShardLoader(torch.utils.data.DataLoader):
-    """A DataLoader over a ShardStream (batch_size=None: batches come from the pipeline).
-
-    Iterating again without set_epoch() moves to the next epoch, so a plain `for` loop over
-    epochs reshuffles."""
-
-    def __init__(self, stream: ShardStream, **kw):
-        super().__init__(stream, batch_size=None, num_workers=stream.dataloader_workers, **kw)
-        self._iterated, self._epoch_set = False, False
-
-    @property
-    def stream(self) -> ShardStream:
-        return self.dataset
-
-    def set_epoch(self, epoch: int) -> None:
-        self.dataset.set_epoch(epoch)
-        self._epoch_set = True
-
-    @property
-    def epoch(self) -> int:
-        return self.dataset.epoch
-
-    @property
-    def skipped(self) -> int:
-        return self.dataset.skipped
-
-    @property
-    def manifest(self):
-        return self.dataset.manifest
-
-    @property
-    def mean(self):
-        return self.dataset.mean
-
-    @property
-    def std(self):
-        return self.dataset.std
-
-    def __iter__(self):
-        if self._iterated and not self._epoch_set:
-            self.dataset.epoch += 1
-        self._iterated, self._epoch_set = True, False
-        return self._guarded(super().__iter__())
-
-    @staticmethod
-    def _guarded(it):
-        """Stop worker processes as soon as the loop ends by error or break: left to the garbage
-        collector (the iterator sits in the exception's traceback), their shutdown waited 10 s."""
-        try:
-            yield from it
-        except BaseException:
-            stop = getattr(it, "_shutdown_workers", None)
-            if stop is not None:
-                stop()
-            raise
-
-
-def make_loader(source, batch_size: int, *, train: bool, rank=None, world_size=None, num_workers: int = 0,
-                seed: int = 0, shuffle_buffer: int = 1000, verify: bool = False, skip_corrupt: bool = False,
-                num_samples: int | None = None, mean=None, std=None, last_batch: str = "pad",
-                return_keys: bool = False, augment: bool = True, prefetch_factor: int | None = None,
-                persistent_workers: bool = False) -> ShardLoader:
-    """A DataLoader of (x float32 NCHW normalised, y int64) batches from shards; see the module doc.
-
-    source: manifest.json path/URL, or a brace pattern / list of shard URLs (a manifest.json in the
-    same folder is used when present; otherwise pass num_samples for training).
-    persistent_workers keeps worker processes between epochs, but then set_epoch() no longer
-    reaches them (they hold their own copy of the stream): leave it off unless epochs don't matter."""
-    stream = ShardStream(source, batch_size, train=train, rank=rank, world_size=world_size, num_workers=num_workers,
-                         seed=seed, shuffle_buffer=shuffle_buffer, verify=verify, skip_corrupt=skip_corrupt,
-                         num_samples=num_samples, mean=mean, std=std, last_batch=last_batch,
-                         return_keys=return_keys, augment=augment)
-    kw = {}
-    if num_workers > 0:
-        kw = {"persistent_workers": persistent_workers}
-        if prefetch_factor is not None:
-            kw["prefetch_factor"] = prefetch_factor
-    return ShardLoader(stream, **kw)
+        # training takes exactly its quota of samples before batching: webdataset's batched() looks one
+        # sample ahead, which past the quota would start another pass over the shards for nothing
+        take = (lambda it: itertools.islice(it, self._worker_batches(worker) * self.batch_size)) if self.train \
+            else (lambda it: it)
+        return iter(wds.DataPipeline(lambda: self._samples(worker), lambda it: self._decode(it, rng), take,
+                                     wds.batched(self.batch_size, collation_fn=self._collate,
+                                                 partial=not self.train and self.last_batch != "drop")))

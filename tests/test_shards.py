@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from data_tools import load_manifest, load_source, verify_manifest, write_dataset, write_shards
-from data_tools.stream import make_loader
+from data_tools import make_loader
 
 
 def _tar_members(path):

@@ -135,7 +135,7 @@ def test_gcs_round_trip(gcs_bucket, digits):
     assert len(ld) == 6 and xb.shape == (20, 3, 32, 32)
     import importlib
 
-    assert importlib.import_module("webdataset.gopen").gopen_schemes["gs"].__module__ == "data_tools.shards"
+    assert importlib.import_module("webdataset.gopen").gopen_schemes["gs"].__module__ == "data_tools.urls"
     from labkit import gcs
 
     gcs.blob(url + "/train-000003.tar").delete()
@@ -217,15 +217,16 @@ def test_missing_shard_or_manifest_is_named(tmp_path, even):
 
 
 def _rewrite(shard, fn):
-    """Rewrite a tar member by member through fn(name, data) -> (name, data) or None."""
+    """Rewrite a tar member by member through fn(name, data) -> (name, data) or None, keeping the
+    headers' owner fields (the writer's generation), as an edit of the members would."""
     with tarfile.open(shard) as tf:
-        members = [(m.name, tf.extractfile(m).read()) for m in tf.getmembers()]
+        members = [(m, tf.extractfile(m).read()) for m in tf.getmembers()]
     with tarfile.open(shard, "w") as tf:
-        for name, data in members:
-            r = fn(name, data)
+        for m, data in members:
+            r = fn(m.name, data)
             if r is not None:
-                ti = tarfile.TarInfo(r[0]); ti.size = len(r[1])
-                tf.addfile(ti, io.BytesIO(r[1]))
+                m.name, m.size = r[0], len(r[1])
+                tf.addfile(m, io.BytesIO(r[1]))
 
 
 def test_missing_cls_and_bad_png_name_shard_and_key(tmp_path, even):

@@ -1,0 +1,89 @@
+"""A DataLoader over a ShardStream: epochs, worker shutdown, and make_loader, the one-call entry.
+
+    from data_tools.loader import make_loader
+    train = make_loader("gs://bucket/cifar/train/manifest.json", 128, train=True, num_workers=2)
+    for epoch in range(3):
+        train.set_epoch(epoch)
+        for x, y in train: ...
+"""
+from __future__ import annotations
+
+import torch
+
+from .stream import ShardStream
+
+
+class ShardLoader(torch.utils.data.DataLoader):
+    """A DataLoader over a ShardStream (batch_size=None: batches come from the pipeline).
+
+    Iterating again without set_epoch() moves to the next epoch, so a plain `for` loop over
+    epochs reshuffles."""
+
+    def __init__(self, stream: ShardStream, **kw):
+        super().__init__(stream, batch_size=None, num_workers=stream.dataloader_workers, **kw)
+        self._iterated, self._epoch_set = False, False
+
+    @property
+    def stream(self) -> ShardStream:
+        return self.dataset
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+        self._epoch_set = True
+
+    @property
+    def epoch(self) -> int:
+        return self.dataset.epoch
+
+    @property
+    def skipped(self) -> int:
+        return self.dataset.skipped
+
+    @property
+    def manifest(self):
+        return self.dataset.manifest
+
+    @property
+    def mean(self):
+        return self.dataset.mean
+
+    @property
+    def std(self):
+        return self.dataset.std
+
+    def __iter__(self):
+        if self._iterated and not self._epoch_set:
+            self.dataset.epoch += 1
+        self._iterated, self._epoch_set = True, False
+        return self._guarded(super().__iter__())
+
+    @staticmethod
+    def _guarded(it):
+        """Stop worker processes as soon as the loop ends by error or break: left to the garbage
+        collector (the iterator sits in the exception's traceback), their shutdown waited 10 s."""
+        try:
+            yield from it
+        except BaseException:
+            stop = getattr(it, "_shutdown_workers", None)
+            if stop is not None:
+                stop()
+            raise
+
+
+def make_loader(source, batch_size: int, *, train: bool, num_workers: int = 0, prefetch_factor: int | None = None,
+                persistent_workers: bool = False, **options) -> ShardLoader:
+    """A DataLoader of (x float32 NCHW normalised, y int64) batches from shards; see data_tools.stream.
+
+    source: manifest.json path/URL, or a brace pattern / list of shard URLs (a manifest.json in the
+    same folder is used when present; otherwise pass num_samples for training). `options` go to
+    ShardStream unchanged (rank, world_size, seed, shuffle_buffer, verify, skip_corrupt, num_samples,
+    mean, std, last_batch, return_keys, augment, crop_padding, timeout).
+    persistent_workers keeps worker processes between epochs, but then set_epoch() no longer
+    reaches them (they hold their own copy of the stream): leave it off unless epochs don't matter."""
+    stream = ShardStream(source, batch_size, train=train, num_workers=num_workers, **options)
+    kw = {}
+    if num_workers > 0:
+        kw = {"persistent_workers": persistent_workers}
+        if prefetch_factor is not None:
+            kw["prefetch_factor"] = prefetch_factor
+    return ShardLoader(stream, **kw)
