@@ -90,8 +90,7 @@ def _open_gs(url: str, timeout: float):
     from google.cloud.storage.retry import DEFAULT_RETRY
 
     # the client's default retry gives up only after 120 s: bound it like the other schemes
-    retry = DEFAULT_RETRY.with_timeout(timeout * ATTEMPTS) if hasattr(DEFAULT_RETRY, "with_timeout") \
-        else DEFAULT_RETRY.with_deadline(timeout * ATTEMPTS)
+    retry = getattr(DEFAULT_RETRY, "with_timeout", DEFAULT_RETRY.with_deadline)(timeout * ATTEMPTS)
     f = gcs.blob(url).open("rb", chunk_size=8 << 20, timeout=timeout, retry=retry)
     try:
         f.read(0)  # BlobReader is lazy: fetch metadata now so that a missing object fails here

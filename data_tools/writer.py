@@ -42,6 +42,7 @@ from .sources import load_source
 ENCODINGS = ("png", "ppm")
 SHARD_MTIME = 1_700_000_000  # member timestamps: fixed, so equal inputs give byte-identical shards
 GCS_TIMEOUT = 30.0  # seconds per request while writing to gs://; retries stop after twice that
+GCS_REACH_S = 10.0  # the first request (the bucket check) retries an unreachable endpoint this long
 
 
 def channel_stats(images: np.ndarray) -> tuple[list[float], list[float]]:
@@ -92,17 +93,18 @@ class _Local:
     def __init__(self, out: str):
         if os.path.exists(out) and not os.path.isdir(out):
             raise NotADirectoryError(f"output {out} is a file, not a folder")
-        try:
+        try:  # fail before encoding anything, and say which folder
             os.makedirs(out, exist_ok=True)
-            probe = tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-")
-            probe.close()
-        except PermissionError:
-            raise PermissionError(f"cannot write to output folder {out} (permission denied)") from None
+            tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-").close()
+        except OSError as e:
+            raise type(e)(f"cannot write to output folder {out}: {e.strerror or e}") from None
         self.out = out
 
     def stage(self, gen: str) -> str:
+        for name in os.listdir(self.out):  # what killed writes left (one writer per folder at a time)
+            if name.startswith(".staging-"):
+                shutil.rmtree(os.path.join(self.out, name), ignore_errors=True)
         d = os.path.join(self.out, f".staging-{gen}")
-        shutil.rmtree(d, ignore_errors=True)  # what an earlier, killed write of the same inputs left
         os.makedirs(d)
         return d
 
@@ -136,26 +138,32 @@ class _GCS:
         from google.api_core import exceptions
         from google.cloud.storage.retry import DEFAULT_RETRY
 
-        self.retry = DEFAULT_RETRY.with_timeout(2 * GCS_TIMEOUT) if hasattr(DEFAULT_RETRY, "with_timeout") \
-            else DEFAULT_RETRY.with_deadline(2 * GCS_TIMEOUT)
+        def bounded(seconds):  # api_core >= 2.17 renamed with_deadline to with_timeout
+            return getattr(DEFAULT_RETRY, "with_timeout", DEFAULT_RETRY.with_deadline)(seconds)
+
+        self.retry = bounded(2 * GCS_TIMEOUT)
         self.out = out.rstrip("/")
         bucket, self.prefix = gcs.parse_url(self.out)
         self.bucket = gcs.client().bucket(bucket)
         host = os.environ.get("STORAGE_EMULATOR_HOST", "storage.googleapis.com")
         try:  # the client's default retry would stay silent for ~2 minutes on an unreachable endpoint
-            self.bucket.reload(timeout=GCS_TIMEOUT, retry=self.retry)
+            self.bucket.reload(timeout=GCS_REACH_S, retry=bounded(GCS_REACH_S))
         except exceptions.NotFound:
             raise FileNotFoundError(f"GCS bucket {bucket!r} does not exist (from {out!r})") from None
         except (exceptions.RetryError, OSError) as e:
-            raise ConnectionError(f"cannot reach GCS at {host} for bucket {bucket!r} within "
-                                  f"{2 * GCS_TIMEOUT:g} s ({type(e).__name__}: {e})") from None
+            cause = e.cause if isinstance(e, exceptions.RetryError) and e.cause else e
+            raise ConnectionError(f"cannot reach GCS at {host} for bucket {bucket!r}: retried for "
+                                  f"{GCS_REACH_S:g} s ({type(cause).__name__})") from None
 
     def _blob(self, name: str):
         return self.bucket.blob(f"{self.prefix}/{name}" if self.prefix else name)
 
     def stage(self, gen: str) -> str:
-        self.gen, self.local = gen, tempfile.mkdtemp(prefix="labkit-shards-")
-        return self.local
+        pre = f"{self.prefix}/.staging-" if self.prefix else ".staging-"
+        for b in gcs.client().list_blobs(self.bucket, prefix=pre):  # what killed writes left
+            self.bucket.blob(b.name).delete(timeout=GCS_TIMEOUT, retry=self.retry)
+        self.gen = gen
+        return tempfile.mkdtemp(prefix="labkit-shards-")
 
     def staged(self, path: str, name: str) -> None:
         gcs.upload_file(path, gcs.join(self.out, f".staging-{self.gen}", name), timeout=GCS_TIMEOUT,

@@ -298,9 +298,11 @@ def test_tar_reader_matches_tarfile(tmp_path, fmt):
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
         for name, data in members:
-            ti = tarfile.TarInfo(name); ti.size = len(data)
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
             tf.addfile(ti, io.BytesIO(data))
-        dir_info = tarfile.TarInfo("somedir"); dir_info.type = tarfile.DIRTYPE
+        dir_info = tarfile.TarInfo("somedir")
+        dir_info.type = tarfile.DIRTYPE
         tf.addfile(dir_info)
     raw = buf.getvalue()
     assert list(iter_tar(io.BytesIO(raw))) == members
@@ -311,3 +313,91 @@ def test_tar_reader_matches_tarfile(tmp_path, fmt):
             list(iter_tar(io.BytesIO(raw[:cut])))
         ends.append(cut)
     assert len(ends) > 5
+
+
+# -- labels, I/O failures, sha256 while streaming -----------------------------------------------------
+@pytest.mark.parametrize("label", [b"12", b"-100"])
+def test_label_outside_the_classes_names_shard_and_key(tmp_path, even, label):
+    d = _copy(even, tmp_path / "l")
+    _rewrite(d / "train-000001.tar", lambda n, b: (n, label) if n == "train-0000045.cls" else (n, b))
+    want = rf"train-000001.tar: sample 'train-0000045' has label {label.decode()}, outside 0..9 \(10 classes"
+    with pytest.raises(ShardError, match=want):
+        list(make_loader(str(d / "manifest.json"), 10, train=False, verify=False))
+    with pytest.raises(ShardError, match=want):
+        list(make_loader(str(d / "manifest.json"), 10, train=True, num_workers=2, verify=False))
+    ld = make_loader(str(d / "manifest.json"), 10, train=False, skip_corrupt=True, return_keys=True, verify=False,
+                     last_batch="partial")
+    keys = [k for b in _keys(ld) for k in b]
+    assert ld.skipped == 1 and len(keys) == 319 and "train-0000045" not in keys
+
+
+def test_sha256_checked_while_streaming_by_default(tmp_path, even):
+    """A flipped bit inside a PNG's pixel data that still decodes: only the sha256 can tell."""
+    d = _copy(even, tmp_path / "h")
+    shard = d / "train-000004.tar"
+    data = bytearray(shard.read_bytes())
+    with tarfile.open(shard) as tf:
+        m = next(m for m in tf.getmembers() if m.name.endswith(".png"))
+    from data_tools.transforms import decode_image
+
+    png = bytes(data[m.offset_data:m.offset_data + m.size])
+    good = decode_image(png)
+
+    def silent(i):  # the flip of bit 0 of byte i decodes, to other pixels
+        bad = bytearray(png)
+        bad[i] ^= 0x01
+        try:
+            return not np.array_equal(decode_image(bytes(bad)), good)
+        except Exception:
+            return False
+
+    i = next(i for i in range(len(png)) if silent(i))
+    data[m.offset_data + i] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match="train-000004.tar: sha256"):
+        list(make_loader(str(d / "manifest.json"), 10, train=False))
+    with pytest.warns(UserWarning, match="train-000004.tar: sha256"):  # skip_corrupt: reported, not raised
+        list(make_loader(str(d / "manifest.json"), 10, train=False, skip_corrupt=True))
+    assert len(list(make_loader(str(d / "manifest.json"), 10, train=False, verify=False))) == 32
+
+
+def test_unreachable_server_is_an_error_even_with_skip_corrupt(even):
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.endswith("manifest.json"):
+                body = (even / "manifest.json").read_bytes()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            else:
+                self.send_error(404)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(FileNotFoundError, match=r"shard not found: http://.*/train-000000.tar"):
+            list(make_loader(base + "/manifest.json", 10, train=False, skip_corrupt=True))
+    finally:
+        server.shutdown()
+        server.server_close()
+    # the server is gone: connection refused, retried a bounded number of times, then named
+    with pytest.raises(ConnectionError, match=r"cannot read http://127.0.0.1:\d+/\S+: 3 attempts.*refused"):
+        list(make_loader([base + "/train-000000.tar"], 10, train=False, skip_corrupt=True, num_samples=40, timeout=1))
+
+
+def test_folder_instead_of_manifest_and_empty_shard_list(tmp_path, even):
+    with pytest.raises(IsADirectoryError, match=r"is a folder; pass .*/manifest.json"):
+        make_loader(str(even), 10, train=True)
+    bad = tmp_path / "manifest.json"
+    m = json.loads((even / "manifest.json").read_text())
+    bad.write_text(json.dumps({**m, "shards": []}))
+    with pytest.raises(ValueError, match=r"manifest .*manifest.json lists no shards"):
+        make_loader(str(bad), 10, train=True)
