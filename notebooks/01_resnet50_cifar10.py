@@ -130,7 +130,7 @@ print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), bf16 
 # %%
 import json, socket
 from labkit import gcs
-from data_tools.shards import load_manifest, write_dataset
+from data_tools import load_manifest, write_dataset
 
 
 def online(host="www.cs.toronto.edu", port=443, timeout=3.0) -> bool:
@@ -175,7 +175,7 @@ print("classes:", CLASSES)
 
 # %%
 import itertools
-from data_tools.shards import load_manifest, open_url
+from data_tools import load_manifest, open_url
 from data_tools.tario import iter_tar
 
 m = load_manifest(manifests["train"])
@@ -187,7 +187,7 @@ assert names[0].endswith((".cls", ".png")) and names[0].split(".")[0] == names[1
 
 # %% [markdown]
 # ## 3. Stream the shards
-# `data_tools.stream.make_loader` deals shards to replicas (TPU cores) and then to DataLoader workers,
+# `data_tools.make_loader` deals shards to replicas (TPU cores) and then to DataLoader workers,
 # shuffles shard order and samples with a seed that depends on the epoch, decodes PNGs, augments
 # (random crop with 4-pixel padding, horizontal flip) and normalises.
 #
@@ -201,7 +201,7 @@ assert names[0].endswith((".cls", ".png")) and names[0].split(".")[0] == names[1
 # (`cross_entropy`'s ignore index), so shapes stay static and the accuracy stays exact.
 
 # %%
-from data_tools.stream import make_loader
+from data_tools import make_loader
 
 train_loader = make_loader(manifests["train"], P.batch_size, train=True, num_workers=P.num_workers, seed=P.seed)
 val_loader = make_loader(manifests["val"], P.batch_size, train=False, num_workers=P.num_workers,
