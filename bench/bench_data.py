@@ -15,6 +15,7 @@
    consumes at batch 8, 32x32 (steps timed after the two warm-up compiles).
 Trials alternate A, B, A, B; medians are reported. Takes about 2-3 minutes on 2 cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -152,21 +153,27 @@ def main(argv=None):
         with open(os.path.join(folder, f"{i:07d}_{y[i]}.png"), "wb") as f:
             f.write(encode_image(x[i]))
     man = os.path.join(tmp, "shards", "manifest.json")
-    print(f"{len(x)} digits images 32x32 PNG: {len(m['shards'])} shards of 500 "
-          f"({sum(s['bytes'] for s in m['shards']) / 1e6:.1f} MB) vs {len(x)} files; "
-          f"{a.workers} DataLoader workers, batch {a.batch}; cpus={os.cpu_count()}")
+    print(
+        f"{len(x)} digits images 32x32 PNG: {len(m['shards'])} shards of 500 "
+        f"({sum(s['bytes'] for s in m['shards']) / 1e6:.1f} MB) vs {len(x)} files; "
+        f"{a.workers} DataLoader workers, batch {a.batch}; cpus={os.cpu_count()}"
+    )
 
     print("1. read + decode, both WARM (page cache; read once untimed before the trials):")
     ds = PngFolder(folder, m["mean"], m["std"])
     shard_rate, folder_rate = alternate(
-        "tar shards (stream)", lambda: make_loader(man, a.batch, train=False, num_workers=a.workers,
-                                                   last_batch="partial"),
-        "PNG folder (map-style)", lambda: torch.utils.data.DataLoader(ds, batch_size=a.batch, num_workers=a.workers,
-                                                                     collate_fn=ds.collate), a.trials)
+        "tar shards (stream)",
+        lambda: make_loader(man, a.batch, train=False, num_workers=a.workers, last_batch="partial"),
+        "PNG folder (map-style)",
+        lambda: torch.utils.data.DataLoader(ds, batch_size=a.batch, num_workers=a.workers, collate_fn=ds.collate),
+        a.trials,
+    )
     r1 = shard_rate / folder_rate
     tar_read, file_read = read_only(man, folder)
-    print(f"  read only, no decode, 1 process: tar {tar_read:.0f}/s vs files {file_read:.0f}/s "
-          f"({tar_read / file_read:.2f}x): what the layout saves, before the ~40 us PNG decode")
+    print(
+        f"  read only, no decode, 1 process: tar {tar_read:.0f}/s vs files {file_read:.0f}/s "
+        f"({tar_read / file_read:.2f}x): what the layout saves, before the ~40 us PNG decode"
+    )
 
     print("2. gs:// from fake-gcs-server on 127.0.0.1 vs local disk (same shards, same loader):")
     from labkit import gcs
@@ -176,10 +183,18 @@ def main(argv=None):
         gcs.client().create_bucket("bench-data")
         write_shards(x, y, "gs://bench-data/digits", class_names=names, samples_per_shard=500)
         gs_rate, local_rate = alternate(
-            "gs:// loopback", lambda: make_loader("gs://bench-data/digits/manifest.json", a.batch, train=False,
-                                                  num_workers=a.workers, last_batch="partial"),
-            "local disk", lambda: make_loader(man, a.batch, train=False, num_workers=a.workers,
-                                              last_batch="partial"), a.trials)
+            "gs:// loopback",
+            lambda: make_loader(
+                "gs://bench-data/digits/manifest.json",
+                a.batch,
+                train=False,
+                num_workers=a.workers,
+                last_batch="partial",
+            ),
+            "local disk",
+            lambda: make_loader(man, a.batch, train=False, num_workers=a.workers, last_batch="partial"),
+            a.trials,
+        )
     r2 = gs_rate / local_rate
 
     print("3. training loader (batch 8, crop+flip) vs ResNet-50 on XLA:CPU (batch 8, 32x32):")
@@ -196,7 +211,9 @@ def main(argv=None):
     print(f"  shards / PNG folder (warm)   {r1:6.2f}x   goal >= 1.5  {'ok' if r1 >= 1.5 else 'MISSED'}")
     print(f"  same, read only (warm)       {tar_read / file_read:6.2f}x")
     print(f"  gs:// loopback / local       {r2:6.2f}x   goal >= 0.8  {'ok' if r2 >= 0.8 else 'MISSED'}")
-    print(f"  loader / ResNet-50 demand    {loader_rate / model_rate:6.0f}x   (> 1: the model, not the data, is the bottleneck)")
+    print(
+        f"  loader / ResNet-50 demand    {loader_rate / model_rate:6.0f}x   (> 1: the model, not the data, is the bottleneck)"
+    )
     print(f"total {time.perf_counter() - t_all:.0f} s")
     import shutil
 

@@ -10,6 +10,7 @@ PNG decode (data_tools.transforms.decode_image) is timed too, as the yardstick: 
 costs more per sample than the decode is the bottleneck of the loader. Best of --trials
 (the minimum is the least disturbed by other processes on a shared machine); ratios printed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,19 +70,29 @@ def main(argv=None):
 
     n = sum(1 for _ in iter_tar(io.BytesIO(raw)))
     assert n == members, (n, members)
-    us = {k: best(fn, a.trials) / members * 1e6 for k, fn in
-          (("tarfile r| (stream)", stream_mode), ("tarfile r: (random access)", random_access), ("iter_tar", ours))}
+    us = {
+        k: best(fn, a.trials) / members * 1e6
+        for k, fn in (
+            ("tarfile r| (stream)", stream_mode),
+            ("tarfile r: (random access)", random_access),
+            ("iter_tar", ours),
+        )
+    }
     dec = best(decode, a.trials) / len(pngs) * 1e6
-    print(f"one shard of {len(x)} samples ({members} members, {len(raw) / 1e6:.1f} MB) in memory; "
-          f"best of {a.trials}; cpus={os.cpu_count()}")
+    print(
+        f"one shard of {len(x)} samples ({members} members, {len(raw) / 1e6:.1f} MB) in memory; "
+        f"best of {a.trials}; cpus={os.cpu_count()}"
+    )
     for k, v in us.items():
         print(f"  {k:<28} {v:7.1f} us/member")
     print(f"  32x32 PNG decode             {dec:7.1f} us/image")
     print("ratios:")
     print(f"  tarfile stream / iter_tar    {us['tarfile r| (stream)'] / us['iter_tar']:6.1f}x")
     print(f"  tarfile random / iter_tar    {us['tarfile r: (random access)'] / us['iter_tar']:6.1f}x")
-    print(f"  tarfile stream per sample / PNG decode  {2 * us['tarfile r| (stream)'] / dec:5.2f}x   "
-          f"iter_tar per sample / PNG decode  {2 * us['iter_tar'] / dec:5.2f}x")
+    print(
+        f"  tarfile stream per sample / PNG decode  {2 * us['tarfile r| (stream)'] / dec:5.2f}x   "
+        f"iter_tar per sample / PNG decode  {2 * us['iter_tar'] / dec:5.2f}x"
+    )
 
 
 if __name__ == "__main__":

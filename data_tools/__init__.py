@@ -7,6 +7,7 @@
 
     python -m data_tools --source digits --split train --out /tmp/digits/train
 """
+
 from .loader import ShardLoader, make_loader
 from .manifest import ShardError, load_manifest, verify_manifest
 from .sources import load_source
@@ -14,5 +15,16 @@ from .stream import ShardStream
 from .urls import open_url, register_scheme
 from .writer import write_dataset, write_shards
 
-__all__ = ["load_manifest", "verify_manifest", "write_dataset", "write_shards", "load_source", "open_url",
-           "register_scheme", "ShardError", "ShardLoader", "ShardStream", "make_loader"]
+__all__ = [
+    "load_manifest",
+    "verify_manifest",
+    "write_dataset",
+    "write_shards",
+    "load_source",
+    "open_url",
+    "register_scheme",
+    "ShardError",
+    "ShardLoader",
+    "ShardStream",
+    "make_loader",
+]

@@ -4,6 +4,7 @@
     python -m data_tools --source cifar10 --split val --out gs://my-bucket/cifar/val
 (`python -m data_tools.shard ...` is the same command.) Errors are one line on stderr, exit status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,16 +36,30 @@ def main(argv=None, prog: str = "python -m data_tools") -> int:
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     try:
-        m = write_dataset(a.source, a.split, a.out, upsample=a.upsample, samples_per_shard=a.samples_per_shard,
-                          max_shard_bytes=a.max_shard_bytes, encoding=a.encoding, cifar_path=a.cifar_path,
-                          num_synthetic=a.num_synthetic, seed=a.seed, verbose=not a.quiet)
+        m = write_dataset(
+            a.source,
+            a.split,
+            a.out,
+            upsample=a.upsample,
+            samples_per_shard=a.samples_per_shard,
+            max_shard_bytes=a.max_shard_bytes,
+            encoding=a.encoding,
+            cifar_path=a.cifar_path,
+            num_synthetic=a.num_synthetic,
+            seed=a.seed,
+            verbose=not a.quiet,
+        )
     except (RuntimeError, OSError, ValueError) as e:  # OSError: missing/unwritable/unreachable output
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"interrupted: {a.out} keeps its previous manifest and shards (or none, if publishing had begun)",
-              file=sys.stderr)
+        print(
+            f"interrupted: {a.out} keeps its previous manifest and shards (or none, if publishing had begun)",
+            file=sys.stderr,
+        )
         return 130
-    print(f"{m['num_samples']} samples in {len(m['shards'])} shards -> {a.out}/manifest.json "
-          f"(mean {m['mean']}, std {m['std']})")
+    print(
+        f"{m['num_samples']} samples in {len(m['shards'])} shards -> {a.out}/manifest.json "
+        f"(mean {m['mean']}, std {m['std']})"
+    )
     return 0

@@ -1,11 +1,12 @@
 """A DataLoader over a ShardStream: epochs, worker shutdown, and make_loader, the one-call entry.
 
-    from data_tools.loader import make_loader
-    train = make_loader("gs://bucket/cifar/train/manifest.json", 128, train=True, num_workers=2)
-    for epoch in range(3):
-        train.set_epoch(epoch)
-        for x, y in train: ...
+from data_tools.loader import make_loader
+train = make_loader("gs://bucket/cifar/train/manifest.json", 128, train=True, num_workers=2)
+for epoch in range(3):
+    train.set_epoch(epoch)
+    for x, y in train: ...
 """
+
 from __future__ import annotations
 
 import torch
@@ -70,8 +71,16 @@ class ShardLoader(torch.utils.data.DataLoader):
             raise
 
 
-def make_loader(source, batch_size: int, *, train: bool, num_workers: int = 0, prefetch_factor: int | None = None,
-                persistent_workers: bool = False, **options) -> ShardLoader:
+def make_loader(
+    source,
+    batch_size: int,
+    *,
+    train: bool,
+    num_workers: int = 0,
+    prefetch_factor: int | None = None,
+    persistent_workers: bool = False,
+    **options,
+) -> ShardLoader:
     """A DataLoader of (x float32 NCHW normalised, y int64) batches from shards; see data_tools.stream.
 
     source: manifest.json path/URL, or a brace pattern / list of shard URLs (a manifest.json in the

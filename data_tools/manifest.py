@@ -8,6 +8,7 @@ Every write of a folder has a `generation` id, stored in the manifest and in eve
 shards (the group-name field, `labkit-<generation>`): a reader compares the two and refuses shards
 that a later, unfinished write put under an older manifest.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,7 +52,7 @@ def load_manifest(url: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
         fmt = m.get("format") if isinstance(m, dict) else type(m).__name__
         raise ValueError(f"{url} is not a labkit shard manifest (format={fmt!r})")
     if not m["shards"]:
-        raise ValueError(f"manifest {url} lists no shards (\"shards\": []): rewrite the dataset")
+        raise ValueError(f'manifest {url} lists no shards ("shards": []): rewrite the dataset')
     for i, s in enumerate(m["shards"]):
         if not isinstance(s, dict) or not {"name", "samples", "bytes", "sha256"} <= set(s):
             raise ValueError(f"manifest {url}: shard entry {i} needs name, samples, bytes and sha256, got {s!r}")

@@ -1,4 +1,5 @@
 """`python -m data_tools.shard ...`: the shard-writing command line (see data_tools.cli)."""
+
 import sys
 
 from .cli import main

@@ -7,6 +7,7 @@ Every source returns 32x32 RGB uint8 images so that one model and one transform 
 `digits` ships inside the scikit-learn wheel (1,797 real 8x8 images) and therefore works
 offline; CIFAR-10 needs a download or a local copy of the python batches.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,8 +53,10 @@ def load_cifar10(split: str, cifar_path: str | None = None, root: str | None = N
     if cifar_path:
         d = _cifar_dir(cifar_path)
         if d is None:
-            raise FileNotFoundError(f"--cifar-path {cifar_path!r} holds no CIFAR-10 python batches "
-                                    "(expected data_batch_1..5 and test_batch, or a cifar-10-batches-py folder)")
+            raise FileNotFoundError(
+                f"--cifar-path {cifar_path!r} holds no CIFAR-10 python batches "
+                "(expected data_batch_1..5 and test_batch, or a cifar-10-batches-py folder)"
+            )
         x, y = _load_cifar_batches(d, split)
         return x, y, list(CIFAR10_CLASSES)
     import torchvision
@@ -62,9 +65,11 @@ def load_cifar10(split: str, cifar_path: str | None = None, root: str | None = N
     try:
         ds = torchvision.datasets.CIFAR10(root, train=(split == "train"), download=True)
     except Exception as e:  # URLError, socket timeouts, HTTP errors: all mean "no copy and no network"
-        raise RuntimeError(f"CIFAR-10 could not be downloaded to {root} ({type(e).__name__}: {e}). Offline? "
-                           "Pass --cifar-path DIR with the python batches, or use --source digits "
-                           "(ships with scikit-learn) or --source synthetic.") from e
+        raise RuntimeError(
+            f"CIFAR-10 could not be downloaded to {root} ({type(e).__name__}: {e}). Offline? "
+            "Pass --cifar-path DIR with the python batches, or use --source digits "
+            "(ships with scikit-learn) or --source synthetic."
+        ) from e
     return np.ascontiguousarray(ds.data), np.asarray(ds.targets, dtype=np.int64), list(ds.classes)
 
 
@@ -100,8 +105,14 @@ def make_synthetic(n: int, seed: int = 0, num_classes: int = 10):
     labels = rng.integers(0, num_classes, size=n).astype(np.int64)
     yy, xx = np.mgrid[0:32, 0:32].astype(np.float32)
     angles = np.linspace(0, np.pi, num_classes, endpoint=False)
-    hues = np.stack([np.linspace(0.2, 0.9, num_classes), np.linspace(0.9, 0.2, num_classes),
-                     (np.arange(num_classes) % 3) / 2.0 * 0.7 + 0.15], axis=1)
+    hues = np.stack(
+        [
+            np.linspace(0.2, 0.9, num_classes),
+            np.linspace(0.9, 0.2, num_classes),
+            (np.arange(num_classes) % 3) / 2.0 * 0.7 + 0.15,
+        ],
+        axis=1,
+    )
     images = np.empty((n, 32, 32, 3), dtype=np.uint8)
     for i, c in enumerate(labels):
         a = angles[c] + rng.normal(0, 0.08)
@@ -113,8 +124,15 @@ def make_synthetic(n: int, seed: int = 0, num_classes: int = 10):
     return images, labels, [f"class{i}" for i in range(num_classes)]
 
 
-def load_source(source: str, split: str, *, cifar_path: str | None = None, num_synthetic: int = 2000,
-                seed: int = 0, root: str | None = None):
+def load_source(
+    source: str,
+    split: str,
+    *,
+    cifar_path: str | None = None,
+    num_synthetic: int = 2000,
+    seed: int = 0,
+    root: str | None = None,
+):
     """(images uint8 (N,32,32,3), labels int64 (N,), class_names) for one split of one source.
 
     The synthetic val split uses a different seed stream than train (seed + 10_000), so the two

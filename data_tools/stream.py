@@ -7,12 +7,11 @@
         train.set_epoch(epoch)                 # labkit's Trainer does this for you
         for x, y in labkit.device_loader(train, rt): ...   # x float32 NCHW normalised, y int64
 
-Distribution is explicit (webdataset's default node splitter reads RANK/WORLD_SIZE, which
-torch_xla's launcher does not set, so every core would read every shard): replica = `rank`/
-`world_size` arguments, else labkit.device.current_runtime() (torch_xla.runtime's global_ordinal/
-world_size, or the SPMD process index/count), else torch.distributed, else 0/1; worker = the
-DataLoader worker. Shards are dealt round-robin, replicas first (the node splitter), then workers
-(the worker splitter); training permutes shard order first (shardshuffle, seeded by seed and epoch).
+Distribution is explicit (see data_tools.plan): shards are dealt round-robin to replicas (the
+node splitter, by torch_xla's global ordinal) and then to DataLoader workers (the worker
+splitter); training permutes shard order first (shardshuffle, seeded by seed and epoch).
+Pipeline: our tar reader (data_tools.tario) -> webdataset's group_by_keys -> its shuffle ->
+decode/augment -> its batched.
 
 Training: every replica yields exactly floor(samples / (world * batch)) full batches per epoch,
 the same number everywhere (collectives stay in step, shapes stay static). A worker whose shards
@@ -39,6 +38,7 @@ skip_corrupt=True skips corrupt samples instead (never I/O failures, never a sha
 write) and counts them in `loader.skipped` (shared with worker processes; a sample met again in
 a later pass counts again); a streamed sha256 mismatch is then a warning.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,15 +50,13 @@ import os
 import random
 import warnings
 
-import braceexpand
 import numpy as np
 import torch
 import webdataset as wds
 from webdataset.tariterators import group_by_keys
 
-from labkit.device import current_runtime
-
 from .manifest import GROUP_PREFIX, HashingReader, ShardError, check_digest, load_manifest
+from .plan import allocate, expand_urls, resolve_replica, split_round_robin
 from .tario import TarFormatError, TarGroupError, iter_tar
 from .transforms import augment, decode_image, scale_stats, to_batch
 from .urls import DEFAULT_TIMEOUT, is_not_found, open_url, register_webdataset, sibling
@@ -67,54 +65,31 @@ PAD_LABEL = -100  # F.cross_entropy's default ignore_index
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
-def resolve_replica(rank=None, world_size=None) -> tuple[int, int]:
-    """(rank, world_size): explicit args, else the labkit runtime, else torch.distributed, else (0, 1)."""
-    if rank is not None or world_size is not None:
-        if rank is None or world_size is None:
-            raise ValueError(f"pass both rank and world_size (got rank={rank}, world_size={world_size})")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
-        return int(rank), int(world_size)
-    rt = current_runtime()
-    if rt is not None:
-        return rt.ordinal, rt.world_size
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def expand_urls(source) -> list[str]:
-    """A brace pattern ("dir/train-{000000..000003}.tar"), or a list of them, -> list of URLs."""
-    items = [source] if isinstance(source, str) else list(source or [])
-    urls = [u for s in items for u in braceexpand.braceexpand(str(s))]
-    if not urls:
-        raise ValueError("no shard URLs given (empty list); pass a manifest.json or shard URLs")
-    return urls
-
-
-def _split(seq, index: int, count: int) -> list:
-    """Round-robin share `index` of `count` (the explicit node and worker splitter)."""
-    return list(seq[index::count])
-
-
-def _allocate(total: int, weights: list[float]) -> list[int]:
-    """Split integer `total` proportionally to `weights` (largest remainders), summing to `total`."""
-    s = sum(weights)
-    ideal = [total * w / s for w in weights] if s > 0 else [total / len(weights)] * len(weights)
-    out = [int(math.floor(v)) for v in ideal]
-    for i in sorted(range(len(ideal)), key=lambda i: (out[i] - ideal[i], i))[: total - sum(out)]:
-        out[i] += 1
-    return out
-
-
 class ShardStream(torch.utils.data.IterableDataset):
     """The webdataset pipeline of one replica: shards -> samples -> shuffle -> decode -> batches."""
 
-    def __init__(self, source, batch_size: int, *, train: bool, rank=None, world_size=None, num_workers: int = 0,
-                 seed: int = 0, shuffle_buffer: int = 1000, verify: bool | str = "stream", skip_corrupt: bool = False,
-                 num_samples: int | None = None, mean=None, std=None, last_batch: str = "pad",
-                 return_keys: bool = False, augment: bool = True, crop_padding: int = 4,
-                 timeout: float = DEFAULT_TIMEOUT):
+    def __init__(
+        self,
+        source,
+        batch_size: int,
+        *,
+        train: bool,
+        rank=None,
+        world_size=None,
+        num_workers: int = 0,
+        seed: int = 0,
+        shuffle_buffer: int = 1000,
+        verify: bool | str = "stream",
+        skip_corrupt: bool = False,
+        num_samples: int | None = None,
+        mean=None,
+        std=None,
+        last_batch: str = "pad",
+        return_keys: bool = False,
+        augment: bool = True,
+        crop_padding: int = 4,
+        timeout: float = DEFAULT_TIMEOUT,
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if last_batch not in ("pad", "partial", "drop"):
@@ -146,21 +121,27 @@ class ShardStream(torch.utils.data.IterableDataset):
         self._skipped = mp.Value("q", 0)  # shared with DataLoader workers (they run in other processes)
         S, R, W = len(self.urls), self.world_size, self.num_workers
         if S < R * W:
-            raise ValueError(f"{S} shard(s) for {R} replica(s) x {W} worker(s) = {R * W} readers: every reader needs "
-                             f"at least one shard (write smaller shards or use fewer workers) [{self.urls[0]} ...]")
+            raise ValueError(
+                f"{S} shard(s) for {R} replica(s) x {W} worker(s) = {R * W} readers: every reader needs "
+                f"at least one shard (write smaller shards or use fewer workers) [{self.urls[0]} ...]"
+            )
         counts = [e["samples"] if e else None for e in self.entries]
         if None in counts:
             if num_samples is None and train:
-                raise ValueError(f"no manifest found beside {self.urls[0]}: pass num_samples= (the total number of "
-                                 "samples) so that every replica can yield the same number of batches")
+                raise ValueError(
+                    f"no manifest found beside {self.urls[0]}: pass num_samples= (the total number of "
+                    "samples) so that every replica can yield the same number of batches"
+                )
             counts = [num_samples / S] * S if num_samples is not None else None
         self.counts = counts
         self.num_samples = int(round(sum(counts))) if counts else None
         if train:
             self.batches_per_epoch = self.num_samples // (R * self.batch_size)
             if self.batches_per_epoch == 0:
-                raise ValueError(f"{self.num_samples} samples cannot fill one batch of {self.batch_size} on each of "
-                                 f"{R} replica(s); lower batch_size")
+                raise ValueError(
+                    f"{self.num_samples} samples cannot fill one batch of {self.batch_size} on each of "
+                    f"{R} replica(s); lower batch_size"
+                )
 
     # -- setup helpers --------------------------------------------------------------------
     @staticmethod
@@ -205,15 +186,15 @@ class ShardStream(torch.utils.data.IterableDataset):
         order = list(range(len(self.urls)))
         if self.train:  # shardshuffle: the same permutation on every replica, new each epoch
             order = list(np.random.default_rng([self.seed, self.epoch]).permutation(len(order)))
-        return _split(order, self.rank, self.world_size)  # node splitter
+        return split_round_robin(order, self.rank, self.world_size)  # node splitter
 
     def _worker_shards(self, worker: int) -> list[int]:
-        return _split(self._replica_shards(), worker, self.num_workers)  # worker splitter
+        return split_round_robin(self._replica_shards(), worker, self.num_workers)  # worker splitter
 
     def _worker_batches(self, worker: int) -> int:
         """Train: this worker's share of batches_per_epoch, proportional to the samples it holds."""
         per = [sum(self.counts[i] for i in self._worker_shards(w)) for w in range(self.num_workers)]
-        return _allocate(self.batches_per_epoch, per)[worker]
+        return allocate(self.batches_per_epoch, per)[worker]
 
     # -- pipeline stages ----------------------------------------------------------------------------
     def _count_skip(self, n: int = 1) -> None:
@@ -248,9 +229,11 @@ class ShardStream(torch.utils.data.IterableDataset):
                 if hasher is not None:
                     hasher.finish(url, entry)
         except TarGroupError as e:
-            raise ShardError(f"shard {url} is not from the write that manifest.json describes (generation "
-                             f"{self.generation}; {e}): the folder is being rewritten or a rewrite was "
-                             "interrupted - write it again") from None
+            raise ShardError(
+                f"shard {url} is not from the write that manifest.json describes (generation "
+                f"{self.generation}; {e}): the folder is being rewritten or a rewrite was "
+                "interrupted - write it again"
+            ) from None
         except ShardError as e:  # sha256 or size differs: the shard's samples were already yielded
             if not self.skip_corrupt:
                 raise
@@ -292,8 +275,11 @@ class ShardStream(torch.utils.data.IterableDataset):
             order = shards if p == 0 else rng.sample(shards, len(shards))
             before = self._decoded
             samples = (s for i in order for s in self._read_tar(i))
-            yield from (wds.filters._shuffle(samples, self.shuffle_buffer, self.shuffle_buffer, rng)
-                        if self.shuffle_buffer > 1 else samples)
+            yield from (
+                wds.filters._shuffle(samples, self.shuffle_buffer, self.shuffle_buffer, rng)
+                if self.shuffle_buffer > 1
+                else samples
+            )
             if self._decoded == before:
                 raise ShardError(f"no readable samples in shards {[self.urls[i] for i in shards]}")
 
@@ -304,8 +290,10 @@ class ShardStream(torch.utils.data.IterableDataset):
             url, key = s["__url__"], s["__key__"]
             try:
                 if "cls" not in s:
-                    raise ShardError(f"shard {url}: sample {key!r} has no 'cls' field (fields: "
-                                     f"{sorted(k for k in s if not k.startswith('__'))})")
+                    raise ShardError(
+                        f"shard {url}: sample {key!r} has no 'cls' field (fields: "
+                        f"{sorted(k for k in s if not k.startswith('__'))})"
+                    )
                 ext = next((e for e in ("png", "ppm", "jpg", "jpeg") if e in s), None)
                 if ext is None:
                     raise ShardError(f"shard {url}: sample {key!r} has no image (png/ppm/jpg) field")
@@ -315,8 +303,10 @@ class ShardStream(torch.utils.data.IterableDataset):
                 except Exception as e:
                     raise ShardError(f"shard {url}: sample {key!r} cannot be decoded: {e}") from e
                 if not (0 <= label < k if k else label >= 0):  # -100 would be taken for padding
-                    raise ShardError(f"shard {url}: sample {key!r} has label {label}, outside "
-                                     + (f"0..{k - 1} ({k} classes in manifest.json)" if k else "0.. (no manifest)"))
+                    raise ShardError(
+                        f"shard {url}: sample {key!r} has label {label}, outside "
+                        + (f"0..{k - 1} ({k} classes in manifest.json)" if k else "0.. (no manifest)")
+                    )
                 if img.shape[:2] != (h, w):
                     raise ShardError(f"shard {url}: sample {key!r} is {img.shape[1]}x{img.shape[0]}, expected {w}x{h}")
             except ShardError:
@@ -341,14 +331,26 @@ class ShardStream(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker, nw = (info.id, info.num_workers) if info else (0, 1)
         if nw != self.num_workers:
-            raise RuntimeError(f"ShardStream was planned for {self.num_workers} worker(s) but runs in {nw}; "
-                               "pass the DataLoader's num_workers to make_loader")
+            raise RuntimeError(
+                f"ShardStream was planned for {self.num_workers} worker(s) but runs in {nw}; "
+                "pass the DataLoader's num_workers to make_loader"
+            )
         self._stats = scale_stats(self.mean, self.std)
         rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker, 1 << 20])
         # training takes exactly its quota of samples before batching: webdataset's batched() looks one
         # sample ahead, which past the quota would start another pass over the shards for nothing
-        take = (lambda it: itertools.islice(it, self._worker_batches(worker) * self.batch_size)) if self.train \
+        take = (
+            (lambda it: itertools.islice(it, self._worker_batches(worker) * self.batch_size))
+            if self.train
             else (lambda it: it)
-        return iter(wds.DataPipeline(lambda: self._samples(worker), lambda it: self._decode(it, rng), take,
-                                     wds.batched(self.batch_size, collation_fn=self._collate,
-                                                 partial=not self.train and self.last_batch != "drop")))
+        )
+        return iter(
+            wds.DataPipeline(
+                lambda: self._samples(worker),
+                lambda it: self._decode(it, rng),
+                take,
+                wds.batched(
+                    self.batch_size, collation_fn=self._collate, partial=not self.train and self.last_batch != "drop"
+                ),
+            )
+        )

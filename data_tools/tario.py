@@ -8,6 +8,7 @@ Why not tarfile: it costs ~80 us per member here (header objects, pax parsing), 
 decoding the 32x32 PNG inside; this costs ~4 us. Any cut of the archive raises TarFormatError
 (tarfile accepts a file that stops cleanly between members).
 """
+
 from __future__ import annotations
 
 
@@ -47,8 +48,11 @@ def iter_tar(f, group: str | None = None):
             raise TarFormatError(f"archive ends inside a header at byte {offset}")
         try:
             stored = int(h[148:156].replace(b"\0", b" ").strip() or b"0", 8)
-            size = (int.from_bytes(h[125:136], "big") if h[124] & 0x80
-                    else int(h[124:136].replace(b"\0", b" ").strip() or b"0", 8))
+            size = (
+                int.from_bytes(h[125:136], "big")
+                if h[124] & 0x80
+                else int(h[124:136].replace(b"\0", b" ").strip() or b"0", 8)
+            )
         except ValueError:
             raise TarFormatError(f"unreadable tar header at byte {offset}") from None
         if stored != sum(h) - sum(h[148:156]) + 8 * 32:

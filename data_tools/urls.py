@@ -13,6 +13,7 @@ answers fails after `timeout` s per attempt), opening is retried a bounded numbe
 backoff, and the error says what was tried. A missing object raises FileNotFoundError, every other
 failure OSError (ConnectionError, TimeoutError): never mistaken for a corrupt sample.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -39,8 +40,10 @@ class _Deadline:
         try:
             data = self.raw.read(n)
         except TimeoutError as e:
-            raise TimeoutError(f"{self.url}: no data for {self.timeout:g} s after byte {self.pos} (read timed out; "
-                               "raise timeout= if the server is slow)") from e
+            raise TimeoutError(
+                f"{self.url}: no data for {self.timeout:g} s after byte {self.pos} (read timed out; "
+                "raise timeout= if the server is slow)"
+            ) from e
         self.pos += len(data)
         return data
 
@@ -66,8 +69,10 @@ def _retrying(url: str, timeout: float, attempt: Callable[[], object], transient
             if i + 1 < ATTEMPTS:
                 time.sleep(0.5 * 2**i)
     tried = "; ".join(f"try {i + 1}: {m}" for i, m in enumerate(errors))
-    raise ConnectionError(f"cannot read {url}: {ATTEMPTS} attempts in {time.monotonic() - start:.1f} s "
-                          f"(timeout {timeout:g} s each) failed - {tried}")
+    raise ConnectionError(
+        f"cannot read {url}: {ATTEMPTS} attempts in {time.monotonic() - start:.1f} s "
+        f"(timeout {timeout:g} s each) failed - {tried}"
+    )
 
 
 def _open_http(url: str, timeout: float):
@@ -100,7 +105,7 @@ def _open_gs(url: str, timeout: float):
 
 
 def _open_file(url: str, timeout: float):
-    return open(url[len("file://"):] if url.startswith("file://") else url, "rb")
+    return open(url[len("file://") :] if url.startswith("file://") else url, "rb")
 
 
 SCHEMES: dict[str, Callable] = {"file": _open_file, "gs": _open_gs, "http": _open_http, "https": _open_http}
@@ -122,7 +127,9 @@ def open_url(url: str, timeout: float = DEFAULT_TIMEOUT):
     url = os.fspath(url)
     opener = SCHEMES.get(scheme_of(url))
     if opener is None:
-        raise ValueError(f"no opener for {url!r}; known schemes: {', '.join(sorted(SCHEMES))} (register_scheme adds one)")
+        raise ValueError(
+            f"no opener for {url!r}; known schemes: {', '.join(sorted(SCHEMES))} (register_scheme adds one)"
+        )
     return opener(url, timeout)
 
 

@@ -19,6 +19,7 @@ A writer killed in 1 leaves the old dataset intact; killed in 2, no manifest (lo
 and in every tar header (group `labkit-<generation>`): equal inputs give byte-identical shards, and a
 loader refuses a shard whose generation differs from its manifest's.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,23 +27,18 @@ import io
 import json
 import os
 import re
-import shutil
 import tarfile
-import tempfile
 import time
 
 import numpy as np
 import webdataset as wds
 
-from labkit import gcs
-
+from .folders import open_folder
 from .manifest import FORMAT, GROUP_PREFIX, MANIFEST
 from .sources import load_source
 
 ENCODINGS = ("png", "ppm")
 SHARD_MTIME = 1_700_000_000  # member timestamps: fixed, so equal inputs give byte-identical shards
-GCS_TIMEOUT = 30.0  # seconds per request while writing to gs://; retries stop after twice that
-GCS_REACH_S = 10.0  # the first request (the bucket check) retries an unreachable endpoint this long
 
 
 def channel_stats(images: np.ndarray) -> tuple[list[float], list[float]]:
@@ -51,7 +47,7 @@ def channel_stats(images: np.ndarray) -> tuple[list[float], list[float]]:
     flat = images.reshape(n, images.shape[3])
     s, s2 = np.zeros(flat.shape[1]), np.zeros(flat.shape[1])
     for i in range(0, n, 1 << 20):  # chunks: 50k CIFAR images as float64 at once would be ~1.2 GB
-        c = flat[i:i + (1 << 20)].astype(np.float64) / 255.0
+        c = flat[i : i + (1 << 20)].astype(np.float64) / 255.0
         s += c.sum(0)
         s2 += (c * c).sum(0)
     mean = s / n
@@ -88,120 +84,22 @@ def generation(images: np.ndarray, labels: np.ndarray, **settings) -> str:
     return h.hexdigest()[:12]
 
 
-# -- the folder: local or gs:// -------------------------------------------------------------------------
-class _Local:
-    def __init__(self, out: str):
-        if os.path.exists(out) and not os.path.isdir(out):
-            raise NotADirectoryError(f"output {out} is a file, not a folder")
-        try:  # fail before encoding anything, and say which folder
-            os.makedirs(out, exist_ok=True)
-            tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-").close()
-        except OSError as e:
-            raise type(e)(f"cannot write to output folder {out}: {e.strerror or e}") from None
-        self.out = out
-
-    def stage(self, gen: str) -> str:
-        for name in os.listdir(self.out):  # what killed writes left (one writer per folder at a time)
-            if name.startswith(".staging-"):
-                shutil.rmtree(os.path.join(self.out, name), ignore_errors=True)
-        d = os.path.join(self.out, f".staging-{gen}")
-        os.makedirs(d)
-        return d
-
-    def staged(self, path: str, name: str) -> None:
-        pass  # already in the staging folder
-
-    def names(self) -> list[str]:
-        return os.listdir(self.out)
-
-    def delete(self, name: str) -> None:
-        try:
-            os.remove(os.path.join(self.out, name))
-        except FileNotFoundError:
-            pass
-
-    def publish(self, staging: str, name: str) -> None:
-        os.replace(os.path.join(staging, name), os.path.join(self.out, name))  # atomic on one file system
-
-    def write_manifest(self, body: bytes) -> None:
-        tmp = os.path.join(self.out, MANIFEST + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(body)
-        os.replace(tmp, os.path.join(self.out, MANIFEST))  # atomic: never a half-written manifest
-
-    def done(self, staging: str) -> None:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-class _GCS:
-    def __init__(self, out: str):
-        from google.api_core import exceptions
-        from google.cloud.storage.retry import DEFAULT_RETRY
-
-        def bounded(seconds):  # api_core >= 2.17 renamed with_deadline to with_timeout
-            return getattr(DEFAULT_RETRY, "with_timeout", DEFAULT_RETRY.with_deadline)(seconds)
-
-        self.retry = bounded(2 * GCS_TIMEOUT)
-        self.out = out.rstrip("/")
-        bucket, self.prefix = gcs.parse_url(self.out)
-        self.bucket = gcs.client().bucket(bucket)
-        host = os.environ.get("STORAGE_EMULATOR_HOST", "storage.googleapis.com")
-        try:  # the client's default retry would stay silent for ~2 minutes on an unreachable endpoint
-            self.bucket.reload(timeout=GCS_REACH_S, retry=bounded(GCS_REACH_S))
-        except exceptions.NotFound:
-            raise FileNotFoundError(f"GCS bucket {bucket!r} does not exist (from {out!r})") from None
-        except (exceptions.RetryError, OSError) as e:
-            cause = e.cause if isinstance(e, exceptions.RetryError) and e.cause else e
-            raise ConnectionError(f"cannot reach GCS at {host} for bucket {bucket!r}: retried for "
-                                  f"{GCS_REACH_S:g} s ({type(cause).__name__})") from None
-
-    def _blob(self, name: str):
-        return self.bucket.blob(f"{self.prefix}/{name}" if self.prefix else name)
-
-    def stage(self, gen: str) -> str:
-        pre = f"{self.prefix}/.staging-" if self.prefix else ".staging-"
-        for b in gcs.client().list_blobs(self.bucket, prefix=pre):  # what killed writes left
-            self.bucket.blob(b.name).delete(timeout=GCS_TIMEOUT, retry=self.retry)
-        self.gen = gen
-        return tempfile.mkdtemp(prefix="labkit-shards-")
-
-    def staged(self, path: str, name: str) -> None:
-        gcs.upload_file(path, gcs.join(self.out, f".staging-{self.gen}", name), timeout=GCS_TIMEOUT,
-                        retry=self.retry)
-        os.remove(path)
-
-    def names(self) -> list[str]:
-        pre = f"{self.prefix}/" if self.prefix else ""
-        return [b.name[len(pre):] for b in gcs.client().list_blobs(self.bucket, prefix=pre, delimiter="/")]
-
-    def delete(self, name: str) -> None:
-        from google.api_core import exceptions
-
-        try:
-            self._blob(name).delete(timeout=GCS_TIMEOUT, retry=self.retry)
-        except exceptions.NotFound:
-            pass
-
-    def publish(self, staging: str, name: str) -> None:
-        src = self._blob(f".staging-{self.gen}/{name}")
-        # GCS has no rename: a copy within the bucket (no data through this host), then a delete
-        self.bucket.copy_blob(src, self.bucket, src.name.replace(f".staging-{self.gen}/", ""), timeout=GCS_TIMEOUT,
-                              retry=self.retry)
-        src.delete(timeout=GCS_TIMEOUT, retry=self.retry)
-
-    def write_manifest(self, body: bytes) -> None:
-        self._blob(MANIFEST).upload_from_string(body, content_type="application/json", timeout=GCS_TIMEOUT,
-                                                retry=self.retry)
-
-    def done(self, staging: str) -> None:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
 # -- writing --------------------------------------------------------------------------------------------
-def write_shards(images: np.ndarray, labels, out: str, *, split: str = "train", class_names=None,
-                 upsample: int = 1, samples_per_shard: int = 1000, max_shard_bytes: int = 64 << 20,
-                 encoding: str = "png", source: str = "custom", extra: dict | None = None,
-                 verbose: bool = False) -> dict:
+def write_shards(
+    images: np.ndarray,
+    labels,
+    out: str,
+    *,
+    split: str = "train",
+    class_names=None,
+    upsample: int = 1,
+    samples_per_shard: int = 1000,
+    max_shard_bytes: int = 64 << 20,
+    encoding: str = "png",
+    source: str = "custom",
+    extra: dict | None = None,
+    verbose: bool = False,
+) -> dict:
     """Write uint8 NHWC `images` with int `labels` as `<out>/<split>-%06d.tar` + manifest.json.
 
     `upsample` repeats the set K times with unique keys (`<split>-<rep>-<index>`); mean/std are
@@ -218,17 +116,28 @@ def write_shards(images: np.ndarray, labels, out: str, *, split: str = "train", 
     if encoding not in ENCODINGS:
         raise ValueError(f"unknown encoding {encoding!r}; valid: {', '.join(ENCODINGS)}")
     if upsample < 1 or samples_per_shard < 1 or max_shard_bytes < 1:
-        raise ValueError(f"upsample ({upsample}), samples_per_shard ({samples_per_shard}) and max_shard_bytes "
-                         f"({max_shard_bytes}) must be >= 1")
+        raise ValueError(
+            f"upsample ({upsample}), samples_per_shard ({samples_per_shard}) and max_shard_bytes "
+            f"({max_shard_bytes}) must be >= 1"
+        )
     class_names = list(class_names) if class_names is not None else [str(i) for i in range(int(labels.max()) + 1)]
     bad = np.flatnonzero((labels < 0) | (labels >= len(class_names)))
     if len(bad):
-        raise ValueError(f"label {labels[bad[0]]} of image {bad[0]} is outside 0..{len(class_names) - 1} "
-                         f"({len(class_names)} classes; {len(bad)} bad label(s) in all)")
-    settings = dict(split=split, class_names=class_names, upsample=upsample, samples_per_shard=samples_per_shard,
-                    max_shard_bytes=max_shard_bytes, encoding=encoding, format=FORMAT)
+        raise ValueError(
+            f"label {labels[bad[0]]} of image {bad[0]} is outside 0..{len(class_names) - 1} "
+            f"({len(class_names)} classes; {len(bad)} bad label(s) in all)"
+        )
+    settings = dict(
+        split=split,
+        class_names=class_names,
+        upsample=upsample,
+        samples_per_shard=samples_per_shard,
+        max_shard_bytes=max_shard_bytes,
+        encoding=encoding,
+        format=FORMAT,
+    )
     gen = generation(images, labels, **settings)
-    folder = _GCS(out) if gcs.is_gcs(out) else _Local(out)
+    folder = open_folder(out)
     staging = folder.stage(gen)
     shards: list[dict] = []
     counts: list[int] = []
@@ -245,16 +154,26 @@ def write_shards(images: np.ndarray, labels, out: str, *, split: str = "train", 
     # (two more 512-byte blocks: shards 2x larger and slower to parse), and the same images would
     # give a different sha256 on every run. We decide when a shard closes: ShardWriter's own size
     # counts payload bytes only, while a member costs a 512-byte header plus padding to 512.
-    writer = wds.ShardWriter(os.path.join(staging, f"{split}-%06d.tar"), maxcount=1 << 62, maxsize=float("inf"),
-                             post=post, verbose=0, mtime=SHARD_MTIME, user="labkit", group=GROUP_PREFIX + gen)
+    writer = wds.ShardWriter(
+        os.path.join(staging, f"{split}-%06d.tar"),
+        maxcount=1 << 62,
+        maxsize=float("inf"),
+        post=post,
+        verbose=0,
+        mtime=SHARD_MTIME,
+        user="labkit",
+        group=GROUP_PREFIX + gen,
+    )
     tar_bytes = 1024  # the end-of-archive blocks
     try:
         for rep in range(upsample):
             for i in range(len(images)):
                 key = f"{split}-{rep:02d}-{i:07d}" if upsample > 1 else f"{split}-{i:07d}"
                 sample = {"__key__": key, encoding: encode_image(images[i], encoding), "cls": str(int(labels[i]))}
-                cost = sum(512 + -(-len(sample[k] if k == encoding else sample[k].encode()) // 512) * 512
-                           for k in (encoding, "cls"))
+                cost = sum(
+                    512 + -(-len(sample[k] if k == encoding else sample[k].encode()) // 512) * 512
+                    for k in (encoding, "cls")
+                )
                 if counts and (counts[-1] >= samples_per_shard or _padded(tar_bytes + cost) > max_shard_bytes):
                     writer.next_stream()  # closes (and posts) the current shard
                     counts.append(0)
@@ -271,11 +190,21 @@ def write_shards(images: np.ndarray, labels, out: str, *, split: str = "train", 
         raise
     mean, std = channel_stats(images)
     manifest = {
-        "format": FORMAT, "generation": gen, "source": source, "split": split, "encoding": encoding,
-        "image_size": [int(images.shape[1]), int(images.shape[2])], "channels": 3,
-        "num_classes": len(class_names), "class_names": class_names, "mean": mean, "std": std,
-        "num_samples": int(sum(s["samples"] for s in shards)), "upsample": upsample,
-        "shards": shards, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "format": FORMAT,
+        "generation": gen,
+        "source": source,
+        "split": split,
+        "encoding": encoding,
+        "image_size": [int(images.shape[1]), int(images.shape[2])],
+        "channels": 3,
+        "num_classes": len(class_names),
+        "class_names": class_names,
+        "mean": mean,
+        "std": std,
+        "num_samples": int(sum(s["samples"] for s in shards)),
+        "upsample": upsample,
+        "shards": shards,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if extra:
         manifest.update(extra)
@@ -293,14 +222,35 @@ def write_shards(images: np.ndarray, labels, out: str, *, split: str = "train", 
     return manifest
 
 
-def write_dataset(source: str, split: str, out: str, *, upsample: int = 1, samples_per_shard: int = 1000,
-                  max_shard_bytes: int = 64 << 20, encoding: str = "png", cifar_path: str | None = None,
-                  num_synthetic: int = 2000, seed: int = 0, verbose: bool = False) -> dict:
+def write_dataset(
+    source: str,
+    split: str,
+    out: str,
+    *,
+    upsample: int = 1,
+    samples_per_shard: int = 1000,
+    max_shard_bytes: int = 64 << 20,
+    encoding: str = "png",
+    cifar_path: str | None = None,
+    num_synthetic: int = 2000,
+    seed: int = 0,
+    verbose: bool = False,
+) -> dict:
     """Load one split of a source (see data_tools.sources) and write it with write_shards.
 
     `upsample` applies to the train split only (val stays as it is)."""
     images, labels, names = load_source(source, split, cifar_path=cifar_path, num_synthetic=num_synthetic, seed=seed)
-    return write_shards(images, labels, out, split=split, class_names=names,
-                        upsample=upsample if split == "train" else 1, samples_per_shard=samples_per_shard,
-                        max_shard_bytes=max_shard_bytes, encoding=encoding, source=source,
-                        extra={"seed": seed}, verbose=verbose)
+    return write_shards(
+        images,
+        labels,
+        out,
+        split=split,
+        class_names=names,
+        upsample=upsample if split == "train" else 1,
+        samples_per_shard=samples_per_shard,
+        max_shard_bytes=max_shard_bytes,
+        encoding=encoding,
+        source=source,
+        extra={"seed": seed},
+        verbose=verbose,
+    )

@@ -1,4 +1,5 @@
 """manifest.json: clear errors for a folder, an empty or malformed manifest."""
+
 import json
 
 import pytest

@@ -1,4 +1,5 @@
 """Streaming loader: exact coverage over replicas x workers, reproducible order, errors that name the shard."""
+
 import io
 import json
 import os
@@ -85,8 +86,11 @@ def test_eval_covers_every_sample_once_with_padding(uneven):
     # two replicas x two workers: still exactly once
     keys = []
     for rank in range(2):
-        keys += [k for b in _keys(make_loader(man, 32, train=False, rank=rank, world_size=2, num_workers=2,
-                                              return_keys=True)) for k in b]
+        keys += [
+            k
+            for b in _keys(make_loader(man, 32, train=False, rank=rank, world_size=2, num_workers=2, return_keys=True))
+            for k in b
+        ]
     assert len(keys) == 330 == len(set(keys))
 
 
@@ -172,8 +176,7 @@ def test_url_list_without_manifest_needs_num_samples(tmp_path, even):
         make_loader(urls, 10, train=True)
     ld = make_loader(urls, 10, train=True, num_samples=160, return_keys=True)
     assert len(ld) == 16 and len({k for b in _keys(ld) for k in b}) == 160
-    assert sum(len(b) for b in _keys(make_loader(urls, 50, train=False, return_keys=True,
-                                                 last_batch="partial"))) == 160
+    assert sum(len(b) for b in _keys(make_loader(urls, 50, train=False, return_keys=True, last_batch="partial"))) == 160
 
 
 # -- bad input -------------------------------------------------------------------------------------
@@ -201,8 +204,9 @@ def test_truncated_and_corrupt_tar_name_the_shard(tmp_path, even):
     with pytest.raises(ShardError, match="train-000002.tar"):
         list(make_loader(str(d / "manifest.json"), 10, train=False, num_workers=2))
     # skip_corrupt: the rest is read and the loss is counted
-    ld = make_loader(str(d / "manifest.json"), 10, train=False, skip_corrupt=True, last_batch="partial",
-                     num_workers=2)  # the counter is shared with the worker processes
+    ld = make_loader(
+        str(d / "manifest.json"), 10, train=False, skip_corrupt=True, last_batch="partial", num_workers=2
+    )  # the counter is shared with the worker processes
     n = sum(b[0].shape[0] for b in ld)
     assert ld.skipped >= 1 and n + ld.skipped >= 320 - 40 and n < 320
 
@@ -267,8 +271,13 @@ def test_feeds_trainer_on_xla_without_recompiles(even, uneven):
 
     rt = labkit.setup("xla-cpu")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU(),
-                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, stride=2, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 10),
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     train = make_loader(str(even / "manifest.json"), 32, train=True, num_workers=2)
     val = make_loader(str(uneven / "manifest.json"), 64, train=False, mean=train.mean, std=train.std)
@@ -307,7 +316,7 @@ def test_tar_reader_matches_tarfile(tmp_path, fmt):
     raw = buf.getvalue()
     assert list(iter_tar(io.BytesIO(raw))) == members
     ends = []  # every cut before the end-of-archive blocks is an error, never a silent short read
-    last = max(i for i in range(0, len(raw), 512) if raw[i:i + 512].strip(b"\0"))
+    last = max(i for i in range(0, len(raw), 512) if raw[i : i + 512].strip(b"\0"))
     for cut in range(0, last + 512, 256):
         with pytest.raises(TarFormatError):
             list(iter_tar(io.BytesIO(raw[:cut])))
@@ -325,8 +334,15 @@ def test_label_outside_the_classes_names_shard_and_key(tmp_path, even, label):
         list(make_loader(str(d / "manifest.json"), 10, train=False, verify=False))
     with pytest.raises(ShardError, match=want):
         list(make_loader(str(d / "manifest.json"), 10, train=True, num_workers=2, verify=False))
-    ld = make_loader(str(d / "manifest.json"), 10, train=False, skip_corrupt=True, return_keys=True, verify=False,
-                     last_batch="partial")
+    ld = make_loader(
+        str(d / "manifest.json"),
+        10,
+        train=False,
+        skip_corrupt=True,
+        return_keys=True,
+        verify=False,
+        last_batch="partial",
+    )
     keys = [k for b in _keys(ld) for k in b]
     assert ld.skipped == 1 and len(keys) == 319 and "train-0000045" not in keys
 
@@ -340,7 +356,7 @@ def test_sha256_checked_while_streaming_by_default(tmp_path, even):
         m = next(m for m in tf.getmembers() if m.name.endswith(".png"))
     from data_tools.transforms import decode_image
 
-    png = bytes(data[m.offset_data:m.offset_data + m.size])
+    png = bytes(data[m.offset_data : m.offset_data + m.size])
     good = decode_image(png)
 
     def silent(i):  # the flip of bit 0 of byte i decodes, to other pixels

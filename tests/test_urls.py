@@ -1,4 +1,5 @@
 """URL opening: a server that accepts and never answers, or stalls mid-shard, fails in bounded time."""
+
 import socket
 import threading
 import time
@@ -37,8 +38,11 @@ def silent_server():
 
 def test_silent_server_fails_in_bounded_time_saying_what_was_tried(silent_server):
     t = time.monotonic()
-    with pytest.raises(ConnectionError, match=r"cannot read http://127.0.0.1:\d+/manifest.json: 3 attempts .*"
-                                              r"timeout 0.5 s each.*try 1: TimeoutError.*try 3: TimeoutError"):
+    with pytest.raises(
+        ConnectionError,
+        match=r"cannot read http://127.0.0.1:\d+/manifest.json: 3 attempts .*"
+        r"timeout 0.5 s each.*try 1: TimeoutError.*try 3: TimeoutError",
+    ):
         make_loader(silent_server + "/manifest.json", 8, train=False, timeout=0.5)
     assert time.monotonic() - t < 15  # 3 x 0.5 s + 1.5 s of backoff, with room for a loaded machine
     with pytest.raises(ConnectionError, match=r"manifest.json: 3 attempts"):  # looked for beside the shards
@@ -116,7 +120,7 @@ def test_scheme_registry_takes_new_schemes(tmp_path):
     from data_tools.urls import SCHEMES
 
     (tmp_path / "a.bin").write_bytes(b"abc")
-    register_scheme("mem", lambda url, timeout: open(tmp_path / url[len("mem://"):], "rb"))
+    register_scheme("mem", lambda url, timeout: open(tmp_path / url[len("mem://") :], "rb"))
     try:
         with open_url("mem://a.bin") as f:
             assert f.read() == b"abc"

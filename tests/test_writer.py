@@ -1,4 +1,5 @@
 """Shard writer: sources, manifest, local and gs:// output, atomic rewrites."""
+
 import json
 import os
 import pickle
@@ -125,8 +126,9 @@ def _read_all(man, **kw):
 
 
 def _same(a, b):
-    return len(a) == len(b) and all(ka == kb and la == lb and torch_equal(ia, ib) for (ka, la, ia), (kb, lb, ib)
-                                    in zip(a, b))
+    return len(a) == len(b) and all(
+        ka == kb and la == lb and torch_equal(ia, ib) for (ka, la, ia), (kb, lb, ib) in zip(a, b)
+    )
 
 
 def torch_equal(a, b):
@@ -137,8 +139,23 @@ def torch_equal(a, b):
 
 def _kill_writer_midway(out, tmp_path, marker="wrote train-000003.tar"):
     """Run the CLI on a 4,000-image rewrite of `out` and SIGKILL it once it reports its 4th shard."""
-    cmd = [sys.executable, "-m", "data_tools", "--source", "synthetic", "--split", "train", "--num-synthetic",
-           "4000", "--samples-per-shard", "20", "--seed", "2", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "data_tools",
+        "--source",
+        "synthetic",
+        "--split",
+        "train",
+        "--num-synthetic",
+        "4000",
+        "--samples-per-shard",
+        "20",
+        "--seed",
+        "2",
+        "--out",
+        str(out),
+    ]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     try:

@@ -1,0 +1,59 @@
+"""Which shards each replica and DataLoader worker reads: explicit node and worker splitters.
+
+    from data_tools.plan import resolve_replica, split_round_robin
+    rank, world = resolve_replica()                 # torch_xla's global ordinal / world size when set up
+    mine = split_round_robin(range(64), rank, world)
+
+webdataset's default node splitter reads RANK/WORLD_SIZE, which torch_xla's launchers do not set
+(every core would read every shard), so the split is made here from labkit's runtime, which asks
+torch_xla.runtime (global_ordinal, world_size) or the SPMD process index/count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import braceexpand
+import torch
+
+from labkit.device import current_runtime
+
+
+def resolve_replica(rank=None, world_size=None) -> tuple[int, int]:
+    """(rank, world_size): explicit args, else the labkit runtime, else torch.distributed, else (0, 1)."""
+    if rank is not None or world_size is not None:
+        if rank is None or world_size is None:
+            raise ValueError(f"pass both rank and world_size (got rank={rank}, world_size={world_size})")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        return int(rank), int(world_size)
+    rt = current_runtime()
+    if rt is not None:
+        return rt.ordinal, rt.world_size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def expand_urls(source) -> list[str]:
+    """A brace pattern ("dir/train-{000000..000003}.tar"), or a list of them, -> list of URLs."""
+    items = [source] if isinstance(source, str) else list(source or [])
+    urls = [u for s in items for u in braceexpand.braceexpand(str(s))]
+    if not urls:
+        raise ValueError("no shard URLs given (empty list); pass a manifest.json or shard URLs")
+    return urls
+
+
+def split_round_robin(seq, index: int, count: int) -> list:
+    """Round-robin share `index` of `count` (the explicit node and worker splitter)."""
+    return list(seq[index::count])
+
+
+def allocate(total: int, weights: list[float]) -> list[int]:
+    """Split integer `total` proportionally to `weights` (largest remainders), summing to `total`."""
+    s = sum(weights)
+    ideal = [total * w / s for w in weights] if s > 0 else [total / len(weights)] * len(weights)
+    out = [int(math.floor(v)) for v in ideal]
+    for i in sorted(range(len(ideal)), key=lambda i: (out[i] - ideal[i], i))[: total - sum(out)]:
+        out[i] += 1
+    return out
