@@ -13,13 +13,14 @@
 2. The same shards from a fake-gcs-server on 127.0.0.1 vs local disk. Goal: >= 0.8x.
 3. The training loader (batch 8, augmentation on) in samples/s vs what ResNet-50 on XLA:CPU
    consumes at batch 8, 32x32 (steps timed after the two warm-up compiles).
+4. sha256 of every shard as its bytes pass (verify="stream", the default) vs no check
+   (verify=False), same eval loader. Goal: >= 0.95x (cheap enough to stay on by default).
 Trials alternate A, B, A, B; medians are reported. Takes about 2-3 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import statistics
 import sys
@@ -60,8 +61,8 @@ class PngFolder(torch.utils.data.Dataset):
 def read_only(man: str, folder: str, rounds: int = 2) -> tuple[float, float]:
     """Bytes in memory, no decode, one process: what the storage layout itself costs per sample."""
     from data_tools import load_manifest
-    from data_tools.shards import open_url
     from data_tools.tario import iter_tar
+    from data_tools.urls import open_url
 
     urls = load_manifest(man)["urls"]
     files = [os.path.join(folder, f) for f in sorted(os.listdir(folder))]
@@ -100,8 +101,8 @@ def alternate(name_a, make_a, name_b, make_b, trials):
 
 
 def resnet_consumption(steps: int = 6, bs: int = 8) -> float:
-    import torch_xla
     import torch.nn.functional as F
+    import torch_xla
 
     import labkit
     from labkit.models import resnet50_cifar
@@ -147,7 +148,7 @@ def main(argv=None):
     m = write_shards(x, y, os.path.join(tmp, "shards"), class_names=names, samples_per_shard=500)
     folder = os.path.join(tmp, "png")
     os.makedirs(folder)
-    from data_tools.shards import encode_image
+    from data_tools.writer import encode_image
 
     for i in range(len(x)):
         with open(os.path.join(folder, f"{i:07d}_{y[i]}.png"), "wb") as f:
@@ -207,6 +208,16 @@ def main(argv=None):
     print(f"  loader                       {loader_rate:9.0f} samples/s")
     print(f"  ResNet-50 train step         {model_rate:9.1f} samples/s  ({8 / model_rate:.2f} s/step)")
 
+    print("4. sha256 while streaming (default) vs no check (same loader, local disk):")
+    sha_rate, nosha_rate = alternate(
+        "verify='stream'",
+        lambda: make_loader(man, a.batch, train=False, num_workers=a.workers, last_batch="partial"),
+        "verify=False",
+        lambda: make_loader(man, a.batch, train=False, num_workers=a.workers, last_batch="partial", verify=False),
+        a.trials,
+    )
+    r4 = sha_rate / nosha_rate
+
     print("ratios:")
     print(f"  shards / PNG folder (warm)   {r1:6.2f}x   goal >= 1.5  {'ok' if r1 >= 1.5 else 'MISSED'}")
     print(f"  same, read only (warm)       {tar_read / file_read:6.2f}x")
@@ -214,6 +225,7 @@ def main(argv=None):
     print(
         f"  loader / ResNet-50 demand    {loader_rate / model_rate:6.0f}x   (> 1: the model, not the data, is the bottleneck)"
     )
+    print(f"  sha256 streamed / unchecked  {r4:6.2f}x   goal >= 0.95 {'ok' if r4 >= 0.95 else 'MISSED'}")
     print(f"total {time.perf_counter() - t_all:.0f} s")
     import shutil
 
