@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from labkit import gcs
 
-DEFAULT_TIMEOUT = 60.0  # seconds without a byte before a network read gives up
+DEFAULT_TIMEOUT = 30.0  # seconds without a byte before a network read gives up
 ATTEMPTS = 3  # opening a network URL: tries in all (connect errors, timeouts, HTTP 5xx)
 
 
