@@ -204,7 +204,8 @@ def main(argv=None):
         dt, n = timed(make_loader(man, 8, train=True, num_workers=a.workers))
         loader_rates.append(n / dt)
     loader_rate = statistics.median(loader_rates)
-    model_rate = resnet_consumption(a.resnet_steps)
+    # --resnet-steps 0 skips the model (its two compiles take minutes on a loaded 2-core machine)
+    model_rate = resnet_consumption(a.resnet_steps) if a.resnet_steps > 0 else float("nan")
     print(f"  loader                       {loader_rate:9.0f} samples/s")
     print(f"  ResNet-50 train step         {model_rate:9.1f} samples/s  ({8 / model_rate:.2f} s/step)")
 
