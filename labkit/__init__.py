@@ -6,7 +6,7 @@
     trainer = labkit.Trainer(model, opt, rt, labkit.TrainConfig.from_env(), train_loader)
     trainer.fit()
 """
-__version__ = "0.1.0"
+from .envsetup import VERSION as __version__  # the one home of the version (kept equal to pyproject by tests)
 
 from .config import TrainConfig, fast_mode, from_env
 from .dashboard import Dashboard, force_console

@@ -1,4 +1,5 @@
 """labkit.setup(): detection, overrides, idempotence, clear errors."""
+
 import pytest
 import torch
 
