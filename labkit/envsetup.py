@@ -160,6 +160,18 @@ def detect_platform(tpu: Tpu | None = None, env=None, modules=None) -> str:
     return "tpu-vm" if tpu else "jupyter"
 
 
+def online(host: str = "www.cs.toronto.edu", port: int = 443, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to host:port opens (a dataset's server, by default CIFAR-10's): the
+    notebooks pick real data when online and bundled data offline (CI)."""
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def version_of(dist: str) -> str | None:
     """Installed version from the distribution's metadata, without importing it."""
     for name in (dist, dist.replace("-", "_")):

@@ -343,3 +343,15 @@ def test_act_swaps_the_impostor_for_ours(venv, monkeypatch):
     d1 = es.Decision("jupyter", "keep", "test", [], labkit=str(whl), uninstall=["labkit"])
     es.act(_facts("jupyter"), d1, python=str(python))
     assert _installed(python, "labkit") is None and _installed(python, "labkit-xla") == "0.1.0"
+
+
+def test_online_on_loopback():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    port = s.getsockname()[1]
+    assert es.online("127.0.0.1", port, timeout=1.0)
+    s.close()
+    assert not es.online("127.0.0.1", port, timeout=1.0)  # nothing listens any more: refused
