@@ -244,7 +244,7 @@ def _req_name(req: str) -> str:
 
 def gather() -> Facts:
     tpu = detect_tpu()
-    names = set(TORCH_FAMILY) | {_req_name(r) for r in DEPENDENCIES}
+    names = set(TORCH_FAMILY) | {"libtpu-nightly"} | {_req_name(r) for r in DEPENDENCIES}
     return Facts(
         platform=detect_platform(tpu),
         python=tuple(sys.version_info[:2]),
@@ -277,7 +277,8 @@ def _pair_reqs(py: tuple) -> list:
 def plan(f: Facts, labkit_spec: str | None = None) -> Decision:
     """What to install and why. Pure: the same Facts give the same Decision."""
     v = f.versions
-    torch, xla, libtpu = v.get("torch"), v.get("torch-xla"), v.get("libtpu")
+    torch, xla = v.get("torch"), v.get("torch-xla")
+    libtpu = v.get("libtpu") or v.get("libtpu-nightly")  # older images ship the nightly distribution
     missing = [r for r in DEPENDENCIES if _req_name(r) not in ("torch", "torchvision") and not v.get(_req_name(r))]
     extra = []
     if torch and not v.get("torchvision"):  # a torchvision built for the torch that is there

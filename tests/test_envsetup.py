@@ -355,3 +355,9 @@ def test_online_on_loopback():
     assert es.online("127.0.0.1", port, timeout=1.0)
     s.close()
     assert not es.online("127.0.0.1", port, timeout=1.0)  # nothing listens any more: refused
+
+
+def test_plan_counts_libtpu_nightly_as_libtpu():
+    f = _facts("kaggle-tpu", py=(3, 12), chips=8, torch="2.8.0", torch_xla="2.8.0", torchvision="0.23.0")
+    f.versions["libtpu-nightly"] = "0.1.dev20250101"
+    assert not any(r.startswith("libtpu") for r in es.plan(f).install)
