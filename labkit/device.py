@@ -8,19 +8,23 @@ Detection order: TPU (PJRT, needs torch_xla + libtpu or PJRT_DEVICE=TPU), CUDA (
 backend: torch_xla 2.9 has no CUDA backend), XLA:CPU (torch_xla importable), plain CPU.
 `setup()` is idempotent: a notebook may run the cell twice and gets the same Runtime.
 """
+
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import os
 import random
+import re
 from dataclasses import dataclass, field
 
 import torch
 
+from . import envsetup
+
 BACKENDS = ("tpu", "cuda", "xla-cpu", "cpu")
-_runtimes: dict[str, "Runtime"] = {}
-_current: "Runtime | None" = None
+_runtimes: dict[str, Runtime] = {}
+_current: Runtime | None = None
 _xla_kind: str | None = None  # the PJRT device this process committed to (cannot change later)
 
 
@@ -33,16 +37,10 @@ def _has_torch_xla() -> bool:
 
 
 def _tpu_evidence() -> str | None:
-    """Why we think a TPU is attached, or None. Cheap: no runtime initialisation."""
-    if os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
-        return "PJRT_DEVICE=TPU"
-    if os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("COLAB_TPU_ADDR"):
-        return "TPU environment variables"
-    if importlib.util.find_spec("libtpu") is not None and (
-        os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0")
-    ):
-        return "libtpu and /dev/accel*"
-    return None
+    """Why we think TPU chips are attached, or None. Reads files only: no runtime initialisation.
+    (PJRT_DEVICE=TPU is a request, not evidence: resolve_backend() checks it against this.)"""
+    tpu = envsetup.detect_tpu()
+    return f"{tpu.chips} chip(s): {'; '.join(tpu.evidence)}" if tpu else None
 
 
 def detect() -> dict:
@@ -50,6 +48,7 @@ def detect() -> dict:
     return {
         "torch_xla": _has_torch_xla(),
         "tpu": _tpu_evidence(),
+        "libtpu": envsetup.version_of("libtpu") is not None,
         "cuda": torch.cuda.is_available(),
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
     }
@@ -67,7 +66,15 @@ def resolve_backend(backend: str | None = None) -> str:
     """Pick the backend: the argument, else LABKIT_BACKEND, else the best one found."""
     name = backend or os.environ.get("LABKIT_BACKEND") or None
     found = detect()
+    pjrt = os.environ.get("PJRT_DEVICE", "").upper()
+    if pjrt == "TPU" and not found["tpu"]:
+        raise BackendError(
+            f"PJRT_DEVICE=TPU is set but this machine has {_describe(found)}: unset PJRT_DEVICE "
+            "(labkit picks the backend) or set PJRT_DEVICE=CPU for XLA on the CPU"
+        )
     if name is None:
+        if pjrt == "CPU" and found["torch_xla"]:
+            return "xla-cpu"  # an explicit request for XLA:CPU, even on a TPU host
         if found["torch_xla"] and found["tpu"]:
             return "tpu"
         if found["cuda"]:
@@ -78,15 +85,26 @@ def resolve_backend(backend: str | None = None) -> str:
     source = "backend argument" if backend else "LABKIT_BACKEND"
     if name not in BACKENDS:
         raise BackendError(f"unknown backend {name!r} (from {source}); valid names: {', '.join(BACKENDS)}")
+    if name == "tpu" and found["tpu"] and found["torch_xla"] and not found["libtpu"]:
+        raise BackendError(
+            f"backend 'tpu' ({source}): this machine has TPU {found['tpu']} and torch_xla, but "
+            f"libtpu is not installed, so PJRT would fall back to the CPU. Fix: "
+            f"pip install libtpu=={envsetup.LIBTPU_FOR.get(envsetup.minor(envsetup.version_of('torch_xla')), envsetup.LIBTPU_FOR['2.9'])} "
+            "then restart the runtime"
+        )
     if name == "tpu" and not (found["torch_xla"] and found["tpu"]):
-        raise BackendError(f"backend 'tpu' was asked for ({source}) but this machine has {_describe(found)}. "
-                           "On Colab pick Runtime > Change runtime type > TPU; or use one of: "
-                           + ", ".join(b for b in BACKENDS if b != "tpu"))
+        raise BackendError(
+            f"backend 'tpu' was asked for ({source}) but this machine has {_describe(found)}. "
+            "On Colab pick Runtime > Change runtime type > TPU; or use one of: "
+            + ", ".join(b for b in BACKENDS if b != "tpu")
+        )
     if name == "cuda" and not found["cuda"]:
         raise BackendError(f"backend 'cuda' was asked for ({source}) but this machine has {_describe(found)}")
     if name == "xla-cpu" and not found["torch_xla"]:
-        raise BackendError(f"backend 'xla-cpu' was asked for ({source}) but torch_xla is not installed: "
-                           "pip install torch==2.9.0 torch_xla==2.9.0")
+        raise BackendError(
+            f"backend 'xla-cpu' was asked for ({source}) but torch_xla is not installed: "
+            f"pip install torch=={envsetup.TORCH} torch_xla=={envsetup.TORCH_XLA}"
+        )
     return name
 
 
@@ -212,27 +230,38 @@ class Runtime:
 
     def __repr__(self) -> str:
         extra = ", spmd" if self.spmd else ""
-        return (f"Runtime(kind={self.kind!r}, device={str(self.device)!r}, world_size={self.world_size}, "
-                f"ordinal={self.ordinal}, local_devices={self.local_device_count}{extra})")
+        return (
+            f"Runtime(kind={self.kind!r}, device={str(self.device)!r}, world_size={self.world_size}, "
+            f"ordinal={self.ordinal}, local_devices={self.local_device_count}{extra})"
+        )
 
 
 def _setup_xla(kind: str, spmd: bool) -> Runtime:
     global _xla_kind
     want = "TPU" if kind == "tpu" else "CPU"
     if _xla_kind is not None and _xla_kind != kind:
-        raise BackendError(f"this process already runs XLA as {_xla_kind!r}; PJRT cannot switch to {kind!r} "
-                           "in the same process: restart the kernel")
+        raise BackendError(
+            f"this process already runs XLA as {_xla_kind!r}; PJRT cannot switch to {kind!r} "
+            "in the same process: restart the kernel"
+        )
     if _xla_kind is None:
         os.environ.setdefault("PJRT_DEVICE", want)
         if os.environ["PJRT_DEVICE"].upper() != want:
             raise BackendError(f"backend {kind!r} conflicts with PJRT_DEVICE={os.environ['PJRT_DEVICE']}")
+    # checked from metadata BEFORE the import: a mismatched pair dies in the import with an undefined symbol
+    problem = envsetup.pair_problem(envsetup.version_of("torch"), envsetup.version_of("torch_xla"))
+    if problem:
+        raise BackendError(problem)
     import torch_xla
     import torch_xla.runtime as xr
 
     if spmd and not xr.is_spmd():
         xr.use_spmd()  # must happen before any XLA tensor is created
+    try:
+        device = torch_xla.device()  # the PJRT client starts here (libtpu opens the chips)
+    except RuntimeError as e:
+        raise BackendError(tpu_error_advice(str(e)) or f"PJRT could not start {want} devices: {e}") from e
     _xla_kind = kind
-    device = torch_xla.device()
     is_spmd = xr.is_spmd()
     if is_spmd:
         world, ordinal, local = xr.process_count(), xr.process_index(), 0
@@ -242,9 +271,31 @@ def _setup_xla(kind: str, spmd: bool) -> Runtime:
         local_count = xr.addressable_device_count()
     actual = xr.device_type()
     if actual != want:
-        raise BackendError(f"asked for {kind!r} but PJRT started {actual!r} devices (PJRT fell back); "
-                           "check libtpu and that no other process holds the TPU")
+        raise BackendError(
+            f"asked for {kind!r} but PJRT started {actual!r} devices (PJRT fell back); "
+            "check libtpu and that no other process holds the TPU"
+        )
     return Runtime(kind, device, world, ordinal, local, local_count, is_spmd, {"pjrt_device": actual})
+
+
+def tpu_error_advice(message: str, root: str | None = None) -> str | None:
+    """Plain words for libtpu's 'TPU in use' failures (naming the process that holds the chips), else None.
+
+    libtpu lets one process own a host's chips. A second kernel (another notebook, a stale training
+    script) gets "The TPU is already in use by process with pid N" or "open(/dev/vfio/0): Device or
+    resource busy" from deep inside PJRT's client creation."""
+    m = re.search(r"in use by process with pid (\d+)", message)
+    busy = re.search(r"(/dev/(?:accel|vfio/)\d+)\)?: Device or resource busy", message)
+    if not m and not busy:
+        return None
+    holders = [(int(m.group(1)), envsetup.process_command(int(m.group(1)), root))] if m else envsetup.tpu_holders(root)
+    who = ", ".join(f"process {pid} ({cmd})" for pid, cmd in holders) or "another process"
+    pids = " ".join(str(pid) for pid, _ in holders) or "PID"
+    return (
+        f"the TPU is already in use by {who}: only one process can use a host's TPU chips. Stop it "
+        f"(finish or restart that notebook's runtime, or `kill {pids}`), then restart this runtime"
+        + (f" [{busy.group(1)} busy]" if busy else "")
+    )
 
 
 def _setup_cuda() -> Runtime:
@@ -256,8 +307,16 @@ def _setup_cuda() -> Runtime:
         dist.init_process_group("nccl")  # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR
     torch.cuda.set_device(local)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return Runtime("cuda", torch.device("cuda", local), world, rank, local, torch.cuda.device_count(), False,
-                   {"name": torch.cuda.get_device_name(local)})
+    return Runtime(
+        "cuda",
+        torch.device("cuda", local),
+        world,
+        rank,
+        local,
+        torch.cuda.device_count(),
+        False,
+        {"name": torch.cuda.get_device_name(local)},
+    )
 
 
 def setup(backend: str | None = None, *, spmd: bool = False, verbose: bool = False) -> Runtime:

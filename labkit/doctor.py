@@ -4,22 +4,23 @@
 
 Warnings it knows (each says what to do):
 - torch and torch_xla of different minor versions (torch_xla X.Y needs torch X.Y.*);
-- a TPU was expected (Colab TPU runtime, TPU VM, PJRT_DEVICE=TPU) but PJRT runs on CPU;
+- the host has TPU chips but the backend is not 'tpu' (PJRT fell back, libtpu missing, a variable
+  forces the CPU, or another process holds the chips), each with its fix;
 - deprecated or removed variables still set (XLA_USE_BF16, XRT_*...).
 """
+
 from __future__ import annotations
 
-import importlib.metadata as md
 import os
 import platform
-import sys
 
 from . import device as _device
+from . import envsetup
 
 # variable -> what to do instead
 DEPRECATED_ENV = {
     "XLA_USE_BF16": "deprecated since torch_xla 2.4: use torch.autocast('xla', dtype=torch.bfloat16) "
-                    "(labkit: TrainConfig.bf16=True) or cast the model with .to(torch.bfloat16)",
+    "(labkit: TrainConfig.bf16=True) or cast the model with .to(torch.bfloat16)",
     "XLA_DOWNCAST_BF16": "deprecated: use autocast or explicit bfloat16 dtypes",
     "XLA_USE_FP16": "deprecated: use autocast or explicit dtypes",
     "XRT_TPU_CONFIG": "XRT was removed in torch_xla 2.1: use PJRT (PJRT_DEVICE=TPU)",
@@ -29,43 +30,47 @@ DEPRECATED_ENV = {
 }
 
 
-def version_of(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
-def _minor(v: str) -> tuple[int, int] | None:
-    try:
-        parts = v.split("+")[0].split(".")
-        return int(parts[0]), int(parts[1])
-    except (ValueError, IndexError):
-        return None
+version_of = envsetup.version_of
 
 
 def check_versions(torch_version: str | None, xla_version: str | None) -> list[str]:
     """Warnings for a torch / torch_xla pair that do not belong together (pure function)."""
-    if not torch_version or not xla_version:
-        return []
-    t, x = _minor(torch_version), _minor(xla_version)
-    if t is None or x is None or t == x:
-        return []
-    want = f"{x[0]}.{x[1]}"
-    return [f"torch {torch_version} does not match torch_xla {xla_version} (minor versions differ; "
-            f"import may fail or ops may silently differ). Fix: pip install 'torch=={want}.*' "
-            f"'torch_xla=={xla_version.split('+')[0]}' — or torch_xla matching torch "
-            f"{t[0]}.{t[1]}: pip install 'torch_xla=={t[0]}.{t[1]}.*'"]
+    problem = envsetup.pair_problem(torch_version, xla_version)
+    return [problem] if problem else []
 
 
 def where() -> str:
-    if "google.colab" in sys.modules or os.environ.get("COLAB_RELEASE_TAG") or os.environ.get("COLAB_GPU"):
-        return "colab"
-    if os.environ.get("KAGGLE_KERNEL_RUN_TYPE"):
-        return "kaggle"
-    if os.environ.get("TPU_ACCELERATOR_TYPE") or os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0"):
-        return "tpu-vm"
-    return "plain"
+    """The platform id envsetup uses: colab-tpu, colab-gpu, kaggle-tpu, kaggle-gpu, tpu-vm or jupyter."""
+    return envsetup.detect_platform()
+
+
+def tpu_warnings(tpu: envsetup.Tpu, backend: str | None, versions: dict, root: str | None = None) -> list[str]:
+    """Why a host with TPU chips does not run on them, with the fix (pure but for reading /proc)."""
+    if not tpu or backend == "tpu":
+        return []
+    fixes = []
+    if not versions.get("torch_xla"):
+        fixes.append(
+            f"install PyTorch/XLA: pip install torch=={envsetup.TORCH} torch_xla=={envsetup.TORCH_XLA} "
+            f"libtpu=={envsetup.LIBTPU_FOR[envsetup.minor(envsetup.TORCH_XLA)]}"
+        )
+    elif not versions.get("libtpu"):
+        lib = envsetup.LIBTPU_FOR.get(envsetup.minor(versions["torch_xla"]), "")
+        fixes.append(f"install libtpu: pip install libtpu{'==' + lib if lib else ''}")
+    for var, bad in (("LABKIT_BACKEND", lambda v: v.lower() != "tpu"), ("PJRT_DEVICE", lambda v: v.upper() != "TPU")):
+        if os.environ.get(var) and bad(os.environ[var]):
+            fixes.append(f"unset {var} (it is {os.environ[var]!r})")
+    holders = envsetup.tpu_holders(root)
+    if holders:
+        who = ", ".join(f"{pid} ({cmd})" for pid, cmd in holders)
+        fixes.append(f"stop the process(es) holding the chips: {who} (kill {' '.join(str(p) for p, _ in holders)})")
+    fixes = fixes or ["check that no other process holds the TPU"]
+    return [
+        f"this host has {tpu.chips} TPU chip(s) ({'; '.join(tpu.evidence)}) but the backend is "
+        f"{backend or 'unknown'!r}, so nothing runs on them. Fix: "
+        + "; ".join(fixes)
+        + ", then restart the runtime and run labkit.setup() again"
+    ]
 
 
 def _devices(rt) -> list[str]:
@@ -85,11 +90,14 @@ def _devices(rt) -> list[str]:
 def doctor(rt=None, *, quiet: bool = False) -> dict:
     """Collect versions, platform, devices and warnings; print them unless quiet."""
     rt = rt or _device.current_runtime()
-    versions = {"python": platform.python_version(), "torch": version_of("torch"),
-                "torch_xla": version_of("torch_xla") or version_of("torch-xla"),
-                "torchvision": version_of("torchvision"),
-                "libtpu": version_of("libtpu") or version_of("libtpu-nightly"),
-                "labkit": version_of("labkit")}
+    versions = {
+        "python": platform.python_version(),
+        "torch": version_of("torch"),
+        "torch_xla": version_of("torch_xla"),
+        "torchvision": version_of("torchvision"),
+        "libtpu": version_of("libtpu") or version_of("libtpu-nightly"),
+        "labkit": envsetup.VERSION,
+    }
     found = _device.detect()
     warnings = check_versions(versions["torch"], versions["torch_xla"])
     for var, fix in DEPRECATED_ENV.items():
@@ -97,19 +105,29 @@ def doctor(rt=None, *, quiet: bool = False) -> dict:
             warnings.append(f"{var}={os.environ[var]} is set: {fix}")
     place = where()
     pjrt = os.environ.get("PJRT_DEVICE")
-    expected_tpu = found["tpu"] or (place == "colab" and os.environ.get("COLAB_TPU_ADDR"))
-    if rt is not None and rt.is_xla and expected_tpu and rt.kind != "tpu":
-        warnings.append(f"a TPU was expected ({found['tpu'] or place}) but XLA runs on {rt.info.get('pjrt_device', 'CPU')}: "
-                        "PJRT fell back to the CPU. Check that libtpu is installed (pip install 'torch_xla[tpu]'), "
-                        "that PJRT_DEVICE=TPU, and that no other process holds the TPU")
-    if pjrt and pjrt.upper() == "TPU" and not found["torch_xla"]:
-        warnings.append("PJRT_DEVICE=TPU but torch_xla is not installed")
-    if versions["torch_xla"] and not versions["libtpu"] and place in ("colab", "tpu-vm") and found["tpu"]:
-        warnings.append("torch_xla is installed without libtpu: pip install 'torch_xla[tpu]==2.9.0'")
-    report = {"versions": versions, "platform": place, "machine": platform.machine(),
-              "pjrt_device": pjrt, "backend": rt.kind if rt else _device.resolve_backend(),
-              "runtime": repr(rt) if rt else None, "devices": _devices(rt),
-              "found": found, "warnings": warnings}
+    backend = rt.kind if rt else None
+    if rt is None:
+        try:
+            backend = _device.resolve_backend()
+        except _device.BackendError as e:
+            warnings.append(str(e))
+    warnings += tpu_warnings(envsetup.detect_tpu(), backend, versions)
+    if envsetup.labkit_status()[0] != "ours":
+        warnings.append(
+            "the importable 'labkit' is not this project's (PyPI's unrelated 'labkit'?): "
+            f"pip uninstall -y labkit && pip install '{envsetup.DIST_NAME} @ {envsetup.PUBLISHED}'"
+        )
+    report = {
+        "versions": versions,
+        "platform": place,
+        "machine": platform.machine(),
+        "pjrt_device": pjrt,
+        "backend": backend,
+        "runtime": repr(rt) if rt else None,
+        "devices": _devices(rt),
+        "found": found,
+        "warnings": warnings,
+    }
     if not quiet:
         print(format_report(report))
     return report
@@ -117,10 +135,12 @@ def doctor(rt=None, *, quiet: bool = False) -> dict:
 
 def format_report(r: dict) -> str:
     v = r["versions"]
-    lines = ["labkit doctor",
-             "  versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
-             f"  platform: {r['platform']} ({r['machine']}), PJRT_DEVICE={r['pjrt_device'] or 'unset'}",
-             f"  backend:  {r['backend']}  {r['runtime'] or '(labkit.setup() not called yet)'}",
-             f"  devices:  {', '.join(r['devices']) or '-'}"]
+    lines = [
+        "labkit doctor",
+        "  versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        f"  platform: {r['platform']} ({r['machine']}), PJRT_DEVICE={r['pjrt_device'] or 'unset'}",
+        f"  backend:  {r['backend']}  {r['runtime'] or '(labkit.setup() not called yet)'}",
+        f"  devices:  {', '.join(r['devices']) or '-'}",
+    ]
     lines += [f"  WARNING: {w}" for w in r["warnings"]] or ["  no warnings"]
     return "\n".join(lines)

@@ -8,8 +8,21 @@
 One `google.cloud.storage.Client` per process (created lazily, re-created after fork),
 so connections are reused. With ``STORAGE_EMULATOR_HOST`` set (a loopback server, see
 `labkit.gcs_emulator`) the client talks to it with anonymous credentials; otherwise it
-uses Application Default Credentials (in Colab: `google.colab.auth.authenticate_user()`).
+uses Application Default Credentials.
+
+Your own bucket, from a notebook:
+
+    gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_project)  # only if a path is gs://
+    gcs.check_access("gs://my-bucket/run1", write=True)   # clear errors: missing bucket, 403, no credentials
+
+sign_in() uses what the platform offers: Colab `google.colab.auth.authenticate_user()`, Kaggle's
+attached Google Cloud SDK credential (Add-ons > Google Cloud Services), elsewhere ADC (a TPU VM's
+service account, or `gcloud auth application-default login`). The project comes from the argument,
+then GOOGLE_CLOUD_PROJECT, then the credentials; without one the client still reads and writes
+existing buckets (Colab's user credentials carry no project: `storage.Client()` would raise
+"Project was not passed and could not be determined").
 """
+
 from __future__ import annotations
 
 import base64
@@ -19,6 +32,24 @@ import threading
 _lock = threading.Lock()
 _client = None
 _client_key = None
+_project: str | None = None  # set_project() / sign_in(project=...): a notebook parameter wins
+
+ROLE_HINT = (
+    "grant it with: gcloud storage buckets add-iam-policy-binding gs://{bucket} "
+    "--member=user:YOU@example.com --role={role}"
+)
+
+
+class GCSAuthError(PermissionError):
+    """No usable Google credentials; the message says how to sign in on this platform."""
+
+
+class GCSPermissionError(PermissionError):
+    """The credentials lack a permission on the bucket; the message names it and the role that has it."""
+
+
+class BucketNotFoundError(FileNotFoundError):
+    """The bucket does not exist (labkit never creates one silently); the message gives the command."""
 
 
 def is_gcs(url: str | os.PathLike) -> bool:
@@ -29,7 +60,7 @@ def parse_url(url: str) -> tuple[str, str]:
     """'gs://bucket/a/b' -> ('bucket', 'a/b'). Raises ValueError naming the URL when malformed."""
     if not is_gcs(url):
         raise ValueError(f"not a gs:// URL: {url!r}")
-    rest = url[len("gs://"):]
+    rest = url[len("gs://") :]
     bucket, _, name = rest.partition("/")
     if not bucket:
         raise ValueError(f"gs:// URL has no bucket: {url!r}")
@@ -43,23 +74,133 @@ def join(url: str, *parts: str) -> str:
     return out
 
 
+def set_project(project: str | None) -> None:
+    """The Google Cloud project for new clients (a notebook parameter); None: environment, then credentials."""
+    global _project
+    _project = project or None
+
+
+def project_from_environment() -> str | None:
+    for var in ("GOOGLE_CLOUD_PROJECT", "CLOUDSDK_CORE_PROJECT", "GCLOUD_PROJECT"):
+        if os.environ.get(var):
+            return os.environ[var]
+    return None
+
+
+def _no_credentials(detail: str = "") -> GCSAuthError:
+    from . import envsetup
+
+    place = envsetup.detect_platform()
+    how = {
+        "colab": "call labkit.gcs.sign_in(path) (google.colab.auth.authenticate_user() under the hood)",
+        "kaggle": "attach your Google account under Add-ons > Google Cloud Services (Cloud Storage), "
+        "then call labkit.gcs.sign_in(path)",
+    }.get(
+        place.split("-")[0],
+        "run `gcloud auth application-default login` (or use a VM whose service "
+        "account has access), then call labkit.gcs.sign_in(path)",
+    )
+    return GCSAuthError(
+        f"no Google credentials for Cloud Storage ({place}): {how}" + (f" [{detail}]" if detail else "")
+    )
+
+
 def client():
-    """The process-wide storage client (one per pid and emulator setting)."""
+    """The process-wide storage client (one per pid, emulator setting, project and credentials file)."""
     global _client, _client_key
-    key = (os.getpid(), os.environ.get("STORAGE_EMULATOR_HOST"))
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    key = (
+        os.getpid(),
+        emulator,
+        _project,
+        project_from_environment(),
+        os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"),
+    )
     with _lock:
         if _client is None or _client_key != key:
             from google.cloud import storage
 
-            if key[1]:
+            if emulator:
                 from google.auth.credentials import AnonymousCredentials
 
-                _client = storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT", "labkit-local"),
-                                         credentials=AnonymousCredentials())
+                _client = storage.Client(
+                    project=_project or project_from_environment() or "labkit-local", credentials=AnonymousCredentials()
+                )
             else:
-                _client = storage.Client()
+                import google.auth
+                from google.auth.exceptions import DefaultCredentialsError
+
+                try:
+                    creds, cred_project = google.auth.default()
+                except DefaultCredentialsError as e:
+                    raise _no_credentials(str(e).splitlines()[0]) from None
+                # project=None explicitly (not left out): the client then works without a project for
+                # existing buckets instead of raising "Project was not passed and could not be determined"
+                _client = storage.Client(
+                    project=_project or project_from_environment() or cred_project, credentials=creds
+                )
             _client_key = key
         return _client
+
+
+def sign_in(*paths, project: str | None = None) -> str | None:
+    """Sign in to Google Cloud when any of the paths is gs:// (data, checkpoints...); returns how, or None
+    when no path needs it. Colab: authenticate_user(); Kaggle: the attached Cloud SDK credential;
+    elsewhere: Application Default Credentials, checked now so a missing sign-in fails here, not mid-run."""
+    global _client
+    if project:
+        set_project(project)
+    if not any(is_gcs(str(p)) for p in paths if p):
+        return None
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        return "emulator (anonymous)"
+    from . import envsetup
+
+    place = envsetup.detect_platform()
+    if place.startswith("colab"):
+        from google.colab import auth
+
+        auth.authenticate_user(**({"project_id": _project} if _project else {}))
+        how = "colab (google.colab.auth.authenticate_user)"
+    elif place.startswith("kaggle"):
+        try:
+            from kaggle_secrets import UserSecretsClient
+
+            credential = UserSecretsClient().get_gcloud_credential()
+        except Exception as e:  # noqa: BLE001 - kaggle_secrets raises its own NotFoundError/BackendError
+            raise _no_credentials(f"{type(e).__name__}: {e}") from None
+        path = os.path.join(os.path.expanduser("~"), "gcloud_credential.json")
+        with open(path, "w") as f:
+            f.write(credential)
+        os.environ["GOOGLE_APPLICATION_CREDENTIALS"] = path
+        how = "kaggle (attached Google Cloud SDK credential)"
+    else:
+        how = "application default credentials"
+    with _lock:
+        _client = None  # new credentials: the next client() picks them up
+    client()  # raises GCSAuthError now when there are none
+    return how
+
+
+def _bucket_name(url_or_bucket: str) -> str:
+    return parse_url(url_or_bucket)[0] if is_gcs(url_or_bucket) else url_or_bucket
+
+
+def _forbidden(bucket: str, permission: str, role: str, e) -> GCSPermissionError:
+    who = getattr(getattr(client(), "_credentials", None), "service_account_email", None) or "your account"
+    return GCSPermissionError(
+        f"{who} may not use gs://{bucket}: it lacks {permission} (HTTP 403). The role {role} has it; "
+        + ROLE_HINT.format(bucket=bucket, role=role)
+        + f" (or pick a bucket you own). [{str(e).splitlines()[0][:200]}]"
+    )
+
+
+def _missing(bucket: str, url: str) -> BucketNotFoundError:
+    proj = _project or project_from_environment() or "YOUR_PROJECT"
+    return BucketNotFoundError(
+        f"GCS bucket {bucket!r} does not exist (from {url!r}); labkit never creates one silently. Create it "
+        f"in the TPU's region: gcloud storage buckets create gs://{bucket} --project={proj} --location=us-central1"
+    )
 
 
 def blob(url: str):
@@ -83,8 +224,9 @@ def crc32c_b64(path_or_bytes) -> str:
     return base64.b64encode(c.digest()).decode()
 
 
-def upload_file(path: str | os.PathLike, url: str, *, if_generation_match=None, timeout: float = 120,
-                retry=None) -> "object":
+def upload_file(
+    path: str | os.PathLike, url: str, *, if_generation_match=None, timeout: float = 120, retry=None
+) -> object:
     """Upload a local file and check the server's crc32c against ours. Returns the blob.
 
     Raises IOError naming the object if the checksums differ (the object is then deleted)."""
@@ -97,7 +239,7 @@ def upload_file(path: str | os.PathLike, url: str, *, if_generation_match=None, 
     b.upload_from_filename(str(path), **kwargs)
     local = crc32c_b64(path)
     if b.crc32c != local:
-        raise IOError(f"crc32c mismatch after upload of {path} to {url}: local {local}, server {b.crc32c}")
+        raise OSError(f"crc32c mismatch after upload of {path} to {url}: local {local}, server {b.crc32c}")
     return b
 
 
@@ -112,13 +254,52 @@ def exists(url: str) -> bool:
 
 
 def ensure_bucket(url_or_bucket: str):
-    """Return the bucket, raising a clear error if it does not exist (it is never created silently)."""
-    name = parse_url(url_or_bucket)[0] if is_gcs(url_or_bucket) else url_or_bucket
+    """Return the bucket, raising a clear error if it does not exist (it is never created silently).
+
+    A user with only roles/storage.objectAdmin on a bucket may not read its metadata (storage.buckets.get,
+    403): then listing objects decides (404: missing; 403: no access at all)."""
+    name = _bucket_name(url_or_bucket)
     from google.api_core import exceptions
+    from google.auth.exceptions import RefreshError
 
     bucket = client().bucket(name)
     try:
         bucket.reload(timeout=30)
+        return bucket
     except exceptions.NotFound:
-        raise FileNotFoundError(f"GCS bucket {name!r} does not exist (from {url_or_bucket!r})") from None
+        raise _missing(name, url_or_bucket) from None
+    except exceptions.Unauthorized as e:
+        raise _no_credentials(str(e).splitlines()[0][:200]) from None
+    except RefreshError as e:
+        raise _no_credentials(f"credentials expired or revoked: {e}") from None
+    except exceptions.Forbidden:
+        pass  # objectAdmin-only: fall through to an object-level check
+    try:
+        next(iter(client().list_blobs(name, max_results=1, timeout=30)), None)
+    except exceptions.NotFound:
+        raise _missing(name, url_or_bucket) from None
+    except exceptions.Forbidden as e:
+        raise _forbidden(
+            name, "storage.objects.list (and storage.buckets.get)", "roles/storage.objectAdmin", e
+        ) from None
+    return bucket
+
+
+def check_access(url: str, *, write: bool = False):
+    """Fail early, with the fix, if `url`'s bucket is missing or the credentials cannot read (and, with
+    write=True, create and delete objects) there. The write probe is one tiny object, deleted at once."""
+    bucket = ensure_bucket(url)
+    if write:
+        from google.api_core import exceptions
+
+        _, prefix = parse_url(url if is_gcs(url) else f"gs://{url}")
+        probe = bucket.blob(join(prefix, f".labkit-write-check-{os.getpid()}").lstrip("/"))
+        try:
+            probe.upload_from_string(b"", timeout=30)
+        except exceptions.Forbidden as e:
+            raise _forbidden(bucket.name, "storage.objects.create", "roles/storage.objectAdmin", e) from None
+        try:
+            probe.delete(timeout=30)
+        except exceptions.Forbidden as e:
+            raise _forbidden(bucket.name, "storage.objects.delete", "roles/storage.objectAdmin", e) from None
     return bucket

@@ -238,14 +238,14 @@ class LMTrainer(Trainer):
 
     def train_step(self, batch):
         x, y = batch
-        with self.rt.autocast(self.cfg.bf16):
+        with self.autocast():
             _, loss = self.model(x, y)
-        loss.backward()
+        self.backward(loss)
         return loss
 
     def eval_step(self, batch) -> dict:
         x, y = batch
-        with self.rt.autocast(self.cfg.bf16):
+        with self.autocast():
             logits, _ = self.model(x)
         logits = logits.float()
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction="sum")

@@ -34,8 +34,11 @@ from .optim import optimizer_step
 
 class Trainer:
     def __init__(self, model, optimizer, rt, cfg: TrainConfig | None = None, train_loader=None,
-                 eval_loader=None, scheduler=None, loss_fn=None, callbacks=(), checkpoint=None):
+                 eval_loader=None, scheduler=None, loss_fn=None, callbacks=(), checkpoint=None, precision=None):
         self.rt, self.cfg = rt, cfg or TrainConfig()
+        # labkit.precision.Precision: bf16 / fp16 (+ GradScaler) / fp32 per chip; None: cfg.bf16 as before
+        self.precision = precision
+        self.scaler = precision.grad_scaler() if precision is not None else None
         self.optimizer, self.scheduler = optimizer, scheduler
         self.model = _move_model(model, optimizer, rt.device)
         if rt.kind == "cuda" and rt.world_size > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -61,22 +64,30 @@ class Trainer:
         return device_loader(loader, self.rt)
 
     # -- hooks -----------------------------------------------------------------------------
+    def autocast(self):
+        """The forward pass's autocast: the Precision's when given, else bf16 when cfg.bf16."""
+        return self.precision.autocast() if self.precision is not None else self.rt.autocast(self.cfg.bf16)
+
+    def backward(self, loss) -> None:
+        """loss.backward(), scaled first under fp16 (the GradScaler keeps small gradients from flushing to 0)."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
     def train_step(self, batch):
         x, y = batch
-        with self.rt.autocast(self.cfg.bf16):
+        with self.autocast():
             loss = self.loss_fn(self.model(x), y)
-        loss.backward()
+        self.backward(loss)
         return loss
 
     def run_optimizer(self):
-        optimizer_step(self.optimizer, self.rt, clip_norm=self.cfg.clip_norm or None)
+        optimizer_step(self.optimizer, self.rt, clip_norm=self.cfg.clip_norm or None, scaler=self.scaler)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
 
     def eval_step(self, batch) -> dict:
         x, y = batch
-        with self.rt.autocast(self.cfg.bf16):
+        with self.autocast():
             out = self.model(x)
         loss = F.cross_entropy(out.float(), y, reduction="sum")
         correct = (out.argmax(dim=-1) == y).sum()
@@ -118,6 +129,8 @@ class Trainer:
                  "config": self.cfg.to_dict(), "rng": rng_state(self.rt), "versions": versions()}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -126,6 +139,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
         if "rng" in state:  # dropout/augmentation draws continue exactly where they stopped

@@ -60,6 +60,7 @@ class Params:
     log_every: int = 20           # read metrics every N steps (one device->host transfer each)
     num_workers: int = 2          # DataLoader worker processes per replica
     checkpoint_dir: str = "checkpoints/resnet50"   # local folder or gs://bucket/prefix
+    gcp_project: str = ""         # Google Cloud project for your bucket ("": GOOGLE_CLOUD_PROJECT, then your credentials)
     checkpoint_every: int = 0     # steps between checkpoints; 0: once per epoch
     resume_steps: int = 20        # steps trained after the resume demonstration
     seed: int = 0
@@ -75,7 +76,7 @@ class Params:
 try:
     import labkit
     P = labkit.from_env(Params)
-except ImportError:  # first run on Colab: the next cell installs labkit and reads the parameters again
+except (ImportError, AttributeError):  # first run: the set-up cell installs labkit and reads them again
     P = Params()
 P
 
@@ -86,18 +87,28 @@ P
 # nothing: use the project's `make notebook`, which builds the pinned environment.
 
 # %% tags=["setup"]
-import importlib.util, subprocess
+# Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
+import importlib.util, os, subprocess, sys
 
-IN_COLAB = "google.colab" in sys.modules
-if IN_COLAB and importlib.util.find_spec("labkit") is None:
-    on_tpu = bool(os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("COLAB_TPU_ADDR") or os.path.exists("/dev/accel0"))
-    pkgs = ["torch==2.9.0", "torchvision==0.24.0"] + (["torch_xla[tpu]==2.9.0"] if on_tpu else [])
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *pkgs,
-                    "labkit @ git+https://github.com/labkit/labkit"], check=True)
-    import labkit
-    P = labkit.from_env(Params)
+def _labkit_dir():
+    spec = importlib.util.find_spec("labkit")
+    d = spec and spec.submodule_search_locations and list(spec.submodule_search_locations)[0]
+    return d if d and os.path.exists(os.path.join(d, "envsetup.py")) else None
+
+if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours (no dependencies yet)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run(pip + ["uninstall", "-y", "labkit"], capture_output=True)
+    subprocess.run(pip + ["install", "--no-deps", os.environ.get("LABKIT_PIP_SPEC") or
+                          "labkit-xla @ git+https://github.com/labkit/labkit"], check=True)
+    importlib.invalidate_caches()
+    for m in [m for m in sys.modules if m == "labkit" or m.startswith("labkit.")]:
+        del sys.modules[m]
+_spec = importlib.util.spec_from_file_location("labkit_envsetup", os.path.join(_labkit_dir(), "envsetup.py"))
+envsetup = sys.modules["labkit_envsetup"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(envsetup)
+envsetup.main()  # prints "labkit setup: platform=... / choice=..."; asks for a restart if one is needed
 import labkit
-
+P = labkit.from_env(Params)
 print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 
 # %% [markdown]
@@ -113,8 +124,27 @@ import torch
 rt = labkit.setup()
 report = labkit.doctor(rt)
 assert labkit.setup() is rt       # a second call (or running this cell again) gives the same runtime
-BF16 = rt.kind == "tpu" if P.bf16 == "auto" else P.bf16.lower() in ("1", "true", "yes", "on")
-print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), bf16 autocast {'on' if BF16 else 'off'}")
+PREC = labkit.precision.choose(rt, P.bf16)  # bf16 on TPU / CUDA >= 8.0, fp16 + GradScaler below, else fp32
+BF16 = PREC.name == "bf16"
+print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), precision {PREC}")
+
+# %% [markdown]
+# ### Use your own bucket
+# Set `data_dir` and/or `checkpoint_dir` to `gs://YOUR_BUCKET/prefix` (and `local_gcs=False`). The bucket must
+# exist (labkit never creates one): `gcloud storage buckets create gs://YOUR_BUCKET --location=us-central1`
+# (the TPU's region: no egress cost, lowest latency). Your account needs `roles/storage.objectAdmin` on it
+# (read, create and delete objects). On Colab you sign in with a pop-up; on Kaggle attach Google Cloud
+# Services under Add-ons; on a TPU VM its service account is used. The check below fails now, with the fix,
+# rather than at the first checkpoint. (This carries over to any PyTorch backend: it is plain GCS.)
+
+# %%
+from labkit import gcs
+
+if not P.local_gcs and gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_project or None):
+    for path in (P.data_dir, P.checkpoint_dir):
+        if path.startswith("gs://"):
+            gcs.check_access(path, write=True)    # missing bucket / 403 / no credentials: a clear error now
+            print("ok:", path)
 
 # %% [markdown]
 # ## 2. Write the data as WebDataset shards
@@ -128,18 +158,10 @@ print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), bf16 
 # would to Google: the same `gs://` code path, no account needed.
 
 # %%
-import json, socket
+import json
 from labkit import gcs
+from labkit.envsetup import online
 from data_tools import load_manifest, write_dataset
-
-
-def online(host="www.cs.toronto.edu", port=443, timeout=3.0) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
 
 SOURCE = P.source if P.source != "auto" else ("cifar10" if online() else "digits")
 DATA = P.data_dir
@@ -150,9 +172,8 @@ if P.local_gcs:
     if gcs.client().lookup_bucket("labkit-local") is None:
         gcs.client().create_bucket("labkit-local")
     DATA = "gs://labkit-local/" + P.data_dir.strip("/").replace("/", "-")
-elif DATA.startswith("gs://") and IN_COLAB:
-    from google.colab import auth
-    auth.authenticate_user()                  # your Google account, for your own bucket
+else:                                         # your own bucket: sign in when data or checkpoints are on gs://
+    gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_project or None)
 
 manifests = {}
 for split in ("train", "val"):
@@ -294,9 +315,10 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 RUN = time.strftime("run-%Y%m%d-%H%M%S")       # a fresh folder per run: nothing from an older run is touched
 CKPT = (f"gs://labkit-local/checkpoints/{RUN}" if P.local_gcs else f"{P.checkpoint_dir}/{RUN}")
 ckpt = CheckpointManager(CKPT, keep=2, best_metric="val_acc", mode="max", rt=rt)
-dash = labkit.Dashboard(title=f"ResNet-50 on {SOURCE} ({rt.kind})", flops_per_step=3 * FLOPS_FWD * P.batch_size)
+dash = labkit.Dashboard(title=f"ResNet-50 on {SOURCE} ({rt.kind})", flops_per_step=3 * FLOPS_FWD * P.batch_size,
+                        peak_flops=labkit.flops.peak_flops(rt, PREC.name)[0])   # MFU against the dtype we run in
 trainer = labkit.Trainer(model, optimizer, rt, cfg, train_loader, val_loader, scheduler=scheduler,
-                         callbacks=[dash], checkpoint=ckpt)
+                         callbacks=[dash], checkpoint=ckpt, precision=PREC)
 t0 = time.perf_counter()
 history = trainer.fit()
 TRAIN_S = time.perf_counter() - t0

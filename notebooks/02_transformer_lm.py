@@ -63,6 +63,8 @@ class Params:
     temperature: float = 0.8
     top_k: int = 40
     seed: int = 0
+    save_to: str = ""             # "": keep nothing; else a folder or gs://YOUR_BUCKET/prefix for the trained model
+    gcp_project: str = ""         # Google Cloud project for your bucket ("": GOOGLE_CLOUD_PROJECT, then your credentials)
     # CI-sized: offline text, a tiny model, a high learning rate so 400 steps show real learning; 400 > 325
     # also checks that AdamW does not recompile where its bias correction rounds to 1 (see "Train")
     FAST = {"source": "offline", "block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64, "dropout": 0.0,
@@ -73,7 +75,7 @@ class Params:
 try:
     import labkit
     P = labkit.from_env(Params)
-except ImportError:  # first run on Colab: the next cell installs labkit and reads the parameters again
+except (ImportError, AttributeError):  # first run: the set-up cell installs labkit and reads them again
     P = Params()
 P
 
@@ -83,18 +85,28 @@ P
 # must move together) and labkit itself. Elsewhere it does nothing.
 
 # %% tags=["setup"]
-import importlib.util, subprocess
+# Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
+import importlib.util, os, subprocess, sys
 
-IN_COLAB = "google.colab" in sys.modules
-if IN_COLAB and importlib.util.find_spec("labkit") is None:
-    on_tpu = bool(os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("COLAB_TPU_ADDR") or os.path.exists("/dev/accel0"))
-    pkgs = ["torch==2.9.0", "torchvision==0.24.0"] + (["torch_xla[tpu]==2.9.0"] if on_tpu else [])
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *pkgs,
-                    "labkit @ git+https://github.com/labkit/labkit"], check=True)
-    import labkit
-    P = labkit.from_env(Params)
+def _labkit_dir():
+    spec = importlib.util.find_spec("labkit")
+    d = spec and spec.submodule_search_locations and list(spec.submodule_search_locations)[0]
+    return d if d and os.path.exists(os.path.join(d, "envsetup.py")) else None
+
+if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours (no dependencies yet)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run(pip + ["uninstall", "-y", "labkit"], capture_output=True)
+    subprocess.run(pip + ["install", "--no-deps", os.environ.get("LABKIT_PIP_SPEC") or
+                          "labkit-xla @ git+https://github.com/labkit/labkit"], check=True)
+    importlib.invalidate_caches()
+    for m in [m for m in sys.modules if m == "labkit" or m.startswith("labkit.")]:
+        del sys.modules[m]
+_spec = importlib.util.spec_from_file_location("labkit_envsetup", os.path.join(_labkit_dir(), "envsetup.py"))
+envsetup = sys.modules["labkit_envsetup"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(envsetup)
+envsetup.main()  # prints "labkit setup: platform=... / choice=..."; asks for a restart if one is needed
 import labkit
-
+P = labkit.from_env(Params)
 print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 
 # %% [markdown]
@@ -111,8 +123,9 @@ import torch
 rt = labkit.setup()
 report = labkit.doctor(rt)
 assert labkit.setup() is rt
-BF16 = rt.kind == "tpu" if P.bf16 == "auto" else P.bf16.lower() in ("1", "true", "yes", "on")
-print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), bf16 autocast {'on' if BF16 else 'off'}")
+PREC = labkit.precision.choose(rt, P.bf16)  # bf16 on TPU / CUDA >= 8.0, fp16 + GradScaler below, else fp32
+BF16 = PREC.name == "bf16"
+print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), precision {PREC}")
 
 # %% [markdown]
 # ## 2. The text
@@ -190,7 +203,7 @@ TOKENS_PER_STEP = P.batch_size * P.block_size
 print(f"{N / 1e6:.2f} M parameters (without the position table), {FLOPS_PER_TOKEN / 1e6:.1f} MFLOPs per token trained")
 print(f"loss at initialisation {loss0.item():.3f} nats; uniform guessing gives ln 256 = {math.log(256):.3f}")
 assert abs(loss0.item() - math.log(256)) < 0.3
-PEAK, PEAK_SOURCE = flops.peak_flops(rt)
+PEAK, PEAK_SOURCE = flops.peak_flops(rt, PREC.name)  # the peak of the dtype this run computes in
 print("peak for MFU:", PEAK_SOURCE)
 
 
@@ -225,7 +238,8 @@ cfg = labkit.TrainConfig(epochs=P.evals, max_steps=P.max_steps, batch_size=P.bat
                          clip_norm=1.0, log_every=P.log_every, eval_every=1, seed=P.seed)
 dash = labkit.Dashboard(title=f"GPT {P.n_layer}x{P.n_embd} on {SOURCE} ({rt.kind})", tokens_per_step=TOKENS_PER_STEP,
                         flops_per_step=FLOPS_PER_TOKEN * TOKENS_PER_STEP, peak_flops=PEAK)
-trainer = LMTrainer(model, optimizer, rt, cfg, train_batches, val_batches, scheduler=scheduler, callbacks=[dash])
+trainer = LMTrainer(model, optimizer, rt, cfg, train_batches, val_batches, scheduler=scheduler, callbacks=[dash],
+                    precision=PREC)
 t0 = time.perf_counter()
 history = trainer.fit()
 TRAIN_S = time.perf_counter() - t0
@@ -309,6 +323,25 @@ assert out.shape == (1, P.gen_tokens)
 if rt.is_xla:
     assert compiles <= 6, f"generate compiled {compiles} graphs for {P.gen_tokens} bytes: once per byte?"
     assert compiles_again == 0, "the second call should reuse every graph"
+
+# %% [markdown]
+# ### Use your own bucket
+# Set `save_to` to `gs://YOUR_BUCKET/gpt` to keep the trained model. The bucket must exist
+# (`gcloud storage buckets create gs://YOUR_BUCKET --location=us-central1`, the TPU's region) and your account needs
+# `roles/storage.objectAdmin` on it. Sign-in happens only when the path is `gs://` (Colab: a pop-up; Kaggle: Add-ons >
+# Google Cloud Services; TPU VM: its service account). A missing bucket, a 403 or no credentials stop here with the fix.
+
+# %%
+if P.save_to:
+    from labkit import gcs
+    from labkit.checkpoint import CheckpointManager
+
+    if gcs.sign_in(P.save_to, project=P.gcp_project or None):
+        gcs.check_access(P.save_to, write=True)
+    saver = CheckpointManager(P.save_to, keep=1, rt=rt)
+    saver.save(trainer.step, trainer.state_dict(), metrics=final, force=True)
+    saver.wait()
+    print("saved step", trainer.step, "to", P.save_to)
 
 # %% [markdown]
 # ## 6. What did XLA do?

@@ -1,4 +1,5 @@
 """labkit.setup(): detection, overrides, idempotence, clear errors."""
+
 import pytest
 import torch
 
@@ -87,3 +88,58 @@ def test_mesh_needs_spmd():
     rt = labkit.setup("xla-cpu")
     with pytest.raises(BackendError, match="spmd=True"):
         rt.mesh()
+
+
+def test_pjrt_device_tpu_without_a_tpu_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("LABKIT_HOST_ROOT", str(tmp_path))  # an empty host: no chips
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    monkeypatch.delenv("LABKIT_BACKEND", raising=False)
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    with pytest.raises(BackendError, match="PJRT_DEVICE=TPU is set but this machine has no TPU"):
+        labkit.setup()
+
+
+def test_tpu_chips_found_on_a_fake_host(monkeypatch, tmp_path):
+    """Detection is envsetup's: PCI vendor 0x1ae0 counts; with torch_xla and chips, auto picks 'tpu' - and
+    here, without libtpu, asking for it says what to install instead of falling back to the CPU."""
+    d = tmp_path / "sys/bus/pci/devices/0000:00:05.0"
+    d.mkdir(parents=True)
+    (d / "vendor").write_text("0x1ae0\n")
+    monkeypatch.setenv("LABKIT_HOST_ROOT", str(tmp_path))
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    monkeypatch.delenv("LABKIT_BACKEND", raising=False)
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    assert "1 chip(s)" in labkit.device.detect()["tpu"]
+    monkeypatch.setattr(labkit.device.envsetup, "version_of", lambda d: None if d == "libtpu" else "2.9.0")
+    assert resolve_backend() == "tpu"
+    with pytest.raises(BackendError, match=r"libtpu is not installed.*pip install libtpu==0\.0\.21\.1"):
+        resolve_backend("tpu")
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")  # an explicit request for XLA:CPU wins on a TPU host
+    assert resolve_backend() == "xla-cpu"
+
+
+def test_mismatched_pair_is_refused_before_importing_torch_xla(monkeypatch):
+    from labkit import device
+
+    versions = {"torch": "2.11.0", "torch_xla": "2.9.0"}
+    monkeypatch.setattr(device.envsetup, "version_of", lambda d: versions.get(d))
+    with pytest.raises(BackendError, match=r"torch 2\.11\.0 does not match torch_xla 2\.9\.0.*torch==2\.9\.\*"):
+        device._setup_xla("xla-cpu", False)
+
+
+def test_tpu_in_use_names_the_process(tmp_path):
+    from labkit.device import tpu_error_advice
+
+    (tmp_path / "proc/31337").mkdir(parents=True)
+    (tmp_path / "proc/31337/cmdline").write_bytes(b"python3\0-m\0ipykernel_launcher\0")
+    msg = tpu_error_advice(
+        "The TPU is already in use by process with pid 31337. Not attempting to load libtpu.so in this process.",
+        root=str(tmp_path),
+    )
+    assert "process 31337 (python3 -m ipykernel_launcher)" in msg and "kill 31337" in msg
+    fd = tmp_path / "proc/99/fd"
+    fd.mkdir(parents=True)
+    (fd / "5").symlink_to("/dev/accel0")
+    busy = tpu_error_advice("TPU initialization failed: open(/dev/accel0): Device or resource busy", root=str(tmp_path))
+    assert "process 99" in busy and "/dev/accel0 busy" in busy
+    assert tpu_error_advice("some other failure", root=str(tmp_path)) is None

@@ -1,6 +1,8 @@
 """labkit.doctor(): versions, warnings."""
+
 import labkit
-from labkit.doctor import check_versions, doctor, format_report
+from labkit import envsetup
+from labkit.doctor import check_versions, doctor, format_report, tpu_warnings
 
 
 def test_version_mismatch_warning_names_fix():
@@ -28,9 +30,53 @@ def test_doctor_report(monkeypatch, capsys):
     assert "labkit doctor" in format_report(r)
 
 
-def test_pjrt_fallback_warning(monkeypatch):
-    """A TPU was expected (TPU env var) but the runtime is XLA:CPU: the doctor says PJRT fell back."""
+def test_tpu_host_not_on_tpu_warns_with_fix(monkeypatch, tmp_path):
+    """The host has TPU chips (TPU env var) but the runtime is XLA:CPU: the doctor says so and how to fix it."""
     rt = labkit.setup("xla-cpu")
+    monkeypatch.setenv("LABKIT_HOST_ROOT", str(tmp_path))
     monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-8")
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
     r = doctor(rt, quiet=True)
-    assert any("fell back to the CPU" in w for w in r["warnings"])
+    (w,) = [w for w in r["warnings"] if "TPU chip" in w]
+    assert "8 TPU chip(s)" in w and "'xla-cpu'" in w and "unset PJRT_DEVICE" in w
+    # this venv has torch_xla but no libtpu: the fix names the libtpu that torch_xla 2.9 needs
+    assert "pip install libtpu==0.0.21.1" in w
+
+
+def test_tpu_warning_names_the_process_holding_the_chips(tmp_path):
+    """A fake host: one TPU chip on PCI, /dev/vfio/0 held open by another process."""
+    dev = tmp_path / "sys/bus/pci/devices/0000:00:04.0"
+    dev.mkdir(parents=True)
+    (dev / "vendor").write_text("0x1ae0\n")
+    (tmp_path / "dev/vfio").mkdir(parents=True)
+    (tmp_path / "dev/vfio/0").touch()
+    fd = tmp_path / "proc/4242/fd"
+    fd.mkdir(parents=True)
+    (fd / "7").symlink_to("/dev/vfio/0")
+    (tmp_path / "proc/4242/cmdline").write_bytes(b"python\0train.py\0")
+    tpu = envsetup.detect_tpu(str(tmp_path), env={})
+    assert tpu.chips == 1
+    (w,) = tpu_warnings(tpu, "xla-cpu", {"torch_xla": "2.9.0", "libtpu": "0.0.21.1"}, root=str(tmp_path))
+    assert "4242 (python train.py)" in w and "kill 4242" in w
+    assert tpu_warnings(tpu, "tpu", {}, root=str(tmp_path)) == []
+    assert tpu_warnings(envsetup.Tpu(), "cpu", {}, root=str(tmp_path)) == []
+
+
+def test_doctor_before_setup_reports_a_bad_pjrt_device(monkeypatch, tmp_path):
+    monkeypatch.setenv("LABKIT_HOST_ROOT", str(tmp_path))
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    monkeypatch.setattr(labkit.device, "_current", None)  # as in a fresh kernel: setup() not called yet
+    r = doctor(None, quiet=True)
+    assert any("PJRT_DEVICE=TPU is set but this machine has no TPU" in w for w in r["warnings"])
+
+
+def test_one_version_everywhere():
+    """labkit.__version__, the doctor and pyproject.toml agree (envsetup.VERSION is the one home)."""
+    from pathlib import Path
+
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert labkit.__version__ == envsetup.VERSION == project["version"]
+    assert doctor(None, quiet=True)["versions"]["labkit"] == labkit.__version__

@@ -41,3 +41,13 @@ def test_set_up_cell_is_the_same_everywhere():
         assert len(tagged) == 1, f"{path.name}: expected one cell tagged 'setup', found {len(tagged)}"
         cells[path.name] = tagged[0]
     assert len(set(cells.values())) == 1, f"set-up cells differ between {sorted(cells)}"
+
+
+def test_set_up_cell_is_envsetups():
+    """The set-up cell's one home is labkit.envsetup.SETUP_CELL: every notebook carries exactly that text."""
+    from labkit import envsetup
+
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        (cell,) = [c.source for c in nb.cells if "setup" in c.metadata.get("tags", [])]
+        assert cell == envsetup.SETUP_CELL, f"{path.name}: set-up cell differs from labkit.envsetup.SETUP_CELL"

@@ -1,0 +1,110 @@
+"""Mixed precision that fits the chip: the one place that decides bf16, fp16 + loss scaling, or fp32.
+
+    prec = labkit.precision.choose(rt, "auto")     # or "bf16" | "fp16" | "fp32" | "true" | "false"
+    trainer = labkit.Trainer(model, opt, rt, cfg, loader, precision=prec)
+    peak, _ = labkit.flops.peak_flops(rt, prec.name)
+
+- TPU: bf16 autocast. The MXU multiplies in bf16 natively; bf16 keeps fp32's exponent range, so no
+  loss scaling is needed.
+- CUDA with compute capability >= 8.0 (A100, L4, H100): bf16 autocast, for the same reasons.
+- CUDA below 8.0 (T4 = 7.5, V100 = 7.0): these tensor cores do fp16, not bf16 (bf16 there is emulated
+  and slower than fp32). fp16 autocast needs a GradScaler: fp16's 5-bit exponent flushes small
+  gradients to zero unless the loss is scaled up before backward and the gradients down before the step.
+- CPU and XLA:CPU: fp32. CPU matmuls gain nothing from bf16 autocast for learning-sized runs; on
+  XLA:CPU "true" still gives bf16 autocast, so the TPU code path can be exercised on a laptop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("auto", "bf16", "fp16", "fp32")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str  # "bf16" | "fp16" | "fp32": what the matmuls compute in (flops.peak_flops takes it)
+    device_type: str  # autocast's device type: "xla" | "cuda" | "cpu"
+    reason: str
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return _DTYPES.get(self.name)
+
+    @property
+    def needs_scaler(self) -> bool:
+        return self.name == "fp16"
+
+    def autocast(self):
+        """The autocast context for forward passes (a no-op context for fp32)."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def grad_scaler(self):
+        """A fresh GradScaler for fp16, else None (bf16 and fp32 need no loss scaling)."""
+        return torch.amp.GradScaler(self.device_type) if self.needs_scaler else None
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.reason})"
+
+
+def _mode(want) -> str:
+    if isinstance(want, bool):
+        return "auto16" if want else "fp32"
+    low = str(want).strip().lower()
+    if low in MODES:
+        return low
+    if low in ("1", "true", "yes", "on"):
+        return "auto16"  # "mixed precision, please": the 16-bit type that fits the chip
+    if low in ("0", "false", "no", "off"):
+        return "fp32"
+    raise ValueError(f"precision {want!r} is not one of {', '.join(MODES)} (or true/false)")
+
+
+def cuda_capability(device=None) -> tuple[int, int] | None:
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def choose(rt, want="auto") -> Precision:
+    """The precision to train in on rt's chip. want: auto | bf16 | fp16 | fp32 | true | false (or a bool).
+    'auto' turns mixed precision on where the chip has matrix units for it; 'true' asks for it anywhere
+    it can run. An explicit dtype the chip cannot do well raises ValueError naming the chip and the fix."""
+    mode, kind = _mode(want), getattr(rt, "kind", "cpu")
+    if mode == "fp32":
+        return Precision(
+            "fp32", "cpu" if kind == "cpu" else "xla" if kind in ("tpu", "xla-cpu") else "cuda", f"asked for ({want!r})"
+        )
+    if kind == "tpu":
+        if mode == "fp16":
+            raise ValueError("fp16 on a TPU: the MXU computes in bf16; use 'bf16' (or 'auto')")
+        return Precision("bf16", "xla", "TPU: the MXU computes in bf16")
+    if kind == "cuda":
+        cap = cuda_capability(getattr(rt, "device", None))
+        name = torch.cuda.get_device_name(getattr(rt, "device", None))
+        cc = f"{name}, compute capability {cap[0]}.{cap[1]}"
+        if cap >= (8, 0):
+            if mode == "fp16":
+                return Precision("fp16", "cuda", f"asked for; {cc} (bf16 would need no GradScaler)")
+            return Precision("bf16", "cuda", f"{cc}: bf16 tensor cores")
+        if mode == "bf16":
+            raise ValueError(
+                f"bf16 on {cc}: no bf16 tensor cores below 8.0 (emulated, slower than fp32); "
+                "use 'fp16' (autocast + GradScaler) or 'auto'"
+            )
+        return Precision("fp16", "cuda", f"{cc}: fp16 tensor cores, no bf16; with a GradScaler")
+    if kind == "xla-cpu":
+        if mode in ("bf16", "auto16"):
+            return Precision("bf16", "xla", "asked for on XLA:CPU (exercises the TPU's bf16 code path)")
+        if mode == "fp16":
+            raise ValueError("fp16 on XLA:CPU is not supported by labkit: use 'bf16' or 'fp32'")
+        return Precision("fp32", "xla", "XLA:CPU: no 16-bit matrix units (pass 'true' to exercise bf16)")
+    if mode in ("bf16", "fp16"):
+        raise ValueError(f"{mode} on plain CPU: autocast there only slows learning-sized runs; use 'fp32' or 'auto'")
+    return Precision("fp32", "cpu", "CPU: no 16-bit matrix units worth using")
