@@ -102,7 +102,7 @@ def load(name_or_path: str | Path) -> Image:
 
 
 def image_names() -> list[str]:
-    return sorted(p.stem for p in IMAGES_DIR.glob("*.txt") if re.match(r"#\s*expect:", p.read_text(), re.M))
+    return sorted(p.stem for p in IMAGES_DIR.glob("*.txt") if re.search(r"^#\s*expect:", p.read_text(), re.M))
 
 
 def uv() -> list[str]:
