@@ -2,16 +2,22 @@
 # from the pinned requirements, then run.
 #   make notebook   the main job: notebook 01 headless on the default backend (executed copy
 #                   and figures in artifacts/). CI-sized by default: LABKIT_FAST=0 for a full run.
-#   make test       the whole test suite (unit tests + both notebooks under nbval) on XLA:CPU.
+#   make test       the whole test suite (unit tests + both notebooks under nbval) on XLA:CPU, plus
+#                   both notebooks in the Colab TPU/GPU and Kaggle TPU images and the unit suite on
+#                   Python 3.13 (venvs in .venvs/, built by the tests with uv from images/*.txt).
+#   make images     only build or reuse those venvs, and print their disk use.
 SHELL := /bin/bash
 PY := .venv/bin/python
 LABKIT_FAST ?= 1
 NOTEBOOK ?= notebooks/01_resnet50_cifar10.ipynb
 
-.PHONY: venv notebook notebooks test bench clean
+.PHONY: venv images notebook notebooks test bench clean
 
 venv:
 	@bash scripts/bootstrap.sh
+
+images: venv
+	$(PY) scripts/image_venv.py --all --du
 
 notebook: venv
 	LABKIT_FAST=$(LABKIT_FAST) $(PY) scripts/run_notebooks.py $(NOTEBOOK) --out artifacts
