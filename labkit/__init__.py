@@ -6,7 +6,7 @@
     trainer = labkit.Trainer(model, opt, rt, labkit.TrainConfig.from_env(), train_loader)
     trainer.fit()
 """
-__version__ = "0.1.0"
+from .versions import __version__
 
 from .config import TrainConfig, fast_mode, from_env
 from .dashboard import Dashboard, force_console

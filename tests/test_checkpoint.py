@@ -1,18 +1,23 @@
 """CheckpointManager against a real folder and a real loopback GCS server: atomic pointer,
 retention, best metric, verified uploads, faults (server down, corrupt object, missing bucket,
 two writers, shape mismatch), XLA state saved with one batched transfer."""
+
 import json
 import os
 
 import pytest
 import torch
 
-from labkit.checkpoint import CheckpointManager, check_compatible, rng_state, set_rng_state, to_cpu
+from labkit.checkpoint import CheckpointManager, check_compatible, to_cpu
+from labkit.seeding import rng_state, set_rng_state
 
 
 def _state(step, n=4):
-    return {"model": {"w": torch.full((n, n), float(step)), "b": torch.arange(n, dtype=torch.float32)},
-            "step": step, "rng": rng_state()}
+    return {
+        "model": {"w": torch.full((n, n), float(step)), "b": torch.arange(n, dtype=torch.float32)},
+        "step": step,
+        "rng": rng_state(),
+    }
 
 
 def test_local_roundtrip_retention_and_best(tmp_path):

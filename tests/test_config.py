@@ -13,17 +13,17 @@ def test_defaults_are_literal(monkeypatch):
 
 def test_fast_overlay_env_and_overrides(monkeypatch):
     monkeypatch.setenv("LABKIT_FAST", "1")
-    monkeypatch.setenv("LABKIT_LR", "0.05")
+    monkeypatch.setenv("LABKIT_CLIP_NORM", "0.05")
     monkeypatch.setenv("LABKIT_BF16", "true")
     cfg = TrainConfig.from_env(log_every=2)
-    assert cfg.max_steps == TrainConfig.FAST["max_steps"] and cfg.batch_size == TrainConfig.FAST["batch_size"]
-    assert cfg.lr == 0.05 and cfg.bf16 is True and cfg.log_every == 2
-    assert cfg.to_dict()["lr"] == 0.05
+    assert cfg.max_steps == TrainConfig.FAST["max_steps"] and cfg.epochs == TrainConfig.FAST["epochs"]
+    assert cfg.clip_norm == 0.05 and cfg.bf16 is True and cfg.log_every == 2
+    assert cfg.to_dict()["clip_norm"] == 0.05
 
 
 def test_bad_env_value_names_variable(monkeypatch):
-    monkeypatch.setenv("LABKIT_BATCH_SIZE", "big")
-    with pytest.raises(ValueError, match="LABKIT_BATCH_SIZE='big'"):
+    monkeypatch.setenv("LABKIT_MAX_STEPS", "big")
+    with pytest.raises(ValueError, match="LABKIT_MAX_STEPS='big'"):
         TrainConfig.from_env()
 
 
