@@ -418,6 +418,8 @@ def _sigterm_raises():
 
     try:
         old = signal.signal(signal.SIGTERM, handler)
+        # Python's own Ctrl-C handler, re-installed: a native library may have replaced it at the C level
+        old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     except (ValueError, OSError):  # not allowed here (embedded interpreters): leave it alone
         yield
         return
@@ -425,6 +427,7 @@ def _sigterm_raises():
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
 
 
 def _move_model(model, optimizer, device):

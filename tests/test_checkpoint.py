@@ -207,10 +207,18 @@ def test_two_local_writers_the_second_is_refused_naming_the_first(tmp_path):
     import sys
 
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys, torch; from labkit.checkpoint import CheckpointManager; "
-         f"m = CheckpointManager({str(tmp_path)!r}, async_save=False, rt=None); "
-         "m.save(1, {'w': torch.ones(2)}); print('saved', flush=True); sys.stdin.readline()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ, LABKIT_BACKEND="cpu"))
+        [
+            sys.executable,
+            "-c",
+            "import sys, torch; from labkit.checkpoint import CheckpointManager; "
+            f"m = CheckpointManager({str(tmp_path)!r}, async_save=False, rt=None); "
+            "m.save(1, {'w': torch.ones(2)}); print('saved', flush=True); sys.stdin.readline()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, LABKIT_BACKEND="cpu"),
+    )
     try:
         assert child.stdout.readline().strip() == "saved"
         mine = CheckpointManager(tmp_path, keep=1, async_save=False)

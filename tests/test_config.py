@@ -50,8 +50,14 @@ def test_typo_gets_did_you_mean_and_other_names_pass(monkeypatch):
         TrainConfig.from_env()
     monkeypatch.delenv("LABKIT_EPOCSH")
     # known non-config names and a notebook's own knobs (not like any TrainConfig field) pass
-    for name, value in {"LABKIT_BACKEND": "cpu", "LABKIT_CONSOLE": "1", "LABKIT_PIP_SPEC": "x",
-                        "LABKIT_HOST_ROOT": "/tmp", "LABKIT_LR": "0.1", "LABKIT_BATCH_SIZE": "8"}.items():
+    for name, value in {
+        "LABKIT_BACKEND": "cpu",
+        "LABKIT_CONSOLE": "1",
+        "LABKIT_PIP_SPEC": "x",
+        "LABKIT_HOST_ROOT": "/tmp",
+        "LABKIT_LR": "0.1",
+        "LABKIT_BATCH_SIZE": "8",
+    }.items():
         monkeypatch.setenv(name, value)
     assert TrainConfig.from_env() == TrainConfig.from_env()
 
@@ -69,8 +75,17 @@ def test_invalid_booleans_are_errors(monkeypatch):
     assert parse_bool(" On ", "x") is True and parse_bool("NO", "x") is False and parse_bool("", "x") is False
 
 
-@pytest.mark.parametrize("kwargs", [{"epochs": -1}, {"max_steps": -5}, {"clip_norm": float("nan")},
-                                    {"log_seconds": float("inf")}, {"checkpoint_every": 1.5}, {"bf16": "yes"}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"epochs": -1},
+        {"max_steps": -5},
+        {"clip_norm": float("nan")},
+        {"log_seconds": float("inf")},
+        {"checkpoint_every": 1.5},
+        {"bf16": "yes"},
+    ],
+)
 def test_out_of_range_values_are_refused(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=f"TrainConfig.{name}="):

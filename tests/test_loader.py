@@ -1,8 +1,8 @@
 """device_loader: device tensors, prefetch, static shapes (no recompiles)."""
+
 import time
 
 import pytest
-
 import torch
 
 import labkit
@@ -45,9 +45,14 @@ def test_partial_batches_dropped_no_recompiles_over_three_epochs():
         def on_epoch_end(self, trainer):
             counts.append(xla_counts()[0])
 
-    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), rt,
-                 TrainConfig(epochs=4, log_every=3, eval_every=0),
-                 torch.utils.data.DataLoader(blobs(n=200), batch_size=32, shuffle=True), callbacks=[Count()])
+    tr = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        rt,
+        TrainConfig(epochs=4, log_every=3, eval_every=0),
+        torch.utils.data.DataLoader(blobs(n=200), batch_size=32, shuffle=True),
+        callbacks=[Count()],
+    )
     tr.fit()
     assert tr.step == 4 * 6 and tr.train_loader.dropped == 1
     assert counts[1] == counts[2] == counts[3], counts
@@ -89,9 +94,13 @@ def test_loader_error_stops_fit_with_its_traceback(kind):
 
     rt = labkit.setup(kind)
     model = mlp()
-    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt,
-                 TrainConfig(epochs=2, log_every=2, eval_every=0),
-                 torch.utils.data.DataLoader(_TruncatedShards(), batch_size=8))
+    tr = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        rt,
+        TrainConfig(epochs=2, log_every=2, eval_every=0),
+        torch.utils.data.DataLoader(_TruncatedShards(), batch_size=8),
+    )
     with pytest.raises(ShardError, match="train-000003.tar") as info:
         tr.fit()
     assert any(e.name == "__getitem__" for e in info.traceback), "the traceback lost the loader's frame"

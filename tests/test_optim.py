@@ -32,8 +32,16 @@ def test_warmup_then_cosine_to_floor_then_flat():
 def test_matches_the_formula_the_notebooks_used():
     total, warm = 88, 8
     f = WarmupCosine(warm, total, 0.02)
-    old = lambda s: (s + 1) / warm if s < warm else 0.02 + 0.98 * 0.5 * (  # noqa: E731
-        1 + math.cos(math.pi * min(1.0, (s - warm) / max(1, total - warm))))
+    old = lambda s: (
+        (s + 1) / warm
+        if s < warm
+        else 0.02
+        + 0.98
+        * 0.5
+        * (  # noqa: E731
+            1 + math.cos(math.pi * min(1.0, (s - warm) / max(1, total - warm)))
+        )
+    )
     assert [f(s) for s in range(120)] == pytest.approx([old(s) for s in range(120)], rel=1e-12)
 
 
