@@ -12,22 +12,37 @@ written with if_generation_match (the generation last read, 0 to create): of two
 wins, the other gets a clear error. Old objects (beyond the last `keep`, except the best) are deleted
 after the pointer moved. Uploads run in one background thread, at most one pending; their errors
 surface on the next save(), wait() or close(). The folder/GCS specifics live in labkit.storage.
+
+Every state restore() returns was verified, whichever object it came from (the pointer's, a
+fallback, an explicit step): the whole object against the crc32c the pointer recorded when it
+has one, and always every member of the torch zip against its own CRC-32 (torch.load alone
+reads a flipped byte as a changed weight). Cost: one crc pass over the bytes (~1 GB/s).
+One writer per root: local folders take a lock naming the holder (host, pid); on GCS the
+conditional pointer write refuses the second writer. keep must be >= 1.
 """
+
 from __future__ import annotations
 
 import io
 import os
-import random
 import tempfile
 import threading
 import time
 import warnings
+import zipfile
 
 import numpy as np
 import torch
 
 from . import gcs
-from .storage import NAME as _NAME, GCSStore, LocalStore
+from .metrics import to_host
+from .storage import NAME as _NAME
+from .storage import GCSStore, LocalStore
+
+
+class _Abandoned(Exception):
+    """The pending save was abandoned (a second interrupt): nothing becomes visible."""
+
 
 def object_name(step: int) -> str:
     return f"ckpt-{int(step):08d}.pt"
@@ -50,13 +65,9 @@ def to_cpu(state, rt=None):
                 collect(v)
 
     collect(state)
-    xla = [t for t in leaves if t.device.type == "xla"]
-    moved = {}
-    if xla:
-        import torch_xla.core.xla_model as xm
-
-        for t, c in zip(xla, xm._maybe_convert_to_cpu(xla)):
-            moved[id(t)] = c
+    # device tensors: one batched transfer (metrics.to_host: one TransferFromDevice on XLA)
+    on_device = [t for t in leaves if t.device.type != "cpu"]
+    moved = {id(t): c for t, c in zip(on_device, to_host(on_device))}
     for t in leaves:
         if id(t) not in moved:
             # clone: the trainer keeps updating its CPU tensors in place while the upload runs
@@ -75,58 +86,16 @@ def to_cpu(state, rt=None):
             return torch.from_numpy(np.array(o))
         if o is None or isinstance(o, _PLAIN):
             return o
-        raise TypeError(f"{path} is a {type(o).__module__}.{type(o).__qualname__}: a checkpoint holds only tensors, "
-                        "numbers, strings, lists and dicts (what torch.load(weights_only=True) accepts); "
-                        "convert it before saving")
+        raise TypeError(
+            f"{path} is a {type(o).__module__}.{type(o).__qualname__}: a checkpoint holds only tensors, "
+            "numbers, strings, lists and dicts (what torch.load(weights_only=True) accepts); "
+            "convert it before saving"
+        )
 
     return rebuild(state, "state")
 
 
 _PLAIN = (bool, int, float, complex, str, bytes, torch.Size, torch.dtype, torch.device)
-
-
-def rng_state(rt=None) -> dict:
-    """Python, numpy, torch (+ XLA or CUDA) generator states as weights_only-safe values."""
-    py = random.getstate()
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    out = {"python": [py[0], list(py[1]), py[2]],
-           "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                     "has_gauss": int(has_gauss), "gauss": float(gauss)},
-           "torch": torch.get_rng_state()}
-    if rt is not None and rt.is_xla:
-        import torch_xla.core.xla_model as xm
-
-        out["xla"] = int(xm.get_rng_state())
-    elif torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
-def set_rng_state(state: dict, rt=None) -> None:
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if "xla" in state and rt is not None and rt.is_xla:
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(int(state["xla"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def versions() -> dict:
-    from . import __version__
-
-    out = {"labkit": __version__, "torch": str(torch.__version__)}
-    try:
-        import torch_xla
-
-        out["torch_xla"] = str(torch_xla.__version__)
-    except ImportError:
-        pass
-    return out
 
 
 def check_compatible(model_state: dict, target_model) -> None:
@@ -142,13 +111,42 @@ def check_compatible(model_state: dict, target_model) -> None:
             raise ValueError(f"model key {k!r} is missing from the checkpoint")
 
 
+# -- verification -------------------------------------------------------------------------------
+def verify(data: bytes, where: str, expect_crc: str | None = None) -> None:
+    """Raise IOError naming `where` unless `data` is an intact torch checkpoint: the whole-object
+    crc32c when one was recorded, and the CRC-32 of every zip member (torch writes them; torch.load
+    does not check them)."""
+    if expect_crc is not None and gcs.crc32c_b64(data) != expect_crc:
+        raise OSError(f"crc32c of {where} does not match the one recorded when it was saved")
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, EOFError, ValueError) as e:
+        raise OSError(f"{where} is not an intact torch checkpoint ({type(e).__name__}: {e})") from None
+    if bad is not None:
+        raise OSError(f"{where} is corrupt: the CRC-32 of its member {bad!r} does not match")
+
+
 # -- the manager ----------------------------------------------------------------------------------
 class CheckpointManager:
-    def __init__(self, root, keep: int = 3, best_metric: str | None = "val_acc", mode: str = "max",
-                 async_save: bool = True, rt=None, save_every: int | None = None, retry_deadline_s: float = 60):
+    def __init__(
+        self,
+        root,
+        keep: int = 3,
+        best_metric: str | None = "val_acc",
+        mode: str = "max",
+        async_save: bool = True,
+        rt=None,
+        save_every: int | None = None,
+        retry_deadline_s: float = 60,
+    ):
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
-        self.root, self.keep, self.best_metric, self.mode = str(root), max(int(keep), 1), best_metric, mode
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint (the newest)")
+        if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
+            raise ValueError(f"save_every={save_every!r}: expected None or an integer >= 1")
+        self.root, self.keep, self.best_metric, self.mode = str(root), keep, best_metric, mode
         self.async_save, self.save_every = async_save, save_every
         if rt is None:
             from .device import current_runtime
@@ -157,13 +155,25 @@ class CheckpointManager:
         self.rt = rt
         self.store = GCSStore(self.root, retry_deadline_s) if gcs.is_gcs(self.root) else LocalStore(self.root)
         ptr = self.store.read_pointer()  # every replica: the same best value -> the same save decisions
-        self.best = ptr.get("best") if ptr else None  # {"step", "name", "value"}
+        best = ptr.get("best") if ptr else None
+        self.best = best if isinstance(best, dict) and "value" in best else None  # {"step", "name", "value"}
+        self._objects = dict(ptr.get("objects") or {}) if ptr else {}  # name -> crc32c of kept objects
+        if ptr and ptr.get("crc32c"):
+            self._objects.setdefault(ptr["name"], ptr["crc32c"])
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._abandon = threading.Event()
+        self._pending_step: int | None = None
 
     @property
     def _master(self) -> bool:
         return self.rt is None or self.rt.is_master
+
+    @property
+    def pending(self) -> int | None:
+        """The step whose upload is still running, or None."""
+        t = self._thread
+        return self._pending_step if t is not None and t.is_alive() else None
 
     def _improved(self, value) -> bool:
         if value is None or value != value:
@@ -190,16 +200,24 @@ class CheckpointManager:
         periodic = self.save_every is None or step % self.save_every == 0
         if not (force or periodic or improved):
             return False
+        if self._master:
+            self.store.acquire_writer()  # a second writer on this root fails here, before any work
         if improved:
             self.best = {"step": int(step), "name": object_name(step), "value": value}
         cpu = to_cpu(state, self.rt)  # every replica: keeps XLA graphs identical across replicas
         if not self._master:
             return True
         self.wait()  # at most one pending upload
+        self._abandon.clear()
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
+        self._pending_step = int(step)
         if self.async_save:
-            self._thread = threading.Thread(target=self._write_guarded, args=(step, cpu, meta, dict(self.best or {})),
-                                            name=f"labkit-ckpt-{step}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._write_guarded,
+                args=(step, cpu, meta, dict(self.best or {})),
+                name=f"labkit-ckpt-{step}",
+                daemon=True,
+            )
             self._thread.start()
         else:
             self._write(step, cpu, meta, self.best)
@@ -214,32 +232,59 @@ class CheckpointManager:
             except (AttributeError, OSError):
                 pass
             self._write(*args)
+        except _Abandoned:
+            pass
         except BaseException as e:  # surfaced on the next save()/wait()
             self._error = e
 
+    def _check_abandon(self, step):
+        if self._abandon.is_set():
+            raise _Abandoned(step)
+
     def _write(self, step, cpu_state, metrics, best):
         name = object_name(step)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.store.tmpdir())
+        # the pid in the name lets a later run sweep the temp files of a killed one (GCS temp folder)
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.{os.getpid()}.", suffix=".tmp", dir=self.store.tmpdir())
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(cpu_state, f)
-            crc, size = gcs.crc32c_b64(tmp), os.path.getsize(tmp)
+            crc, size = gcs.crc32c_b64(tmp), os.path.getsize(tmp)  # the one crc pass of this save
             if os.environ.get("LABKIT_CKPT_KILL_IN_UPLOAD") == str(step):  # tests: die mid-save
                 os.kill(os.getpid(), 9)
+            _test_delay(step, tmp)
+            self._check_abandon(step)
             self.store.put(tmp, name, crc)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-        self.store.write_pointer({"name": name, "step": int(step), "crc32c": crc, "size": size,
-                                  "metrics": metrics, "best": best or None, "time": time.time()})
-        self._prune(name, best)
+        self._check_abandon(step)  # uploaded but not pointed at: invisible, pruned by the next save
+        kept = self._retained(name, best)
+        objects = {n: c for n, c in self._objects.items() if n in kept}
+        objects[name] = crc
+        self.store.write_pointer(
+            {
+                "name": name,
+                "step": int(step),
+                "crc32c": crc,
+                "size": size,
+                "metrics": metrics,
+                "best": best or None,
+                "objects": objects,
+                "time": time.time(),
+            }
+        )
+        self._objects = objects
+        self._prune(kept)
 
-    def _prune(self, newest, best):
-        names = self.store.names()
-        keep = set(names[-self.keep:]) | {newest}
+    def _retained(self, newest, best) -> set:
+        names = sorted(set(self.store.names()) | {newest})
+        keep = set(names[-self.keep :]) | {newest}
         if best and best.get("name"):
             keep.add(best["name"])
-        for n in names:
+        return keep
+
+    def _prune(self, keep):
+        for n in self.store.names():
             if n not in keep:
                 self.store.delete(n)
 
@@ -252,48 +297,88 @@ class CheckpointManager:
         """Block until the pending upload finished; re-raise its error."""
         t = self._thread
         if t is not None:
-            t.join()
+            t.join()  # an interrupt here leaves the upload pending: close() can still finish it
             self._thread = None
         self._raise_pending()
 
     def close(self) -> None:
-        self.wait()
+        """Finish the pending upload, then give up the writer lock. An interrupt while waiting
+        abandons the upload cleanly (the pointer does not move; temp files are removed) and is
+        re-raised."""
+        try:
+            try:
+                self.wait()
+            except KeyboardInterrupt:
+                self._abandon.set()
+                t = self._thread
+                if t is not None:
+                    t.join(timeout=30)  # it stops at its next check (after the write or the upload)
+                    if not t.is_alive():
+                        self._thread = None
+                warnings.warn(
+                    f"checkpoint of step {self._pending_step} to {self.root} abandoned (interrupted)", stacklevel=2
+                )
+                raise
+        finally:
+            if self._thread is None:
+                self.store.release_writer()
 
     # -- reading -----------------------------------------------------------------------------------
-    def _load(self, name, expect_crc=None):
+    def _load(self, name, expect_crc=None, map_location="cpu"):
         data = self.store.get(name)
-        if expect_crc is not None and gcs.crc32c_b64(data) != expect_crc:
-            raise IOError(f"crc32c of {self.store.url(name)} does not match the pointer")
-        return data
+        verify(data, self.store.url(name), expect_crc)
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
     def restore(self, step: int | None = None, map_location="cpu"):
-        """The state dict of `latest` (or of `step`), or None when nothing was saved. A corrupt
-        newest object warns and falls back to the previous one."""
+        """The verified state dict of `latest` (or of `step`), or None when nothing was saved. A
+        corrupt newest object warns and falls back to the previous verified one; a corrupt
+        explicit `step` raises IOError."""
         self.wait()
+        ptr = self.store.read_pointer()
+        recorded = dict(self._objects)
+        if ptr is not None:
+            recorded.update(ptr.get("objects") or {})
+            if ptr.get("crc32c"):
+                recorded[ptr["name"]] = ptr["crc32c"]
         if step is not None:
             name = object_name(step)
             if name not in self.store.names():
                 raise FileNotFoundError(f"no checkpoint {self.store.url(name)}")
-            return torch.load(io.BytesIO(self._load(name)), map_location=map_location, weights_only=True)
-        ptr = self.store.read_pointer()
+            return self._load(name, recorded.get(name), map_location)
         names = self.store.names()
         if ptr is None and not names:
             return None
         candidates = []
         if ptr is not None:
-            candidates.append((ptr["name"], ptr.get("crc32c")))
+            candidates.append(ptr["name"])
         newest = _step_of(ptr["name"]) if ptr else None
-        candidates += [(n, None) for n in reversed(names) if newest is None or _step_of(n) < newest]
-        for name, crc in candidates:
+        candidates += [n for n in reversed(names) if newest is None or _step_of(n) < newest]
+        for name in candidates:
             try:
-                return torch.load(io.BytesIO(self._load(name, crc)), map_location=map_location, weights_only=True)
+                return self._load(name, recorded.get(name), map_location)
             except Exception as e:
-                warnings.warn(f"checkpoint {self.store.url(name)} is unreadable ({type(e).__name__}: {e}); "
-                              "falling back to the previous one")
-        raise RuntimeError(f"no readable checkpoint under {self.root} (tried {[c[0] for c in candidates]})")
+                warnings.warn(
+                    f"checkpoint {self.store.url(name)} is unreadable ({type(e).__name__}: {e}); "
+                    "falling back to the previous one",
+                    stacklevel=2,
+                )
+        raise RuntimeError(f"no readable checkpoint under {self.root} (tried {candidates})")
 
     def latest(self) -> dict | None:
         return self.store.read_pointer()
+
+
+def _test_delay(step, tmp) -> None:
+    """Tests: LABKIT_CKPT_UPLOAD_DELAY=STEP:SECONDS holds the upload of STEP open (the temp file is
+    written) and, when LABKIT_CKPT_PENDING_MARKER names a file, writes it so a test process knows
+    when to send its signal."""
+    spec = os.environ.get("LABKIT_CKPT_UPLOAD_DELAY", "")
+    if spec.partition(":")[0] == str(step):
+        marker = os.environ.get("LABKIT_CKPT_PENDING_MARKER")
+        if marker:
+            with open(marker, "w") as f:
+                f.write(tmp)
+        time.sleep(float(spec.partition(":")[2] or 5))
 
 
 def _step_of(name: str) -> int:

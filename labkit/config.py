@@ -1,45 +1,102 @@
 """Run configuration: a dataclass with literal defaults and one environment overlay.
 
-    cfg = TrainConfig.from_env(lr=0.05)     # LABKIT_FAST=1 -> a CI-sized run
-    cfg = from_env(MyParams)                # the same for any dataclass of your own
+    cfg = TrainConfig.from_env(max_steps=200)   # LABKIT_FAST=1 -> a CI-sized run
+    cfg = from_env(MyParams)                    # the same for any dataclass of your own
 
 Order of precedence (last wins): literal defaults, the FAST overlay when LABKIT_FAST=1,
-LABKIT_<FIELD> environment variables (e.g. LABKIT_BATCH_SIZE=64), explicit keyword overrides.
+LABKIT_<FIELD> environment variables (e.g. LABKIT_MAX_STEPS=64), explicit keyword overrides.
 The config is saved inside every checkpoint (`dataclasses.asdict`).
+
+Nothing is ignored silently: a value that does not parse (LABKIT_FAST=maybe, LABKIT_EPOCHS=two)
+names the variable; a LABKIT_ variable that is neither a field of the dataclass being read nor a
+known non-config name (NON_CONFIG_ENV) but looks like one of its fields (LABKIT_EPOCSH) is an
+error with a "did you mean"; out-of-range values (negative epochs, NaN clip norm) are rejected
+by TrainConfig itself. Names that look like nothing in the dataclass are left alone: they may
+belong to another dataclass (a notebook's Params) read elsewhere.
 """
+
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import os
 import typing
 from dataclasses import dataclass
 
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+# LABKIT_ variables that are read by labkit itself (not dataclass fields): never "typos".
+NON_CONFIG_ENV = frozenset(
+    {
+        "LABKIT_FAST",  # CI-sized runs (fast_mode)
+        "LABKIT_BACKEND",  # labkit.setup(): force tpu / cuda / xla-cpu / cpu
+        "LABKIT_CONSOLE",  # dashboard: console lines instead of widgets
+        "LABKIT_PIP_SPEC",  # the notebooks' set-up cell: what pip installs
+        "LABKIT_ARTIFACTS",  # where notebook runs keep their outputs
+        "LABKIT_HOST_ROOT",  # host-side data/cache root
+        "LABKIT_CACHE",  # shard cache folder
+        "LABKIT_PEAK_FLOPS",  # MFU denominator override
+        "LABKIT_CKPT_KILL_IN_UPLOAD",  # tests: kill the process inside a checkpoint upload
+        "LABKIT_CKPT_UPLOAD_DELAY",  # tests: hold a checkpoint upload open (STEP:SECONDS)
+        "LABKIT_CKPT_PENDING_MARKER",  # tests: file written when that held upload starts
+    }
+)
+
+
+def parse_bool(value, name: str) -> bool:
+    """The one parser for yes/no settings: 1/true/yes/on and 0/false/no/off/'' (any case).
+    Anything else raises ValueError naming the setting: 'maybe' is not silently off."""
+    if isinstance(value, bool):
+        return value
+    low = str(value).strip().lower()
+    if low in TRUE:
+        return True
+    if low in FALSE:
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean (use one of {', '.join(TRUE)} / {', '.join(FALSE[:-1])})")
+
 
 def fast_mode() -> bool:
     """True when LABKIT_FAST asks for a CI-sized run."""
-    return os.environ.get("LABKIT_FAST", "0").strip().lower() in ("1", "true", "yes", "on")
+    return parse_bool(os.environ.get("LABKIT_FAST", "0"), "LABKIT_FAST")
 
 
-def _parse(name: str, raw: str, typ):
+def _parse(name: str, raw: str, typ, var: str):
     origin = typing.get_origin(typ)
     if origin is typing.Union or str(origin) == "types.UnionType":
         args = [a for a in typing.get_args(typ) if a is not type(None)]
         if raw.strip().lower() in ("", "none", "null"):
             return None
         typ = args[0]
+    if typ is bool:
+        return parse_bool(raw, f"environment variable {var}")
     try:
-        if typ is bool:
-            low = raw.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
         if typ in (int, float, str):
-            return typ(raw)
+            value = typ(raw)
+            if typ is float and not math.isfinite(value):
+                raise ValueError(raw)
+            return value
     except ValueError:
-        raise ValueError(f"environment variable LABKIT_{name.upper()}={raw!r} is not a valid {typ.__name__}") from None
+        what = "finite float" if typ is float else typ.__name__
+        raise ValueError(f"environment variable {var}={raw!r} is not a valid {what}") from None
     raise TypeError(f"field {name!r} of type {typ} cannot be set from the environment")
+
+
+def _check_env_names(cls, names: set, prefix: str) -> None:
+    """A LABKIT_ variable close to a field name but not equal to it is almost surely a typo."""
+    upper = {prefix + n.upper(): n for n in names}
+    for var in os.environ:
+        if not var.startswith(prefix) or var in upper or var in NON_CONFIG_ENV:
+            continue
+        # compare the part after the prefix: the shared prefix would make every name look close
+        close = difflib.get_close_matches(var[len(prefix) :].lower(), sorted(names), n=1, cutoff=0.8)
+        if close:
+            raise ValueError(
+                f"environment variable {var} is not a setting of {cls.__name__}; "
+                f"did you mean {prefix}{close[0].upper()}? "
+                f"(settings: {', '.join(sorted(upper))})"
+            )
 
 
 def from_env(cls, fast: dict | None = None, prefix: str = "LABKIT_", **overrides):
@@ -48,43 +105,56 @@ def from_env(cls, fast: dict | None = None, prefix: str = "LABKIT_", **overrides
     unknown = set(overrides) - names
     if unknown:
         raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}; fields: {sorted(names)}")
+    _check_env_names(cls, names, prefix)
     values: dict = {}
     if fast_mode():
         values.update(fast if fast is not None else getattr(cls, "FAST", {}))
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        raw = os.environ.get(prefix + f.name.upper())
+        var = prefix + f.name.upper()
+        raw = os.environ.get(var)
         if raw is not None and f.name != "fast":
-            values[f.name] = _parse(f.name, raw, hints[f.name])
+            values[f.name] = _parse(f.name, raw, hints[f.name], var)
     values.update(overrides)
     return cls(**values)
 
 
 @dataclass
 class TrainConfig:
-    """Knobs of labkit's training loop (see labkit.loop.Trainer)."""
+    """Knobs that labkit's training loop reads (see labkit.loop.Trainer). What only a notebook
+    reads (learning rate, batch size, seed, workers) lives in the notebook's own Params."""
 
     epochs: int = 1
-    max_steps: int = 0              # 0: no cap; otherwise stop after this many optimizer steps
-    batch_size: int = 128           # per replica
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    clip_norm: float = 0.0          # 0: no clipping
-    bf16: bool = False              # autocast to bfloat16 on XLA/CUDA
-    log_every: int = 20             # read metrics every N steps (one device->host transfer each)
-    log_seconds: float = 0.0        # ... or every T seconds of host time, whichever comes first (0: off)
-    eval_every: int = 1             # evaluate every N epochs (0: never)
-    warmup_steps: int = 2           # compiles before this step are expected (graph + optimizer state)
-    seed: int = 0
-    checkpoint_every: int = 0       # save every N steps (0: only at epoch end when a manager is given)
-    resume: bool = False            # continue from the manager's latest checkpoint
-    num_workers: int = 0            # host DataLoader workers
+    max_steps: int = 0  # 0: no cap; otherwise stop after this many optimizer steps
+    clip_norm: float = 0.0  # 0: no clipping
+    bf16: bool = False  # autocast to bfloat16 on XLA/CUDA
+    log_every: int = 20  # read metrics every N steps (one device->host transfer each)
+    log_seconds: float = 0.0  # ... or every T seconds of host time, whichever comes first (0: off)
+    eval_every: int = 1  # evaluate every N epochs (0: never)
+    warmup_steps: int = 2  # compiles before this step are expected (graph + optimizer state)
+    checkpoint_every: int = 0  # save every N steps (0: only at epoch end when a manager is given)
+    resume: bool = False  # continue from the manager's latest checkpoint
+    # a NaN/inf loss (seen at log time, where the loss is read anyway: no extra host sync) stops the
+    # run with the step number; True only warns and trains on
+    continue_on_nonfinite: bool = False
 
-    FAST: typing.ClassVar[dict] = {"epochs": 1, "max_steps": 30, "batch_size": 8, "log_every": 5}
+    FAST: typing.ClassVar[dict] = {"epochs": 1, "max_steps": 30, "log_every": 5}
+
+    def __post_init__(self):
+        for name in ("epochs", "max_steps", "log_every", "eval_every", "warmup_steps", "checkpoint_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"TrainConfig.{name}={v!r}: expected an integer >= 0")
+        for name in ("clip_norm", "log_seconds"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"TrainConfig.{name}={v!r}: expected a finite number >= 0")
+        for name in ("bf16", "resume", "continue_on_nonfinite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: expected True or False")
 
     @classmethod
-    def from_env(cls, **overrides) -> "TrainConfig":
+    def from_env(cls, **overrides) -> TrainConfig:
         return from_env(cls, **overrides)
 
     def to_dict(self) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import random
 import re
 from dataclasses import dataclass, field
 
@@ -203,20 +202,9 @@ class Runtime:
         return contextlib.nullcontext()
 
     def manual_seed(self, seed: int) -> None:
-        random.seed(seed)
-        torch.manual_seed(seed)
-        try:
-            import numpy as np
+        from .seeding import manual_seed  # the one home for seeding and RNG capture
 
-            np.random.seed(seed % 2**32)
-        except ImportError:  # pragma: no cover
-            pass
-        if self.is_xla:
-            import torch_xla.core.xla_model as xm
-
-            xm.set_rng_state(seed, device=self.device)
-        elif self.kind == "cuda":
-            torch.cuda.manual_seed_all(seed)
+        manual_seed(seed, self)
 
     def mesh(self, axis_names=("data",)):
         """A 1-D SPMD mesh over all devices (data parallel). Needs setup(spmd=True)."""

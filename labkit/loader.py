@@ -12,7 +12,14 @@
 Static shapes matter on XLA: a smaller last batch is a new graph, i.e. a recompilation (tens
 of seconds for ResNet-50). So batches whose size differs from the first one are dropped by
 default (`drop_partial=True`) and counted in `.dropped`.
+
+Errors are never swallowed: torch_xla's loader thread catches nothing and closes its queue in a
+`finally`, so an exception raised by the host loader (a truncated shard, a bad sample) would
+only print a thread traceback and end the epoch early. The host side here catches it in that
+thread, and the consumer re-raises the same exception object (original traceback included)
+after the batches already queued, on every backend.
 """
+
 from __future__ import annotations
 
 import threading
@@ -34,25 +41,30 @@ def _leading_dim(batch):
 class _HostSide:
     """Iterates the host loader, drops partial batches, counts what was pulled."""
 
-    def __init__(self, owner: "ParallelLoader"):
+    def __init__(self, owner: ParallelLoader):
         self.owner = owner
 
     def __iter__(self):
         o = self.owner
         size = None
         skip, o.skip_batches = o.skip_batches, 0
-        for i, batch in enumerate(o.loader):
-            if i < skip:  # resuming mid-epoch: skipped on the host, never copied to the device
-                continue
-            n = _leading_dim(batch)
-            if size is None:
-                size = n
-            if o.drop_partial and n is not None and n != size:
-                o.dropped += 1
-                continue
-            with o._lock:
-                o.fetched += 1
-            yield batch
+        try:
+            for i, batch in enumerate(o.loader):
+                if i < skip:  # resuming mid-epoch: skipped on the host, never copied to the device
+                    continue
+                n = _leading_dim(batch)
+                if size is None:
+                    size = n
+                if o.drop_partial and n is not None and n != size:
+                    o.dropped += 1
+                    continue
+                with o._lock:
+                    o.fetched += 1
+                yield batch
+        except GeneratorExit:  # the consumer stopped early (break, max_steps): not an error
+            raise
+        except BaseException as e:  # in torch_xla's loader thread: hand it to the consumer
+            o._error = e
 
     def __len__(self):
         return len(self.owner)
@@ -65,8 +77,17 @@ class ParallelLoader:
     waiting in the prefetch queue), `yielded` (batches handed to the training loop),
     `dropped` (partial batches skipped)."""
 
-    def __init__(self, loader, rt, *, drop_partial: bool = True, device_prefetch: int = 4,
-                 loader_prefetch: int = 8, host_to_device_threads: int = 1, input_sharding=None):
+    def __init__(
+        self,
+        loader,
+        rt,
+        *,
+        drop_partial: bool = True,
+        device_prefetch: int = 4,
+        loader_prefetch: int = 8,
+        host_to_device_threads: int = 1,
+        input_sharding=None,
+    ):
         self.loader, self.rt, self.drop_partial = loader, rt, drop_partial
         self.device_prefetch, self.loader_prefetch = device_prefetch, loader_prefetch
         self.host_to_device_threads = host_to_device_threads
@@ -74,6 +95,7 @@ class ParallelLoader:
         self.fetched = self.yielded = self.dropped = 0
         self.skip_batches = 0  # the next iteration skips this many host batches (then resets)
         self._lock = threading.Lock()
+        self._error: BaseException | None = None  # raised by the host loader, re-raised by __iter__
 
     def __len__(self) -> int:
         n = len(self.loader)
@@ -93,6 +115,7 @@ class ParallelLoader:
 
     def __iter__(self):
         self.fetched = self.yielded = self.dropped = 0
+        self._error = None
         host = _HostSide(self)
         if self.rt.is_xla:
             it = self._xla_iter(host)
@@ -103,12 +126,18 @@ class ParallelLoader:
         for batch in it:
             self.yielded += 1
             yield batch
+        err, self._error = self._error, None
+        if err is not None:
+            raise err  # the same object: its traceback still points into the host loader
 
     def _xla_iter(self, host):
         import torch_xla.distributed.parallel_loader as pl
 
-        kwargs = dict(loader_prefetch_size=self.loader_prefetch, device_prefetch_size=self.device_prefetch,
-                      host_to_device_transfer_threads=self.host_to_device_threads)
+        kwargs = dict(
+            loader_prefetch_size=self.loader_prefetch,
+            device_prefetch_size=self.device_prefetch,
+            host_to_device_transfer_threads=self.host_to_device_threads,
+        )
         sharding = self.input_sharding
         if sharding is None and self.rt.spmd:
             sharding = BatchSharding(self.rt.mesh())

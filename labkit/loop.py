@@ -7,34 +7,66 @@ Change behaviour by overriding one hook in a subclass, not by copying the loop:
   train_step(batch) -> loss    forward + backward (under bf16 autocast when cfg.bf16); may return
                                {"loss": t, "acc": t, ...}: extras are averaged into the records
   run_optimizer()              gradient reduction/clipping + step (labkit.optimizer_step)
-  eval_step(batch) -> dict     summed device tensors, e.g. loss_sum, correct, count
-  on_log(record)               a dict of Python numbers every cfg.log_every steps (master only)
+  eval_step(batch) -> dict     summed device tensors, e.g. loss_sum, correct, count (uses loss_fn)
+  on_log(record)               a dict of Python numbers every cfg.log_every steps (master only);
+                               does nothing by default: overriding it never cuts callbacks off
 
 Every step ends with `rt.sync()`. Losses are summed on the device and read only at log
 time, inside a step closure: one device->host transfer per log interval, none per step.
-Callbacks (e.g. labkit's Dashboard or CheckpointManager glue) may define on_train_begin,
-on_step_end (after each step's sync, with the batch), on_log, on_eval, on_epoch_end and
-on_train_end, each taking the trainer first.
+Callbacks (e.g. labkit's Dashboard) may define on_train_begin, on_step_end (after each step's
+sync, with the batch), on_log, on_eval, on_epoch_end and on_train_end, each taking the trainer
+first; one dispatcher (`_dispatch`) calls the trainer's hook, then every callback. A callback
+steers the run with `trainer.request_stop()` (stop after the current step) and
+`trainer.request_checkpoint()` (save after the current step).
+
+Nothing fails silently: a loader error stops fit() with its own traceback (on XLA too, see
+labkit.loader); a NaN/inf loss stops the run naming the step (cfg.continue_on_nonfinite to
+train on); Ctrl-C or SIGTERM (a Colab interrupt, a preempted TPU VM) lets the pending checkpoint
+upload finish (a second interrupt abandons it cleanly) and is then re-raised.
 """
+
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import signal
+import threading
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import check_compatible, rng_state, set_rng_state, versions
+from .checkpoint import check_compatible
 from .config import TrainConfig
 from .loader import ParallelLoader, device_loader
 from .metrics import DeviceAccumulator, read
 from .optim import optimizer_step
+from .seeding import rng_state, set_rng_state
+from .versions import versions
+
+
+class Preempted(KeyboardInterrupt):
+    """SIGTERM arrived during fit() (a preempted TPU VM, a stopped container). A KeyboardInterrupt,
+    so `except Exception` in user code does not swallow it."""
 
 
 class Trainer:
-    def __init__(self, model, optimizer, rt, cfg: TrainConfig | None = None, train_loader=None,
-                 eval_loader=None, scheduler=None, loss_fn=None, callbacks=(), checkpoint=None, precision=None):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        rt,
+        cfg: TrainConfig | None = None,
+        train_loader=None,
+        eval_loader=None,
+        scheduler=None,
+        loss_fn=None,
+        callbacks=(),
+        checkpoint=None,
+        precision=None,
+    ):
         self.rt, self.cfg = rt, cfg or TrainConfig()
         # labkit.precision.Precision: bf16 / fp16 (+ GradScaler) / fp32 per chip; None: cfg.bf16 as before
         self.precision = precision
@@ -50,13 +82,15 @@ class Trainer:
         self.eval_loader = self._wrap(eval_loader) if eval_loader is not None else None
         self.callbacks = list(callbacks)
         self.checkpoint = checkpoint
-        self.step = 0              # optimizer steps done
-        self.epoch = 0             # current epoch
-        self.batch_in_epoch = 0    # batches of the current epoch done
+        self.step = 0  # optimizer steps done
+        self.epoch = 0  # current epoch
+        self.batch_in_epoch = 0  # batches of the current epoch done
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
         self._acc = DeviceAccumulator(rt)
         self._stop = False
+        self._save_requested = False
+        self._nonfinite = None  # (step, loss) found by the log closure
 
     def _wrap(self, loader):
         if loader is None or isinstance(loader, ParallelLoader):
@@ -89,23 +123,32 @@ class Trainer:
         x, y = batch
         with self.autocast():
             out = self.model(x)
-        loss = F.cross_entropy(out.float(), y, reduction="sum")
+        loss = self.loss_fn(out.float(), y, reduction="sum")
         correct = (out.argmax(dim=-1) == y).sum()
         # labels < 0 are padding (data_tools pads the last eval batch with -100, cross_entropy's
         # ignore_index, to keep shapes static): they add no loss, no hit and no count
         return {"loss_sum": loss, "correct": correct, "count": (y >= 0).sum()}
 
     def on_log(self, record: dict) -> None:
-        for cb in self.callbacks:
-            if hasattr(cb, "on_log"):
-                cb.on_log(self, record)
+        """Hook: override to act on each record; callbacks are fed by _dispatch either way."""
 
     # -- helpers -----------------------------------------------------------------------------
     def batch_size_of(self, batch) -> int:
-        x = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values())) if isinstance(batch, dict) else batch
+        x = (
+            batch[0]
+            if isinstance(batch, (list, tuple))
+            else next(iter(batch.values()))
+            if isinstance(batch, dict)
+            else batch
+        )
         return int(x.shape[0])
 
-    def _call(self, name: str, *args) -> None:
+    def _dispatch(self, name: str, *args) -> None:
+        """The one place events go out: the trainer's own hook of that name (if any), then every
+        callback that defines it (called with the trainer first)."""
+        hook = getattr(self, name, None)
+        if callable(hook):
+            hook(*args)
         for cb in self.callbacks:
             fn = getattr(cb, name, None)
             if fn is not None:
@@ -118,15 +161,29 @@ class Trainer:
         total = self.cfg.epochs * self.steps_per_epoch()
         return min(total, self.cfg.max_steps) if self.cfg.max_steps else total
 
-    def stop(self) -> None:
-        """Ask the loop to stop after the current step (e.g. from a callback)."""
+    def request_stop(self) -> None:
+        """Stop after the current step (callable from any callback; position kept for a resume)."""
         self._stop = True
+
+    stop = request_stop  # older name
+
+    def request_checkpoint(self) -> None:
+        """Save a checkpoint after the current step, whatever checkpoint_every says (needs a
+        CheckpointManager; without one the request warns and is dropped)."""
+        self._save_requested = True
 
     # -- state (what a checkpoint holds) ---------------------------------------------------
     def state_dict(self) -> dict:
-        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                 "config": self.cfg.to_dict(), "rng": rng_state(self.rt), "versions": versions()}
+        state = {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "config": self.cfg.to_dict(),
+            "rng": rng_state(self.rt),
+            "versions": versions(),
+        }
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
@@ -154,20 +211,34 @@ class Trainer:
         return bool(c.log_seconds) and now - self._last_log_t >= c.log_seconds
 
     def _emit(self, sums: dict, meta: dict) -> None:
-        """Runs in a step closure (after the step executed): reads the sums, builds the record."""
-        vals = read(sums)
+        """Runs in a step closure (after the step executed): reads the sums, builds the record.
+        The per-step losses come back in the one transfer that reading needs anyway, so the
+        NaN/inf check below costs no host sync of its own."""
+        losses = sums.pop("loss", [])
+        vals = read({"loss": losses, **sums})
         now = time.perf_counter()
         steps = vals.pop("_steps")
         examples = meta["examples"]
         dt = now - self._last_emit_t
         self._last_emit_t = now
-        rec = {"step": meta["step"], "epoch": meta["epoch"], "loss": vals.pop("loss") / max(steps, 1),
-               "examples": examples, "examples_per_s": examples / dt if dt > 0 else float("nan"),
-               "global_rate": meta["epoch_examples"] / max(now - self._epoch_t0, 1e-9),
-               "elapsed_s": now - self._t0, "lr": self.optimizer.param_groups[0]["lr"]}
+        rec = {
+            "step": meta["step"],
+            "epoch": meta["epoch"],
+            "loss": vals.pop("loss") / max(steps, 1),
+            "examples": examples,
+            "examples_per_s": examples / dt if dt > 0 else float("nan"),
+            "global_rate": meta["epoch_examples"] / max(now - self._epoch_t0, 1e-9),
+            "elapsed_s": now - self._t0,
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
         rec.update({k: v / max(steps, 1) for k, v in vals.items()})
+        if not math.isfinite(rec["loss"]) and self._nonfinite is None:
+            # which step: the interval's per-step values are already on the host (read() summed them)
+            per_step = [float(t) for t in _host(losses)]
+            first = next((i for i, v in enumerate(per_step) if not math.isfinite(v)), 0)
+            self._nonfinite = (meta["step"] - len(per_step) + first + 1, per_step[first])
         self.history.append(rec)
-        self.on_log(rec)
+        self._dispatch("on_log", rec)
 
     def evaluate(self) -> dict:
         """Run eval_step over the eval loader; sums are reduced across replicas and read once."""
@@ -192,36 +263,98 @@ class Trainer:
             out["val_acc"] = vals.pop("correct") / count
         out.update(vals)
         self.eval_history.append(out)
-        self._call("on_eval", out)
+        self._dispatch("on_eval", out)
         return out
 
     def fit(self) -> list[dict]:
+        """Train to cfg.epochs / cfg.max_steps; returns the logged records. Interrupts (Ctrl-C,
+        SIGTERM) and errors first let the pending checkpoint upload finish, then propagate."""
         c, rt = self.cfg, self.rt
+        self._check_optimizer()
         if c.resume and self.checkpoint is not None:
             state = self.checkpoint.restore()
             if state is not None:
                 self.load_state_dict(state)
-                rt.master_print(f"[labkit] resumed at step {self.step} (epoch {self.epoch}, batch {self.batch_in_epoch})")
+                rt.master_print(
+                    f"[labkit] resumed at step {self.step} (epoch {self.epoch}, batch {self.batch_in_epoch})"
+                )
         self.model.train()
         self._t0 = self._last_emit_t = self._last_log_t = time.perf_counter()
-        self._stop = False
-        self._call("on_train_begin")
-        total = self.total_steps()
-        while self.epoch < c.epochs and self.step < total and not self._stop:
-            self._run_epoch(total)
-            if self._stop or self.step >= total and self.batch_in_epoch < self.steps_per_epoch():
-                break  # stopped mid-epoch: keep epoch/batch position for an exact resume
-            if c.eval_every and self.eval_loader is not None and (self.epoch + 1) % c.eval_every == 0:
-                self.evaluate()
-            self._call("on_epoch_end")
-            self.epoch += 1
-            self.batch_in_epoch = 0
-        try:
-            self._call("on_train_end")
-        finally:
-            if self.checkpoint is not None and hasattr(self.checkpoint, "wait"):
-                self.checkpoint.wait()  # the last async upload finishes (or raises) before fit returns
+        self._stop = self._save_requested = False
+        self._nonfinite = None
+        with _sigterm_raises():
+            try:
+                self._dispatch("on_train_begin")
+                total = self.total_steps()
+                while self.epoch < c.epochs and self.step < total and not self._stop:
+                    self._run_epoch(total)
+                    if self._stop or self.step >= total and self.batch_in_epoch < self.steps_per_epoch():
+                        break  # stopped mid-epoch: keep epoch/batch position for an exact resume
+                    if c.eval_every and self.eval_loader is not None and (self.epoch + 1) % c.eval_every == 0:
+                        self.evaluate()
+                    self._dispatch("on_epoch_end")
+                    if self.checkpoint is not None and not c.checkpoint_every:
+                        # documented: 0 means "at each epoch end"; the position is the next epoch's start
+                        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+                        self.checkpoint.save(self.step, self.state_dict(), metrics=self._last_metrics())
+                    else:
+                        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+                self._dispatch("on_train_end")
+            except KeyboardInterrupt as e:
+                self._finish_pending_save(e)
+                raise
+            except BaseException:
+                self._finish_pending_save(None)
+                raise
+            self._finish_pending_save(None, raise_errors=True)
         return self.history
+
+    def _finish_pending_save(self, interrupt, raise_errors: bool = False) -> None:
+        """The last upload finishes (or raises) before fit returns. Interrupted: say so, wait for it
+        (a second interrupt abandons it cleanly: no pointer move, temp file removed)."""
+        ck = self.checkpoint
+        if ck is None:
+            return
+        if interrupt is not None and getattr(ck, "pending", None):
+            what = "SIGTERM" if isinstance(interrupt, Preempted) else "interrupt"
+            self.rt.master_print(
+                f"[labkit] {what} at step {self.step}: finishing the pending checkpoint upload "
+                "(interrupt again to abandon it)"
+            )
+        try:
+            if hasattr(ck, "close"):
+                ck.close()
+            elif hasattr(ck, "wait"):
+                ck.wait()
+        except Exception as e:
+            if raise_errors:
+                raise
+            warnings.warn(f"the pending checkpoint save failed too: {type(e).__name__}: {e}", stacklevel=2)
+
+    def _check_optimizer(self) -> None:
+        for i, g in enumerate(self.optimizer.param_groups):
+            lr = g.get("lr")
+            if isinstance(lr, (int, float)) and not (math.isfinite(lr) and lr >= 0):
+                raise ValueError(f"optimizer param group {i} has lr={lr!r}: expected a finite number >= 0")
+        if self.train_loader is not None and self.steps_per_epoch() == 0 and self.cfg.epochs:
+            raise ValueError(
+                "the train loader yields no batches (fewer samples than one batch, and partial "
+                "batches are dropped for static shapes): lower the batch size or add data"
+            )
+
+    def _raise_if_nonfinite(self) -> None:
+        bad, self._nonfinite = self._nonfinite, None
+        if bad is None:
+            return
+        step, value = bad
+        msg = (
+            f"loss became {value} at step {step} (seen at the log of step {self.step}): lower the learning rate, "
+            "add clip_norm, or check the data"
+        )
+        if self.cfg.continue_on_nonfinite:
+            warnings.warn(msg + "; training on (continue_on_nonfinite=True)", RuntimeWarning, stacklevel=2)
+            return
+        raise FloatingPointError(msg + " (TrainConfig.continue_on_nonfinite=True trains on)")
 
     def _run_epoch(self, total: int) -> None:
         c, rt = self.cfg, self.rt
@@ -257,19 +390,60 @@ class Trainer:
                 sums = self._acc.take()
                 self._last_log_t = now
                 if rt.is_master:  # only the master reads and draws
-                    meta = {"step": self.step, "epoch": self.epoch, "examples": interval_examples,
-                            "epoch_examples": epoch_examples}
+                    meta = {
+                        "step": self.step,
+                        "epoch": self.epoch,
+                        "examples": interval_examples,
+                        "epoch_examples": epoch_examples,
+                    }
                     rt.add_step_closure(self._emit, args=(sums, meta))
                 interval_examples = 0
             rt.sync()  # ends the step: the graph runs, closures run after it
-            self._call("on_step_end", batch)  # host-side only (e.g. the dashboard notes batch shapes)
-            if self.checkpoint is not None and c.checkpoint_every and self.step % c.checkpoint_every == 0:
-                self.checkpoint.save(self.step, self.state_dict(), metrics=self._last_metrics())
+            self._raise_if_nonfinite()  # before any save: never checkpoint weights a NaN loss produced
+            self._dispatch("on_step_end", batch)  # host-side only (e.g. the dashboard notes batch shapes)
+            periodic = c.checkpoint_every and self.step % c.checkpoint_every == 0
+            if self._save_requested or periodic:
+                self._save_requested = False
+                if self.checkpoint is None:
+                    warnings.warn("request_checkpoint() ignored: this Trainer has no CheckpointManager", stacklevel=2)
+                else:
+                    self.checkpoint.save(self.step, self.state_dict(), metrics=self._last_metrics(), force=not periodic)
             if self.step >= total or self._stop:
                 break
 
     def _last_metrics(self) -> dict:
         return dict(self.eval_history[-1]) if self.eval_history else {}
+
+
+def _host(tensors):
+    from .metrics import to_host
+
+    return to_host(list(tensors))
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """During fit, SIGTERM raises Preempted in the main thread (its default action kills the
+    process on the spot, losing the pending upload). Elsewhere (a worker thread) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Preempted(f"SIGTERM (signal {signum}) during training")
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+        # Python's own Ctrl-C handler, re-installed: a native library may have replaced it at the C level
+        old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    except (ValueError, OSError):  # not allowed here (embedded interpreters): leave it alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
 
 
 def _move_model(model, optimizer, device):
@@ -284,15 +458,21 @@ def _move_model(model, optimizer, device):
             group["params"] = [remap.get(id(p), p) for p in group["params"]]
         moved = {}
         for p, st in optimizer.state.items():
-            moved[remap.get(id(p), p)] = {k: v.to(device) if torch.is_tensor(v) and v.dim() else v for k, v in st.items()}
+            moved[remap.get(id(p), p)] = {
+                k: v.to(device) if torch.is_tensor(v) and v.dim() else v for k, v in st.items()
+            }
         optimizer.state.clear()
         optimizer.state.update(moved)
     return model
 
 
 def count_params(model) -> int:
+    """Number of scalars in the model's parameters (shared parameters counted once)."""
     return sum(p.numel() for p in model.parameters())
 
 
 def chance_accuracy(num_classes: int) -> float:
-    return 1.0 / num_classes if num_classes else math.nan
+    """Accuracy of guessing uniformly: what a trained classifier must clearly beat."""
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    return 1.0 / num_classes

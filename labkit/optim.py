@@ -11,7 +11,10 @@
   scale factor is a tensor, so nothing waits for the device (on XLA an `.item()` here would
   force an execution and a device->host transfer every step).
 """
+
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -69,3 +72,31 @@ def optimizer_step(optimizer, rt, *, clip_norm: float | None = None, scaler=None
     else:
         optimizer.step()
     return norm
+
+
+class WarmupCosine:
+    """lr multiplier: linear warm-up to 1 over `warmup` steps, then a cosine down to `floor` at
+    `total`, flat after it (a resumed run may train past `total`). A class, not a lambda, so
+    LambdaLR's state_dict records (warmup, total, floor) as plain numbers (weights_only-safe)."""
+
+    def __init__(self, warmup: int, total: int, floor: float = 0.0):
+        if warmup < 0 or total < 0 or not 0.0 <= floor <= 1.0:
+            raise ValueError(
+                f"warmup_cosine: need warmup >= 0, total >= 0, 0 <= floor <= 1; got {warmup}, {total}, {floor}"
+            )
+        self.warmup, self.total, self.floor = int(warmup), int(total), float(floor)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        t = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def warmup_cosine(optimizer, warmup: int, total: int, floor: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR over WarmupCosine: call scheduler.step() once per optimizer step (the Trainer
+    does). The learning rate stays a Python number: no graph input changes on XLA.
+
+        scheduler = warmup_cosine(optimizer, warmup=total // 10, total=total, floor=0.02)
+    """
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, total, floor))

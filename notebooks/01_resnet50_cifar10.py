@@ -256,11 +256,12 @@ plt.show()
 # keeps torchvision's stem to stay within a few minutes on two CPU cores.
 
 # %%
+from labkit.loop import count_params
 from labkit.models import resnet50_cifar, resnet_flops_per_image
 
 probe = resnet50_cifar(num_classes=len(CLASSES), cifar_stem=P.cifar_stem)
 FLOPS_FWD = resnet_flops_per_image(probe)
-N_PARAMS = sum(p.numel() for p in probe.parameters())
+N_PARAMS = count_params(probe)
 print(f"ResNet-50, {'CIFAR' if P.cifar_stem else 'ImageNet'} stem: {N_PARAMS / 1e6:.1f} M parameters, "
       f"{FLOPS_FWD / 1e9:.2f} GFLOPs per image forward (x3 for a training step: forward + backward)")
 del probe
@@ -285,6 +286,8 @@ del probe
 # %%
 import time
 from labkit.checkpoint import CheckpointManager, to_cpu
+from labkit.loop import chance_accuracy
+from labkit.optim import warmup_cosine
 
 
 def build(seed):
@@ -302,15 +305,12 @@ def build(seed):
     return model, opt
 
 
-cfg = labkit.TrainConfig(epochs=P.epochs, max_steps=P.max_steps, batch_size=P.batch_size, lr=P.lr, bf16=BF16,
-                         log_every=P.log_every, seed=P.seed, num_workers=P.num_workers,
+cfg = labkit.TrainConfig(epochs=P.epochs, max_steps=P.max_steps, bf16=BF16, log_every=P.log_every,
                          checkpoint_every=P.checkpoint_every or len(train_loader))
 TOTAL = min(cfg.epochs * len(train_loader), cfg.max_steps or 10**12)
 model, optimizer = build(P.seed)
 # the schedule counts steps; it continues flat past TOTAL so the resume demo below can train further
-warm = max(1, TOTAL // 10)
-schedule = lambda s: (s + 1) / warm if s < warm else 0.02 + 0.98 * 0.5 * (1 + np.cos(np.pi * min(1.0, (s - warm) / max(1, TOTAL - warm))))
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+scheduler = warmup_cosine(optimizer, warmup=max(1, TOTAL // 10), total=TOTAL, floor=0.02)
 
 RUN = time.strftime("run-%Y%m%d-%H%M%S")       # a fresh folder per run: nothing from an older run is touched
 CKPT = (f"gs://labkit-local/checkpoints/{RUN}" if P.local_gcs else f"{P.checkpoint_dir}/{RUN}")
@@ -340,7 +340,7 @@ losses = [r["loss"] for r in history]
 first, last = losses[0], float(np.mean(losses[-3:]))
 print(f"train loss {first:.3f} -> {last:.3f} over {len(losses)} log intervals")
 assert last < first - 0.3, f"training loss did not fall enough: {first:.3f} -> {last:.3f}"
-chance = 1 / len(CLASSES)
+chance = chance_accuracy(len(CLASSES))
 assert final["val_acc"] > chance + 0.15, f"val accuracy {final['val_acc']:.1%} is not clearly above chance ({chance:.0%})"
 if rt.is_xla:
     recompiles = dash.health.events
@@ -407,7 +407,7 @@ print(f"all {len(live)} tensors restored bit for bit")
 
 # %%
 model2, optimizer2 = build(P.seed + 1)        # different initial weights: only the checkpoint can explain a good loss
-scheduler2 = torch.optim.lr_scheduler.LambdaLR(optimizer2, schedule)
+scheduler2 = warmup_cosine(optimizer2, warmup=max(1, TOTAL // 10), total=TOTAL, floor=0.02)
 cfg2 = dataclasses.replace(cfg, resume=True, max_steps=trainer.step + P.resume_steps, epochs=cfg.epochs + 1,
                            log_every=max(1, P.resume_steps // 2))
 resumed = labkit.Trainer(model2, optimizer2, rt, cfg2, train_loader, None, scheduler=scheduler2,

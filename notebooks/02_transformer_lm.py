@@ -190,6 +190,7 @@ print("one batch:", tuple(x.shape), x.dtype, "| targets are the inputs shifted b
 
 # %%
 from labkit.gpt import GPT, GPTConfig, LMTrainer, adamw, bits_per_byte
+from labkit.optim import warmup_cosine
 from labkit import flops
 
 gcfg = GPTConfig(block_size=P.block_size, n_layer=P.n_layer, n_head=P.n_head, n_embd=P.n_embd, dropout=P.dropout)
@@ -223,19 +224,13 @@ print("peak for MFU:", PEAK_SOURCE)
 # measures one: a float32 matrix multiply timed for a second.
 
 # %%
-def schedule(step, total=P.max_steps, warm=max(1, P.max_steps // 20)):
-    if step < warm:
-        return (step + 1) / warm
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
-
-
 rt.manual_seed(P.seed)
 torch.manual_seed(P.seed)
 model = GPT(gcfg)
 optimizer = adamw(model, P.lr, P.weight_decay, betas=(0.9, 0.95), rt=rt)   # decay on matrices only; capturable on XLA
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-cfg = labkit.TrainConfig(epochs=P.evals, max_steps=P.max_steps, batch_size=P.batch_size, lr=P.lr, bf16=BF16,
-                         clip_norm=1.0, log_every=P.log_every, eval_every=1, seed=P.seed)
+scheduler = warmup_cosine(optimizer, warmup=max(1, P.max_steps // 20), total=P.max_steps, floor=0.1)
+cfg = labkit.TrainConfig(epochs=P.evals, max_steps=P.max_steps, bf16=BF16, clip_norm=1.0, log_every=P.log_every,
+                         eval_every=1)
 dash = labkit.Dashboard(title=f"GPT {P.n_layer}x{P.n_embd} on {SOURCE} ({rt.kind})", tokens_per_step=TOKENS_PER_STEP,
                         flops_per_step=FLOPS_PER_TOKEN * TOKENS_PER_STEP, peak_flops=PEAK)
 trainer = LMTrainer(model, optimizer, rt, cfg, train_batches, val_batches, scheduler=scheduler, callbacks=[dash],

@@ -1,18 +1,23 @@
 """CheckpointManager against a real folder and a real loopback GCS server: atomic pointer,
 retention, best metric, verified uploads, faults (server down, corrupt object, missing bucket,
 two writers, shape mismatch), XLA state saved with one batched transfer."""
+
 import json
 import os
 
 import pytest
 import torch
 
-from labkit.checkpoint import CheckpointManager, check_compatible, rng_state, set_rng_state, to_cpu
+from labkit.checkpoint import CheckpointManager, check_compatible, to_cpu
+from labkit.seeding import rng_state, set_rng_state
 
 
 def _state(step, n=4):
-    return {"model": {"w": torch.full((n, n), float(step)), "b": torch.arange(n, dtype=torch.float32)},
-            "step": step, "rng": rng_state()}
+    return {
+        "model": {"w": torch.full((n, n), float(step)), "b": torch.arange(n, dtype=torch.float32)},
+        "step": step,
+        "rng": rng_state(),
+    }
 
 
 def test_local_roundtrip_retention_and_best(tmp_path):
@@ -195,3 +200,76 @@ def test_numpy_values_are_stored_as_plain_numbers_and_other_objects_are_refused(
     with pytest.raises(TypeError, match=r"state\['extra'\]\['fn'\] is a builtins.function"):
         mgr.save(2, {"extra": {"fn": lambda: 0}})
     assert mgr.restore()["scheduler"]["last_epoch"] == 1  # the refused save left the good one in place
+
+
+def test_two_local_writers_the_second_is_refused_naming_the_first(tmp_path):
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, torch; from labkit.checkpoint import CheckpointManager; "
+            f"m = CheckpointManager({str(tmp_path)!r}, async_save=False, rt=None); "
+            "m.save(1, {'w': torch.ones(2)}); print('saved', flush=True); sys.stdin.readline()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, LABKIT_BACKEND="cpu"),
+    )
+    try:
+        assert child.stdout.readline().strip() == "saved"
+        mine = CheckpointManager(tmp_path, keep=1, async_save=False)
+        with pytest.raises(RuntimeError, match=rf"another checkpoint writer \(host .* pid {child.pid}\)"):
+            mine.save(2, _state(2))
+        assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".pt")) == ["ckpt-00000001.pt"]  # nothing pruned
+    finally:
+        child.communicate("\n", timeout=60)
+    mine.save(3, _state(3))  # the first writer is gone: the lock is free
+    assert mine.restore()["step"] == 3
+
+
+def _flip_middle(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside the tensor data of these 64x64 states
+    path.write_bytes(bytes(data))
+
+
+def test_fallback_and_explicit_step_are_verified(tmp_path):
+    m = CheckpointManager(tmp_path, keep=3, async_save=False)
+    for s in (1, 2, 3):
+        m.save(s, _state(s, n=64))
+    (tmp_path / "ckpt-00000003.pt").write_bytes(b"")  # the pointer's object: unreadable
+    _flip_middle(tmp_path / "ckpt-00000002.pt")  # the fallback: one flipped bit
+    with pytest.warns(UserWarning, match="ckpt-00000002.pt"):
+        st = m.restore()
+    assert st["step"] == 1 and torch.equal(st["model"]["w"], torch.full((64, 64), 1.0))
+    with pytest.raises(OSError, match="ckpt-00000002.pt"):
+        m.restore(step=2)
+    # with no pointer at all the zip members' own CRCs still catch it
+    (tmp_path / "latest").unlink()
+    with pytest.raises(OSError, match="ckpt-00000002.pt"):
+        CheckpointManager(tmp_path).restore(step=2)
+
+
+@pytest.mark.parametrize("content", [b"", b"{garbage", b"[1, 2]", b'{"name": 3}'])
+def test_garbage_latest_warns_and_falls_back(tmp_path, content):
+    m = CheckpointManager(tmp_path, keep=3, async_save=False)
+    for s in (1, 2):
+        m.save(s, _state(s))
+    m.close()
+    (tmp_path / "latest").write_bytes(content)
+    with pytest.warns(UserWarning, match="latest is unreadable"):
+        m2 = CheckpointManager(tmp_path, keep=3, async_save=False)
+    with pytest.warns(UserWarning, match="latest is unreadable"):
+        assert m2.restore()["step"] == 2
+    m2.save(3, _state(3))  # and the next save writes a good pointer again
+    assert m2.latest()["step"] == 3
+
+
+def test_keep_below_one_is_refused(tmp_path):
+    for keep in (0, -1):
+        with pytest.raises(ValueError, match="keep"):
+            CheckpointManager(tmp_path, keep=keep)

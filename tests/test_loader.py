@@ -1,6 +1,8 @@
 """device_loader: device tensors, prefetch, static shapes (no recompiles)."""
+
 import time
 
+import pytest
 import torch
 
 import labkit
@@ -43,9 +45,14 @@ def test_partial_batches_dropped_no_recompiles_over_three_epochs():
         def on_epoch_end(self, trainer):
             counts.append(xla_counts()[0])
 
-    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), rt,
-                 TrainConfig(epochs=4, log_every=3, eval_every=0),
-                 torch.utils.data.DataLoader(blobs(n=200), batch_size=32, shuffle=True), callbacks=[Count()])
+    tr = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        rt,
+        TrainConfig(epochs=4, log_every=3, eval_every=0),
+        torch.utils.data.DataLoader(blobs(n=200), batch_size=32, shuffle=True),
+        callbacks=[Count()],
+    )
     tr.fit()
     assert tr.step == 4 * 6 and tr.train_loader.dropped == 1
     assert counts[1] == counts[2] == counts[3], counts
@@ -59,3 +66,42 @@ def test_skip_batches_on_host():
     got = [b.cpu().flatten().tolist() for b in loader]
     assert got == [[6.0, 7.0], [8.0, 9.0]] and loader.fetched == 2
     assert len(list(loader)) == 5  # the skip applies once
+
+
+class _TruncatedShards(torch.utils.data.Dataset):
+    """Reads like a shard stream whose 5th sample is cut short (the error data_tools raises)."""
+
+    def __init__(self, n=64, bad=37):
+        self.x, self.y = blobs(n=n).tensors
+        self.bad = bad
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            from data_tools.stream import ShardError
+
+            raise ShardError(f"gs://bucket/train-000003.tar: truncated at member {i:06d}.png")
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.parametrize("kind", ["xla-cpu", "cpu"])
+def test_loader_error_stops_fit_with_its_traceback(kind):
+    """On XLA the batches come from torch_xla's loader thread, which used to swallow the error
+    (a thread traceback on stderr, the epoch ended early, fit returned normally)."""
+    from data_tools.stream import ShardError
+
+    rt = labkit.setup(kind)
+    model = mlp()
+    tr = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        rt,
+        TrainConfig(epochs=2, log_every=2, eval_every=0),
+        torch.utils.data.DataLoader(_TruncatedShards(), batch_size=8),
+    )
+    with pytest.raises(ShardError, match="train-000003.tar") as info:
+        tr.fit()
+    assert any(e.name == "__getitem__" for e in info.traceback), "the traceback lost the loader's frame"
+    assert tr.step <= 4 and tr.epoch == 0  # batch 4 (samples 32-39) failed: nothing after it trained

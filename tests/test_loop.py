@@ -1,5 +1,7 @@
 """The training loop, optimizer_step and clipping on XLA:CPU and plain CPU."""
+
 import copy
+import os
 
 import pytest
 import torch
@@ -23,8 +25,15 @@ def test_tiny_model_trains(kind):
             seen.append(record)
 
     cfg = TrainConfig(epochs=4, log_every=8, eval_every=2)
-    tr = Trainer(model, opt, rt, cfg, torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True),
-                 torch.utils.data.DataLoader(ds, batch_size=64), callbacks=[Rec()])
+    tr = Trainer(
+        model,
+        opt,
+        rt,
+        cfg,
+        torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True),
+        torch.utils.data.DataLoader(ds, batch_size=64),
+        callbacks=[Rec()],
+    )
     hist = tr.fit()
     assert tr.step == 32 and len(hist) == 4 and seen == hist
     assert hist[-1]["loss"] < 0.6 * hist[0]["loss"], [h["loss"] for h in hist]
@@ -36,8 +45,13 @@ def test_tiny_model_trains(kind):
 def test_max_steps_stops_mid_epoch_and_keeps_position():
     rt = labkit.setup("cpu")
     model = mlp()
-    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt, TrainConfig(epochs=3, max_steps=11, log_every=5),
-                 torch.utils.data.DataLoader(blobs(), batch_size=32))
+    tr = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        rt,
+        TrainConfig(epochs=3, max_steps=11, log_every=5),
+        torch.utils.data.DataLoader(blobs(), batch_size=32),
+    )
     hist = tr.fit()
     assert tr.step == 11 and tr.epoch == 1 and tr.batch_in_epoch == 3
     assert [h["step"] for h in hist] == [5, 10, 11]  # the final partial interval is logged too
@@ -102,9 +116,163 @@ def test_loop_reads_loss_once_per_interval_on_xla():
     """Transfers from the device: one batched read per log interval, nothing per step."""
     rt = labkit.setup("xla-cpu")
     model = mlp()
-    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt,
-                 TrainConfig(epochs=1, log_every=4), torch.utils.data.DataLoader(blobs(n=512), batch_size=32))
+    tr = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        rt,
+        TrainConfig(epochs=1, log_every=4),
+        torch.utils.data.DataLoader(blobs(n=512), batch_size=32),
+    )
     _, t0 = xla_counts()
     tr.fit()
     assert tr.step == 16 and len(tr.history) == 4
     assert xla_counts()[1] - t0 == 4
+
+
+def test_checkpoint_every_zero_saves_at_each_epoch_end(tmp_path):
+    from labkit.checkpoint import CheckpointManager
+
+    rt = labkit.setup("cpu")
+    model = mlp()
+    ck = CheckpointManager(tmp_path, keep=3, rt=rt)
+    tr = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        rt,
+        TrainConfig(epochs=2, eval_every=0),
+        torch.utils.data.DataLoader(blobs(n=64), batch_size=16),
+        checkpoint=ck,
+    )
+    tr.fit()
+    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".pt")) == ["ckpt-00000004.pt", "ckpt-00000008.pt"]
+    st = ck.restore()
+    assert st["step"] == 8 and st["epoch"] == 2 and st["batch_in_epoch"] == 0  # resumes at the next epoch
+
+
+class _NaNAt(torch.utils.data.Dataset):
+    def __init__(self, bad_batch, batch=16):
+        self.x, self.y = blobs(n=128).tensors
+        self.x = self.x.clone()
+        self.x[bad_batch * batch] = float("nan")
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.parametrize("kind", ["xla-cpu", "cpu"])
+def test_nonfinite_loss_stops_with_the_step(kind):
+    rt = labkit.setup(kind)
+    model = mlp()
+    tr = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        rt,
+        TrainConfig(epochs=1, log_every=4, eval_every=0),
+        torch.utils.data.DataLoader(_NaNAt(bad_batch=5), batch_size=16),
+    )
+    _, t0 = xla_counts() if kind == "xla-cpu" else (0, 0)
+    with pytest.raises(FloatingPointError, match="at step 6 "):
+        tr.fit()
+    assert tr.step == 8  # seen at the log of step 8, no per-step read
+    if kind == "xla-cpu":
+        # the log reads + the one per-step read that locates the step: no per-step host sync
+        assert xla_counts()[1] - t0 <= 3
+    model = mlp()
+    tr = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        rt,
+        TrainConfig(epochs=1, log_every=4, eval_every=0, continue_on_nonfinite=True),
+        torch.utils.data.DataLoader(_NaNAt(bad_batch=5), batch_size=16),
+    )
+    with pytest.warns(RuntimeWarning, match="at step 6"):
+        tr.fit()
+    assert tr.step == 8
+
+
+def test_overriding_on_log_keeps_callbacks_and_eval_uses_loss_fn():
+    rt = labkit.setup("cpu")
+    seen, mine = [], []
+
+    class Rec:
+        def on_log(self, trainer, record):
+            seen.append(record["step"])
+
+    class MyTrainer(Trainer):
+        def on_log(self, record):
+            mine.append(record["step"])
+
+    def double_ce(out, y, reduction="mean"):
+        return 2 * torch.nn.functional.cross_entropy(out, y, reduction=reduction)
+
+    model = mlp()
+    ds = blobs(n=64)
+    tr = MyTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        rt,
+        TrainConfig(epochs=1, log_every=2),
+        torch.utils.data.DataLoader(ds, batch_size=16),
+        torch.utils.data.DataLoader(ds, batch_size=64),
+        loss_fn=double_ce,
+        callbacks=[Rec()],
+    )
+    tr.fit()
+    assert seen == mine == [2, 4]
+    x, y = ds.tensors
+    with torch.no_grad():
+        ref = 2 * torch.nn.functional.cross_entropy(tr.model(x), y).item()
+    assert tr.eval_history[-1]["val_loss"] == pytest.approx(ref, rel=1e-5)
+
+
+def test_callbacks_request_checkpoint_and_stop(tmp_path):
+    from labkit.checkpoint import CheckpointManager
+
+    rt = labkit.setup("cpu")
+
+    class Controls:
+        def on_step_end(self, trainer, batch):
+            if trainer.step == 3:
+                trainer.request_checkpoint()
+            if trainer.step == 5:
+                trainer.request_stop()
+
+    model = mlp()
+    ck = CheckpointManager(tmp_path, rt=rt)
+    tr = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        rt,
+        TrainConfig(epochs=3, checkpoint_every=100, eval_every=0),
+        torch.utils.data.DataLoader(blobs(), batch_size=16),
+        checkpoint=ck,
+        callbacks=[Controls()],
+    )
+    tr.fit()
+    assert tr.step == 5 and ck.latest()["step"] == 3
+
+
+def test_bad_learning_rate_and_empty_loader_are_named():
+    rt = labkit.setup("cpu")
+    model = mlp()
+    tr = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=float("nan")),
+        rt,
+        TrainConfig(),
+        torch.utils.data.DataLoader(blobs(n=64), batch_size=16),
+    )
+    with pytest.raises(ValueError, match="lr=nan"):
+        tr.fit()
+    tr = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        rt,
+        TrainConfig(),
+        torch.utils.data.DataLoader(blobs(n=10), batch_size=16, drop_last=True),
+    )
+    with pytest.raises(ValueError, match="no batches"):
+        tr.fit()

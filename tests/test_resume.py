@@ -1,9 +1,12 @@
 """Exact resume: a run killed with SIGKILL (between steps, or inside an upload) and resumed
 ends with weights bit-identical to an uninterrupted run, on CPU and XLA:CPU, local and gs://."""
+
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,8 +18,25 @@ STEPS, EVERY = 12, 3
 
 def _run(root, out, backend, *extra, env=None, expect_kill=False):
     e = dict(os.environ, **(env or {}))
-    p = subprocess.run([sys.executable, str(SCRIPT), str(root), str(out), "--steps", str(STEPS), "--every", str(EVERY),
-                        "--backend", backend, *extra], env=e, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            str(root),
+            str(out),
+            "--steps",
+            str(STEPS),
+            "--every",
+            str(EVERY),
+            "--backend",
+            backend,
+            *extra,
+        ],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if expect_kill:
         assert p.returncode == -9, f"expected SIGKILL, got rc={p.returncode}\n{p.stderr[-2000:]}"
     else:
@@ -54,3 +74,55 @@ def test_kill_inside_upload(tmp_path, request, backend, where):
     _same(tmp_path / "ref.pt", tmp_path / "resumed.pt")
     if where == "local":  # the killed writer's temp file was swept; only named checkpoints remain
         assert all(not n.endswith(".tmp") for n in os.listdir(root))
+
+
+@pytest.mark.parametrize("sig,backend", [(signal.SIGINT, "xla-cpu"), (signal.SIGTERM, "cpu")])
+def test_interrupt_during_a_pending_save_finishes_it(tmp_path, sig, backend):
+    """Ctrl-C (what a Colab interrupt sends) or SIGTERM (a preempted TPU VM) while the upload of
+    step 6 is still running: the upload finishes, `latest` names step 6, no temp file is left,
+    and the interrupt still ends the run."""
+    root, marker = tmp_path / "run", tmp_path / "pending"
+    env = dict(os.environ, LABKIT_CKPT_UPLOAD_DELAY="6:4", LABKIT_CKPT_PENDING_MARKER=str(marker), PYTHONUNBUFFERED="1")
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            str(SCRIPT),
+            str(root),
+            str(tmp_path / "x.pt"),
+            "--steps",
+            str(STEPS),
+            "--every",
+            str(EVERY),
+            "--backend",
+            backend,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + 240
+    while not marker.exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "the held upload never started"
+    p.send_signal(sig)
+    err, _ = p.communicate(timeout=120)
+    assert p.returncode != 0 and ("KeyboardInterrupt" in err or "Preempted: SIGTERM" in err), err[-2000:]
+    assert "terminate called" not in err, err[-2000:]
+    assert not (tmp_path / "x.pt").exists()
+    assert [n for n in os.listdir(root) if n.endswith(".tmp")] == []
+    from labkit.checkpoint import CheckpointManager
+
+    assert CheckpointManager(root).restore()["step"] == 6  # verified, and the step that was pending
+
+
+def test_killed_gcs_upload_leaves_no_temp_file(tmp_path, gcs_bucket):
+    """The temp file of a GCS upload killed mid-way used to stay in the system temp folder (one
+    checkpoint-sized file per kill); the next run now sweeps it."""
+    root, tmp = f"gs://{gcs_bucket}/run", tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp)}
+    _run(root, tmp_path / "x.pt", "cpu", env={**env, "LABKIT_CKPT_KILL_IN_UPLOAD": "6"}, expect_kill=True)
+    _run(root, tmp_path / "resumed.pt", "cpu", "--resume", env=env)
+    left = [str(p) for p in tmp.rglob("*") if p.is_file() and ".ckpt-" in p.name]
+    assert left == [], left

@@ -1,0 +1,68 @@
+"""Seeding and RNG capture: the one home for every random generator labkit touches.
+
+    seeding.manual_seed(0, rt)           # python, numpy, torch (+ the XLA or CUDA generator)
+    state = seeding.rng_state(rt)        # weights_only-safe: goes into every checkpoint
+    seeding.set_rng_state(state, rt)     # dropout/augmentation draws continue exactly
+
+Runtime.manual_seed delegates here; the Trainer's state_dict captures rng_state, so a run
+resumed from a checkpoint draws the same numbers as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+
+def manual_seed(seed: int, rt=None) -> None:
+    """Seed python, numpy and torch, plus the XLA generator on XLA or every CUDA device on CUDA."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if rt is not None and rt.is_xla:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(seed, device=rt.device)
+    elif rt is not None and rt.kind == "cuda":
+        torch.cuda.manual_seed_all(seed)
+
+
+def rng_state(rt=None) -> dict:
+    """Python, numpy, torch (+ XLA or CUDA) generator states as weights_only-safe values."""
+    py = random.getstate()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    out = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if rt is not None and rt.is_xla:
+        import torch_xla.core.xla_model as xm
+
+        out["xla"] = int(xm.get_rng_state())
+    elif torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(state: dict, rt=None) -> None:
+    """Put back what rng_state captured (generators absent from `state` are left alone)."""
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "xla" in state and rt is not None and rt.is_xla:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(int(state["xla"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
