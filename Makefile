@@ -11,7 +11,7 @@ PY := .venv/bin/python
 LABKIT_FAST ?= 1
 NOTEBOOK ?= notebooks/01_resnet50_cifar10.ipynb
 
-.PHONY: venv images notebook notebooks test bench clean
+.PHONY: venv images lint notebook notebooks test bench clean
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -25,7 +25,11 @@ notebook: venv
 notebooks: venv
 	LABKIT_FAST=$(LABKIT_FAST) $(PY) scripts/run_notebooks.py notebooks/*.ipynb --out artifacts
 
-test: venv
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: venv lint
 	PJRT_DEVICE=CPU LABKIT_FAST=1 MPLBACKEND=Agg LABKIT_CONSOLE=1 $(PY) -m pytest tests notebooks \
 		--nbval-lax --nbval-current-env --durations=15
 
