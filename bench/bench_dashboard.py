@@ -25,7 +25,7 @@ import torch.nn as nn
 
 import labkit
 from labkit.dashboard import ConsoleSink, Dashboard, NotebookSink
-from labkit.dashboard_view import _html
+from labkit.dashboard_view import html_header
 
 
 class FigureSink:
@@ -39,7 +39,7 @@ class FigureSink:
         self.figure_every_s = NotebookSink().figure_every_s
 
     def draw(self, frame, dash):
-        _html(frame)
+        html_header(frame)
         if not self.renders or frame["final"] or time.perf_counter() - self._t >= self.figure_every_s:
             dash.png_bytes()
             self.renders, self._t = self.renders + 1, time.perf_counter()
