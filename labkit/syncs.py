@@ -182,6 +182,7 @@ class SyncFinder:
         self.syncs: Counter = Counter()  # Site -> reads since the last take()
         self.total: Counter = Counter()  # Site -> reads since the start
         self.compiles: list[dict] = []  # {"site", "graphs", "via"} for each triggering call
+        self.step_reads: list[tuple] = []  # (Site, via) of each read since the last take_compiles()
         self.active = False
 
     def start(self) -> SyncFinder:
@@ -204,6 +205,7 @@ class SyncFinder:
         if transfer:
             self.syncs[site] += 1
             self.total[site] += 1
+            self.step_reads.append((site, via))
         if graphs:
             self.compiles.append({"site": site, "graphs": graphs, "via": via})
 
@@ -212,9 +214,11 @@ class SyncFinder:
         out, self.syncs = dict(self.syncs), Counter()
         return out
 
-    def take_compiles(self) -> list[dict]:
-        out, self.compiles = self.compiles, []
-        return out
+    def take_compiles(self) -> tuple[list[dict], list[tuple]]:
+        """The compiles and the reads (Site, method) since the previous call: one step's worth."""
+        out, reads = self.compiles, self.step_reads
+        self.compiles, self.step_reads = [], []
+        return out, reads
 
     def report(self, top: int = 10) -> str:
         if not self.total:

@@ -27,7 +27,9 @@ from collections import Counter
 
 import torch
 
-from .xla_rules import SAME_SHAPES_REASON, counts_from, findings
+from .xla_rules import BRANCH_REASON, SAME_SHAPES_REASON, counts_from, findings
+
+_BRANCH_READS = ("__bool__", "__int__", "__index__", "__float__", "item")  # reads whose value steers Python
 
 
 def _met():
@@ -172,7 +174,7 @@ class HealthMonitor:
         new = c - self._last_compiles
         self._last_compiles = c
         self.steps_seen += 1
-        sites = self.finder.take_compiles() if self.finder is not None and new else []
+        sites, reads = self.finder.take_compiles() if self.finder is not None else ([], [])
         if self.steps_seen <= self.warmup_steps:  # counted from here, not from step 0: resumes warm up too
             self.warm_shapes[sig] += 1
             return
@@ -183,6 +185,12 @@ class HealthMonitor:
             # the line that made XLA compile: a read in the user's step (`if t:`, .item()) when there
             # is one, else the sync that ended the step
             hit = next((s for s in sites if s["via"] not in ("sync", "mark_step")), sites[0] if sites else None)
+            branch = next((r for r in reads if r[1] in _BRANCH_READS and r[0] is not None), None)
+            if known and branch is not None:
+                # same inputs, a new graph, and the step branched on a device value: that branch
+                # chose the new graph (the compile itself happens later, at the sync)
+                reason = BRANCH_REASON
+                hit = {"site": branch[0], "via": branch[1]}
             ev = {
                 "step": step,
                 "compiles": new,

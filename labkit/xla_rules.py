@@ -24,6 +24,11 @@ SAME_SHAPES_REASON = (
 )
 
 
+BRANCH_REASON = "graph changed after Python branched on a device value (data-dependent control flow)"
+# counted by torch_xla under aten:: but not a fallback: the op behind .item()/bool(t), i.e. a read
+NOT_FALLBACKS = ("aten::_local_scalar_dense",)
+
+
 class Finding(NamedTuple):
     key: str
     short: str
@@ -41,7 +46,7 @@ def counts_from(metric_data, counter_value, counter_names) -> dict:
     compiles, compile_ns = metric("CompileTime")
     execs, exec_ns = metric("ExecuteTime")
     xfers, xfer_ns = metric("TransferFromDeviceTime")
-    fallbacks = {n: counter_value(n) or 0 for n in counter_names() if n.startswith("aten::")}
+    fallbacks = {n: counter_value(n) or 0 for n in counter_names() if n.startswith("aten::") and n not in NOT_FALLBACKS}
     return {
         "compiles": compiles,
         "compile_s": compile_ns / 1e9,
@@ -55,7 +60,7 @@ def counts_from(metric_data, counter_value, counter_names) -> dict:
 
 
 def _fix_for(reason: str) -> str:
-    if "shape" in reason or "dim" in reason or "dtype" in reason:
+    if reason not in (SAME_SHAPES_REASON, BRANCH_REASON):  # an input's shape or dtype changed
         return (
             "pad to a fixed batch size or use drop_last=True (a short last batch compiles a new graph); "
             "for variable lengths pad to a few bucket sizes; keep dtypes fixed"
