@@ -62,8 +62,13 @@ def measure(name: str, run, graphs=None, steady: int = 5, note: str = "") -> dic
         t = time.perf_counter()
         _wait(run())
         times.append(time.perf_counter() - t)
-    return {"mode": name, "graphs": graphs() - g0 if graphs else None, "first_s": first,
-            "steady_s": statistics.median(times), "note": note}
+    return {
+        "mode": name,
+        "graphs": graphs() - g0 if graphs else None,
+        "first_s": first,
+        "steady_s": statistics.median(times),
+        "note": note,
+    }
 
 
 def table(rows: list[dict]) -> str:
