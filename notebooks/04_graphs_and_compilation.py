@@ -258,8 +258,9 @@ def run(batches, pad_to=None):
             if pad_to:  # bucketing: pad every sequence to the next bucket size (here: one bucket)
                 ids = torch.nn.functional.pad(ids, (0, 0, 0, pad_to - n))
             ids = ids.to(rt.device)
-            loss = emb(ids).pow(2).mean()
+            loss = emb(ids).pow(2).mean()  # alive at the sync: the graph computes it
             rt.sync()
+            assert loss.shape == ()  # metadata only: no read
             mon.on_step(step, {"ids": ids})
     return mon
 
