@@ -6,6 +6,7 @@ Three Trainers over one MLP (batch 256, 1024->1536->1536->10, ~6 GFLOP per step:
 step on a 2-core XLA:CPU), loss read every 20 steps in a step closure:
   plain    no callbacks
   console  Dashboard with the console twin (one line per interval, written to /dev/null)
+  no-finder  the console Dashboard with find_syncs=False (no SyncFinder: the detective without lines)
   figure   Dashboard drawing like the notebook (header each >= 1 s, PNG figure each >= 15 s and at
            the end of every fit(): one trial = one fit, so trials are long to amortise that)
 Trials interleave (rotating order) after each loop's warm-up, so drifts of the machine hit all.
@@ -25,7 +26,7 @@ import torch.nn as nn
 
 import labkit
 from labkit.dashboard import ConsoleSink, Dashboard, NotebookSink
-from labkit.dashboard_view import _html
+from labkit.dashboard_view import html_header
 
 
 class FigureSink:
@@ -39,7 +40,7 @@ class FigureSink:
         self.figure_every_s = NotebookSink().figure_every_s
 
     def draw(self, frame, dash):
-        _html(frame)
+        html_header(frame)
         if not self.renders or frame["final"] or time.perf_counter() - self._t >= self.figure_every_s:
             dash.png_bytes()
             self.renders, self._t = self.renders + 1, time.perf_counter()
@@ -87,9 +88,11 @@ def main():
     data = make_data(a.batch * (a.steps + 4), a.batch, a.dim)
     devnull = open(os.devnull, "w")
     dashes = {"console": Dashboard(title="bench", sink=ConsoleSink(devnull)),
+              "no-finder": Dashboard(title="bench", sink=ConsoleSink(devnull), find_syncs=False),
               "figure": Dashboard(title="bench", sink=FigureSink())}
     loops = {"plain": Loop(rt, data, a.dim, a.hidden, []),
              "console": Loop(rt, data, a.dim, a.hidden, [dashes["console"]]),
+             "no-finder": Loop(rt, data, a.dim, a.hidden, [dashes["no-finder"]]),
              "figure": Loop(rt, data, a.dim, a.hidden, [dashes["figure"]])}
     for name, loop in loops.items():
         t = time.perf_counter()
@@ -98,7 +101,7 @@ def main():
     names = list(loops)
     times = {k: [] for k in loops}
     for trial in range(a.trials):
-        order = names[trial % 3:] + names[:trial % 3]
+        order = names[trial % len(names):] + names[:trial % len(names)]
         for name in order:
             t = time.perf_counter()
             loops[name].run(a.steps)
@@ -111,6 +114,8 @@ def main():
           f"console {dashes['console'].frames} lines")
     for k in ("console", "figure"):
         print(f"RATIO {k}-dashboard/plain step time = {med[k] / med['plain']:.3f} (goal <= 1.02)")
+    # the recompile detective's line capture and the host-sync finder (labkit.syncs) on vs off
+    print(f"RATIO finder-on/finder-off step time = {med['console'] / med['no-finder']:.3f} (goal <= 1.02)")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Only the master process (ordinal 0) draws. The environment is detected once: a n
 the figure (a display handle updated in place, so executed notebooks keep the last image); scripts,
 CI, LABKIT_CONSOLE=1 or force_console() get the console twin.
 """
+
 from __future__ import annotations
 
 import csv
@@ -26,11 +27,13 @@ import os
 import sys
 import time
 
-from .dashboard_view import _html, render, summary_line
+from .dashboard_view import html_header, render, summary_line
+from .syncs import SyncFinder
 from .xla_health import HealthMonitor
 
 _forced: str | None = None
 _detected: str | None = None
+
 
 def force_console(on: bool = True) -> None:
     """Use the console twin even inside a notebook (or undo with on=False)."""
@@ -64,16 +67,21 @@ class ConsoleSink:
     def __init__(self, stream=None):
         self.stream = stream
 
-    def draw(self, frame: dict, dash: "Dashboard") -> None:
+    def draw(self, frame: dict, dash: Dashboard) -> None:
         out = self.stream or sys.stdout
         print(summary_line(frame), file=out, flush=True)
         for w in frame["new_warnings"]:
             print(f"  ! {w}", file=out, flush=True)
 
-
-    def draw_eval(self, metrics: dict, dash: "Dashboard") -> None:
-        vals = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k not in ("step", "epoch") and isinstance(v, float))
-        print(f"[{dash.title}] eval at step {metrics['step']} (epoch {metrics['epoch']}): {vals}", file=self.stream or sys.stdout, flush=True)
+    def draw_eval(self, metrics: dict, dash: Dashboard) -> None:
+        vals = "  ".join(
+            f"{k} {v:.4f}" for k, v in metrics.items() if k not in ("step", "epoch") and isinstance(v, float)
+        )
+        print(
+            f"[{dash.title}] eval at step {metrics['step']} (epoch {metrics['epoch']}): {vals}",
+            file=self.stream or sys.stdout,
+            flush=True,
+        )
 
 
 class NotebookSink:
@@ -92,10 +100,10 @@ class NotebookSink:
         self._html = self._img = None
         self._img_t = 0.0
 
-    def draw(self, frame: dict, dash: "Dashboard") -> None:
+    def draw(self, frame: dict, dash: Dashboard) -> None:
         from IPython.display import HTML, Image, display
 
-        html = HTML(_html(frame))
+        html = HTML(html_header(frame))
         every = dash.every if dash.every is not None else self.figure_every_s
         now = time.perf_counter()
         img = None
@@ -116,20 +124,36 @@ class Dashboard:
     total_steps: for progress and ETA (default: the trainer's). flops_per_step / tokens_per_step:
     work of ONE replica's step (MFU = its FLOP/s over peak_flops, one chip's peak; by default
     labkit.flops.peak_flops: a table for TPUs/GPUs, a measured matmul rate on a CPU; the figure's
-    source is kept in .peak_source); tokens/s is shown for all replicas. every: minimum seconds
+    source is kept in .peak_source); tokens/s is shown for all replicas. find_syncs: on XLA, run a
+    labkit.syncs.SyncFinder during fit() so that recompilations name the line that compiled and
+    device->host reads are counted per line of your code (host-side, ~2 us per read). every: minimum seconds
     between draws (default: the sink's own: 0 for the console line, 1 s for the notebook header and 15 s for
     its figure); the last draw always happens. sink: anything with draw(frame, dashboard)
     (default: chosen by environment()). tensorboard_dir: also write the numbers there."""
 
-    def __init__(self, total_steps=None, title="training", flops_per_step=None, tokens_per_step=None,
-                 peak_flops=None, every=None, sink=None, tensorboard_dir=None, smoothing=0.6):
+    def __init__(
+        self,
+        total_steps=None,
+        title="training",
+        flops_per_step=None,
+        tokens_per_step=None,
+        peak_flops=None,
+        every=None,
+        sink=None,
+        tensorboard_dir=None,
+        smoothing=0.6,
+        find_syncs=True,
+    ):
         self.total_steps, self._total_given, self.title = total_steps, total_steps, title
         self.flops_per_step, self.tokens_per_step, self.peak_flops = flops_per_step, tokens_per_step, peak_flops
         self.peak_source = "given" if peak_flops else None  # where peak_flops came from (labkit.flops)
         self.every, self.sink, self.tensorboard_dir, self.smoothing = every, sink, tensorboard_dir, smoothing
-        self.history: list[dict] = []   # one row per log interval (what was drawn)
+        self.history: list[dict] = []  # one row per log interval (what was drawn)
         self.evals: list[dict] = []
         self.health: HealthMonitor | None = None
+        self.finder = SyncFinder() if find_syncs else None
+        self._last_health: dict = {"xla": False, "warnings": []}
+        self._shown_warnings: set[str] = set()  # warnings a sink has already drawn
         self.frames = 0
         self._active, self._rate, self._sps = True, None, None
         self._last_draw, self._pending, self._tb, self._final_drawn = 0.0, False, None, False
@@ -142,8 +166,12 @@ class Dashboard:
         self.world_size = rt.world_size
         if self._total_given is None:  # not given: follow the trainer (fit() may be called again)
             self.total_steps = trainer.total_steps()
+        if self.finder is not None and self._active and rt.is_xla:
+            self.finder.start()  # stopped in on_train_end
         if self.health is None:
-            self.health = HealthMonitor(rt, warmup_steps=getattr(trainer.cfg, "warmup_steps", 2))
+            self.health = HealthMonitor(
+                rt, warmup_steps=getattr(trainer.cfg, "warmup_steps", 2), finder=self.finder if rt.is_xla else None
+            )
         else:
             self.health.resync()
         if self.sink is None and self._active:
@@ -172,7 +200,9 @@ class Dashboard:
         self._prev = record
         s = self.smoothing
         sps = steps / dt if dt > 0 else float("nan")
-        self._rate = record["examples_per_s"] if self._rate is None else s * self._rate + (1 - s) * record["examples_per_s"]
+        self._rate = (
+            record["examples_per_s"] if self._rate is None else s * self._rate + (1 - s) * record["examples_per_s"]
+        )
         if math.isfinite(sps):
             self._sps = sps if self._sps is None else s * self._sps + (1 - s) * sps
         row = {k: record[k] for k in ("step", "epoch", "loss", "lr", "elapsed_s", "examples_per_s", "global_rate")}
@@ -187,7 +217,9 @@ class Dashboard:
             row["tflops_per_replica"] = self.flops_per_step * sps / 1e12
             row["mfu"] = self.flops_per_step * sps / self.peak_flops if self.peak_flops else None
         h = self.health.interval(steps)
-        row.update({f"xla_{k}": h[k] for k in ("compiles", "compile_s", "graphs_total", "transfers") if h.get(k) is not None})
+        row.update(
+            {f"xla_{k}": h[k] for k in ("compiles", "compile_s", "graphs_total", "transfers") if h.get(k) is not None}
+        )
         if h.get("memory"):
             row["memory_used"] = h["memory"]["used"]
         self._last_health = h
@@ -216,9 +248,14 @@ class Dashboard:
 
     def on_train_end(self, trainer) -> None:
         # the figure must end on the last numbers (an evaluation may have come after the last draw)
-        if self._active and self.history and (self._pending or (
-                not self._final_drawn and isinstance(self.sink, NotebookSink))):
+        if (
+            self._active
+            and self.history
+            and (self._pending or (not self._final_drawn and isinstance(self.sink, NotebookSink)))
+        ):
             self._draw(final=True)
+        if self.finder is not None:
+            self.finder.stop()
         if self._tb is not None:
             self._tb.flush()
 
@@ -239,35 +276,52 @@ class Dashboard:
             f = self.frame()
             f["final"] = final
             self.sink.draw(f, self)
-
-    def frame_preview(self) -> dict:
-        """frame() without marking warnings as shown."""
-        shown = getattr(self, "_shown_warnings", {})
-        f = self.frame()
-        self._shown_warnings = shown
-        return f
+            self._shown_warnings = set(f["warnings"])  # drawn: no longer new
 
     def frame(self) -> dict:
-        """Everything a sink draws, as plain Python values."""
+        """Everything a sink draws, as plain Python values (reading it changes nothing)."""
         r = self.history[-1]
-        h = getattr(self, "_last_health", {"xla": False, "warnings": []})
-        shown = getattr(self, "_shown_warnings", {})
-        new = [w for w in h["warnings"] if w not in shown]
-        self._shown_warnings = {w: 1 for w in h["warnings"]}
+        h = self._last_health
         ev = self.evals[-1] if self.evals else {}
         eta = (self.total_steps - r["step"]) / self._sps if self.total_steps and self._sps and self._sps > 0 else None
-        return {"title": self.title, "step": r["step"], "total": self.total_steps, "epoch": r["epoch"],
-                "eta_s": eta, "elapsed_s": r["elapsed_s"], "loss": r["loss"], "val_loss": ev.get("val_loss"),
-                "acc": r.get("acc"), "val_acc": ev.get("val_acc"), "lr": r["lr"], "rate": r["rate"],
-                "global_rate": r["global_rate"], "rate_per_replica": r["rate_per_replica"],
-                "global_rate_per_replica": r["global_rate_per_replica"], "world_size": self.world_size,
-                "tokens_per_s": r.get("tokens_per_s"), "mfu": r.get("mfu"), "health": h,
-                "warnings": list(h["warnings"]), "new_warnings": new,
-                "recompiles": list(self.health.events) if self.health else []}
+        return {
+            "title": self.title,
+            "step": r["step"],
+            "total": self.total_steps,
+            "epoch": r["epoch"],
+            "eta_s": eta,
+            "elapsed_s": r["elapsed_s"],
+            "loss": r["loss"],
+            "val_loss": ev.get("val_loss"),
+            "acc": r.get("acc"),
+            "val_acc": ev.get("val_acc"),
+            "lr": r["lr"],
+            "rate": r["rate"],
+            "global_rate": r["global_rate"],
+            "rate_per_replica": r["rate_per_replica"],
+            "global_rate_per_replica": r["global_rate_per_replica"],
+            "world_size": self.world_size,
+            "tokens_per_s": r.get("tokens_per_s"),
+            "mfu": r.get("mfu"),
+            "health": h,
+            "warnings": list(h["warnings"]),
+            "new_warnings": [w for w in h["warnings"] if w not in self._shown_warnings],
+            "recompiles": list(self.health.events) if self.health else [],
+        }
+
+    def view_data(self) -> dict:
+        """What the figure draws: the history, the evaluations and the last frame (plain data)."""
+        return {
+            "title": self.title,
+            "history": list(self.history),
+            "evals": list(self.evals),
+            "world_size": self.world_size,
+            "frame": self.frame() if self.history else None,
+        }
 
     def figure(self):
         """A matplotlib Figure of the current state (not attached to pyplot: nothing auto-displays)."""
-        return render(self)
+        return render(self.view_data())
 
     def png_bytes(self, dpi=72) -> bytes:
         buf = io.BytesIO()
@@ -289,10 +343,18 @@ class Dashboard:
 
     def to_json(self, path=None) -> str:
         """The history, evaluations, recompilations and warnings as JSON (returned; written if path)."""
-        h = getattr(self, "_last_health", {})
-        text = json.dumps({"title": self.title, "history": self.history, "eval": self.evals,
-                           "recompiles": self.health.events if self.health else [],
-                           "warnings": h.get("warnings", [])}, indent=1, default=str)
+        h = self._last_health
+        text = json.dumps(
+            {
+                "title": self.title,
+                "history": self.history,
+                "eval": self.evals,
+                "recompiles": self.health.events if self.health else [],
+                "warnings": h.get("warnings", []),
+            },
+            indent=1,
+            default=str,
+        )
         if path is not None:
             with open(path, "w") as f:
                 f.write(text)

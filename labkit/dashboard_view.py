@@ -1,11 +1,13 @@
 """What the dashboard looks like: the console line, the notebook header and the matplotlib figure.
 
     from labkit.dashboard_view import render, summary_line
-    fig = render(dash)                  # a matplotlib Figure of a Dashboard's history and last frame
+    fig = render(dash.view_data())      # a matplotlib Figure of a Dashboard's history and last frame
     print(summary_line(dash.frame()))   # the console twin's one line
 
-Pure formatting of what labkit.dashboard collected: nothing here reads the device.
+Pure formatting of plain data that labkit.dashboard collected: nothing here reads the device or
+the Dashboard object.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +37,9 @@ def summary_line(f: dict) -> str:
     if f.get("val_loss") is not None:
         parts[-1] += f" val {f['val_loss']:.4f}"
     if f.get("acc") is not None or f.get("val_acc") is not None:
-        parts.append("acc " + " val ".join(f"{v:.3f}" if v is not None else "-" for v in (f.get("acc"), f.get("val_acc"))))
+        parts.append(
+            "acc " + " val ".join(f"{v:.3f}" if v is not None else "-" for v in (f.get("acc"), f.get("val_acc")))
+        )
     rate = f"rate {_fmt_n(f['rate'])}/s global {_fmt_n(f['global_rate'])}/s"
     if f["world_size"] > 1:
         rate += f" ({_fmt_n(f['rate_per_replica'])}/s per replica)"
@@ -46,7 +50,9 @@ def summary_line(f: dict) -> str:
         parts.append(f"MFU {100 * f['mfu']:.1f}%")
     h = f["health"]
     if h.get("xla"):
-        parts.append(f"compiles {h['compiles']} ({h['compile_s']:.1f}s) graphs {h['graphs_total']} xfers {h['transfers']}")
+        parts.append(
+            f"compiles {h['compiles']} ({h['compile_s']:.1f}s) graphs {h['graphs_total']} xfers {h['transfers']}"
+        )
     if h.get("memory"):
         m = h["memory"]
         parts.append(f"mem {_fmt_n(m['used'], 'B')}" + (f"/{_fmt_n(m['limit'], 'B')}" if m.get("limit") else ""))
@@ -54,21 +60,46 @@ def summary_line(f: dict) -> str:
     return " | ".join(parts)
 
 
-def _html(f: dict) -> str:
+def health_lines(f: dict) -> list[str]:
+    """The XLA health panel as lines: counts, the recompile detective's findings, the sync lines."""
+    h = f["health"]
+    if not h.get("xla"):
+        return []
+    lines = [
+        f"XLA: {h['compiles']} compiles ({h['compile_s']:.2f} s) last interval, {h['graphs_total']} graphs "
+        f"in all, {h['recompiles']} recompiles after warm-up, {h['transfers']} transfers"
+    ]
+    for ev in f.get("recompiles", [])[-3:]:
+        what = ", ".join(f"{c['input']} {c['old']} -> {c['new']}" for c in ev.get("changes", [])) or ev["reason"]
+        lines.append(f"recompiled at step {ev['step']}: {what}" + (f"  [{ev['site']}]" if ev.get("site") else ""))
+    if h.get("syncs"):
+        lines.append("host syncs last interval: " + "; ".join(f"{s} x{n}" for s, n in h["syncs"][:3]))
+    if h.get("fallbacks"):
+        lines.append("CPU fallbacks: " + ", ".join(f"{k} x{v}" for k, v in h["fallbacks"].items()))
+    return lines
+
+
+def html_header(f: dict) -> str:
+    """The notebook header: progress bar, the summary line, the health panel and the warnings."""
     import html as h
 
     pct = 100 * f["step"] / f["total"] if f.get("total") else 0
     warn = "".join(f"<li style='color:#b45309'>{h.escape(w)}</li>" for w in f["warnings"])
     bar = f"<progress value='{pct:.1f}' max='100' style='width:40%'></progress> " if f.get("total") else ""
-    return (f"<div style='font-family:monospace'><b>{h.escape(f['title'])}</b> {bar}"
-            f"{h.escape(summary_line(f))}" + (f"<ul>{warn}</ul>" if warn else "") + "</div>")
+    panel = "".join(f"<br>{h.escape(ln)}" for ln in health_lines(f)[1:])
+    return (
+        f"<div style='font-family:monospace'><b>{h.escape(f['title'])}</b> {bar}"
+        f"{h.escape(summary_line(f))}{panel}" + (f"<ul>{warn}</ul>" if warn else "") + "</div>"
+    )
 
 
-def render(dash):
-    """Loss, accuracy, throughput, XLA compiles/transfers, and a text panel (progress, health)."""
+def render(data: dict):
+    """Loss, accuracy, throughput, XLA compiles/transfers, and a text panel (progress, health).
+
+    data: Dashboard.view_data() - {"title", "history", "evals", "world_size", "frame"}."""
     from matplotlib.figure import Figure
 
-    rows, evals = dash.history, dash.evals
+    rows, evals, f = data["history"], data["evals"], data["frame"]
     fig = Figure(figsize=(13, 6.5))
     fig.subplots_adjust(left=0.05, right=0.98, top=0.9, bottom=0.08, hspace=0.35, wspace=0.2)
     gs = fig.add_gridspec(2, 3)
@@ -76,16 +107,35 @@ def render(dash):
     ax = fig.add_subplot(gs[0, 0])
     ax.plot(steps, [r["loss"] for r in rows], "o-", ms=3, label="train")
     if any("val_loss" in e for e in evals):
-        ax.plot([e["step"] for e in evals if "val_loss" in e], [e["val_loss"] for e in evals if "val_loss" in e],
-                "s--", ms=4, color="C1", label="val")
+        ax.plot(
+            [e["step"] for e in evals if "val_loss" in e],
+            [e["val_loss"] for e in evals if "val_loss" in e],
+            "s--",
+            ms=4,
+            color="C1",
+            label="val",
+        )
     ax.set(title="loss", xlabel="step")
     ax.legend(fontsize=8)
     ax = fig.add_subplot(gs[0, 1])
     if any("acc" in r for r in rows):
-        ax.plot([r["step"] for r in rows if "acc" in r], [r["acc"] for r in rows if "acc" in r], "o-", ms=3, color="C0", label="train")
+        ax.plot(
+            [r["step"] for r in rows if "acc" in r],
+            [r["acc"] for r in rows if "acc" in r],
+            "o-",
+            ms=3,
+            color="C0",
+            label="train",
+        )
     if any("val_acc" in e for e in evals):
-        ax.plot([e["step"] for e in evals if "val_acc" in e], [e["val_acc"] for e in evals if "val_acc" in e],
-                "s--", ms=4, color="C1", label="val")
+        ax.plot(
+            [e["step"] for e in evals if "val_acc" in e],
+            [e["val_acc"] for e in evals if "val_acc" in e],
+            "s--",
+            ms=4,
+            color="C1",
+            label="val",
+        )
     if ax.lines:
         ax.legend(fontsize=8)
     else:
@@ -94,17 +144,22 @@ def render(dash):
     ax = fig.add_subplot(gs[0, 2])
     ax.plot(steps, [r["rate"] for r in rows], "o-", ms=3, label="Rate (moving avg)")
     ax.plot(steps, [r["global_rate"] for r in rows], "--", label="GlobalRate (epoch)")
-    if dash.world_size > 1:
+    if data["world_size"] > 1:
         ax.plot(steps, [r["rate_per_replica"] for r in rows], ":", label="Rate per replica")
     ax.set(title="examples/s", xlabel="step")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     ax = fig.add_subplot(gs[1, 0])
     if any("xla_compiles" in r for r in rows):
-        ax.bar(steps, [r.get("xla_compiles", 0) for r in rows], width=max(1, (steps[-1] - steps[0]) / max(len(steps), 1) * 0.4)
-               if len(steps) > 1 else 1, label="compiles", color="tab:red")
+        ax.bar(
+            steps,
+            [r.get("xla_compiles", 0) for r in rows],
+            width=max(1, (steps[-1] - steps[0]) / max(len(steps), 1) * 0.4) if len(steps) > 1 else 1,
+            label="compiles",
+            color="tab:red",
+        )
         ax.plot(steps, [r.get("xla_transfers", 0) for r in rows], "k.-", label="device->host transfers")
-        for ev in dash.health.events if dash.health else []:
+        for ev in f["recompiles"]:
             ax.axvline(ev["step"], color="tab:orange", lw=0.8, ls=":")
         ax.legend(fontsize=8)
         ax.set(title="XLA per interval (dotted: recompiles)", xlabel="step")
@@ -113,31 +168,36 @@ def render(dash):
         ax.set(title="XLA", xticks=[], yticks=[])
     ax = fig.add_subplot(gs[1, 1:])
     ax.axis("off")
-    f = dash.frame_preview()
-    lines = [f"{f['title']}   step {f['step']}" + (f"/{f['total']} ({100 * f['step'] / f['total']:.0f}%)" if f["total"] else "")
-             + f"   epoch {f['epoch']}   elapsed {_fmt_t(f['elapsed_s'])}   ETA {_fmt_t(f['eta_s'])}",
-             f"loss {f['loss']:.4f}" + (f"   val {f['val_loss']:.4f}" if f["val_loss"] is not None else "")
-             + (f"   acc {f['acc']:.3f}" if f["acc"] is not None else "")
-             + (f"   val acc {f['val_acc']:.3f}" if f["val_acc"] is not None else "") + f"   lr {f['lr']:.3g}",
-             f"Rate {_fmt_n(f['rate'])}/s   GlobalRate {_fmt_n(f['global_rate'])}/s   per replica "
-             f"{_fmt_n(f['rate_per_replica'])}/s, {_fmt_n(f['global_rate_per_replica'])}/s (x{f['world_size']})"]
+    lines = [
+        f"{f['title']}   step {f['step']}"
+        + (f"/{f['total']} ({100 * f['step'] / f['total']:.0f}%)" if f["total"] else "")
+        + f"   epoch {f['epoch']}   elapsed {_fmt_t(f['elapsed_s'])}   ETA {_fmt_t(f['eta_s'])}",
+        f"loss {f['loss']:.4f}"
+        + (f"   val {f['val_loss']:.4f}" if f["val_loss"] is not None else "")
+        + (f"   acc {f['acc']:.3f}" if f["acc"] is not None else "")
+        + (f"   val acc {f['val_acc']:.3f}" if f["val_acc"] is not None else "")
+        + f"   lr {f['lr']:.3g}",
+        f"Rate {_fmt_n(f['rate'])}/s   GlobalRate {_fmt_n(f['global_rate'])}/s   per replica "
+        f"{_fmt_n(f['rate_per_replica'])}/s, {_fmt_n(f['global_rate_per_replica'])}/s (x{f['world_size']})",
+    ]
     if f["tokens_per_s"] is not None or f["mfu"] is not None:
-        lines.append(f"tokens/s {_fmt_n(f['tokens_per_s'])}   MFU " + (f"{100 * f['mfu']:.1f}%" if f["mfu"] is not None else "- (peak unknown)"))
+        lines.append(
+            f"tokens/s {_fmt_n(f['tokens_per_s'])}   MFU "
+            + (f"{100 * f['mfu']:.1f}%" if f["mfu"] is not None else "- (peak unknown)")
+        )
     h = f["health"]
-    if h.get("xla"):
-        lines.append(f"XLA: {h['compiles']} compiles ({h['compile_s']:.2f} s) last interval, {h['graphs_total']} graphs "
-                     f"in all, {h['recompiles']} recompiles after warm-up, {h['transfers']} transfers")
-        if h["fallbacks"]:
-            lines.append("CPU fallbacks: " + ", ".join(f"{k} x{v}" for k, v in h["fallbacks"].items()))
+    lines += [textwrap.shorten(ln, 140) for ln in health_lines(f)]
     if h.get("memory"):
         m = h["memory"]
-        lines.append(f"device memory {_fmt_n(m['used'], 'B')}" + (f" of {_fmt_n(m['limit'], 'B')}" if m.get("limit") else ""))
+        lines.append(
+            f"device memory {_fmt_n(m['used'], 'B')}" + (f" of {_fmt_n(m['limit'], 'B')}" if m.get("limit") else "")
+        )
     y = 0.97
     for ln in lines:
-        ax.text(0.0, y, ln, family="monospace", fontsize=9, va="top", transform=ax.transAxes)
-        y -= 0.1
-    for w in f["warnings"][:5]:
-        ax.text(0.0, y, "! " + textwrap.shorten(w, 130), fontsize=9, va="top", color="#b45309", transform=ax.transAxes)
-        y -= 0.1
-    fig.suptitle(dash.title)
+        ax.text(0.0, y, ln, family="monospace", fontsize=8, va="top", transform=ax.transAxes)
+        y -= 0.08
+    for w in f["warnings"][:4]:
+        ax.text(0.0, y, "! " + textwrap.shorten(w, 140), fontsize=8, va="top", color="#b45309", transform=ax.transAxes)
+        y -= 0.08
+    fig.suptitle(data["title"])
     return fig

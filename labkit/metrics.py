@@ -13,6 +13,7 @@ and measured ~3-6 % slower per step on XLA:CPU (bench/bench_loop.py); keeping ea
 loss alive only adds an output to the graph it already computes. At read time all of them
 come back in ONE batched device->host transfer and are summed on the host.
 """
+
 from __future__ import annotations
 
 import torch

@@ -13,7 +13,12 @@ tensors hold on the host too. Costs: ~1 us per step (one counter read, one tuple
 A compile after warm-up is a recompilation. Its usual cause is an input shape that differs from
 the warm-up shapes (a short last batch, variable sequence lengths); when the shapes match, the
 graph itself changed (a Python number baked into the graph, data-dependent Python control flow).
+Each recompilation event names the inputs that changed (old -> new shape and dtype) and, when a
+labkit.syncs.SyncFinder is active (the Dashboard runs one on XLA), the user's line that made XLA
+compile: a read in the step (`if t:`, `.item()`) or the sync that ended it. The rules that turn
+these numbers into warnings live in labkit.xla_rules (shared with labkit.explain).
 """
+
 from __future__ import annotations
 
 import sys
@@ -21,6 +26,10 @@ import time
 from collections import Counter
 
 import torch
+
+from .xla_rules import BRANCH_REASON, SAME_SHAPES_REASON, counts_from, findings
+
+_BRANCH_READS = ("__bool__", "__int__", "__index__", "__float__", "item")  # reads whose value steers Python
 
 
 def _met():
@@ -40,18 +49,9 @@ def snapshot(rt=None) -> dict | None:
     met = _met()
     if met is None:
         return None
-
-    def metric(name):
-        d = met.metric_data(name)
-        return (d[0], d[1]) if d else (0, 0.0)
-
-    compiles, compile_ns = metric("CompileTime")
-    execs, exec_ns = metric("ExecuteTime")
-    xfers, xfer_ns = metric("TransferFromDeviceTime")
-    fallbacks = {n: met.counter_value(n) or 0 for n in met.counter_names() if n.startswith("aten::")}
-    return {"compiles": compiles, "compile_s": compile_ns / 1e9, "executions": execs, "execute_s": exec_ns / 1e9,
-            "transfers": xfers, "transfer_s": xfer_ns / 1e9, "fallbacks": fallbacks,
-            "cached_compiles": met.counter_value("CachedCompile") or 0, "t": time.perf_counter()}
+    out = counts_from(met.metric_data, met.counter_value, met.counter_names)
+    out["t"] = time.perf_counter()
+    return out
 
 
 def compile_count() -> int:
@@ -70,8 +70,11 @@ def device_memory(rt) -> dict | None:
     try:
         if rt.kind == "cuda":
             idx = rt.device.index or 0
-            return {"used": torch.cuda.memory_allocated(idx), "peak": torch.cuda.max_memory_allocated(idx),
-                    "limit": torch.cuda.get_device_properties(idx).total_memory}
+            return {
+                "used": torch.cuda.memory_allocated(idx),
+                "peak": torch.cuda.max_memory_allocated(idx),
+                "limit": torch.cuda.get_device_properties(idx).total_memory,
+            }
         if rt.is_xla:
             import torch_xla.core.xla_model as xm
 
@@ -93,11 +96,28 @@ def shape_signature(batch) -> tuple:
         items = list(enumerate(batch))
     else:
         return ()
-    return tuple((k, tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in items if isinstance(v, torch.Tensor))
+    return tuple(
+        (k, tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in items if isinstance(v, torch.Tensor)
+    )
 
 
 def _fmt_shape(s) -> str:
     return "[" + ",".join(str(d) for d in s) + "]"
+
+
+def _input_name(k) -> str:
+    return "input" if k is None else f"input {k!r}" if isinstance(k, str) else f"input {k}"
+
+
+def input_changes(old: tuple, new: tuple) -> list[dict]:
+    """[{'input': name, 'old': (shape, dtype), 'new': (shape, dtype)}] for each input that differs."""
+    if [k for k, *_ in old] != [k for k, *_ in new]:
+        return [{"input": "batch", "old": f"{len(old)} tensors", "new": f"{len(new)} tensors"}]
+    return [
+        {"input": _input_name(k), "old": f"{_fmt_shape(s0)} {d0}", "new": f"{_fmt_shape(s1)} {d1}"}
+        for (k, s0, d0), (_, s1, d1) in zip(old, new)
+        if s0 != s1 or d0 != d1
+    ]
 
 
 def describe_change(old: tuple, new: tuple) -> str:
@@ -106,7 +126,7 @@ def describe_change(old: tuple, new: tuple) -> str:
         return f"batch structure changed ({len(old)}→{len(new)} tensors)"
     parts = []
     for (k, s0, d0), (_, s1, d1) in zip(old, new):
-        name = "input" if k is None else f"input {k!r}" if isinstance(k, str) else f"input {k}"
+        name = _input_name(k)
         if s0 != s1:
             if len(s0) == len(s1) and s0[1:] == s1[1:]:
                 parts.append(f"batch shape changed ({s0[0]}→{s1[0]})")
@@ -121,31 +141,26 @@ def describe_change(old: tuple, new: tuple) -> str:
     return "; ".join(parts) if parts else "same input shapes"
 
 
-SAME_SHAPES_REASON = ("graph changed with the same input shapes (a Python number baked into the graph, "
-                      "e.g. a float learning rate or step count, or data-dependent Python control flow)")
-
-
-last_monitor: "HealthMonitor | None" = None  # the most recent one (labkit.explain reads its events)
-
-
 class HealthMonitor:
-    """Watches compiles per step and XLA counters per interval; produces warnings in plain words."""
+    """Watches compiles per step and XLA counters per interval; produces warnings in plain words.
 
-    def __init__(self, rt, warmup_steps: int = 2):
-        global last_monitor
-        last_monitor = self
+    finder: a labkit.syncs.SyncFinder that is active during training (the Dashboard starts one):
+    then each recompilation also names the user line that triggered it, and the transfer warning
+    names the lines that read from the device."""
+
+    def __init__(self, rt, warmup_steps: int = 2, finder=None):
         self.rt = rt
         self.enabled = bool(rt is not None and rt.is_xla)
         self.warmup_steps = warmup_steps
-        self.warm_shapes: Counter = Counter()   # signature -> steps seen during warm-up
+        self.finder = finder
+        self.warm_shapes: Counter = Counter()  # signature -> steps seen during warm-up
         self.steps_seen = 0
-        self.events: list[dict] = []            # recompilations after warm-up
+        self.events: list[dict] = []  # recompilations after warm-up
+        self.syncs: dict = {}  # Site -> device->host reads in the last interval
         self._last_compiles = compile_count() if self.enabled else 0
         self._last = snapshot(rt)
-        self._first = self._last
         self._new_events: list[dict] = []
-        self._fallback_steps: dict[str, int] = {}
-        self.warnings: dict[str, str] = {}      # key -> current message (insertion ordered)
+        self.warnings: dict[str, str] = {}  # key -> current message (insertion ordered)
         self._memory_ok = True
 
     # per step ----------------------------------------------------------------------------
@@ -159,13 +174,32 @@ class HealthMonitor:
         new = c - self._last_compiles
         self._last_compiles = c
         self.steps_seen += 1
+        sites, reads = self.finder.take_compiles() if self.finder is not None else ([], [])
         if self.steps_seen <= self.warmup_steps:  # counted from here, not from step 0: resumes warm up too
             self.warm_shapes[sig] += 1
             return
         if new > 0:
             ref = self.warm_shapes.most_common(1)[0][0] if self.warm_shapes else sig
-            reason = describe_change(ref, sig) if sig not in self.warm_shapes else SAME_SHAPES_REASON
-            ev = {"step": step, "compiles": new, "reason": reason, "shapes": [list(s) for _, s, _ in sig]}
+            known = sig in self.warm_shapes
+            reason = describe_change(ref, sig) if not known else SAME_SHAPES_REASON
+            # the line that made XLA compile: a read in the user's step (`if t:`, .item()) when there
+            # is one, else the sync that ended the step
+            hit = next((s for s in sites if s["via"] not in ("sync", "mark_step")), sites[0] if sites else None)
+            branch = next((r for r in reads if r[1] in _BRANCH_READS and r[0] is not None), None)
+            if known and branch is not None:
+                # same inputs, a new graph, and the step branched on a device value: that branch
+                # chose the new graph (the compile itself happens later, at the sync)
+                reason = BRANCH_REASON
+                hit = {"site": branch[0], "via": branch[1]}
+            ev = {
+                "step": step,
+                "compiles": new,
+                "reason": reason,
+                "shapes": [list(s) for _, s, _ in sig],
+                "changes": [] if known else input_changes(ref, sig),
+                "site": str(hit["site"]) if hit and hit["site"] else None,
+                "via": hit["via"] if hit else None,
+            }
             self.events.append(ev)
             self._new_events.append(ev)
 
@@ -173,23 +207,46 @@ class HealthMonitor:
         """Forget compiles since the last step (e.g. evaluation graphs): they are not recompilations."""
         if self.enabled:
             self._last_compiles = compile_count()
+            if self.finder is not None:
+                self.finder.take_compiles()
 
     # per interval ------------------------------------------------------------------------
     def interval(self, steps: int) -> dict:
         """Counters since the previous call, totals, memory and the current warnings."""
-        out = {"xla": self.enabled, "compiles": None, "compile_s": None, "graphs_total": None,
-               "transfers": None, "fallbacks": {}, "recompiles": len(self.events), "new_recompiles": self._new_events,
-               "memory": self._memory()}
+        out = {
+            "xla": self.enabled,
+            "compiles": None,
+            "compile_s": None,
+            "graphs_total": None,
+            "transfers": None,
+            "fallbacks": {},
+            "recompiles": len(self.events),
+            "new_recompiles": self._new_events,
+            "memory": self._memory(),
+            "syncs": [],
+        }
         self._new_events = []
         now = snapshot(self.rt)
         if now is not None and self._last is not None:
             prev = self._last
-            out.update(compiles=now["compiles"] - prev["compiles"], compile_s=now["compile_s"] - prev["compile_s"],
-                       graphs_total=now["compiles"], transfers=now["transfers"] - prev["transfers"],
-                       execute_s=now["execute_s"] - prev["execute_s"])
-            out["fallbacks"] = {k: v - prev["fallbacks"].get(k, 0) for k, v in now["fallbacks"].items()
-                                if v - prev["fallbacks"].get(k, 0) > 0}
+            out.update(
+                compiles=now["compiles"] - prev["compiles"],
+                compile_s=now["compile_s"] - prev["compile_s"],
+                graphs_total=now["compiles"],
+                transfers=now["transfers"] - prev["transfers"],
+                execute_s=now["execute_s"] - prev["execute_s"],
+            )
+            out["fallbacks"] = {
+                k: v - prev["fallbacks"].get(k, 0)
+                for k, v in now["fallbacks"].items()
+                if v - prev["fallbacks"].get(k, 0) > 0
+            }
             self._last = now
+            self.syncs = self.finder.take() if self.finder is not None else {}
+            out["syncs"] = [
+                (str(s) if s is not None else "(no user frame)", n)
+                for s, n in sorted(self.syncs.items(), key=lambda kv: -kv[1])
+            ]
             self._update_warnings(out, steps)
         out["warnings"] = list(self.warnings.values())
         return out
@@ -202,24 +259,19 @@ class HealthMonitor:
         return mem
 
     def _update_warnings(self, out: dict, steps: int) -> None:
-        by_reason: dict[str, int] = {}
-        for ev in self.events:
-            by_reason[ev["reason"]] = by_reason.get(ev["reason"], 0) + 1
-        for reason, n in by_reason.items():
-            times = "once" if n == 1 else f"{n} times"
-            self.warnings["recompile:" + reason] = f"recompiled {times} after warm-up: {reason}"
-        steps = max(steps, 1)
-        for op, n in out["fallbacks"].items():
-            key = "fallback:" + op
-            if n >= steps:
-                self.warnings[key] = (f"{op} falls back to CPU every step ({n} times in the last {steps} steps): "
-                                      "each fallback copies tensors to the host and back and cuts the graph")
-            elif key not in self.warnings or "every step" not in self.warnings[key]:
-                total = (self._last or {}).get("fallbacks", {}).get(op, n)
-                self.warnings[key] = f"{op} fell back to CPU {total} times so far"
-        # the loop's own metric read is one transfer per interval; fallbacks bring their own
-        extra = out["transfers"] - 1 - sum(out["fallbacks"].values())
-        if extra >= max(2, steps // 2):
-            self.warnings["transfers"] = (f"{out['transfers']} device->host transfers in the last {steps} steps: "
-                                          "a .item(), float(t), print(t) or .cpu() in the step waits for the device "
-                                          "each time; move it into a step closure")
+        counts = {
+            "compiles": out["compiles"],
+            "compile_s": out["compile_s"],
+            "execute_s": out["execute_s"],
+            "executions": steps,
+            "transfers": out["transfers"],
+            "fallbacks": out["fallbacks"],
+        }
+        totals = (self._last or {}).get("fallbacks", {})
+        # the loop's own metric read is one transfer per interval
+        for f in findings(counts, max(steps, 1), self.events, self.syncs, loop_reads=1):
+            if f.key.startswith("fallback:") and "every step" not in f.short:
+                if "every step" in self.warnings.get(f.key, ""):
+                    continue  # it was every step before: keep saying so
+                f = f._replace(short=f"{f.key[9:]} fell back to CPU {totals.get(f.key[9:], 0)} times so far")
+            self.warnings[f.key] = f.short

@@ -420,12 +420,12 @@ assert hist2[0]["loss"] < first - 0.3, "the resumed run did not start from the t
 
 # %% [markdown]
 # ## 8. What did XLA do?
-# `labkit.explain()` reads torch_xla's metrics report and says, in plain words, where the time went: compiling
+# `labkit.explain(dash)` reads torch_xla's metrics report and says, in plain words, where the time went: compiling
 # vs executing graphs, recompilations and their causes, `aten::` ops that fell back to the CPU, and device→host
 # transfers, each with what to do about it. On a GPU or plain CPU it says there is no XLA to explain.
 
 # %%
-info = labkit.explain()
+info = labkit.explain(dash)
 
 # %% [markdown]
 # **The lessons in those numbers**

@@ -340,11 +340,11 @@ if P.save_to:
 
 # %% [markdown]
 # ## 6. What did XLA do?
-# `labkit.explain()` reads torch_xla's metrics: compile vs execute time, recompilations and their causes, ops that
+# `labkit.explain(dash)` reads torch_xla's metrics: compile vs execute time, recompilations and their causes, ops that
 # fell back to the CPU, device→host transfers, each with what to do about it.
 
 # %%
-info = labkit.explain()
+info = labkit.explain(dash)
 
 # %% [markdown]
 # **Where to go from here**

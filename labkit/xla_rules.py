@@ -1,0 +1,182 @@
+"""The XLA diagnosis rules, in one place: the dashboard's warnings and labkit.explain() both use them.
+
+    counts = counts_from(metric_data, counter_value, counter_names)   # one counter -> dict conversion
+    for f in findings(counts, steps, events, syncs): print(f.short, "|", f.advice)
+
+Each Finding has a stable key (the dashboard shows each key once and updates it), a short line
+for the live panel, and the longer advice with the fix for explain(). The thresholds live here
+and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+# ops that fall back because their output size depends on the data
+DYNAMIC_OPS = {"nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "index.Tensor"}
+READS_PER_STEP = 0.5  # device->host reads per step (beyond fallbacks and the loop's own) that earn a warning
+MIN_READS = 3  # ... and never for fewer than this many in the window
+MANY_COMPILES = 20  # compiles with no recompile events seen that still look wrong (explain only)
+
+SAME_SHAPES_REASON = (
+    "graph changed with the same input shapes (a Python number baked into the graph, "
+    "e.g. a float learning rate or step count, or data-dependent Python control flow)"
+)
+
+
+BRANCH_REASON = "graph changed after Python branched on a device value (data-dependent control flow)"
+# counted by torch_xla under aten:: but not a fallback: the op behind .item()/bool(t), i.e. a read
+NOT_FALLBACKS = ("aten::_local_scalar_dense",)
+
+
+class Finding(NamedTuple):
+    key: str
+    short: str
+    advice: str
+
+
+def counts_from(metric_data, counter_value, counter_names) -> dict:
+    """The counters labkit reads, as one dict, from any source that answers torch_xla.debug.metrics'
+    three questions (the live module, or a parsed metrics_report() text)."""
+
+    def metric(name):
+        d = metric_data(name)
+        return (d[0], d[1]) if d else (0, 0.0)
+
+    compiles, compile_ns = metric("CompileTime")
+    execs, exec_ns = metric("ExecuteTime")
+    xfers, xfer_ns = metric("TransferFromDeviceTime")
+    fallbacks = {n: counter_value(n) or 0 for n in counter_names() if n.startswith("aten::") and n not in NOT_FALLBACKS}
+    return {
+        "compiles": compiles,
+        "compile_s": compile_ns / 1e9,
+        "executions": execs,
+        "execute_s": exec_ns / 1e9,
+        "transfers": xfers,
+        "transfer_s": xfer_ns / 1e9,
+        "fallbacks": fallbacks,
+        "cached_compiles": counter_value("CachedCompile") or 0,
+    }
+
+
+def _fix_for(reason: str) -> str:
+    if reason not in (SAME_SHAPES_REASON, BRANCH_REASON):  # an input's shape or dtype changed
+        return (
+            "pad to a fixed batch size or use drop_last=True (a short last batch compiles a new graph); "
+            "for variable lengths pad to a few bucket sizes; keep dtypes fixed"
+        )
+    return (
+        "keep changing Python numbers out of the graph (pass them as device tensors) and avoid branching "
+        "on tensor values (torch.where instead of `if t:`)"
+    )
+
+
+def recompile_findings(events: list[dict]) -> list[Finding]:
+    by_reason: dict[str, list[dict]] = {}
+    for ev in events:
+        by_reason.setdefault(ev["reason"], []).append(ev)
+    out = []
+    for reason, evs in by_reason.items():
+        n = len(evs)
+        times = "once" if n == 1 else f"{n} times"
+        where = next((e["site"] for e in evs if e.get("site")), None)
+        at = f" (compiled at {where})" if where else ""
+        steps = [e["step"] for e in evs]
+        out.append(
+            Finding(
+                "recompile:" + reason,
+                f"recompiled {times} after warm-up: {reason}{at}",
+                f"Recompiled {n} time(s) after warm-up (steps {', '.join(map(str, steps[:6]))}"
+                f"{'...' if n > 6 else ''}): {reason}{at}. Fix: {_fix_for(reason)}.",
+            )
+        )
+    return out
+
+
+def fallback_findings(fallbacks: dict, steps: int | None, totals: dict | None = None) -> list[Finding]:
+    """steps=None: the whole run (explain); else a window of that many steps (the dashboard)."""
+    out = []
+    for op, n in sorted(fallbacks.items(), key=lambda kv: -kv[1]):
+        base = op.split("::", 1)[1] if "::" in op else op
+        why = (
+            (
+                "its output size depends on the data; use a fixed-size form (a mask multiply or torch.where "
+                "instead of boolean indexing / nonzero / unique)"
+            )
+            if base in DYNAMIC_OPS
+            else ("no XLA lowering for it here; move it out of the training step or find an equivalent op")
+        )
+        advice = (
+            f"{op} ran on the CPU {n} time(s): each time the tensors travel to the host and back and "
+            f"the graph is cut. {why[0].upper() + why[1:]}."
+        )
+        if steps is not None and n >= steps:
+            short = (
+                f"{op} falls back to CPU every step ({n} times in the last {steps} steps): "
+                "each fallback copies tensors to the host and back and cuts the graph"
+            )
+        else:
+            short = f"{op} fell back to CPU {(totals or {}).get(op, n)} times so far"
+        out.append(Finding("fallback:" + op, short, advice))
+    return out
+
+
+def reads_finding(reads: int, steps: int, transfer_s: float | None = None, syncs: dict | None = None) -> list[Finding]:
+    """reads: device->host transfers made by the code (fallbacks and labkit's own reads taken out)."""
+    steps = max(steps, 1)
+    if reads < max(MIN_READS, READS_PER_STEP * steps):
+        return []
+    lines = ""
+    if syncs:
+        top = sorted(((n, s) for s, n in syncs.items() if s is not None), key=lambda t: -t[0])[:3]
+        lines = "; ".join(f"{s} x{n}" for n, s in top)
+    where = f" at {lines}" if lines else " (a .item(), float(t), print(t), `if t:` or .cpu() in the step)"
+    took = f" ({transfer_s:.2f} s)" if transfer_s else ""
+    return [
+        Finding(
+            "transfers",
+            f"{reads} device->host reads in the last {steps} steps{where}: "
+            "each waits for the device; read in a step closure every N steps",
+            f"{reads} device->host reads for {steps} steps{took}{where}: each one waits for the device "
+            "to finish. Move the read into a step closure (rt.add_step_closure) and read every N steps; "
+            "replace `if t:` by torch.where.",
+        )
+    ]
+
+
+def findings(
+    counts: dict, steps: int | None, events: list[dict], syncs: dict | None = None, loop_reads: int = 0
+) -> list[Finding]:
+    """Every rule over one set of counts. steps=None: the whole run (use executions as steps)."""
+    out = recompile_findings(events)
+    if steps is None and counts["compile_s"] > counts["execute_s"] and counts["compiles"]:
+        out.insert(
+            0,
+            Finding(
+                "compile_time",
+                "compiling took longer than running",
+                f"Compiling took longer than running ({counts['compile_s']:.1f} s vs "
+                f"{counts['execute_s']:.1f} s). Normal for a short run; in a long one it means the "
+                "graphs keep changing (see below).",
+            ),
+        )
+    if (
+        steps is None
+        and not events
+        and counts["compiles"] > MANY_COMPILES
+        and counts["compiles"] > 0.1 * max(counts["executions"], 1)
+    ):
+        out.append(
+            Finding(
+                "many_compiles",
+                f"{counts['compiles']} graphs compiled",
+                f"{counts['compiles']} graphs compiled for {counts['executions']} executions: shapes or "
+                "Python values change between steps. Pad to a fixed batch, use drop_last=True, keep "
+                "Python numbers out of the graph.",
+            )
+        )
+    out += fallback_findings(counts["fallbacks"], steps)
+    window = steps if steps is not None else counts["executions"]
+    reads = counts["transfers"] - loop_reads - sum(counts["fallbacks"].values())
+    out += reads_finding(reads, window, counts.get("transfer_s") if steps is None else None, syncs)
+    return out
