@@ -162,3 +162,36 @@ def export_decoder(gpt, max_batch: int = 64) -> torch.export.ExportedProgram:
     idx = torch.zeros(2, 3, dtype=torch.long)
     return torch.export.export(CachedStep(gpt), (idx, torch.zeros(1, dtype=torch.long), gpt.empty_cache(2)),
                                dynamic_shapes=({0: B, 1: T}, None, {2: B}))
+
+
+def stand_in_resnet(workdir: str | os.PathLike, steps: int = 60, seed: int = 0) -> Path:
+    """Train a small stand-in for notebook 01's model on the CPU and write its serving checkpoint under
+    workdir (with digits shards for train and val): ResNet-50 with the ImageNet stem, `steps` AdamW steps of
+    32 digits. For when no real checkpoint exists; its accuracy is far below a real run's."""
+    from data_tools import make_loader, write_dataset
+
+    from .models import resnet50_cifar
+
+    workdir = Path(workdir)
+    for split in ("train", "val"):
+        write_dataset("digits", split, str(workdir / split), samples_per_shard=400)
+    train = make_loader(str(workdir / "train" / "manifest.json"), 32, train=True, seed=seed)
+    val = make_loader(str(workdir / "val" / "manifest.json"), 32, train=False, mean=train.mean, std=train.std)
+    torch.manual_seed(seed)
+    model = resnet50_cifar(10, cifar_stem=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    step = 0
+    while step < steps:
+        for x, y in train:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step += 1
+            if step == steps:
+                break
+    model.eval()
+    return save_for_serving(model, evaluate(model, val), next(iter(val))[0], path=workdir / "resnet50_cifar.pt",
+                            arch={"name": "resnet50_cifar", "num_classes": 10, "cifar_stem": False},
+                            meta={"source": "digits", "val": str(workdir / "val" / "manifest.json"),
+                                  "classes": [str(i) for i in range(10)], "mean": train.mean, "std": train.std})

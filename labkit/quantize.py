@@ -68,7 +68,9 @@ def pt2e_api():
     try:
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
         from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
-            X86InductorQuantizer, get_default_x86_inductor_quantization_config)
+            X86InductorQuantizer,
+            get_default_x86_inductor_quantization_config,
+        )
         return prepare_pt2e, convert_pt2e, X86InductorQuantizer, get_default_x86_inductor_quantization_config, "torchao"
     except ImportError:
         pass
@@ -76,7 +78,9 @@ def pt2e_api():
         warnings.simplefilter("ignore", DeprecationWarning)   # "torch.ao.quantization ... removed in 2.10": see module doc
         from torch.ao.quantization.quantize_pt2e import convert_pt2e, prepare_pt2e
         from torch.ao.quantization.quantizer.x86_inductor_quantizer import (
-            X86InductorQuantizer, get_default_x86_inductor_quantization_config)
+            X86InductorQuantizer,
+            get_default_x86_inductor_quantization_config,
+        )
     return prepare_pt2e, convert_pt2e, X86InductorQuantizer, get_default_x86_inductor_quantization_config, "torch.ao"
 
 
@@ -112,7 +116,7 @@ def quantize_x86(model: torch.nn.Module, example: torch.Tensor, calibration, max
     if int8_weights(converted) == 0:
         raise RuntimeError("quantize_x86: no int8 weight came out of convert_pt2e; the quantizer matched no conv/linear")
     torch.ao.quantization.move_exported_model_to_eval(converted)   # batch norm / dropout in eval form
-    return converted
+    return drop_unused_weights(converted)
 
 
 def int8_weights(gm) -> int:
@@ -162,15 +166,37 @@ def throughput(fn, x: torch.Tensor, seconds: float = 2.0, warmup: int = 2, min_i
     return x.shape[0] / times[len(times) // 2]
 
 
+def batch_export(model, example: torch.Tensor) -> torch.export.ExportedProgram:
+    """torch.export with a dynamic batch; a converted int8 GraphModule is exported as it is (its train/eval
+    switch is disabled by pt2e), anything else in eval mode."""
+    if not isinstance(model, torch.fx.GraphModule):
+        model = model.eval()
+    return torch.export.export(model, (example,), dynamic_shapes=({0: batch_dim()},))
+
+
+def drop_unused_weights(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Delete parameters and buffers no graph node reads. convert_pt2e leaves the float32 originals on the
+    module next to the int8 copies the graph uses; an export would save both (measured: ResNet-50's int8
+    program came out 26 % larger than the float32 one)."""
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in [k for k, _ in gm.named_parameters()] + [k for k, _ in gm.named_buffers()]:
+        if name not in used:
+            owner, _, leaf = name.rpartition(".")
+            mod = gm.get_submodule(owner) if owner else gm
+            if hasattr(mod, leaf):
+                delattr(mod, leaf)
+    return gm
+
+
 def size_on_disk(obj, example: torch.Tensor | None = None) -> int:
     """Bytes of a saved model: a state_dict for an nn.Module (torch.save), or an exported program
     (torch.export.save) for a quantized GraphModule (its int8 weights live in the graph's constants)."""
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "model")
+        path = os.path.join(d, "model.pt2")
         if isinstance(obj, torch.export.ExportedProgram):
             torch.export.save(obj, path)
         elif isinstance(obj, torch.nn.Module) and example is None:
             torch.save(obj.state_dict(), path)
         else:
-            torch.export.save(torch.export.export(obj, (example,), dynamic_shapes=({0: batch_dim()},)), path)
+            torch.export.save(batch_export(obj, example), path)
         return os.path.getsize(path)
