@@ -8,6 +8,7 @@ one run with every model measured on the same cores one after another: images/s 
 and int8 compiled at each batch size, compile times, validation accuracy of each, sizes of the exported
 programs, the CPU's int8 flags, and the ratios int8/fp32 (throughput) and int8 - fp32 (accuracy).
 """
+
 import argparse
 import os
 import sys
@@ -76,11 +77,15 @@ def main():
         print(f"{n:14s} " + " ".join(f"{speed[n][b]:10.1f}" for b in batches) + f"  {acc[n]:7.2%}  {size:7.1f}")
     print()
     for b in batches:
-        print(f"batch {b:3d}: int8/fp32-compiled {speed['int8 compiled'][b] / speed['fp32 compiled'][b]:.2f}x, "
-              f"int8/fp32-eager {speed['int8 compiled'][b] / speed['fp32 eager'][b]:.2f}x, "
-              f"fp32 compiled/eager {speed['fp32 compiled'][b] / speed['fp32 eager'][b]:.2f}x")
-    print(f"accuracy int8 - fp32: {(acc['int8 compiled'] - acc['fp32 eager']) * 100:+.2f} points; "
-          f"size fp32/int8 {sizes['fp32'] / sizes['int8']:.2f}x")
+        print(
+            f"batch {b:3d}: int8/fp32-compiled {speed['int8 compiled'][b] / speed['fp32 compiled'][b]:.2f}x, "
+            f"int8/fp32-eager {speed['int8 compiled'][b] / speed['fp32 eager'][b]:.2f}x, "
+            f"fp32 compiled/eager {speed['fp32 compiled'][b] / speed['fp32 eager'][b]:.2f}x"
+        )
+    print(
+        f"accuracy int8 - fp32: {(acc['int8 compiled'] - acc['fp32 eager']) * 100:+.2f} points; "
+        f"size fp32/int8 {sizes['fp32'] / sizes['int8']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ device computed for one batch, so the CPU side can check its own against them wi
 Serving checkpoints go to $LABKIT_ARTIFACTS or ./checkpoints (`artifacts_dir`): one place both
 the training notebooks and notebook 05 look.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,13 +60,19 @@ def device_logits(model, x: torch.Tensor, rt=None, bf16: bool = False) -> torch.
         else:
             out = model(x.to(dev))
         out = out[0] if isinstance(out, tuple) else out
-        return out.float().cpu()   # one device->host transfer
+        return out.float().cpu()  # one device->host transfer
     finally:
         model.train(was)
 
 
-def save_for_serving(trainer, metrics: dict, example: torch.Tensor, arch: dict, meta: dict | None = None,
-                     path: str | os.PathLike | None = None) -> Path:
+def save_for_serving(
+    trainer,
+    metrics: dict,
+    example: torch.Tensor,
+    arch: dict,
+    meta: dict | None = None,
+    path: str | os.PathLike | None = None,
+) -> Path:
     """Write the trainer's model (CPU float32 tensors), its architecture, the final evaluation metrics,
     `meta` (plain data: class names, normalisation, where the validation data live) and a reference:
     the training device's logits for `example` under the run's autocast. Atomic (write + rename)."""
@@ -74,11 +81,19 @@ def save_for_serving(trainer, metrics: dict, example: torch.Tensor, arch: dict, 
     module = getattr(trainer, "module", trainer)
     rt, bf16 = getattr(trainer, "rt", None), bool(getattr(getattr(trainer, "cfg", None), "bf16", False))
     path = Path(path or artifacts_dir() / f"{arch.get('name', 'model')}.pt")
-    state = {"format": FORMAT, "arch": dict(arch), "model": to_cpu(module.state_dict(), rt),
-             "metrics": {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
-             "meta": to_cpu(dict(meta or {})),
-             "reference": {"x": example.detach().cpu(), "logits": device_logits(module, example, rt, bf16),
-                           "device": str(getattr(rt, "device", "cpu")), "bf16": bf16}}
+    state = {
+        "format": FORMAT,
+        "arch": dict(arch),
+        "model": to_cpu(module.state_dict(), rt),
+        "metrics": {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
+        "meta": to_cpu(dict(meta or {})),
+        "reference": {
+            "x": example.detach().cpu(),
+            "logits": device_logits(module, example, rt, bf16),
+            "device": str(getattr(rt, "device", "cpu")),
+            "bf16": bf16,
+        },
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".part")
     torch.save(state, tmp)
@@ -160,8 +175,11 @@ def export_decoder(gpt, max_batch: int = 64) -> torch.export.ExportedProgram:
     B = torch.export.Dim("batch", min=1, max=max_batch)
     T = torch.export.Dim("tokens", min=1, max=gpt.cfg.block_size)
     idx = torch.zeros(2, 3, dtype=torch.long)
-    return torch.export.export(CachedStep(gpt), (idx, torch.zeros(1, dtype=torch.long), gpt.empty_cache(2)),
-                               dynamic_shapes=({0: B, 1: T}, None, {2: B}))
+    return torch.export.export(
+        CachedStep(gpt),
+        (idx, torch.zeros(1, dtype=torch.long), gpt.empty_cache(2)),
+        dynamic_shapes=({0: B, 1: T}, None, {2: B}),
+    )
 
 
 def stand_in_resnet(workdir: str | os.PathLike, steps: int = 60, seed: int = 0) -> Path:
@@ -191,7 +209,17 @@ def stand_in_resnet(workdir: str | os.PathLike, steps: int = 60, seed: int = 0) 
             if step == steps:
                 break
     model.eval()
-    return save_for_serving(model, evaluate(model, val), next(iter(val))[0], path=workdir / "resnet50_cifar.pt",
-                            arch={"name": "resnet50_cifar", "num_classes": 10, "cifar_stem": False},
-                            meta={"source": "digits", "val": str(workdir / "val" / "manifest.json"),
-                                  "classes": [str(i) for i in range(10)], "mean": train.mean, "std": train.std})
+    return save_for_serving(
+        model,
+        evaluate(model, val),
+        next(iter(val))[0],
+        path=workdir / "resnet50_cifar.pt",
+        arch={"name": "resnet50_cifar", "num_classes": 10, "cifar_stem": False},
+        meta={
+            "source": "digits",
+            "val": str(workdir / "val" / "manifest.json"),
+            "classes": [str(i) for i in range(10)],
+            "mean": train.mean,
+            "std": train.std,
+        },
+    )

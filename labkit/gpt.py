@@ -24,7 +24,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-
 @dataclass
 class GPTConfig:
     vocab_size: int = 256       # bytes: no tokenizer to download or train

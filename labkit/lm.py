@@ -8,6 +8,7 @@
 Kept apart from labkit/gpt.py so that the model file depends on torch only (as nanoGPT's model.py):
 the dependency points loop -> model, never model -> loop.
 """
+
 from __future__ import annotations
 
 import torch.nn.functional as F

@@ -23,6 +23,7 @@ one instruction) or AMX (Sapphire Rapids and later: int8 tile matmuls); on AVX2-
 the int8 dot products with several instructions and the gain is small or negative. `cpu_flags` reads
 /proc/cpuinfo so a notebook can say which case it ran in.
 """
+
 from __future__ import annotations
 
 import os
@@ -58,8 +59,10 @@ def int8_outlook(flags: dict) -> str:
     if flags.get("avx512_vnni") or flags.get("avx_vnni"):
         return "VNNI: one instruction per 4 int8 multiply-adds; expect roughly 2-4x over fp32 on conv-heavy models"
     if flags.get("avx2"):
-        return ("AVX2 without VNNI: int8 dot products are emulated (vpmaddubsw + vpmaddwd), so int8 gains little "
-                "or loses against fp32; the same model on a VNNI or AMX CPU is where int8 pays")
+        return (
+            "AVX2 without VNNI: int8 dot products are emulated (vpmaddubsw + vpmaddwd), so int8 gains little "
+            "or loses against fp32; the same model on a VNNI or AMX CPU is where int8 pays"
+        )
     return "no AVX2: oneDNN falls back to reference int8 kernels; expect int8 to be slow"
 
 
@@ -71,11 +74,14 @@ def pt2e_api():
             X86InductorQuantizer,
             get_default_x86_inductor_quantization_config,
         )
+
         return prepare_pt2e, convert_pt2e, X86InductorQuantizer, get_default_x86_inductor_quantization_config, "torchao"
     except ImportError:
         pass
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)   # "torch.ao.quantization ... removed in 2.10": see module doc
+        warnings.simplefilter(
+            "ignore", DeprecationWarning
+        )  # "torch.ao.quantization ... removed in 2.10": see module doc
         from torch.ao.quantization.quantize_pt2e import convert_pt2e, prepare_pt2e
         from torch.ao.quantization.quantizer.x86_inductor_quantizer import (
             X86InductorQuantizer,
@@ -114,15 +120,20 @@ def quantize_x86(model: torch.nn.Module, example: torch.Tensor, calibration, max
             raise ValueError("calibration gave no batches: int8 activation ranges need a few hundred real inputs")
         converted = convert_pt2e(prepared)
     if int8_weights(converted) == 0:
-        raise RuntimeError("quantize_x86: no int8 weight came out of convert_pt2e; the quantizer matched no conv/linear")
-    torch.ao.quantization.move_exported_model_to_eval(converted)   # batch norm / dropout in eval form
+        raise RuntimeError(
+            "quantize_x86: no int8 weight came out of convert_pt2e; the quantizer matched no conv/linear"
+        )
+    torch.ao.quantization.move_exported_model_to_eval(converted)  # batch norm / dropout in eval form
     return drop_unused_weights(converted)
 
 
 def int8_weights(gm) -> int:
     """Number of int8 weight tensors held by a converted GraphModule (0 means nothing was quantized)."""
-    return sum(1 for n in gm.graph.nodes
-               if n.op == "get_attr" and getattr(getattr(gm, n.target, None), "dtype", None) == torch.int8)
+    return sum(
+        1
+        for n in gm.graph.nodes
+        if n.op == "get_attr" and getattr(getattr(gm, n.target, None), "dtype", None) == torch.int8
+    )
 
 
 @torch.no_grad()

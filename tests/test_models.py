@@ -1,4 +1,5 @@
 """Vision model builders: the CIFAR stem and notebook 01's optimizers."""
+
 import pytest
 import torch
 
