@@ -10,9 +10,9 @@ layer that shares its weight with the token embedding. Pre-norm keeps the residu
 identity path, so deep stacks train without warm-up tricks; weight tying saves vocab*n_embd
 parameters and ties "what a byte means" on input to "how likely it is" on output.
 
-`LMTrainer` is labkit's Trainer with the two hooks a language model needs (the model returns
-the loss itself; evaluation sums loss and next-byte hits over every position); `adamw` builds
-the usual optimizer, set up so that XLA keeps one graph for the whole run.
+This file imports torch only (as nanoGPT's model.py): the training loop for it is
+`labkit.lm.LMTrainer`. `adamw` builds the usual optimizer, set up so that XLA keeps one graph
+for the whole run.
 """
 from __future__ import annotations
 
@@ -22,8 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from .loop import Trainer
 
 
 @dataclass
@@ -58,6 +56,21 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
 
+    def forward_cached(self, x, pos, kv):
+        """x (B, t, C): t new tokens at positions pos..pos+t-1 (pos: a (1,) long tensor); kv (2, B, heads,
+        block_size, head_dim): this layer's keys and values, updated in place. The new tokens attend to
+        every cached position up to their own; slots past them are masked out, so the cache keeps one
+        shape (no new graph per token under torch.compile / torch.export)."""
+        B, t, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (u.view(B, t, self.n_head, C // self.n_head).transpose(1, 2) for u in (q, k, v))
+        idx = pos + torch.arange(t, device=x.device)                                  # (t,) absolute positions
+        kv[0].index_copy_(2, idx, k)
+        kv[1].index_copy_(2, idx, v)
+        visible = torch.arange(kv.shape[3], device=x.device)[None, :] <= idx[:, None]  # (t, block_size)
+        y = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=visible)
+        return self.proj(y.transpose(1, 2).reshape(B, t, C))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
@@ -81,6 +94,10 @@ class Block(nn.Module):
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))   # pre-norm: normalise the branch input, never the residual
+        return x + self.mlp(self.ln2(x))
+
+    def forward_cached(self, x, pos, kv):
+        x = x + self.attn.forward_cached(self.ln1(x), pos, kv)
         return x + self.mlp(self.ln2(x))
 
 
@@ -153,6 +170,69 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
+    def empty_cache(self, batch: int, device=None, dtype=torch.float32):
+        """A zeroed key/value cache (n_layer, 2, batch, n_head, block_size, head_dim) for forward_cached."""
+        c = self.cfg
+        return torch.zeros(c.n_layer, 2, batch, c.n_head, c.block_size, c.n_embd // c.n_head, device=device, dtype=dtype)
+
+    def forward_cached(self, idx, pos, cache):
+        """Logits (B, vocab) of the last of the tokens idx (B, t) placed at positions pos..pos+t-1 (pos: a
+        (1,) long tensor), reading and updating cache (from empty_cache) in place. t = prompt length fills
+        the cache (prefill); t = 1 then costs one token's work per step instead of a whole window's."""
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(pos + torch.arange(t, device=idx.device))
+        for i, block in enumerate(self.blocks):
+            x = block.forward_cached(x, pos, cache[i])
+        return self.lm_head(self.ln_f(x[:, -1]))
+
+    @torch.no_grad()
+    def generate_cached(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                        step=None):
+        """generate() with a key/value cache, for eager/compiled CPU or GPU inference; returns (B, max_new_tokens).
+
+        Each new token runs the model on that token alone, attending to the cached keys and values of
+        the ones before: about 2*N FLOPs per token (N parameters) instead of a forward pass over the
+        whole block_size window. step(idx, pos, cache) -> logits replaces self.forward_cached, e.g. a
+        torch.compile'd or torch.export'ed module (positions are tensors: no recompile per token).
+        Learned absolute positions cannot slide: when the cache is full, the last block_size // 2
+        tokens are prefilled again (one window-sized pass per block_size // 2 tokens), so past
+        block_size tokens the context right after a refill is shorter than generate()'s full window.
+        Until then greedy decoding gives exactly generate()'s tokens (tested)."""
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+        if top_k is not None and not 1 <= top_k <= self.cfg.vocab_size:
+            raise ValueError(f"top_k={top_k} must be between 1 and vocab_size={self.cfg.vocab_size}")
+        if idx.shape[1] == 0:
+            raise ValueError("generate_cached needs a prompt of at least one token")
+        step = step or self.forward_cached
+        T, dev = self.cfg.block_size, idx.device
+        dtype = next(self.parameters()).dtype
+        was_training = self.training
+        self.eval()
+        try:
+            ctx = idx[:, -T:]
+            cache = self.empty_cache(idx.shape[0], dev, dtype)
+            logits = step(ctx, torch.zeros(1, dtype=torch.long, device=dev), cache)   # prefill
+            n = ctx.shape[1]
+            out = []
+            for i in range(max_new_tokens):
+                nxt = _sample(logits.float(), temperature, top_k)
+                out.append(nxt)
+                if i == max_new_tokens - 1:
+                    break
+                if n == T:                               # cache full: refill it from the recent half
+                    ctx = torch.cat([ctx, nxt[:, None]], 1)[:, -(T // 2):]
+                    cache.zero_()
+                    logits = step(ctx, torch.zeros(1, dtype=torch.long, device=dev), cache)
+                    n = ctx.shape[1]
+                else:
+                    ctx = torch.cat([ctx, nxt[:, None]], 1)[:, -T:]
+                    logits = step(nxt[:, None], torch.full((1,), n, dtype=torch.long, device=dev), cache)
+                    n += 1
+        finally:
+            self.train(was_training)
+        return torch.stack(out, 1).cpu()
+
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None):
         """Continue prompts idx (B, T0) by max_new_tokens bytes; returns them as a (B, max_new_tokens)
@@ -172,7 +252,8 @@ class GPT(nn.Module):
           forward pass per token); the tokens come to the host once, at the end.
         Costs: every step computes the full window even while it is mostly padding (causal
         attention makes the padding after the read position invisible to it), and there is no
-        key/value cache, so each token costs a full forward pass over block_size positions."""
+        key/value cache, so each token costs a full forward pass over block_size positions
+        (generate_cached has one; it suits eager/compiled CPU and GPU inference)."""
         if temperature < 0:
             raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
         if top_k is not None and not 1 <= top_k <= self.cfg.vocab_size:
@@ -228,28 +309,6 @@ def _sync_fn(device):
 
         return torch_xla.sync
     return lambda: None
-
-
-class LMTrainer(Trainer):
-    """labkit.Trainer for next-token prediction: batches are (x, y), both (B, T) token ids.
-
-    Records: loss in nats per token; evaluate() gives val_loss (nats per token) and val_acc
-    (next-token accuracy). examples/s counts sequences: tokens/s = examples/s * T."""
-
-    def train_step(self, batch):
-        x, y = batch
-        with self.autocast():
-            _, loss = self.model(x, y)
-        self.backward(loss)
-        return loss
-
-    def eval_step(self, batch) -> dict:
-        x, y = batch
-        with self.autocast():
-            logits, _ = self.model(x)
-        logits = logits.float()
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction="sum")
-        return {"loss_sum": loss, "correct": (logits.argmax(-1) == y).sum(), "count": (y >= 0).sum()}
 
 
 def adamw(model, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95), rt=None) -> torch.optim.AdamW:

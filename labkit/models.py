@@ -1,6 +1,7 @@
 """Vision models sized for 32x32 inputs.
 
     model = labkit.models.resnet50_cifar(num_classes=10)
+    opt = labkit.models.image_optimizer(model, "sgd", lr=0.1, xla=rt.is_xla)
 
 torchvision's ResNet-50 was built for 224x224 ImageNet images: a 7x7 stride-2 stem conv and a
 stride-2 max-pool shrink the input 4x before the first block. On 32x32 CIFAR images that leaves
@@ -26,6 +27,21 @@ def resnet50_cifar(num_classes: int = 10, cifar_stem: bool = True, zero_init_res
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
     return model
+
+
+def image_optimizer(model: nn.Module, name: str, lr: float, xla: bool = False):
+    """The two optimizers notebook 01 offers for an image classifier.
+
+    sgd: Nesterov momentum 0.9, weight decay 5e-4 (the classic CIFAR recipe). adamw: weight decay 0.05,
+    capturable on XLA, so the bias corrections are computed on the device and the graph does not change
+    (recompile) when one of them rounds to exactly 1.0 after ~16,600 steps (see labkit.gpt.adamw)."""
+    import torch
+
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05, capturable=xla)
+    raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {name!r} (parameter 'optimizer')")
 
 
 def resnet_flops_per_image(model: nn.Module, size: int = 32) -> float:

@@ -287,6 +287,7 @@ del probe
 import time
 from labkit.checkpoint import CheckpointManager, to_cpu
 from labkit.loop import chance_accuracy
+from labkit.models import image_optimizer
 from labkit.optim import warmup_cosine
 
 
@@ -294,15 +295,8 @@ def build(seed):
     """A fresh model and optimizer (so this cell can run again from scratch)."""
     torch.manual_seed(seed)
     model = resnet50_cifar(num_classes=len(CLASSES), cifar_stem=P.cifar_stem)
-    if P.optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=P.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    elif P.optimizer == "adamw":
-        # capturable on XLA: the bias corrections are computed on the device, so the graph does not
-        # change (recompile) when one of them rounds to exactly 1.0 after ~16,600 steps (see labkit.gpt.adamw)
-        opt = torch.optim.AdamW(model.parameters(), lr=P.lr, weight_decay=0.05, capturable=rt.is_xla)
-    else:
-        raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {P.optimizer!r} (parameter 'optimizer')")
-    return model, opt
+    # SGD+Nesterov or AdamW (capturable on XLA: no recompile when a bias correction rounds to 1.0)
+    return model, image_optimizer(model, P.optimizer, P.lr, xla=rt.is_xla)
 
 
 cfg = labkit.TrainConfig(epochs=P.epochs, max_steps=P.max_steps, bf16=BF16, log_every=P.log_every,
@@ -325,6 +319,11 @@ TRAIN_S = time.perf_counter() - t0
 final = trainer.evaluate() if not trainer.eval_history or trainer.eval_history[-1]["step"] != trainer.step else trainer.eval_history[-1]
 ckpt.save(trainer.step, trainer.state_dict(), metrics=final, force=True)
 ckpt.wait()
+# a copy for serving (notebook 05 loads it on a CPU): $LABKIT_ARTIFACTS or ./checkpoints, outlives the GCS server
+from labkit.export import save_for_serving
+SERVING = save_for_serving(trainer, final, next(iter(val_loader))[0], meta={"source": SOURCE, "val": manifests["val"],
+                           "classes": CLASSES, "mean": train_loader.mean, "std": train_loader.std},
+                           arch={"name": "resnet50_cifar", "num_classes": len(CLASSES), "cifar_stem": P.cifar_stem})
 print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f}, val accuracy {final['val_acc']:.1%}")
 
 # %% [markdown]

@@ -189,7 +189,8 @@ print("one batch:", tuple(x.shape), x.dtype, "| targets are the inputs shifted b
 # per weight forward, two backward; the second term is attention's score and mixing products).
 
 # %%
-from labkit.gpt import GPT, GPTConfig, LMTrainer, adamw, bits_per_byte
+from labkit.gpt import GPT, GPTConfig, adamw, bits_per_byte
+from labkit.lm import LMTrainer
 from labkit.optim import warmup_cosine
 from labkit import flops
 
@@ -239,6 +240,8 @@ t0 = time.perf_counter()
 history = trainer.fit()
 TRAIN_S = time.perf_counter() - t0
 final = trainer.eval_history[-1]
+from labkit.export import save_for_serving    # a CPU copy for notebook 05 ($LABKIT_ARTIFACTS or ./checkpoints)
+save_for_serving(trainer, final, x[:4], arch={"name": "gpt", **dataclasses.asdict(gcfg)}, meta={"source": SOURCE})
 print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f} nats = "
       f"{bits_per_byte(final['val_loss']):.2f} bits per byte, next-byte accuracy {final['val_acc']:.1%}")
 

@@ -6,9 +6,8 @@ import torch
 
 import labkit
 from labkit import flops, gpt, text
-from labkit.gpt import GPT, GPTConfig, LMTrainer, bits_per_byte
+from labkit.gpt import GPT, GPTConfig, bits_per_byte
 from labkit.xla_health import compile_count
-
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -120,6 +119,41 @@ def test_greedy_generate_matches_naive_loop_on_cpu():
     assert torch.equal(m.generate(long, 5, temperature=0), naive_greedy(m, long, 5))
 
 
+def test_cached_step_gives_the_full_forward_logits():
+    m = tiny(1)
+    idx = torch.randint(0, 256, (3, 12))
+    full, _ = m(idx)
+    cache = m.empty_cache(3)
+    first = m.forward_cached(idx[:, :7], torch.zeros(1, dtype=torch.long), cache)   # prefill 7 tokens
+    torch.testing.assert_close(first, full[:, 6], atol=1e-5, rtol=1e-5)
+    for t in range(7, 12):                                                           # then one at a time
+        step = m.forward_cached(idx[:, t:t + 1], torch.tensor([t]), cache)
+        torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=1e-5)
+
+
+def test_generate_cached_equals_the_fixed_window_while_it_fits():
+    m = tiny(2, spread=1.0)
+    p = torch.randint(0, 256, (2, 4))
+    n = TINY.block_size - 4                     # prompt + new tokens fill the window exactly
+    assert torch.equal(m.generate_cached(p, n, temperature=0), m.generate(p, n, temperature=0))
+    assert torch.equal(m.generate_cached(p, n, temperature=0), naive_greedy(m, p, n))
+    long = m.generate_cached(p, 3 * TINY.block_size, temperature=0.9, top_k=5)   # refills the cache twice
+    assert long.shape == (2, 3 * TINY.block_size) and long.dtype == torch.long
+    with pytest.raises(ValueError, match="temperature"):
+        m.generate_cached(p, 2, temperature=-1)
+
+
+def test_exported_cached_step_has_a_dynamic_batch_and_matches_eager():
+    from labkit.export import export_decoder
+
+    m = tiny(3, spread=1.0)
+    ep = export_decoder(m)
+    step = ep.module()
+    for b in (1, 3):
+        p = torch.randint(0, 256, (b, 5))
+        assert torch.equal(m.generate_cached(p, 9, temperature=0, step=step), m.generate_cached(p, 9, temperature=0))
+
+
 def test_top_k_samples_only_among_the_k_best():
     m = tiny(spread=0.2)   # peaked enough for a clear top 3, flat enough to sample among them
     torch.manual_seed(4)
@@ -154,32 +188,6 @@ def test_generate_on_xla_compiles_a_fixed_number_of_graphs():
     assert compile_count() == c2                   # same shapes again: everything cached
     m.generate(p, 90, temperature=0.8, top_k=8)    # 50 more tokens: a new output buffer, no more
     assert compile_count() - c2 <= 3
-
-
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])   # bf16 autocast: the TPU default
-def test_trainer_lowers_loss_on_xla_without_recompiles(bf16):
-    rt = labkit.setup("xla-cpu")
-    rt.manual_seed(0)
-    train, val = text.split(text.load_corpus("offline"))
-    cfg = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    opt = gpt.adamw(model, 1e-2, rt=rt)   # built before the Trainer moves the model: it remaps the params
-    compiles = []
-
-    class Count:
-        def on_step_end(self, trainer, batch):
-            compiles.append(compile_count())
-
-    tc = labkit.TrainConfig(max_steps=40, log_every=10, bf16=bf16)
-    tr = LMTrainer(model, opt, rt, tc, text.TextBatches(train, 8, 32, 40),
-                   text.TextBatches(val, 8, 32, 2, fixed=True), callbacks=[Count()])
-    hist = tr.fit()
-    losses = [h["loss"] for h in hist]
-    assert losses[-1] < losses[0] - 0.3 and losses[-1] < math.log(256) - 1.5, losses
-    assert len(set(compiles[3:])) == 1, compiles      # flat after warm-up
-    ev = tr.eval_history[-1]
-    assert ev["val_loss"] < math.log(256) - 1.5 and 0 < ev["val_acc"] < 1
 
 
 def test_text_batches_shapes_reproducible_and_errors(tmp_path):
