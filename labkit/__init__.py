@@ -16,8 +16,8 @@ from .explain import explain
 from .loader import ParallelLoader, device_loader
 from .loop import Trainer
 from .optim import clip_grad_norm, optimizer_step
-from . import flops, gpt, text  # light: ~3 ms together (torch is already imported above)
+from . import flops, gpt, mesh, text  # light: ~3 ms together (torch is already imported above; mesh needs numpy)
 
 __all__ = ["BACKENDS", "BackendError", "Dashboard", "ParallelLoader", "Runtime", "TrainConfig", "Trainer",
            "clip_grad_norm", "current_runtime", "device_loader", "doctor", "explain", "fast_mode",
-           "flops", "force_console", "from_env", "gpt", "optimizer_step", "setup", "text"]
+           "flops", "force_console", "from_env", "gpt", "mesh", "optimizer_step", "setup", "text"]
