@@ -15,8 +15,8 @@ from .explain import explain
 from .loader import ParallelLoader, device_loader
 from .loop import Trainer
 from .optim import clip_grad_norm, optimizer_step
-from . import flops, gpt, precision, text  # light: ~3 ms together (torch is already imported above)
+from . import flops, gpt, mesh, precision, text  # light: ~3 ms together (torch is already imported above)
 
 __all__ = ["BACKENDS", "__version__", "BackendError", "Dashboard", "ParallelLoader", "Runtime", "TrainConfig", "Trainer",
            "clip_grad_norm", "current_runtime", "device_loader", "doctor", "explain", "fast_mode",
-           "flops", "force_console", "from_env", "gpt", "optimizer_step", "precision", "setup", "text"]
+           "flops", "force_console", "from_env", "gpt", "mesh", "optimizer_step", "precision", "setup", "text"]

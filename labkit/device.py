@@ -224,7 +224,7 @@ class Runtime:
         )
 
 
-def _setup_xla(kind: str, spmd: bool) -> Runtime:
+def _setup_xla(kind: str, spmd) -> Runtime:
     global _xla_kind
     want = "TPU" if kind == "tpu" else "CPU"
     if _xla_kind is not None and _xla_kind != kind:
@@ -243,7 +243,9 @@ def _setup_xla(kind: str, spmd: bool) -> Runtime:
     import torch_xla
     import torch_xla.runtime as xr
 
-    if spmd and not xr.is_spmd():
+    from .mesh import wants_spmd
+
+    if wants_spmd(spmd, kind) and not xr.is_spmd():  # "auto": more than one local device
         xr.use_spmd()  # must happen before any XLA tensor is created
     try:
         device = torch_xla.device()  # the PJRT client starts here (libtpu opens the chips)
@@ -307,15 +309,21 @@ def _setup_cuda() -> Runtime:
     )
 
 
-def setup(backend: str | None = None, *, spmd: bool = False, verbose: bool = False) -> Runtime:
+def setup(backend: str | None = None, *, spmd: bool | str = False, verbose: bool = False) -> Runtime:
     """Detect (or take) the backend, initialise it once, and return the Runtime.
 
     backend: None (auto), "tpu", "cuda", "xla-cpu" or "cpu"; LABKIT_BACKEND overrides auto.
-    spmd: XLA only; one process drives all local devices (torch_xla SPMD)."""
+    spmd: XLA only; one process drives all local devices (torch_xla SPMD). "auto" (or "on"/"off"):
+    on when this host has more than one XLA device, off elsewhere (see labkit.mesh)."""
+    from .mesh import parse_spmd
+
     global _current
+    spmd = parse_spmd(spmd)
     kind = resolve_backend(backend)
+    if spmd == "auto" and kind not in ("tpu", "xla-cpu"):
+        spmd = False
     rt = _runtimes.get(kind)
-    if rt is None or (spmd and not rt.spmd):
+    if rt is None or (spmd is True and not rt.spmd):
         if kind in ("tpu", "xla-cpu"):
             rt = _setup_xla(kind, spmd)
         elif kind == "cuda":

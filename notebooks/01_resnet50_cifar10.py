@@ -50,7 +50,8 @@ class Params:
     local_gcs: bool = False       # start a GCS-API server on 127.0.0.1 and use gs://labkit-local/... (no account needed)
     samples_per_shard: int = 2500
     upsample: int = 1             # repeat the train set K times (K=25: the 1.25 M-image "big CIFAR")
-    batch_size: int = 128         # per replica
+    batch_size: int = 128         # per chip: with SPMD one step takes batch_size x chips images
+    spmd: str = "auto"            # auto (on with more than one chip, e.g. a v5e-8) | on | off: one process, every chip
     epochs: int = 8
     max_steps: int = 0            # 0: no cap
     optimizer: str = "sgd"        # sgd (Nesterov momentum, the classic CIFAR recipe) | adamw
@@ -121,12 +122,14 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 # %%
 import torch
 
-rt = labkit.setup()
+rt = labkit.setup(spmd=P.spmd)
 report = labkit.doctor(rt)
 assert labkit.setup() is rt       # a second call (or running this cell again) gives the same runtime
 PREC = labkit.precision.choose(rt, P.bf16)  # bf16 on TPU / CUDA >= 8.0, fp16 + GradScaler below, else fp32
 BF16 = PREC.name == "bf16"
+PLAN = labkit.mesh.batch_plan(rt, P.batch_size)   # SPMD: the host loads every chip's share, sharded on "data"
 print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), precision {PREC}")
+print(PLAN.describe())
 
 # %% [markdown]
 # ### Use your own bucket
@@ -224,11 +227,11 @@ assert names[0].endswith((".cls", ".png")) and names[0].split(".")[0] == names[1
 # %%
 from data_tools import make_loader
 
-train_loader = make_loader(manifests["train"], P.batch_size, train=True, num_workers=P.num_workers, seed=P.seed)
-val_loader = make_loader(manifests["val"], P.batch_size, train=False, num_workers=P.num_workers,
+train_loader = make_loader(manifests["train"], PLAN.host_batch, train=True, num_workers=P.num_workers, seed=P.seed)
+val_loader = make_loader(manifests["val"], PLAN.host_batch, train=False, num_workers=P.num_workers,
                          mean=train_loader.mean, std=train_loader.std)
 n_train = sum(s["samples"] for s in load_manifest(manifests["train"])["shards"])
-assert len(train_loader) == n_train // (rt.world_size * P.batch_size)
+assert len(train_loader) == n_train // PLAN.global_batch
 x, y = next(iter(train_loader))
 print(f"{len(train_loader)} batches per epoch per replica; a batch: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}")
 print(f"normalised pixels: mean {x.mean():.2f}, std {x.std():.2f}")
@@ -345,8 +348,9 @@ if rt.is_xla:
     recompiles = dash.health.events
     print("recompilations after warm-up:", len(recompiles), [e["reason"] for e in recompiles])
     assert not recompiles, f"XLA recompiled after warm-up: {recompiles}"
-rates = [r["examples_per_s"] for r in history[1:]]
-print(f"throughput: {np.median(rates):.0f} examples/s (median over intervals after the first)")
+rates = labkit.mesh.throughput(float(np.median([r["examples_per_s"] for r in history[1:]])), PLAN)
+print(f"throughput: {rates['total']:.0f} examples/s in total, {rates['per_chip']:.0f} per chip over {PLAN.total_chips} "
+      f"chip(s) (median over intervals after the first); MFU per chip is on the dashboard")
 
 # %%
 ART = os.environ.get("LABKIT_ARTIFACTS")

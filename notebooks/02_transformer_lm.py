@@ -51,7 +51,8 @@ class Params:
     n_head: int = 6
     n_embd: int = 384
     dropout: float = 0.1
-    batch_size: int = 64          # sequences per replica and step: batch_size * block_size tokens
+    batch_size: int = 64          # sequences per chip and step: with SPMD a step takes batch_size x chips sequences
+    spmd: str = "auto"            # auto (on with more than one chip, e.g. a v5e-8) | on | off: one process, every chip
     max_steps: int = 5000
     evals: int = 10               # evaluate this many times during training (the steps split into equal parts)
     eval_batches: int = 20        # validation batches per evaluation (the same windows every time)
@@ -120,12 +121,14 @@ import math, time
 import numpy as np
 import torch
 
-rt = labkit.setup()
+rt = labkit.setup(spmd=P.spmd)
 report = labkit.doctor(rt)
 assert labkit.setup() is rt
 PREC = labkit.precision.choose(rt, P.bf16)  # bf16 on TPU / CUDA >= 8.0, fp16 + GradScaler below, else fp32
 BF16 = PREC.name == "bf16"
+PLAN = labkit.mesh.batch_plan(rt, P.batch_size)   # SPMD: the host loads every chip's share, sharded on "data"
 print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), precision {PREC}")
+print(PLAN.describe())
 
 # %% [markdown]
 # ## 2. The text
@@ -159,12 +162,12 @@ print("-" * 60)
 print(text.decode(train_data[2000:2400]))
 print("-" * 60)
 STEPS_PER_EVAL = max(1, P.max_steps // P.evals)
-train_batches = text.TextBatches(train_data, P.batch_size, P.block_size, STEPS_PER_EVAL, seed=P.seed,
+train_batches = text.TextBatches(train_data, PLAN.host_batch, P.block_size, STEPS_PER_EVAL, seed=P.seed,
                                  rank=rt.ordinal, world_size=rt.world_size, name=SOURCE)
-val_batches = text.TextBatches(val_data, P.batch_size, P.block_size, P.eval_batches, seed=P.seed + 1, fixed=True,
+val_batches = text.TextBatches(val_data, PLAN.host_batch, P.block_size, P.eval_batches, seed=P.seed + 1, fixed=True,
                                rank=rt.ordinal, world_size=rt.world_size, name=SOURCE)
 x, y = next(iter(train_batches))
-assert x.shape == y.shape == (P.batch_size, P.block_size) and torch.equal(x[:, 1:], y[:, :-1])
+assert x.shape == y.shape == (PLAN.host_batch, P.block_size) and torch.equal(x[:, 1:], y[:, :-1])
 print("one batch:", tuple(x.shape), x.dtype, "| targets are the inputs shifted by one byte")
 
 # %% [markdown]
@@ -201,7 +204,7 @@ with torch.no_grad():
     _, loss0 = probe(x, y)
 N = probe.num_params()
 FLOPS_PER_TOKEN = probe.flops_per_token()
-TOKENS_PER_STEP = P.batch_size * P.block_size
+TOKENS_PER_STEP = P.batch_size * P.block_size          # one chip's share of a step
 print(f"{N / 1e6:.2f} M parameters (without the position table), {FLOPS_PER_TOKEN / 1e6:.1f} MFLOPs per token trained")
 print(f"loss at initialisation {loss0.item():.3f} nats; uniform guessing gives ln 256 = {math.log(256):.3f}")
 assert abs(loss0.item() - math.log(256)) < 0.3
@@ -232,7 +235,7 @@ optimizer = adamw(model, P.lr, P.weight_decay, betas=(0.9, 0.95), rt=rt)   # dec
 scheduler = warmup_cosine(optimizer, warmup=max(1, P.max_steps // 20), total=P.max_steps, floor=0.1)
 cfg = labkit.TrainConfig(epochs=P.evals, max_steps=P.max_steps, bf16=BF16, clip_norm=1.0, log_every=P.log_every,
                          eval_every=1)
-dash = labkit.Dashboard(title=f"GPT {P.n_layer}x{P.n_embd} on {SOURCE} ({rt.kind})", tokens_per_step=TOKENS_PER_STEP,
+dash = labkit.Dashboard(title=f"GPT {P.n_layer}x{P.n_embd} on {SOURCE} ({rt.kind})", tokens_per_step=TOKENS_PER_STEP * PLAN.chips,
                         flops_per_step=FLOPS_PER_TOKEN * TOKENS_PER_STEP, peak_flops=PEAK)
 trainer = LMTrainer(model, optimizer, rt, cfg, train_batches, val_batches, scheduler=scheduler, callbacks=[dash],
                     precision=PREC)
@@ -272,10 +275,11 @@ if rt.is_xla:
     assert not dash.health.events, f"XLA recompiled after warm-up: {dash.health.events}"
 steady = [r for r in dash.history[1:] if r.get("tokens_per_s")] or dash.history[-1:]   # the first interval includes compiling
 TOK_S = float(np.median([r["tokens_per_s"] for r in steady]))
-MFU = flops.mfu(FLOPS_PER_TOKEN * TOKENS_PER_STEP, TOKENS_PER_STEP * rt.world_size / TOK_S, PEAK)
-print(f"throughput {TOK_S:,.0f} tokens/s ({TOK_S / rt.world_size:,.0f} per replica); "
-      f"{FLOPS_PER_TOKEN * TOK_S / rt.world_size / 1e12:.4f} TFLOP/s per replica")
-print(f"MFU {MFU:.2%} of {PEAK_SOURCE}" if MFU is not None else f"MFU unknown: {PEAK_SOURCE}")
+RATE = labkit.mesh.throughput(TOK_S, PLAN)             # tokens/s in total and per chip
+MFU = flops.mfu(FLOPS_PER_TOKEN * TOKENS_PER_STEP, TOKENS_PER_STEP / RATE["per_chip"], PEAK)   # per chip
+print(f"throughput {RATE['total']:,.0f} tokens/s in total, {RATE['per_chip']:,.0f} per chip over {PLAN.total_chips} chip(s); "
+      f"{FLOPS_PER_TOKEN * RATE['per_chip'] / 1e12:.4f} TFLOP/s per chip, {FLOPS_PER_TOKEN * RATE['total'] / 1e12:.4f} in total")
+print(f"MFU {MFU:.2%} per chip (the same for all of them together) of {PEAK_SOURCE}" if MFU is not None else f"MFU unknown: {PEAK_SOURCE}")
 
 # %%
 ART = os.environ.get("LABKIT_ARTIFACTS")

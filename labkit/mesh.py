@@ -1,0 +1,142 @@
+"""Every chip of the host in one process: SPMD switch, meshes and the data-parallel batch plan.
+
+    rt = labkit.setup(spmd="auto")          # SPMD when this host has more than one XLA device
+    plan = labkit.mesh.batch_plan(rt, per_chip=32)
+    loader = make_loader(..., plan.host_batch, ...)   # the host feeds its chips' share; the
+    # ParallelLoader shards dim 0 over the mesh's "data" axis (input_sharding), the model stays replicated
+
+Why SPMD and not one process per chip: on a TPU VM or a Kaggle v5e-8 a notebook has already
+initialised the runtime in its own process ("Runtime is already initialized" if it then spawns),
+torch_xla's FSDPv2 is SPMD-only, and `xmp.spawn` cannot be mixed with it. Under SPMD the program is
+written for ONE big device: tensors are logically global, `mark_sharding` says how each is laid out
+over a `Mesh` of devices, and XLA's partitioner inserts the collectives (all-reduce of gradients for
+data parallelism). On a CPU, `CPU_NUM_DEVICES=N` gives N virtual XLA devices to practise on.
+
+torch_xla-specific: `xr.use_spmd`, `xs.Mesh`, `xs.mark_sharding`. What carries over: the mesh and the
+placement vocabulary (Shard(dim) / Replicate() over named axes) are the same ideas as plain PyTorch's
+`torch.distributed.device_mesh.init_device_mesh` + DTensor, and JAX's `Mesh` + `PartitionSpec`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+SPMD_CHOICES = ("auto", "on", "off")
+
+
+def parse_spmd(value) -> str | bool:
+    """Returns "auto", True or False, from a bool or a string (auto, on/off, true/false, yes/no, 1/0).
+
+    Raises ValueError naming the setting for anything else."""
+    if isinstance(value, bool) or value is None:
+        return bool(value)
+    low = str(value).strip().lower()
+    if low == "auto":
+        return "auto"
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"spmd must be one of {', '.join(SPMD_CHOICES)} (or True/False), got {value!r}")
+
+
+def addressable_devices() -> int:
+    """XLA devices this process can drive (chips of the host; CPU_NUM_DEVICES on XLA:CPU).
+
+    Reading it starts the PJRT client but does not lock the SPMD choice: `xr.use_spmd()` may
+    still follow as long as no XLA tensor exists (measured with torch_xla 2.9)."""
+    import torch_xla.runtime as xr
+
+    return int(xr.addressable_runtime_device_count())
+
+
+def wants_spmd(spmd, kind: str) -> bool:
+    """Resolve setup()'s `spmd` for a backend: "auto" means on with more than one local XLA device."""
+    choice = parse_spmd(spmd)
+    xla = kind in ("tpu", "xla-cpu")
+    if choice == "auto":
+        return xla and addressable_devices() > 1
+    if choice and not xla:
+        raise ValueError(f"spmd=True needs an XLA backend (tpu or xla-cpu), not {kind!r}")
+    return bool(choice)
+
+
+def make_mesh(shape: tuple[int, ...] | None = None, axis_names: tuple[str, ...] = ("data",)):
+    """A torch_xla Mesh over all global devices. shape=None: 1-D over every device; one entry may
+    be -1 (the rest). Device ids are in order, so axis k's neighbours are adjacent ids (on a TPU the
+    physical ring order comes from the runtime's device ids)."""
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    n = int(xr.global_runtime_device_count())
+    shape = (n,) if shape is None else tuple(int(s) for s in shape)
+    if shape.count(-1) > 1:
+        raise ValueError(f"mesh shape {shape}: at most one -1")
+    if -1 in shape:
+        rest = int(np.prod([s for s in shape if s != -1]))
+        if rest <= 0 or n % rest:
+            raise ValueError(f"mesh shape {shape} does not divide {n} devices")
+        shape = tuple(n // rest if s == -1 else s for s in shape)
+    if int(np.prod(shape)) != n:
+        raise ValueError(f"mesh shape {shape} holds {int(np.prod(shape))} devices, but there are {n}")
+    if len(shape) != len(axis_names):
+        raise ValueError(f"mesh shape {shape} and axis names {axis_names} differ in length")
+    return xs.Mesh(np.arange(n), shape, axis_names)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one step's batch is split. per_chip is the notebook's batch_size parameter."""
+
+    per_chip: int
+    chips: int  # devices this host's batch is sharded over (1 without SPMD)
+    hosts: int  # processes feeding data (TPU pod hosts, torchrun ranks)
+    spmd: bool
+
+    @property
+    def host_batch(self) -> int:
+        """What this process's loader yields per step."""
+        return self.per_chip * (self.chips if self.spmd else 1)
+
+    @property
+    def global_batch(self) -> int:
+        """Samples in one optimizer step, over every chip of every host."""
+        return self.host_batch * self.hosts
+
+    @property
+    def total_chips(self) -> int:
+        return self.chips * self.hosts if self.spmd else self.hosts
+
+    def describe(self) -> str:
+        how = f"SPMD over {self.chips} device(s) per host" if self.spmd else "one device per process"
+        return (
+            f"batch {self.per_chip} per chip x {self.total_chips} chip(s) = {self.global_batch} per step "
+            f"({how}, {self.hosts} host process(es), {self.host_batch} loaded per host)"
+        )
+
+
+def batch_plan(rt, per_chip: int) -> BatchPlan:
+    """The batch plan for a Runtime: under SPMD one process feeds all of its addressable devices."""
+    if per_chip <= 0:
+        raise ValueError(f"batch size per chip must be positive, got {per_chip}")
+    chips = addressable_devices() if rt.spmd else 1
+    return BatchPlan(per_chip=per_chip, chips=chips, hosts=max(1, rt.world_size), spmd=bool(rt.spmd))
+
+
+def throughput(rate_total: float, plan: BatchPlan) -> dict:
+    """A measured rate (examples or tokens per second, all chips) as total and per chip."""
+    return {"total": rate_total, "per_chip": rate_total / max(1, plan.total_chips)}
+
+
+def virtual_cpu_devices(n: int) -> bool:
+    """On a CPU (no TPU), ask XLA:CPU for n virtual devices. Must run before torch_xla starts its
+    runtime; returns False (and changes nothing) on a TPU host or when CPU_NUM_DEVICES is already set."""
+    from .device import _tpu_evidence
+
+    if _tpu_evidence() or "CPU_NUM_DEVICES" in os.environ:
+        return False
+    os.environ["CPU_NUM_DEVICES"] = str(int(n))
+    return True
