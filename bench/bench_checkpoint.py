@@ -10,6 +10,7 @@ throughput (to_cpu + torch.save + crc32c + verified upload + pointer) against a 
 blob.upload_from_filename of the same bytes. On a 2-core machine the upload thread competes
 with XLA's compute threads for CPU, so the overlap ratio here is an upper bound of a TPU host's.
 """
+
 import argparse
 import os
 import statistics
@@ -97,8 +98,10 @@ def main():
             gcs.blob("gs://bench-ckpt/plain/x.pt").upload_from_filename(f.name)
             t_plain = time.perf_counter() - t0
         mb = size / 1e6
-        print(f"checkpoint {mb:.1f} MB: save {mb / t_ckpt:.0f} MB/s ({t_ckpt:.2f} s), plain upload "
-              f"{mb / t_plain:.0f} MB/s ({t_plain:.2f} s), ratio {t_ckpt / t_plain:.2f}x the plain time")
+        print(
+            f"checkpoint {mb:.1f} MB: save {mb / t_ckpt:.0f} MB/s ({t_ckpt:.2f} s), plain upload "
+            f"{mb / t_plain:.0f} MB/s ({t_plain:.2f} s), ratio {t_ckpt / t_plain:.2f}x the plain time"
+        )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ step on a 2-core XLA:CPU), loss read every 20 steps in a step closure:
 Trials interleave (rotating order) after each loop's warm-up, so drifts of the machine hit all.
 Prints per-trial times and the ratios dashboard / plain (goal <= 1.02).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,13 +88,17 @@ def main():
     rt = labkit.setup(a.backend)
     data = make_data(a.batch * (a.steps + 4), a.batch, a.dim)
     devnull = open(os.devnull, "w")
-    dashes = {"console": Dashboard(title="bench", sink=ConsoleSink(devnull)),
-              "no-finder": Dashboard(title="bench", sink=ConsoleSink(devnull), find_syncs=False),
-              "figure": Dashboard(title="bench", sink=FigureSink())}
-    loops = {"plain": Loop(rt, data, a.dim, a.hidden, []),
-             "console": Loop(rt, data, a.dim, a.hidden, [dashes["console"]]),
-             "no-finder": Loop(rt, data, a.dim, a.hidden, [dashes["no-finder"]]),
-             "figure": Loop(rt, data, a.dim, a.hidden, [dashes["figure"]])}
+    dashes = {
+        "console": Dashboard(title="bench", sink=ConsoleSink(devnull)),
+        "no-finder": Dashboard(title="bench", sink=ConsoleSink(devnull), find_syncs=False),
+        "figure": Dashboard(title="bench", sink=FigureSink()),
+    }
+    loops = {
+        "plain": Loop(rt, data, a.dim, a.hidden, []),
+        "console": Loop(rt, data, a.dim, a.hidden, [dashes["console"]]),
+        "no-finder": Loop(rt, data, a.dim, a.hidden, [dashes["no-finder"]]),
+        "figure": Loop(rt, data, a.dim, a.hidden, [dashes["figure"]]),
+    }
     for name, loop in loops.items():
         t = time.perf_counter()
         loop.run(25)  # compiles (step 0, step 1 with optimizer state) and one log interval
@@ -101,17 +106,21 @@ def main():
     names = list(loops)
     times = {k: [] for k in loops}
     for trial in range(a.trials):
-        order = names[trial % len(names):] + names[:trial % len(names)]
+        order = names[trial % len(names) :] + names[: trial % len(names)]
         for name in order:
             t = time.perf_counter()
             loops[name].run(a.steps)
             times[name].append((time.perf_counter() - t) / a.steps)
         print(f"trial {trial}: " + ", ".join(f"{k} {times[k][-1] * 1000:.1f} ms/step" for k in names), flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{rt.kind} MLP {a.dim}-{a.hidden}-{a.hidden}-10 batch {a.batch}, {a.steps} steps x {a.trials} trials: "
-          + ", ".join(f"{k} {v * 1000:.1f} ms/step" for k, v in med.items()))
-    print(f"draws: figure sink {dashes['figure'].frames} ({dashes['figure'].sink.renders} PNG renders), "
-          f"console {dashes['console'].frames} lines")
+    print(
+        f"{rt.kind} MLP {a.dim}-{a.hidden}-{a.hidden}-10 batch {a.batch}, {a.steps} steps x {a.trials} trials: "
+        + ", ".join(f"{k} {v * 1000:.1f} ms/step" for k, v in med.items())
+    )
+    print(
+        f"draws: figure sink {dashes['figure'].frames} ({dashes['figure'].sink.renders} PNG renders), "
+        f"console {dashes['console'].frames} lines"
+    )
     for k in ("console", "figure"):
         print(f"RATIO {k}-dashboard/plain step time = {med[k] / med['plain']:.3f} (goal <= 1.02)")
     # the recompile detective's line capture and the host-sync finder (labkit.syncs) on vs off

@@ -13,6 +13,7 @@ sample (and is recompiled for every other length). generate() compiles a fixed h
 a filling step, a sliding step) whatever the length. Last, on the plain CPU: the fixed window vs GPT.generate_cached's
 key/value cache (eager), tokens/s and their ratio.
 """
+
 import argparse
 import os
 import time
@@ -29,7 +30,7 @@ from labkit.xla_health import compile_count
 
 def textbook(model, idx, n, block, sync=True):
     for _ in range(n):
-        logits, _ = model(idx[:, max(0, idx.shape[1] - block):])  # XLA rejects an out-of-range -block slice
+        logits, _ = model(idx[:, max(0, idx.shape[1] - block) :])  # XLA rejects an out-of-range -block slice
         idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         if sync:
             torch_xla.sync()
@@ -53,18 +54,25 @@ def main():
     prompt = labkit.text.encode("The ")[None].to(rt.device)
     rows = {}
     with torch.no_grad():
-        for name, fn in (("textbook loop", lambda: textbook(model, prompt, args.tokens, args.block)),
-                         ("no sync", lambda: textbook(model, prompt, args.tokens, args.block, sync=False)),
-                         ("GPT.generate", lambda: model.generate(prompt, args.tokens, temperature=0))):
+        for name, fn in (
+            ("textbook loop", lambda: textbook(model, prompt, args.tokens, args.block)),
+            ("no sync", lambda: textbook(model, prompt, args.tokens, args.block, sync=False)),
+            ("GPT.generate", lambda: model.generate(prompt, args.tokens, temperature=0)),
+        ):
             out1, c1, t1 = timed(fn)
             out2, c2, t2 = timed(fn)
             rows[name] = (out1, c1, t1, c2, t2)
-            print(f"{name:14s} first call {t1:6.2f} s, {c1:3d} compiles | second call {t2:6.2f} s, {c2} compiles", flush=True)
+            print(
+                f"{name:14s} first call {t1:6.2f} s, {c1:3d} compiles | second call {t2:6.2f} s, {c2} compiles",
+                flush=True,
+            )
     (a, ca, ta, _, ta2), (b, cb, tb, _, tb2) = rows["textbook loop"], rows["GPT.generate"]
     u, cu, tu, _, _ = rows["no sync"]
     assert torch.equal(a, b) and torch.equal(u, b), "the loops decoded different bytes"
-    print(f"{args.tokens} tokens, block {args.block}: first call textbook/generate {ta / tb:.1f}x "
-          f"({ca} vs {cb} compiles), no-sync/generate {tu / tb:.1f}x; second call textbook/generate {ta2 / tb2:.2f}x")
+    print(
+        f"{args.tokens} tokens, block {args.block}: first call textbook/generate {ta / tb:.1f}x "
+        f"({ca} vs {cb} compiles), no-sync/generate {tu / tb:.1f}x; second call textbook/generate {ta2 / tb2:.2f}x"
+    )
     cpu_kv_cache(args)
 
 
@@ -73,10 +81,12 @@ def cpu_kv_cache(args):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=args.block, n_layer=2, n_head=4, n_embd=64)).eval()
     prompt = labkit.text.encode("The ")[None]
-    n = args.block - prompt.shape[1]                      # fill the window: the cache's best case
+    n = args.block - prompt.shape[1]  # fill the window: the cache's best case
     rates, outs = {}, {}
-    for name, fn in (("window", lambda: model.generate(prompt, n, temperature=0)),
-                     ("kv cache", lambda: model.generate_cached(prompt, n, temperature=0))):
+    for name, fn in (
+        ("window", lambda: model.generate(prompt, n, temperature=0)),
+        ("kv cache", lambda: model.generate_cached(prompt, n, temperature=0)),
+    ):
         fn()
         best = float("inf")
         for _ in range(3):

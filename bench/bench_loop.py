@@ -8,6 +8,7 @@ alternate (hand, labkit, hand, labkit, ...) after each loop's own warm-up (its c
 drifts of this noisy machine hit both. Prints per-trial times and the ratio labkit / hand-written
 (goal <= 1.01).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,7 +60,7 @@ class HandLoop:
             loss.backward()
             xm.optimizer_step(self.opt)
             if (i + 1) % 20 == 0:
-                xm.add_step_closure(lambda l: self.losses.append(l.item()), args=(loss,))
+                xm.add_step_closure(lambda v: self.losses.append(v.item()), args=(loss,))
             torch_xla.sync()
         xm.wait_device_ops()
 
@@ -102,12 +103,14 @@ def main():
         print(f"warm-up {name}: {time.perf_counter() - t:.1f} s", flush=True)
     times = {k: [] for k in loops}
     for trial in range(a.trials):
-        for name, loop in (loops.items() if trial % 2 == 0 else reversed(loops.items())):
+        for name, loop in loops.items() if trial % 2 == 0 else reversed(loops.items()):
             times[name].append(timed(loop, a.steps))
         print(f"trial {trial}: " + ", ".join(f"{k} {v[-1] * 1000:.0f} ms/step" for k, v in times.items()), flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{rt.kind} {a.model} batch {a.batch}: hand-written {med['hand-written'] * 1000:.0f} ms/step, "
-          f"labkit {med['labkit'] * 1000:.0f} ms/step")
+    print(
+        f"{rt.kind} {a.model} batch {a.batch}: hand-written {med['hand-written'] * 1000:.0f} ms/step, "
+        f"labkit {med['labkit'] * 1000:.0f} ms/step"
+    )
     print(f"RATIO labkit/hand-written step time = {med['labkit'] / med['hand-written']:.3f} (goal <= 1.01)")
 
 

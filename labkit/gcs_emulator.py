@@ -11,6 +11,7 @@ a folder and survive `restart()`. What it honours (measured): `if_generation_mat
 on simple/multipart uploads; crc32c/md5 like real GCS; a partly uploaded object never
 becomes visible. What it does not: preconditions on resumable uploads, copy, delete.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,13 +61,29 @@ class LocalGCSServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 10.0) -> "LocalGCSServer":
+    def start(self, timeout: float = 10.0) -> LocalGCSServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
         self.root.mkdir(parents=True, exist_ok=True)
-        cmd = [_binary(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
-               "-external-url", self.url, "-public-host", f"127.0.0.1:{self.port}",
-               "-backend", "filesystem", "-filesystem-root", str(self.root), "-log-level", "error"]
+        cmd = [
+            _binary(),
+            "-scheme",
+            "http",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(self.port),
+            "-external-url",
+            self.url,
+            "-public-host",
+            f"127.0.0.1:{self.port}",
+            "-backend",
+            "filesystem",
+            "-filesystem-root",
+            str(self.root),
+            "-log-level",
+            "error",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -109,7 +126,7 @@ class LocalGCSServer:
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> "LocalGCSServer":
+    def __enter__(self) -> LocalGCSServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -14,6 +14,7 @@ This file imports torch only (as nanoGPT's model.py): the training loop for it i
 `labkit.lm.LMTrainer`. `adamw` builds the usual optimizer, set up so that XLA keeps one graph
 for the whole run.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,13 +27,13 @@ import torch.nn.functional as F
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 256       # bytes: no tokenizer to download or train
-    block_size: int = 256       # longest context (positions the model has embeddings for)
+    vocab_size: int = 256  # bytes: no tokenizer to download or train
+    block_size: int = 256  # longest context (positions the model has embeddings for)
     n_layer: int = 6
     n_head: int = 6
     n_embd: int = 384
     dropout: float = 0.0
-    bias: bool = True           # biases in Linear and LayerNorm layers
+    bias: bool = True  # biases in Linear and LayerNorm layers
 
 
 class CausalSelfAttention(nn.Module):
@@ -64,7 +65,7 @@ class CausalSelfAttention(nn.Module):
         B, t, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (u.view(B, t, self.n_head, C // self.n_head).transpose(1, 2) for u in (q, k, v))
-        idx = pos + torch.arange(t, device=x.device)                                  # (t,) absolute positions
+        idx = pos + torch.arange(t, device=x.device)  # (t,) absolute positions
         kv[0].index_copy_(2, idx, k)
         kv[1].index_copy_(2, idx, v)
         visible = torch.arange(kv.shape[3], device=x.device)[None, :] <= idx[:, None]  # (t, block_size)
@@ -93,7 +94,7 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x):
-        x = x + self.attn(self.ln1(x))   # pre-norm: normalise the branch input, never the residual
+        x = x + self.attn(self.ln1(x))  # pre-norm: normalise the branch input, never the residual
         return x + self.mlp(self.ln2(x))
 
     def forward_cached(self, x, pos, kv):
@@ -173,7 +174,9 @@ class GPT(nn.Module):
     def empty_cache(self, batch: int, device=None, dtype=torch.float32):
         """A zeroed key/value cache (n_layer, 2, batch, n_head, block_size, head_dim) for forward_cached."""
         c = self.cfg
-        return torch.zeros(c.n_layer, 2, batch, c.n_head, c.block_size, c.n_embd // c.n_head, device=device, dtype=dtype)
+        return torch.zeros(
+            c.n_layer, 2, batch, c.n_head, c.block_size, c.n_embd // c.n_head, device=device, dtype=dtype
+        )
 
     def forward_cached(self, idx, pos, cache):
         """Logits (B, vocab) of the last of the tokens idx (B, t) placed at positions pos..pos+t-1 (pos: a
@@ -186,8 +189,7 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x[:, -1]))
 
     @torch.no_grad()
-    def generate_cached(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                        step=None):
+    def generate_cached(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None, step=None):
         """generate() with a key/value cache, for eager/compiled CPU or GPU inference; returns (B, max_new_tokens).
 
         Each new token runs the model on that token alone, attending to the cached keys and values of
@@ -212,7 +214,7 @@ class GPT(nn.Module):
         try:
             ctx = idx[:, -T:]
             cache = self.empty_cache(idx.shape[0], dev, dtype)
-            logits = step(ctx, torch.zeros(1, dtype=torch.long, device=dev), cache)   # prefill
+            logits = step(ctx, torch.zeros(1, dtype=torch.long, device=dev), cache)  # prefill
             n = ctx.shape[1]
             out = []
             for i in range(max_new_tokens):
@@ -220,8 +222,8 @@ class GPT(nn.Module):
                 out.append(nxt)
                 if i == max_new_tokens - 1:
                     break
-                if n == T:                               # cache full: refill it from the recent half
-                    ctx = torch.cat([ctx, nxt[:, None]], 1)[:, -(T // 2):]
+                if n == T:  # cache full: refill it from the recent half
+                    ctx = torch.cat([ctx, nxt[:, None]], 1)[:, -(T // 2) :]
                     cache.zero_()
                     logits = step(ctx, torch.zeros(1, dtype=torch.long, device=dev), cache)
                     n = ctx.shape[1]
@@ -263,20 +265,20 @@ class GPT(nn.Module):
         B, n = idx.shape[0], min(idx.shape[1], T)
         if n == 0:
             raise ValueError("generate needs a prompt of at least one token")
-        buf = F.pad(idx[:, -n:], (0, T - n))                      # (B, T): prompt, then padding
+        buf = F.pad(idx[:, -n:], (0, T - n))  # (B, T): prompt, then padding
         cols = torch.arange(T, device=dev).unsqueeze(0)
         out = torch.zeros(B, max_new_tokens, dtype=torch.long, device=dev)
         out_cols = torch.arange(max_new_tokens, device=dev).unsqueeze(0)
-        pos = torch.full((1,), n, dtype=torch.long, device=dev)   # tokens in the window (device)
+        pos = torch.full((1,), n, dtype=torch.long, device=dev)  # tokens in the window (device)
         step = torch.zeros((1,), dtype=torch.long, device=dev)
         was_training = self.training
         self.eval()
         try:
             for _ in range(max_new_tokens):
-                full = n >= T                                      # host-side: picks the graph
+                full = n >= T  # host-side: picks the graph
                 h = self.hidden(buf)
                 h = h[:, -1:] if full else h.index_select(1, pos - 1)
-                nxt = _sample(self.lm_head(h)[:, 0].float(), temperature, top_k)   # (B,)
+                nxt = _sample(self.lm_head(h)[:, 0].float(), temperature, top_k)  # (B,)
                 out = torch.where(out_cols == step, nxt[:, None], out)
                 step = step + 1
                 if full:

@@ -12,6 +12,7 @@ the same 32x32 input (2.6 GFLOPs forward per image instead of 0.17, measured wit
 `resnet_flops_per_image`). On a 2-core CPU that is several seconds per step, so the notebook's
 CI-sized run keeps torchvision's stem (`cifar_stem=False`) and says so.
 """
+
 from __future__ import annotations
 
 import torch.nn as nn

@@ -21,6 +21,7 @@ Batches are random windows drawn with a seeded torch.Generator, so a run is repr
 always the same shape, so XLA compiles the training step once (a short last batch would be a
 new shape, i.e. a recompilation).
 """
+
 from __future__ import annotations
 
 import os
@@ -108,13 +109,25 @@ class TextBatches:
     that for evaluation: the same windows every time, so val losses compare). rank/world_size
     give each replica its own windows. name: shown in errors."""
 
-    def __init__(self, data, batch_size: int, block_size: int, steps: int, seed: int = 0,
-                 fixed: bool = False, rank: int = 0, world_size: int = 1, name: str = "corpus"):
+    def __init__(
+        self,
+        data,
+        batch_size: int,
+        block_size: int,
+        steps: int,
+        seed: int = 0,
+        fixed: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        name: str = "corpus",
+    ):
         if not isinstance(data, torch.Tensor):
             data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         if len(data) < block_size + 2:
-            raise ValueError(f"{name} has {len(data)} bytes: too short for block_size={block_size} "
-                             f"(needs at least {block_size + 2}); use a longer text or a smaller block_size")
+            raise ValueError(
+                f"{name} has {len(data)} bytes: too short for block_size={block_size} "
+                f"(needs at least {block_size + 2}); use a longer text or a smaller block_size"
+            )
         self.data, self.batch_size, self.block_size, self.steps = data, batch_size, block_size, steps
         self.seed, self.fixed, self.rank, self.world_size, self.epoch = seed, fixed, rank, world_size, 0
         self._offsets = torch.arange(block_size + 1)
@@ -127,11 +140,12 @@ class TextBatches:
 
     def __iter__(self):
         g = torch.Generator().manual_seed(
-            hash((self.seed, 0 if self.fixed else self.epoch, self.rank, self.world_size)) % 2**63)
+            hash((self.seed, 0 if self.fixed else self.epoch, self.rank, self.world_size)) % 2**63
+        )
         hi = len(self.data) - self.block_size - 1  # last valid start (exclusive upper bound + 1)
         for _ in range(self.steps):
             starts = torch.randint(0, hi + 1, (self.batch_size,), generator=g)
-            win = self.data[starts[:, None] + self._offsets].long()   # (B, T+1), one gather
+            win = self.data[starts[:, None] + self._offsets].long()  # (B, T+1), one gather
             yield win[:, :-1].contiguous(), win[:, 1:].contiguous()
 
     @property

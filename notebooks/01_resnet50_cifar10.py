@@ -161,7 +161,6 @@ if not P.local_gcs and gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_p
 # would to Google: the same `gs://` code path, no account needed.
 
 # %%
-import json
 from labkit import gcs
 from labkit.envsetup import online
 from data_tools import load_manifest, write_dataset

@@ -7,6 +7,7 @@ working directory. Executed copies go to OUT/<name>.ipynb; every image/png outpu
 to OUT/<name>/figure-<cell>-<n>.png so a person can look at them. What the cells printed (loss,
 accuracy, the XLA summary) is echoed with the cell number unless --quiet. Exits non-zero if a cell fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ def run(path: Path, out: Path, timeout: int, quiet: bool = False) -> float:
     # MPLBACKEND=Agg (right for pytest) would make plt.show() and returned figures draw nothing
     os.environ.pop("MPLBACKEND", None)
     (out / path.stem).mkdir(parents=True, exist_ok=True)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent.resolve())}})
+    client = NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent.resolve())}}
+    )
     t0 = time.perf_counter()
     try:
         client.execute()

@@ -8,6 +8,7 @@ The epoch order depends only on (seed, epoch), so a resumed run sees the same ba
 DataLoader gets its own generator because creating an iterator otherwise draws from torch's
 global RNG, which would shift the dropout draws of a run resumed mid-epoch.
 """
+
 import argparse
 import os
 import signal
@@ -53,20 +54,28 @@ def main():
     rt.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(40, 8, generator=g), torch.randint(0, 3, (40,), generator=g)
-    loader = Loader(TensorDataset(x, y), batch_size=8, sampler=EpochSampler(40, seed=7), drop_last=True,
-                    generator=torch.Generator().manual_seed(3))  # iterator seeds: not from the global RNG
+    loader = Loader(
+        TensorDataset(x, y),
+        batch_size=8,
+        sampler=EpochSampler(40, seed=7),
+        drop_last=True,
+        generator=torch.Generator().manual_seed(3),
+    )  # iterator seeds: not from the global RNG
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
-    cfg = labkit.TrainConfig(epochs=100, max_steps=a.steps, checkpoint_every=a.every, resume=a.resume,
-                             log_every=0, eval_every=0)
+    cfg = labkit.TrainConfig(
+        epochs=100, max_steps=a.steps, checkpoint_every=a.every, resume=a.resume, log_every=0, eval_every=0
+    )
     ckpt = CheckpointManager(a.root, keep=2, rt=rt, retry_deadline_s=5)
     cbs = []
     if a.kill_at:
+
         class Killer:
             def on_step_end(self, trainer, batch):
                 if trainer.step == a.kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)
+
         cbs.append(Killer())
     tr = labkit.Trainer(model, opt, rt, cfg, loader, scheduler=sched, checkpoint=ckpt, callbacks=cbs)
     tr.fit()

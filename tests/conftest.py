@@ -1,4 +1,5 @@
 """Shared fixtures: XLA:CPU environment, a real loopback GCS server, tiny data."""
+
 from __future__ import annotations
 
 import os

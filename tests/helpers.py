@@ -1,4 +1,5 @@
 """Tiny data and models shared by tests."""
+
 import torch
 import torch.nn as nn
 

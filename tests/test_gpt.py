@@ -1,4 +1,5 @@
 """The byte-level GPT, its generation on XLA, FLOP counts, MFU, and the text batches."""
+
 import math
 
 import pytest
@@ -31,7 +32,7 @@ def tiny(seed=0, spread=0.0, cfg=TINY):
 def naive_greedy(model, idx, n):
     """The textbook loop: crop to the window, run, take the last position's argmax, append."""
     for _ in range(n):
-        logits, _ = model(idx[:, -model.cfg.block_size:])
+        logits, _ = model(idx[:, -model.cfg.block_size :])
         idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return idx[:, -n:]
 
@@ -42,7 +43,7 @@ def test_shapes_and_initial_loss_near_uniform():
     x, y = torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 256, (4, 16), generator=g)
     logits, loss = m(x, y)
     assert logits.shape == (4, 16, 256) and loss.dim() == 0
-    assert abs(loss.item() - math.log(256)) < 0.1, loss.item()   # small init: ~uniform predictions
+    assert abs(loss.item() - math.log(256)) < 0.1, loss.item()  # small init: ~uniform predictions
     assert m(x[:, :5])[0].shape == (4, 5, 256) and m(x)[1] is None
     with pytest.raises(ValueError, match="block_size=16"):
         m(torch.zeros(1, 17, dtype=torch.long))
@@ -76,7 +77,7 @@ def test_weight_tying_and_parameter_count():
     m.train()
     m(x, x)[1].backward()
     untouched = torch.ones(V, dtype=torch.bool)
-    untouched[x.unique()] = False   # rows not used as inputs get gradient only through the head
+    untouched[x.unique()] = False  # rows not used as inputs get gradient only through the head
     assert m.wte.weight.grad[untouched].abs().sum() > 0
 
 
@@ -112,10 +113,10 @@ def test_mfu_and_peak_lookup(monkeypatch):
 def test_greedy_generate_matches_naive_loop_on_cpu():
     m = tiny(spread=1.0)
     prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(3))
-    ref = naive_greedy(m, prompt, 30)   # 5 + 30 > block_size 16: the window fills, then slides
+    ref = naive_greedy(m, prompt, 30)  # 5 + 30 > block_size 16: the window fills, then slides
     assert torch.equal(m.generate(prompt, 30, temperature=0), ref)
     assert torch.equal(m.generate(prompt, 30, top_k=1), ref)
-    long = torch.randint(0, 256, (1, 40))   # longer than the window: only the last 16 count
+    long = torch.randint(0, 256, (1, 40))  # longer than the window: only the last 16 count
     assert torch.equal(m.generate(long, 5, temperature=0), naive_greedy(m, long, 5))
 
 
@@ -124,20 +125,20 @@ def test_cached_step_gives_the_full_forward_logits():
     idx = torch.randint(0, 256, (3, 12))
     full, _ = m(idx)
     cache = m.empty_cache(3)
-    first = m.forward_cached(idx[:, :7], torch.zeros(1, dtype=torch.long), cache)   # prefill 7 tokens
+    first = m.forward_cached(idx[:, :7], torch.zeros(1, dtype=torch.long), cache)  # prefill 7 tokens
     torch.testing.assert_close(first, full[:, 6], atol=1e-5, rtol=1e-5)
-    for t in range(7, 12):                                                           # then one at a time
-        step = m.forward_cached(idx[:, t:t + 1], torch.tensor([t]), cache)
+    for t in range(7, 12):  # then one at a time
+        step = m.forward_cached(idx[:, t : t + 1], torch.tensor([t]), cache)
         torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=1e-5)
 
 
 def test_generate_cached_equals_the_fixed_window_while_it_fits():
     m = tiny(2, spread=1.0)
     p = torch.randint(0, 256, (2, 4))
-    n = TINY.block_size - 4                     # prompt + new tokens fill the window exactly
+    n = TINY.block_size - 4  # prompt + new tokens fill the window exactly
     assert torch.equal(m.generate_cached(p, n, temperature=0), m.generate(p, n, temperature=0))
     assert torch.equal(m.generate_cached(p, n, temperature=0), naive_greedy(m, p, n))
-    long = m.generate_cached(p, 3 * TINY.block_size, temperature=0.9, top_k=5)   # refills the cache twice
+    long = m.generate_cached(p, 3 * TINY.block_size, temperature=0.9, top_k=5)  # refills the cache twice
     assert long.shape == (2, 3 * TINY.block_size) and long.dtype == torch.long
     with pytest.raises(ValueError, match="temperature"):
         m.generate_cached(p, 2, temperature=-1)
@@ -155,7 +156,7 @@ def test_exported_cached_step_has_a_dynamic_batch_and_matches_eager():
 
 
 def test_top_k_samples_only_among_the_k_best():
-    m = tiny(spread=0.2)   # peaked enough for a clear top 3, flat enough to sample among them
+    m = tiny(spread=0.2)  # peaked enough for a clear top 3, flat enough to sample among them
     torch.manual_seed(4)
     prompt = torch.randint(0, 256, (3, 4))
     out = m.generate(prompt, 20, temperature=1.5, top_k=3)
@@ -164,7 +165,7 @@ def test_top_k_samples_only_among_the_k_best():
         ctx = seq[:, : 4 + t][:, -16:]
         top3 = m(ctx)[0][:, -1].topk(3).indices
         assert (top3 == out[:, t : t + 1]).any(1).all(), t
-    assert m.training is False and len(set(out.flatten().tolist())) > 3   # it samples, not argmax
+    assert m.training is False and len(set(out.flatten().tolist())) > 3  # it samples, not argmax
 
 
 def test_generate_on_xla_compiles_a_fixed_number_of_graphs():
@@ -181,12 +182,12 @@ def test_generate_on_xla_compiles_a_fixed_number_of_graphs():
     # one graph per phase (window filling, window sliding) plus set-up: not one per token
     assert first <= 6, first
     c1 = compile_count()
-    m.generate(p, 40, temperature=0.8, top_k=8)   # sampling adds its own step graphs, once
+    m.generate(p, 40, temperature=0.8, top_k=8)  # sampling adds its own step graphs, once
     c2 = compile_count()
     assert c2 - c1 <= 6, c2 - c1
     m.generate(p, 40, temperature=0.8, top_k=8)
-    assert compile_count() == c2                   # same shapes again: everything cached
-    m.generate(p, 90, temperature=0.8, top_k=8)    # 50 more tokens: a new output buffer, no more
+    assert compile_count() == c2  # same shapes again: everything cached
+    m.generate(p, 90, temperature=0.8, top_k=8)  # 50 more tokens: a new output buffer, no more
     assert compile_count() - c2 <= 3
 
 
@@ -204,11 +205,11 @@ def test_text_batches_shapes_reproducible_and_errors(tmp_path):
     again = list(text.TextBatches(train, 4, 8, steps=3, seed=7))
     assert all(torch.equal(a[0], c[0]) for a, c in zip(got, again))
     b.set_epoch(1)
-    assert not torch.equal(next(iter(b))[0], got[0][0])             # a new draw per epoch
+    assert not torch.equal(next(iter(b))[0], got[0][0])  # a new draw per epoch
     ev = text.TextBatches(val, 4, 8, steps=2, fixed=True)
     first = next(iter(ev))[0]
     ev.set_epoch(5)
-    assert torch.equal(next(iter(ev))[0], first)                      # evaluation: same windows
+    assert torch.equal(next(iter(ev))[0], first)  # evaluation: same windows
     short = tmp_path / "short.txt"
     short.write_bytes(b"too short")
     with pytest.raises(ValueError, match="short.txt.*block_size=64"):
@@ -223,7 +224,7 @@ def test_download_caches_once_and_names_the_url(tmp_path, monkeypatch):
     src = tmp_path / "src.txt"
     src.write_text("to be or not to be")
     path = text.download(src.as_uri(), "x.txt")
-    src.unlink()                                   # the second call must not fetch again
+    src.unlink()  # the second call must not fetch again
     assert text.download(src.as_uri(), "x.txt") == path and path.read_text() == "to be or not to be"
     with pytest.raises(ConnectionError, match="missing.txt"):
         text.download((tmp_path / "missing.txt").as_uri(), "y.txt")
@@ -236,7 +237,7 @@ def test_adamw_keeps_one_graph_past_the_bias_correction_rounding(capturable):
     torch_xla bakes the constant 1 into the graph. gpt.adamw (capturable on XLA) does not."""
     rt = labkit.setup("xla-cpu")
     torch.manual_seed(0)
-    m = torch.nn.Linear(4, 4).to(rt.device)   # the optimizer's graph is what matters, not the model's
+    m = torch.nn.Linear(4, 4).to(rt.device)  # the optimizer's graph is what matters, not the model's
     opt = gpt.adamw(m, 1e-3, rt=rt if capturable else None)
     x = torch.ones(2, 4).to(rt.device)
     counts = []

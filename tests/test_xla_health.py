@@ -1,5 +1,6 @@
 """XLA health readings: host-only, shape-change descriptions, recompiles with unchanged shapes,
 and labkit.explain over a live process and over a saved metrics_report() text."""
+
 import pytest
 import torch
 
@@ -44,10 +45,14 @@ def test_shape_signature_and_change_descriptions():
     assert sig == ((0, (32, 3, 8, 8), "float32"), (1, (32,), "int64"))
     assert describe_change(sig, shape_signature((x[:17], y[:17]))) == "batch shape changed (32→17)"
     seq = shape_signature({"ids": torch.zeros(8, 128, dtype=torch.long)})
-    assert describe_change(seq, shape_signature({"ids": torch.zeros(8, 96, dtype=torch.long)})) == \
-        "input 'ids' dim 1 changed (128→96)"
+    assert (
+        describe_change(seq, shape_signature({"ids": torch.zeros(8, 96, dtype=torch.long)}))
+        == "input 'ids' dim 1 changed (128→96)"
+    )
     assert describe_change(sig, shape_signature((x.half(), y))) == "input 0 dtype changed (float32→float16)"
-    assert describe_change(sig, shape_signature((x[:, :1, :4, :4], y))) == "input 0 shape changed ([32,3,8,8]→[32,1,4,4])"
+    assert (
+        describe_change(sig, shape_signature((x[:, :1, :4, :4], y))) == "input 0 shape changed ([32,3,8,8]→[32,1,4,4])"
+    )
     assert describe_change(sig, shape_signature(x)).startswith("batch structure changed")
 
 
@@ -80,7 +85,9 @@ def test_explain_parses_a_saved_report_like_the_live_one():
     for k in ("compile_s", "execute_s"):
         assert abs(saved[k] - live[k]) <= 0.01 * live[k] + 1e-3, (k, saved[k], live[k])
     assert saved["fallbacks"]["aten::nonzero"] >= 1 and "aten::nonzero" in saved["text"]
-    p = parse_report("Metric: CompileTime\n  TotalSamples: 3\n  Accumulator: 01m02s500ms\nCounter: aten::foo\n  Value: 7\n")
+    p = parse_report(
+        "Metric: CompileTime\n  TotalSamples: 3\n  Accumulator: 01m02s500ms\nCounter: aten::foo\n  Value: 7\n"
+    )
     assert p == {"counters": {"aten::foo": 7}, "metrics": {"CompileTime": (3, 62.5)}}
 
 
