@@ -82,8 +82,11 @@ P
 
 # %% [markdown]
 # ## Set-up
-# On Colab this installs what is missing: PyTorch/XLA on a TPU runtime (torch 2.9.0 and torch_xla 2.9.0
-# must move together) and labkit itself. Elsewhere it does nothing.
+# Runs wherever you opened this (Colab TPU or GPU, Kaggle, a TPU VM, a laptop) and never replaces what the runtime
+# already has: it keeps the image's torch (and torch_xla when the pair matches), installs only what is missing,
+# and prints what it found and chose (`labkit setup: platform=... choice=...`). Only where torch and torch_xla are
+# missing or do not match (a bare TPU VM, a torch upgraded by hand) it installs the pair together and asks you to
+# restart the runtime; then run the notebook again.
 
 # %% tags=["setup"]
 # Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.

@@ -57,23 +57,35 @@ P
 
 # %% [markdown]
 # ## Set-up
-# On Colab this installs what is missing: PyTorch/XLA on a TPU runtime (torch 2.9.0 and torch_xla 2.9.0
-# must move together; a mismatch is the most common broken install), and labkit itself. Elsewhere it does
-# nothing: use the project's `make notebook`, which builds the pinned environment.
+# Runs wherever you opened this (Colab TPU or GPU, Kaggle, a TPU VM, a laptop) and never replaces what the runtime
+# already has: it keeps the image's torch (and torch_xla when the pair matches), installs only what is missing,
+# and prints what it found and chose (`labkit setup: platform=... choice=...`). Only where torch and torch_xla are
+# missing or do not match (a bare TPU VM, a torch upgraded by hand) it installs the pair together and asks you to
+# restart the runtime; then run the notebook again.
 
 # %% tags=["setup"]
-import importlib.util, subprocess
+# Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
+import importlib.util, os, subprocess, sys
 
-IN_COLAB = "google.colab" in sys.modules
-if IN_COLAB and importlib.util.find_spec("labkit") is None:
-    on_tpu = bool(os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("COLAB_TPU_ADDR") or os.path.exists("/dev/accel0"))
-    pkgs = ["torch==2.9.0", "torchvision==0.24.0"] + (["torch_xla[tpu]==2.9.0"] if on_tpu else [])
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *pkgs,
-                    "labkit @ git+https://github.com/labkit/labkit"], check=True)
-    import labkit
-    P = labkit.from_env(Params)
+def _labkit_dir():
+    spec = importlib.util.find_spec("labkit")
+    d = spec and spec.submodule_search_locations and list(spec.submodule_search_locations)[0]
+    return d if d and os.path.exists(os.path.join(d, "envsetup.py")) else None
+
+if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours (no dependencies yet)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run(pip + ["uninstall", "-y", "labkit"], capture_output=True)
+    subprocess.run(pip + ["install", "--no-deps", os.environ.get("LABKIT_PIP_SPEC") or
+                          "labkit-xla @ git+https://github.com/labkit/labkit"], check=True)
+    importlib.invalidate_caches()
+    for m in [m for m in sys.modules if m == "labkit" or m.startswith("labkit.")]:
+        del sys.modules[m]
+_spec = importlib.util.spec_from_file_location("labkit_envsetup", os.path.join(_labkit_dir(), "envsetup.py"))
+envsetup = sys.modules["labkit_envsetup"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(envsetup)
+envsetup.main()  # prints "labkit setup: platform=... / choice=..."; asks for a restart if one is needed
 import labkit
-
+P = labkit.from_env(Params)
 print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 
 # %% [markdown]
