@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 
-from .urls import DEFAULT_TIMEOUT, is_not_found, read_bytes, scheme_of, sibling
+from .urls import DEFAULT_TIMEOUT, Wrapper, is_not_found, read_bytes, scheme_of, sibling
 
 MANIFEST = "manifest.json"
 FORMAT = "labkit-shards/1"
@@ -79,15 +79,15 @@ def check_digest(size: int, digest: str, url: str, entry: dict) -> None:
         raise ShardError(f"shard {url}: sha256 {digest[:16]}... does not match manifest {entry['sha256'][:16]}...")
 
 
-class HashingReader:
+class HashingReader(Wrapper):
     """Wraps a binary stream and hashes every byte read through it (sha256 as the bytes pass, so
     checking a streamed shard costs no second read; ~0.5 ms per MB)."""
 
     def __init__(self, f):
-        self.f, self.h, self.size = f, hashlib.sha256(), 0
+        self.raw, self.h, self.size = f, hashlib.sha256(), 0
 
     def read(self, n: int = -1) -> bytes:
-        data = self.f.read(n)
+        data = self.raw.read(n)
         self.h.update(data)
         self.size += len(data)
         return data
@@ -97,12 +97,3 @@ class HashingReader:
         while self.read(1 << 20):
             pass
         check_digest(self.size, self.h.hexdigest(), url, entry)
-
-    def close(self) -> None:
-        self.f.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -29,7 +29,22 @@ DEFAULT_TIMEOUT = 30.0  # seconds without a byte before a network read gives up
 ATTEMPTS = 3  # opening a network URL: tries in all (connect errors, timeouts, HTTP 5xx)
 
 
-class _Deadline:
+class Wrapper:
+    """A read-only file object around another one (`raw`): closing it closes `raw`; usable in `with`."""
+
+    raw = None
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _Deadline(Wrapper):
     """A file object whose reads fail with TimeoutError once `timeout` seconds pass without a byte."""
 
     def __init__(self, raw, url: str, timeout: float, sock=None):
@@ -46,15 +61,6 @@ class _Deadline:
             ) from e
         self.pos += len(data)
         return data
-
-    def close(self) -> None:
-        self.raw.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _retrying(url: str, timeout: float, attempt: Callable[[], object], transient: tuple) -> object:

@@ -27,6 +27,7 @@ import os
 import sys
 import time
 
+from .config import parse_bool
 from .dashboard_view import html_header, render, summary_line
 from .syncs import SyncFinder
 from .xla_health import HealthMonitor
@@ -46,7 +47,7 @@ def environment() -> str:
     global _detected
     if _forced:
         return _forced
-    if os.environ.get("LABKIT_CONSOLE", "").strip().lower() in ("1", "true", "yes", "on"):
+    if parse_bool(os.environ.get("LABKIT_CONSOLE", ""), "LABKIT_CONSOLE"):
         return "console"
     if _detected is None:
         _detected = "console"

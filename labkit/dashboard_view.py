@@ -93,6 +93,13 @@ def html_header(f: dict) -> str:
     )
 
 
+def _series(ax, records: list, key: str, label: str, style: str, **kw) -> None:
+    """Plot `key` against "step" over the records that have it (nothing when none has it)."""
+    have = [r for r in records if key in r]
+    if have:
+        ax.plot([r["step"] for r in have], [r[key] for r in have], style, label=label, **kw)
+
+
 def render(data: dict):
     """Loss, accuracy, throughput, XLA compiles/transfers, and a text panel (progress, health).
 
@@ -105,37 +112,13 @@ def render(data: dict):
     gs = fig.add_gridspec(2, 3)
     steps = [r["step"] for r in rows]
     ax = fig.add_subplot(gs[0, 0])
-    ax.plot(steps, [r["loss"] for r in rows], "o-", ms=3, label="train")
-    if any("val_loss" in e for e in evals):
-        ax.plot(
-            [e["step"] for e in evals if "val_loss" in e],
-            [e["val_loss"] for e in evals if "val_loss" in e],
-            "s--",
-            ms=4,
-            color="C1",
-            label="val",
-        )
+    _series(ax, rows, "loss", "train", "o-", ms=3)
+    _series(ax, evals, "val_loss", "val", "s--", ms=4, color="C1")
     ax.set(title="loss", xlabel="step")
     ax.legend(fontsize=8)
     ax = fig.add_subplot(gs[0, 1])
-    if any("acc" in r for r in rows):
-        ax.plot(
-            [r["step"] for r in rows if "acc" in r],
-            [r["acc"] for r in rows if "acc" in r],
-            "o-",
-            ms=3,
-            color="C0",
-            label="train",
-        )
-    if any("val_acc" in e for e in evals):
-        ax.plot(
-            [e["step"] for e in evals if "val_acc" in e],
-            [e["val_acc"] for e in evals if "val_acc" in e],
-            "s--",
-            ms=4,
-            color="C1",
-            label="val",
-        )
+    _series(ax, rows, "acc", "train", "o-", ms=3, color="C0")
+    _series(ax, evals, "val_acc", "val", "s--", ms=4, color="C1")
     if ax.lines:
         ax.legend(fontsize=8)
     else:

@@ -35,7 +35,7 @@ def _has_torch_xla() -> bool:
     return importlib.util.find_spec("torch_xla") is not None
 
 
-def _tpu_evidence() -> str | None:
+def tpu_evidence() -> str | None:
     """Why we think TPU chips are attached, or None. Reads files only: no runtime initialisation.
     (PJRT_DEVICE=TPU is a request, not evidence: resolve_backend() checks it against this.)"""
     tpu = envsetup.detect_tpu()
@@ -46,7 +46,7 @@ def detect() -> dict:
     """What this machine offers, without committing to anything."""
     return {
         "torch_xla": _has_torch_xla(),
-        "tpu": _tpu_evidence(),
+        "tpu": tpu_evidence(),
         "libtpu": envsetup.version_of("libtpu") is not None,
         "cuda": torch.cuda.is_available(),
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,

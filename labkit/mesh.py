@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .config import parse_bool
+
 SPMD_CHOICES = ("auto", "on", "off")
 
 
@@ -36,11 +38,10 @@ def parse_spmd(value) -> str | bool:
     low = str(value).strip().lower()
     if low == "auto":
         return "auto"
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"spmd must be one of {', '.join(SPMD_CHOICES)} (or True/False), got {value!r}")
+    try:
+        return parse_bool(low, "spmd")
+    except ValueError:
+        raise ValueError(f"spmd must be one of {', '.join(SPMD_CHOICES)} (or True/False), got {value!r}") from None
 
 
 def addressable_devices() -> int:
@@ -134,9 +135,9 @@ def throughput(rate_total: float, plan: BatchPlan) -> dict:
 def virtual_cpu_devices(n: int) -> bool:
     """On a CPU (no TPU), ask XLA:CPU for n virtual devices. Must run before torch_xla starts its
     runtime; returns False (and changes nothing) on a TPU host or when CPU_NUM_DEVICES is already set."""
-    from .device import _tpu_evidence
+    from .device import tpu_evidence
 
-    if _tpu_evidence() or "CPU_NUM_DEVICES" in os.environ:
+    if tpu_evidence() or "CPU_NUM_DEVICES" in os.environ:
         return False
     os.environ["CPU_NUM_DEVICES"] = str(int(n))
     return True

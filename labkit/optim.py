@@ -55,23 +55,25 @@ def optimizer_step(optimizer, rt, *, clip_norm: float | None = None, scaler=None
             import torch_xla.core.xla_model as xm
 
             xm.optimizer_step(optimizer)  # all-reduce + step in one call
-        elif scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
         else:
-            optimizer.step()
+            _step(optimizer, scaler)
         return None
     # clipping must see the reduced gradients, so reduce first, then clip, then step
     reduce_gradients(optimizer, rt)
     if scaler is not None:
         scaler.unscale_(optimizer)
     norm = clip_grad_norm(optimizer, clip_norm)
+    _step(optimizer, scaler)
+    return norm
+
+
+def _step(optimizer, scaler) -> None:
+    """The optimizer step, through the GradScaler when fp16 needs one (it skips steps with inf grads)."""
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
-    return norm
 
 
 class WarmupCosine:

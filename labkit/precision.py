@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import parse_bool
+
 MODES = ("auto", "bf16", "fp16", "fp32")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -59,10 +61,9 @@ def _mode(want) -> str:
     low = str(want).strip().lower()
     if low in MODES:
         return low
-    if low in ("1", "true", "yes", "on"):
-        return "auto16"  # "mixed precision, please": the 16-bit type that fits the chip
-    if low in ("0", "false", "no", "off"):
-        return "fp32"
+    if low:  # true: "mixed precision, please" - the 16-bit type that fits the chip
+        with contextlib.suppress(ValueError):
+            return "auto16" if parse_bool(low, "precision") else "fp32"
     raise ValueError(f"precision {want!r} is not one of {', '.join(MODES)} (or true/false)")
 
 
