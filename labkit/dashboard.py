@@ -334,6 +334,17 @@ class Dashboard:
         return str(path)
 
     # -- export -------------------------------------------------------------------------------
+    def save_artifacts(self, name: str, folder: str | None = None) -> list[str]:
+        """Keep the figure (dashboard-NAME.png) and the curves (history-NAME.csv) for a person to look at,
+        in `folder`, else in $LABKIT_ARTIFACTS (set by headless runs); nothing when neither is set.
+        Returns the paths written."""
+        folder = folder or os.environ.get("LABKIT_ARTIFACTS")
+        if not folder:
+            return []
+        os.makedirs(folder, exist_ok=True)
+        png = self.save_png(os.path.join(folder, f"dashboard-{name}.png"))
+        return [png, self.to_csv(os.path.join(folder, f"history-{name}.csv"))]
+
     def to_csv(self, path) -> str:
         keys = list(dict.fromkeys(k for row in self.history for k in row))
         with open(path, "w", newline="") as f:

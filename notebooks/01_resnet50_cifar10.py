@@ -354,10 +354,9 @@ print(f"throughput: {rates['total']:.0f} examples/s in total, {rates['per_chip']
       f"chip(s) (median over intervals after the first); MFU per chip is on the dashboard")
 
 # %%
-ART = os.environ.get("LABKIT_ARTIFACTS")
-if ART:                                       # headless runs keep the dashboard for a person to look at
-    os.makedirs(ART, exist_ok=True)
-    print("saved", dash.save_png(os.path.join(ART, "dashboard-resnet50.png")), dash.to_csv(os.path.join(ART, "history-resnet50.csv")))
+SAVED = dash.save_artifacts("resnet50")            # headless runs ($LABKIT_ARTIFACTS) keep the figure and the curves
+if SAVED:
+    print("saved", *SAVED)
 dash.figure()
 
 # %% [markdown]

@@ -285,10 +285,9 @@ print(f"throughput {RATE['total']:,.0f} tokens/s in total, {RATE['per_chip']:,.0
 print(f"MFU {MFU:.2%} per chip (the same for all of them together) of {PEAK_SOURCE}" if MFU is not None else f"MFU unknown: {PEAK_SOURCE}")
 
 # %%
-ART = os.environ.get("LABKIT_ARTIFACTS")
-if ART:                                       # headless runs keep the dashboard for a person to look at
-    os.makedirs(ART, exist_ok=True)
-    print("saved", dash.save_png(os.path.join(ART, "dashboard-gpt.png")), dash.to_csv(os.path.join(ART, "history-gpt.csv")))
+SAVED = dash.save_artifacts("gpt")            # headless runs ($LABKIT_ARTIFACTS) keep the figure and the curves
+if SAVED:
+    print("saved", *SAVED)
 dash.figure()
 
 # %% [markdown]

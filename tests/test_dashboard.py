@@ -171,6 +171,16 @@ def test_console_twin_exports_and_plain_cpu(tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
     info = labkit.explain(verbose=False)
     assert info["xla"] is False and "not running on XLA" in info["text"]
+    # what headless notebook runs keep: nothing without a folder, the figure and the curves with one
+    os.environ.pop("LABKIT_ARTIFACTS", None)
+    assert dash.save_artifacts("tiny") == []
+    os.environ["LABKIT_ARTIFACTS"] = str(tmp_path / "art")
+    try:
+        png, csv_path = dash.save_artifacts("tiny")
+    finally:
+        del os.environ["LABKIT_ARTIFACTS"]
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and png.endswith("art/dashboard-tiny.png")
+    assert open(csv_path).read() == rows
 
 
 def test_only_the_master_draws():
