@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from . import gcs
+from .device import current_runtime
 from .metrics import to_host
 from .storage import NAME as _NAME
 from .storage import GCSStore, LocalStore
@@ -149,8 +150,6 @@ class CheckpointManager:
         self.root, self.keep, self.best_metric, self.mode = str(root), keep, best_metric, mode
         self.async_save, self.save_every = async_save, save_every
         if rt is None:
-            from .device import current_runtime
-
             rt = current_runtime()
         self.rt = rt
         self.store = GCSStore(self.root, retry_deadline_s) if gcs.is_gcs(self.root) else LocalStore(self.root)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import envsetup
+from .mesh import parse_spmd, wants_spmd
+from .seeding import manual_seed as _seed  # the one home for seeding and RNG capture
 
 BACKENDS = ("tpu", "cuda", "xla-cpu", "cpu")
 _runtimes: dict[str, Runtime] = {}
@@ -202,9 +204,7 @@ class Runtime:
         return contextlib.nullcontext()
 
     def manual_seed(self, seed: int) -> None:
-        from .seeding import manual_seed  # the one home for seeding and RNG capture
-
-        manual_seed(seed, self)
+        _seed(seed, self)
 
     def mesh(self, axis_names=("data",)):
         """A 1-D SPMD mesh over all devices (data parallel). Needs setup(spmd=True)."""
@@ -242,8 +242,6 @@ def _setup_xla(kind: str, spmd) -> Runtime:
         raise BackendError(problem)
     import torch_xla
     import torch_xla.runtime as xr
-
-    from .mesh import wants_spmd
 
     if wants_spmd(spmd, kind) and not xr.is_spmd():  # "auto": more than one local device
         xr.use_spmd()  # must happen before any XLA tensor is created
@@ -315,8 +313,6 @@ def setup(backend: str | None = None, *, spmd: bool | str = False, verbose: bool
     backend: None (auto), "tpu", "cuda", "xla-cpu" or "cpu"; LABKIT_BACKEND overrides auto.
     spmd: XLA only; one process drives all local devices (torch_xla SPMD). "auto" (or "on"/"off"):
     on when this host has more than one XLA device, off elsewhere (see labkit.mesh)."""
-    from .mesh import parse_spmd
-
     global _current
     spmd = parse_spmd(spmd)
     kind = resolve_backend(backend)

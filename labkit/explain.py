@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 
 from . import xla_health
+from .device import current_runtime
 from .xla_rules import counts_from, findings
 
 _TIME = re.compile(r"(\d+(?:\.\d+)?)(ns|us|ms|s|m|h|d)")
@@ -82,8 +83,6 @@ def explain(source=None, verbose: bool = True, report: str | None = None) -> dic
     if report is not None:
         d = _from_report(report)
     else:
-        from .device import current_runtime
-
         rt = current_runtime()
         snap = xla_health.snapshot(rt)
         if snap is None:

@@ -29,6 +29,8 @@ import base64
 import os
 import threading
 
+from . import envsetup
+
 _lock = threading.Lock()
 _client = None
 _client_key = None
@@ -88,8 +90,6 @@ def project_from_environment() -> str | None:
 
 
 def _no_credentials(detail: str = "") -> GCSAuthError:
-    from . import envsetup
-
     place = envsetup.detect_platform()
     how = {
         "colab": "call labkit.gcs.sign_in(path) (google.colab.auth.authenticate_user() under the hood)",
@@ -154,8 +154,6 @@ def sign_in(*paths, project: str | None = None) -> str | None:
         return None
     if os.environ.get("STORAGE_EMULATOR_HOST"):
         return "emulator (anonymous)"
-    from . import envsetup
-
     place = envsetup.detect_platform()
     if place.startswith("colab"):
         from google.colab import auth

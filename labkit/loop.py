@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from .checkpoint import check_compatible
 from .config import TrainConfig
 from .loader import ParallelLoader, device_loader
-from .metrics import DeviceAccumulator, read
+from .metrics import DeviceAccumulator, read, to_host
 from .optim import optimizer_step
 from .seeding import rng_state, set_rng_state
 from .versions import versions
@@ -416,8 +416,6 @@ class Trainer:
 
 
 def _host(tensors):
-    from .metrics import to_host
-
     return to_host(list(tensors))
 
 

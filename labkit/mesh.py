@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import envsetup
 from .config import parse_bool
 
 SPMD_CHOICES = ("auto", "on", "off")
@@ -135,9 +136,7 @@ def throughput(rate_total: float, plan: BatchPlan) -> dict:
 def virtual_cpu_devices(n: int) -> bool:
     """On a CPU (no TPU), ask XLA:CPU for n virtual devices. Must run before torch_xla starts its
     runtime; returns False (and changes nothing) on a TPU host or when CPU_NUM_DEVICES is already set."""
-    from .device import tpu_evidence
-
-    if tpu_evidence() or "CPU_NUM_DEVICES" in os.environ:
+    if envsetup.detect_tpu() or "CPU_NUM_DEVICES" in os.environ:
         return False
     os.environ["CPU_NUM_DEVICES"] = str(int(n))
     return True

@@ -24,6 +24,7 @@ import torch
 
 from . import sharding as S
 from .gpt import GPT, GPTConfig
+from .mesh import make_mesh
 
 STRATEGIES = ("single", "data", "tensor", "fsdp")
 
@@ -52,8 +53,6 @@ class Result:
 
 
 def build_mesh(strategy: Strategy):
-    from .mesh import make_mesh
-
     if strategy.name in ("single", "data"):
         return make_mesh(None, ("data",))
     if strategy.name == "tensor":
