@@ -160,6 +160,10 @@ class CheckpointManager:
         if ptr and ptr.get("crc32c"):
             self._objects.setdefault(ptr["name"], ptr["crc32c"])
         self._thread: threading.Thread | None = None
+        # set by the upload thread when it ends. Waiting on it (not on Thread.join) keeps an interrupt safe:
+        # on Python 3.11 a join interrupted by a signal handler's exception marks the still-running
+        # thread as stopped (bpo-45274's fix), so a second join would return at once and lose the upload
+        self._done = threading.Event()
         self._error: BaseException | None = None
         self._abandon = threading.Event()
         self._pending_step: int | None = None
@@ -172,7 +176,7 @@ class CheckpointManager:
     def pending(self) -> int | None:
         """The step whose upload is still running, or None."""
         t = self._thread
-        return self._pending_step if t is not None and t.is_alive() else None
+        return self._pending_step if t is not None and not self._done.is_set() else None
 
     def _improved(self, value) -> bool:
         if value is None or value != value:
@@ -211,9 +215,10 @@ class CheckpointManager:
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
         self._pending_step = int(step)
         if self.async_save:
+            self._done = threading.Event()
             self._thread = threading.Thread(
                 target=self._write_guarded,
-                args=(step, cpu, meta, dict(self.best or {})),
+                args=(self._done, step, cpu, meta, dict(self.best or {})),
                 name=f"labkit-ckpt-{step}",
                 daemon=True,
             )
@@ -222,7 +227,7 @@ class CheckpointManager:
             self._write(step, cpu, meta, self.best)
         return True
 
-    def _write_guarded(self, *args):
+    def _write_guarded(self, done: threading.Event, *args):
         try:
             # lower this thread's CPU priority: serializing and uploading should take idle cycles,
             # not the host threads that feed and run the training step (Linux: per-thread nice)
@@ -235,6 +240,8 @@ class CheckpointManager:
             pass
         except BaseException as e:  # surfaced on the next save()/wait()
             self._error = e
+        finally:
+            done.set()
 
     def _check_abandon(self, step):
         if self._abandon.is_set():
@@ -296,7 +303,8 @@ class CheckpointManager:
         """Block until the pending upload finished; re-raise its error."""
         t = self._thread
         if t is not None:
-            t.join()  # an interrupt here leaves the upload pending: close() can still finish it
+            self._done.wait()  # an interrupt here leaves the upload pending: close() can still finish it
+            t.join()  # ended: returns at once
             self._thread = None
         self._raise_pending()
 
@@ -310,10 +318,9 @@ class CheckpointManager:
             except KeyboardInterrupt:
                 self._abandon.set()
                 t = self._thread
-                if t is not None:
-                    t.join(timeout=30)  # it stops at its next check (after the write or the upload)
-                    if not t.is_alive():
-                        self._thread = None
+                if t is not None and self._done.wait(timeout=30):  # it stops at its next check
+                    t.join()
+                    self._thread = None
                 warnings.warn(
                     f"checkpoint of step {self._pending_step} to {self.root} abandoned (interrupted)", stacklevel=2
                 )
