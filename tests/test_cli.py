@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 
 def _cli(*args, env=None, module="data_tools.shard", timeout=120):
     return subprocess.run(
@@ -69,6 +71,7 @@ def _one_clear_line(r, *words):
         assert w in lines[-1], (w, r.stderr)
 
 
+@pytest.mark.heavy
 def test_cli_bad_outputs_and_settings_are_one_line(tmp_path):
     base = ["--source", "synthetic", "--split", "val", "--num-synthetic", "20", "--quiet"]
     f = tmp_path / "a-file"
@@ -85,6 +88,7 @@ def test_cli_bad_outputs_and_settings_are_one_line(tmp_path):
     assert r.returncode == 0 and json.loads((tmp_path / "ok" / "manifest.json").read_text())["num_samples"] == 4
 
 
+@pytest.mark.heavy
 def test_cli_unreachable_gcs_fails_fast(tmp_path):
     import os
 

@@ -242,6 +242,7 @@ NOTEBOOK = [
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.heavy
 def test_figure_renders_in_a_real_kernel(tmp_path):
     import nbclient
     import nbformat

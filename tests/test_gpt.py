@@ -168,6 +168,7 @@ def test_top_k_samples_only_among_the_k_best():
     assert m.training is False and len(set(out.flatten().tolist())) > 3  # it samples, not argmax
 
 
+@pytest.mark.heavy
 def test_generate_on_xla_compiles_a_fixed_number_of_graphs():
     rt = labkit.setup("xla-cpu")
     cpu_model = tiny(spread=1.0)

@@ -22,6 +22,7 @@ def xla_first():
     labkit.setup("xla-cpu")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])  # bf16 autocast: the TPU default
 def test_trainer_lowers_loss_on_xla_without_recompiles(bf16):
     rt = labkit.setup("xla-cpu")

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+# heavy: minutes of XLA:CPU compiles or real child processes; the Python 3.13 run leaves them to the 3.11 run
+pytestmark = pytest.mark.heavy
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
