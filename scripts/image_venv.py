@@ -5,7 +5,7 @@
 Each image is a pin list in images/<name>.txt whose header names the source, the Python version,
 the environment markers the image sets (`# env:`), what CI adds to run it on a CPU (`# run-env:`)
 and what the notebooks' set-up cell should print there (`# expect:`). The venv is .venvs/<name>/,
-made by uv with the image's Python. All venvs share one uv cache, .venvs/uv-cache, on the same
+made by uv with the image's Python. All venvs share one uv cache, ~/.cache/labkit-uv ($LABKIT_UV_CACHE), on the same
 filesystem with hardlinks: a wheel is downloaded and unpacked once, and a file that two venvs share
 (torch 2.9.0 for cp313 is in colab-tpu and py3.13) takes disk once (`du` counts hardlinks once).
 A stamp (hash of the pin list and of this builder) makes a rerun a few tenths of a second; a venv
@@ -35,7 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES_DIR = ROOT / "images"
 VENVS = ROOT / ".venvs"
-CACHE = VENVS / "uv-cache"
+# outside the checkout, so every clone on a machine (and CI's fresh one) reuses the downloaded wheels;
+# on the same filesystem as the venvs, uv hardlinks files from it instead of copying
+CACHE = Path(os.environ.get("LABKIT_UV_CACHE") or Path.home() / ".cache" / "labkit-uv")
 # bump when what the builder puts in a venv changes (the stand-in, the config files)
 BUILDER_VERSION = "1"
 
