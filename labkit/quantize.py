@@ -60,8 +60,9 @@ def int8_outlook(flags: dict) -> str:
         return "VNNI: one instruction per 4 int8 multiply-adds; expect roughly 2-4x over fp32 on conv-heavy models"
     if flags.get("avx2"):
         return (
-            "AVX2 without VNNI: int8 dot products are emulated (vpmaddubsw + vpmaddwd), so int8 gains little "
-            "or loses against fp32; the same model on a VNNI or AMX CPU is where int8 pays"
+            "AVX2 without VNNI: an int8 multiply-add takes two instructions (vpmaddubsw + vpmaddwd) instead of "
+            "one, so int8 wins here mostly by moving 4x fewer bytes (measured on a 2-core AVX2 EPYC: ResNet-50 "
+            "at batch 32, int8 2.1x fp32 compiled); a VNNI or AMX CPU adds the faster arithmetic on top"
         )
     return "no AVX2: oneDNN falls back to reference int8 kernels; expect int8 to be slow"
 

@@ -324,9 +324,11 @@ assert abs(acc["fp32 compiled"] - acc["fp32 eager"]) <= 1 / EAGER["count"] + 1e-
 assert DELTA > -0.05, f"int8 lost {-DELTA:.1%} accuracy: calibrate on more images (calib_images)"
 
 # %% [markdown]
-# **Reading the figures honestly.** On a CPU with AVX2 but neither VNNI nor AMX (such as the AMD EPYC machines
-# that run CI), oneDNN emulates each int8 dot product with several instructions, so int8 buys little speed or
-# even loses to float32 compiled; what it always buys is a 4x smaller model. On a CPU with AVX-512 VNNI (Xeon
+# **Reading the figures honestly.** On a CPU with AVX2 but neither VNNI nor AMX (such as the 2-core AMD EPYC
+# machines that run CI), oneDNN needs two instructions per int8 multiply-add instead of one, so what int8 buys
+# there comes mostly from moving 4x fewer bytes (the table above says how much that is on this CPU; on the CI
+# machine int8 ran at about 2.1x float32 compiled at batch 32), and it always buys a 4x smaller model. Compare
+# with float32 *compiled*, not eager: part of any "int8 speed-up" is just Inductor. On a CPU with AVX-512 VNNI (Xeon
 # Cascade Lake and later, AMD Zen 4) or AVX-VNNI (Alder Lake and later), int8 convolutions are usually about 2-4x
 # float32; with AMX (Xeon Sapphire Rapids and later) more still. Small inputs (32×32 images, batch 1) leave
 # little work per kernel, so per-call overhead weighs more there than at batch 32.
