@@ -1,8 +1,12 @@
-"""Open any shard URL for reading: local path, file://, gs://, http(s)://, with a time limit.
+"""Open any shard URL for reading: local path, file://, gs://, s3://, http(s)://, with a time limit.
 
     from data_tools.urls import open_url, register_scheme
     with open_url("gs://bucket/cifar/train-000000.tar", timeout=60) as f: ...
-    register_scheme("s3", my_s3_opener)        # opener(url, timeout) -> binary file object
+    register_scheme("azure", my_opener)        # opener(url, timeout) -> binary file object
+
+s3:// goes through fsspec's s3fs (`pip install "labkit-xla[s3]"`): credentials and the endpoint come
+from the usual AWS settings (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or ~/.aws, AWS_ENDPOINT_URL_S3 or
+AWS_ENDPOINT_URL for an S3-compatible store such as MinIO, Cloudflare R2 or a local server).
 
 One registry (`SCHEMES`, scheme -> opener) serves the loader, the manifest reader and, through
 `register_webdataset()`, webdataset's own `gopen` (its http handler shells out to curl with no
@@ -110,11 +114,64 @@ def _open_gs(url: str, timeout: float):
     return f
 
 
+_S3 = {}  # (endpoint, timeout) -> s3fs.S3FileSystem: one connection pool per process and setting
+
+
+def _s3_filesystem(timeout: float):
+    try:
+        import s3fs
+    except ImportError:
+        raise ImportError('reading s3:// needs s3fs: pip install "labkit-xla[s3]" (or pip install s3fs)') from None
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    key = (endpoint, timeout, os.getpid())  # aiohttp sessions do not survive fork: one per DataLoader worker
+    if key not in _S3:
+        # one try per call: the retries (and their backoff) are _retrying's, bounded like the other schemes
+        config = {
+            "connect_timeout": timeout,
+            "read_timeout": timeout,
+            "retries": {"max_attempts": 1, "mode": "standard"},
+        }
+        _S3[key] = s3fs.S3FileSystem(
+            endpoint_url=endpoint, config_kwargs=config, skip_instance_cache=True, default_block_size=8 << 20
+        )
+    return _S3[key]
+
+
+def _open_s3(url: str, timeout: float):
+    fs = _s3_filesystem(timeout)
+    try:
+        from botocore.exceptions import BotoCoreError, NoCredentialsError
+    except ImportError:  # pragma: no cover - s3fs always brings botocore
+        BotoCoreError = NoCredentialsError = ()
+
+    def attempt():
+        try:
+            return fs.open(url, "rb")  # reads the object's size now: a missing object fails here
+        except FileNotFoundError:
+            raise FileNotFoundError(f"not found: {url}") from None
+        except NoCredentialsError:
+            raise PermissionError(
+                f"{url}: no AWS credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE / ~/.aws)"
+            ) from None
+        except PermissionError as e:
+            raise PermissionError(f"{url}: access denied ({e}); the credentials need s3:GetObject on it") from None
+        except BotoCoreError as e:  # endpoint unreachable, read timeout after botocore's own retries
+            raise ConnectionError(f"{type(e).__name__}: {e}") from None
+
+    return _retrying(url, timeout, attempt, (ConnectionError, TimeoutError))
+
+
 def _open_file(url: str, timeout: float):
     return open(url[len("file://") :] if url.startswith("file://") else url, "rb")
 
 
-SCHEMES: dict[str, Callable] = {"file": _open_file, "gs": _open_gs, "http": _open_http, "https": _open_http}
+SCHEMES: dict[str, Callable] = {
+    "file": _open_file,
+    "gs": _open_gs,
+    "s3": _open_s3,
+    "http": _open_http,
+    "https": _open_http,
+}
 
 
 def register_scheme(scheme: str, opener: Callable) -> None:
@@ -172,9 +229,9 @@ def _wds_opener(scheme: str) -> Callable:
 
 
 def register_webdataset() -> None:
-    """Route webdataset's gs:// and http(s):// openers through this registry."""
+    """Route webdataset's gs://, s3:// and http(s):// openers through this registry."""
     # importlib, not `import webdataset.gopen`: the package re-exports a function named gopen
     # that shadows the module of the same name
     schemes = importlib.import_module("webdataset.gopen").gopen_schemes
-    for s in ("gs", "http", "https"):
+    for s in ("gs", "s3", "http", "https"):
         schemes[s] = _wds_opener(s)
