@@ -9,6 +9,13 @@ step (the one batched device->host copy), whether saving compiled anything, and 
 throughput (to_cpu + torch.save + crc32c + verified upload + pointer) against a plain
 blob.upload_from_filename of the same bytes. On a 2-core machine the upload thread competes
 with XLA's compute threads for CPU, so the overlap ratio here is an upper bound of a TPU host's.
+
+    PJRT_DEVICE=CPU python bench/bench_checkpoint.py --pin     # what a TPU host sees
+
+--pin gives training and the writer separate cores, as on a TPU host, where the step runs on the
+chip and the host's other cores are free: the process (XLA:CPU's thread pool, created after this)
+on core 0, the upload thread and the loopback GCS server on core 1. Also printed: host CPU-seconds
+per GB saved (the writer thread's CPU time + the copy save() does in the step).
 """
 
 import argparse
@@ -32,7 +39,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=44)
     ap.add_argument("--save-at", type=int, nargs="+", default=[8, 26])
+    ap.add_argument("--pin", action="store_true", help="training on core 0, writer and server on core 1")
     a = ap.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    train_cpus, writer_cpus = ({cpus[0]}, set(cpus[1:2])) if a.pin and len(cpus) > 1 else (set(cpus), set(cpus))
+    if a.pin:
+        if len(cpus) < 2:
+            raise SystemExit("--pin needs two cores")
+        # the calling thread's affinity; every thread started from here on (XLA's pool, torch's) inherits it
+        os.sched_setaffinity(0, train_cpus)
+        torch.set_num_threads(len(train_cpus))
+    print(f"cores: training {sorted(train_cpus)}, writer and server {sorted(writer_cpus)}")
     import torch_xla.debug.metrics as met
 
     rt = labkit.setup("xla-cpu")
@@ -47,13 +64,28 @@ def main():
         gcs.client().create_bucket("bench-ckpt")
         if os.environ.get("BENCH_NICE_SERVER", "1") == "1":  # stands in for a remote server's CPUs
             os.setpriority(os.PRIO_PROCESS, server.proc.pid, 10)
+        if a.pin:
+            os.sched_setaffinity(server.proc.pid, writer_cpus)
         ckpt = CheckpointManager("gs://bench-ckpt/run", keep=2, rt=rt, best_metric=None)
+        writer_cpu_s = []
+        write = ckpt._write_guarded  # the upload thread's target: pin it and count its CPU time
+
+        def pinned_write(*args, **kwargs):
+            os.sched_setaffinity(0, writer_cpus)
+            t = time.thread_time()
+            try:
+                return write(*args, **kwargs)
+            finally:
+                writer_cpu_s.append(time.thread_time() - t)
+
+        ckpt._write_guarded = pinned_write
 
         class Probe:
             def __init__(self):
                 self.t = time.perf_counter()
                 self.rows = []  # (step, seconds, overlapped an upload, blocked in save())
                 self.compiles = None
+                self.save_cpu_s = 0.0  # CPU time of the main thread inside save()
 
             def on_step_end(self, trainer, batch):
                 busy = ckpt._thread is not None and ckpt._thread.is_alive()
@@ -61,9 +93,10 @@ def main():
                 if trainer.step in a.save_at:
                     if self.compiles is None:
                         self.compiles = met.metric_data("CompileTime")[0]
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     ckpt.save(trainer.step, trainer.state_dict())
                     blocked = time.perf_counter() - t0
+                    self.save_cpu_s += time.thread_time() - c0
                 now = time.perf_counter()
                 self.rows.append((trainer.step, now - self.t, busy, blocked))
                 self.t = now
@@ -83,6 +116,13 @@ def main():
             print(f"ratio overlap/plain       {statistics.mean(over) / statistics.mean(plain):.3f}  (goal <= 1.05)")
         print(f"save() blocks the step    {statistics.mean(blocked):.3f} s (one batched device->host copy)")
         print(f"compiles caused by saving {extra_compiles}")
+        ckpt.wait()
+        saved_gb = len(writer_cpu_s) * ckpt.latest()["size"] / 1e9
+        host_cpu = sum(writer_cpu_s) + probe.save_cpu_s
+        print(
+            f"host CPU per GB saved     {host_cpu / saved_gb:.1f} CPU-s/GB ({len(writer_cpu_s)} saves, "
+            f"{saved_gb:.2f} GB: writer thread {sum(writer_cpu_s):.2f} s + save() in the step {probe.save_cpu_s:.2f} s)"
+        )
 
         # throughput: the whole verified save vs a plain upload of the same bytes
         state = trainer.state_dict()
