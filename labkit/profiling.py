@@ -79,7 +79,7 @@ class StepProfiler:
         self.rt, self.out_dir = rt, out_dir
         self.capturing = False  # the one attribute the loop tests each step
         self._request = None  # (steps, out_dir) waiting for the next step boundary
-        self._next_poll = 0.0
+        self._last_poll = -1e9
         self._old_handler = None
         self.results: list[Analysis] = []
 
@@ -133,8 +133,8 @@ class StepProfiler:
             self.remaining -= 1
             if self.remaining <= 0:
                 self.finish()
-        if now >= self._next_poll:
-            self._next_poll = now + self.poll_every_s
+        if now - self._last_poll >= self.poll_every_s:
+            self._last_poll = now
             self._poll_trigger()
         if self._request is not None and not self.capturing and self.rt.is_master:
             steps, out_dir = self._request
