@@ -24,12 +24,19 @@ What is captured, per backend:
   torch_xla-specific.
 - CPU and CUDA: torch.profiler, exported as a Chrome/Perfetto JSON trace (open it at ui.perfetto.dev).
 
-The split of each step (`Analysis.steps`), exclusive, in this priority: compile (XLA's compile events in
-the trace), device (XLA: HLO ops executing, on XLA:CPU the PjRt client's ThunkExecutor; CUDA: kernels and
-copies; CPU: aten ops running, since there the host is the device), data wait (labkit's own timer around
-next(loader)), host (the rest of the loop's Python up to the end of sync: on XLA, building the lazy graph)
-and idle (the rest of the step). The categories and the idea are HTA's; HTA itself reads only
-torch.profiler's GPU traces, so this is a small re-implementation that also reads XLA's trace.
+The split of each step (`Analysis.steps`) is exclusive, each instant going to the first category that
+covers it: data wait (labkit's own timer around next(loader), the wait for the prefetch queue), compile
+(XLA's `XLAGraphExecutor::Compile` events), device (XLA: the HLO ops of the trace, on XLA:CPU the PjRt
+client's `ThunkExecutor::Execute`; CUDA: kernels and copies; CPU: aten ops, since there the host is the
+device), host (the loop's own Python: on XLA building the lazy graph and cutting it; also the callbacks
+after the step) and idle (the rest: waiting for nothing the trace shows). A step runs from asking for its
+batch to the end of its callbacks. The categories are HTA's; HTA itself reads only torch.profiler's GPU
+traces, so this is a small re-implementation that also reads XLA's Chrome trace.
+
+Checked here on XLA:CPU and CPU only. On a TPU the same torch_xla events mark compiles; device time is
+read from the `hlo_op` events or, failing those, from the `/device:TPU:N` lines of the trace, which was
+not verified on a chip. torch.profiler is not run beside torch_xla's session: on XLA its aten events would
+only show the lazy tracing, which the host category already measures.
 """
 
 from __future__ import annotations
@@ -132,14 +139,23 @@ class StepProfiler:
             self._t = {}
             self.remaining -= 1
             if self.remaining <= 0:
-                self.finish()
+                self._guarded(self.finish, "finished")
         if now - self._last_poll >= self.poll_every_s:
             self._last_poll = now
             self._poll_trigger()
         if self._request is not None and not self.capturing and self.rt.is_master:
             steps, out_dir = self._request
             self._request = None
-            self._start(trainer.step, steps, out_dir)
+            self._guarded(lambda: self._start(trainer.step, steps, out_dir), "started")
+
+    def _guarded(self, fn, what: str) -> None:
+        """A profile that cannot start or finish (another profiler session is running, a full disk)
+        warns and is dropped: it never stops the training run."""
+        try:
+            fn()
+        except Exception as e:
+            self.capturing, self._t = False, {}
+            warnings.warn(f"profile capture could not be {what}: {type(e).__name__}: {e}", stacklevel=3)
 
     def _start(self, step: int, steps: int, out_dir) -> None:
         root = Path(out_dir or self.out_dir or default_dir())
@@ -148,7 +164,6 @@ class StepProfiler:
         while self.folder.exists():
             n += 1
             self.folder = root / f"step{step:06d}-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
-        self.folder.mkdir(parents=True)
         self.remaining, self.timers, self._t = steps, [], {}
         self.kind = self.rt.kind
         if self.rt.is_xla:
@@ -158,12 +173,16 @@ class StepProfiler:
             xp.start_trace(str(self.folder))
             self._span = lambda: torch_xla._XLAC.profiler.TraceMe(STEP_SPAN)
         else:
+            import torch
             import torch.profiler as tp
 
+            if torch.autograd.profiler._is_profiler_enabled:  # a second session crashes the process at exit
+                raise RuntimeError("another torch.profiler session is running; stop it first")
             acts = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.kind == "cuda" else [])
             self._torch_prof = tp.profile(activities=acts)
             self._torch_prof.start()
             self._span = lambda: tp.record_function(STEP_SPAN)
+        self.folder.mkdir(parents=True)  # after the session started: a refused start leaves no folder
         self.capturing = True
 
     def before_batch(self) -> None:
@@ -360,7 +379,14 @@ def analyze(folder) -> Analysis:
     files = [p for p in trace_files(folder) if p.suffix in (".gz", ".json")]
     if not files:
         raise FileNotFoundError(f"{folder}: no trace file (expected plugins/profile/*/*.trace.json.gz or trace.json)")
-    events = [e for e in _load_trace(files[-1]) if e.get("ph") == "X" and "ts" in e]
+    raw = _load_trace(files[-1])
+    events = [e for e in raw if e.get("ph") == "X" and "ts" in e]
+    # TPU traces put device lines under processes named /device:TPU:N (XLA:CPU has none)
+    dev_pids = {
+        e.get("pid")
+        for e in raw
+        if e.get("name") == "process_name" and "/device:" in str(e.get("args", {}).get("name"))
+    }
     spans = sorted(e["ts"] for e in events if e["name"] == STEP_SPAN)
     if len(spans) < len(timers) or not timers:
         raise ValueError(f"{files[-1]}: {len(spans)} '{STEP_SPAN}' spans for {len(timers)} timed steps")
@@ -375,6 +401,7 @@ def analyze(folder) -> Analysis:
     if xla:
         compile_ev = [e for e in events if e["name"] == "XLAGraphExecutor::Compile"]
         dev_ev = [e for e in events if "hlo_op" in e.get("args", {}) and not e["name"].startswith("end: ")]
+        dev_ev = dev_ev or [e for e in events if e.get("pid") in dev_pids]
         busy = [e for e in events if e["name"] == "ThunkExecutor::Execute"] or dev_ev
         host_ev = [e for e in events if e.get("tid") == _python_tid(events, spans)]
     else:

@@ -121,14 +121,15 @@ def test_trigger_file_touched_by_another_process_profiles_a_conv_net(kind, tmp_p
 @pytest.mark.parametrize("kind", ["xla-cpu", "cpu"])
 def test_data_wait_is_found_when_the_loader_is_slow(kind, tmp_path):
     waits = {}
-    for sleep_s in (0.0, 0.08):
+    for sleep_s in (None, 0.15):  # the plain loader (default prefetch), then one sleeping 0.15 s a batch
         cb = At(3, lambda tr: tr.request_profile(2, out_dir=str(tmp_path)))
         tr = fit(kind, mlp(), blobs(n=96), [cb], steps=6, sleep_s=sleep_s)
         (a,) = tr.profiles
         check_split(a)
         waits[sleep_s] = a.mean()["data_wait_s"]
-    # the slow loader's sleep (minus its overlap with a step of a few ms) is waited for each step
-    assert waits[0.08] > 0.03 and waits[0.08] > 5 * waits[0.0], waits
+    # the sleep, minus its overlap with a step of a few ms, is waited for in each step; the plain loader's
+    # batches are ready (on XLA already in the prefetch queue)
+    assert waits[0.15] > 0.05 and waits[0.15] > waits[None] + 0.04, waits
 
 
 def test_no_request_no_capture(tmp_path, monkeypatch):
@@ -167,3 +168,12 @@ def test_bad_requests_name_the_culprit(tmp_path, monkeypatch):
         tr.profiler.step_boundary(tr)
     with pytest.raises(FileNotFoundError, match="steps.json"):
         analyze(tmp_path)
+
+
+def test_a_capture_that_cannot_start_warns_and_training_goes_on(tmp_path):
+    import torch.profiler as tp
+
+    with tp.profile(activities=[tp.ProfilerActivity.CPU]):  # the user's own session, already running
+        with pytest.warns(UserWarning, match="another torch.profiler session"):
+            tr = fit("cpu", mlp(), blobs(), [At(1, lambda tr: tr.request_profile(2, out_dir=str(tmp_path)))], steps=4)
+    assert tr.step == 4 and tr.profiles == [] and list(tmp_path.iterdir()) == []
