@@ -434,7 +434,15 @@ def analyze(folder) -> Analysis:
         name = re.sub(r"\.\d+$", "", e["name"]) if xla else e["name"]
         s, n = agg.get(name, (0.0, 0))
         agg[name] = (s + e.get("dur", 0) / 1e6, n + 1)
-    host = _self_times(host_ev)
+    # ops that start while the loop waits for data are the loader's (collate on CPU), not the step's
+    waits = intervals["data_wait"]
+    starts = [a for a, _ in waits]
+
+    def in_wait(e):
+        i = bisect.bisect_right(starts, iv(e)[0]) - 1
+        return i >= 0 and iv(e)[0] < waits[i][1]
+
+    host = _self_times([e for e in host_ev if not in_wait(e)])
     ops = sorted(((k, s, n) for k, (s, n) in agg.items()), key=lambda o: -o[1])
     host_ops = sorted(((k, s, n) for k, (s, n) in host.items() if k != STEP_SPAN), key=lambda o: -o[1])
     if backend == "cpu":  # the host is the device: its ops are the device ops

@@ -373,7 +373,7 @@ data = torch.utils.data.TensorDataset(torch.randn(16 * P.batch, 64), torch.randi
 model = nn.Sequential(nn.Linear(64, P.width), nn.GELU(), nn.Linear(P.width, 10))
 trainer = labkit.Trainer(
     model,
-    torch.optim.AdamW(model.parameters(), lr=1e-3),
+    torch.optim.SGD(model.parameters(), lr=0.05),  # no optimizer state: one graph to compile, not two
     rt,
     labkit.TrainConfig(max_steps=10, log_every=5),
     torch.utils.data.DataLoader(data, batch_size=P.batch, shuffle=True),
