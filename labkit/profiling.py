@@ -13,7 +13,9 @@ once a second, and removed when seen). The folder is $LABKIT_PROFILE_DIR, else .
 What a capture costs: nothing until one is requested (one attribute test per step and the once-a-second
 stat; no device sync). During the N captured steps, each step ends with a wait for the device
 (xm.wait_device_ops on XLA, torch.cuda.synchronize on a GPU) so that a step's work stays inside its step:
-captured steps run a little slower than free-running ones, whose host and device overlap.
+captured steps run a little slower than free-running ones, whose host and device overlap. Measured by
+bench/bench_profile.py on 2 loaded cores: 1.4-1.8 us per step idle; a captured XLA:CPU MLP step 1.22x a free one.
+The capture's end (stop, analysis, timeline PNG) takes ~0.2-1 s of the step that ends it.
 
 What is captured, per backend:
 - XLA (TPU, XLA:CPU): torch_xla.debug.profiler's in-process session (`xp.start_trace`/`xp.stop_trace`; the
