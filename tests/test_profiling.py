@@ -177,3 +177,17 @@ def test_a_capture_that_cannot_start_warns_and_training_goes_on(tmp_path):
         with pytest.warns(UserWarning, match="another torch.profiler session"):
             tr = fit("cpu", mlp(), blobs(), [At(1, lambda tr: tr.request_profile(2, out_dir=str(tmp_path)))], steps=4)
     assert tr.step == 4 and tr.profiles == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_capture_from_the_first_xla_step_shows_the_compile(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 4))  # a graph no other test compiled
+    rt = labkit.setup("xla-cpu")
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), rt, TrainConfig(max_steps=3, log_every=3),
+                 torch.utils.data.DataLoader(blobs(n=64), batch_size=16))  # fmt: skip
+    tr.request_profile(3, out_dir=str(tmp_path))  # before fit(): starts with the first step
+    tr.fit()
+    (a,) = tr.profiles
+    first, *rest = a.steps
+    assert first["step"] == 1 and first["compile_s"] > 0 and all(s["compile_s"] == 0 for s in rest), a.table()
+    assert first["compile_s"] > 10 * first["device_s"]  # compiling takes far longer than running this graph
