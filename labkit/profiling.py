@@ -146,6 +146,8 @@ class StepProfiler:
             self._last_poll = now
             self._poll_trigger()
         if self._request is not None and not self.capturing and self.rt.is_master:
+            if trainer._stop or trainer.step >= trainer.total_steps():
+                return  # no step follows in this fit(): the request waits for the next one
             steps, out_dir = self._request
             self._request = None
             self._guarded(lambda: self._start(trainer.step, steps, out_dir), "started")
@@ -188,6 +190,8 @@ class StepProfiler:
         self.capturing = True
 
     def before_batch(self) -> None:
+        if self._t:  # the last epoch's loader ran out after before_batch: close that span first
+            self._open.__exit__(None, None, None)
         self._open = self._span()
         self._open.__enter__()
         self._t = {"t0": time.perf_counter()}
@@ -229,6 +233,11 @@ class StepProfiler:
             self._torch_prof.stop()
             self._torch_prof.export_chrome_trace(str(self.folder / "trace.json"))
             self._torch_prof = None
+        if not self.timers:
+            warnings.warn(
+                f"fit() ended before a profiled step finished: nothing to analyse in {self.folder}", stacklevel=3
+            )
+            return None
         (self.folder / "steps.json").write_text(json.dumps({"backend": self.kind, "steps": self.timers}, indent=1))
         a = analyze(self.folder)
         a.save_png(self.folder / "timeline.png")

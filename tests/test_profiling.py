@@ -153,6 +153,9 @@ def test_a_capture_cut_short_by_the_end_of_fit_keeps_its_steps(tmp_path):
     tr = fit("cpu", mlp(), blobs(), [At(2, lambda tr: tr.request_profile(50, out_dir=str(tmp_path)))], steps=5)
     (a,) = tr.profiles
     assert [s["step"] for s in a.steps] == [3, 4, 5] and (a.folder / "summary.json").exists()
+    last = fit("cpu", mlp(), blobs(), [At(5, lambda tr: tr.request_profile(2, out_dir=str(tmp_path / "l")))], steps=5)
+    assert last.profiles == [] and not (tmp_path / "l").exists()  # asked at the last step: kept for a next fit()
+    assert last.profiler._request is not None
 
 
 def test_bad_requests_name_the_culprit(tmp_path, monkeypatch):
