@@ -16,8 +16,10 @@ time, inside a step closure: one device->host transfer per log interval, none pe
 Callbacks (e.g. labkit's Dashboard) may define on_train_begin, on_step_end (after each step's
 sync, with the batch), on_log, on_eval, on_epoch_end and on_train_end, each taking the trainer
 first; one dispatcher (`_dispatch`) calls the trainer's hook, then every callback. A callback
-steers the run with `trainer.request_stop()` (stop after the current step) and
-`trainer.request_checkpoint()` (save after the current step).
+steers the run with `trainer.request_stop()` (stop after the current step),
+`trainer.request_checkpoint()` (save after the current step) and `trainer.request_profile(steps)`
+(capture the next steps' trace and split their time: labkit.profiling; also SIGUSR1 or
+`touch profiles/PROFILE` from another shell). Each finished capture goes out as on_profile(analysis).
 
 Nothing fails silently: a loader error stops fit() with its own traceback (on XLA too, see
 labkit.loader); a NaN/inf loss stops the run naming the step (cfg.continue_on_nonfinite to
@@ -43,6 +45,7 @@ from .config import TrainConfig
 from .loader import ParallelLoader, device_loader
 from .metrics import DeviceAccumulator, read, to_host
 from .optim import optimizer_step
+from .profiling import StepProfiler
 from .seeding import rng_state, set_rng_state
 from .versions import versions
 
@@ -91,6 +94,7 @@ class Trainer:
         self._stop = False
         self._save_requested = False
         self._nonfinite = None  # (step, loss) found by the log closure
+        self.profiler = StepProfiler(rt)  # idle until a capture is requested: one attribute test per step
 
     def _wrap(self, loader):
         if loader is None or isinstance(loader, ParallelLoader):
@@ -171,6 +175,17 @@ class Trainer:
         """Save a checkpoint after the current step, whatever checkpoint_every says (needs a
         CheckpointManager; without one the request warns and is dropped)."""
         self._save_requested = True
+
+    def request_profile(self, steps: int = 5, out_dir: str | None = None) -> None:
+        """Profile the next `steps` training steps of the running (or next) fit(): a trace in its own
+        folder under out_dir (default $LABKIT_PROFILE_DIR or ./profiles) and an analysis, appended to
+        self.profiles when the capture ends. See labkit.profiling."""
+        self.profiler.request(steps, out_dir)
+
+    @property
+    def profiles(self) -> list:
+        """labkit.profiling.Analysis of each finished capture, oldest first."""
+        return self.profiler.results
 
     # -- state (what a checkpoint holds) ---------------------------------------------------
     def state_dict(self) -> dict:
@@ -282,9 +297,12 @@ class Trainer:
         self._t0 = self._last_emit_t = self._last_log_t = time.perf_counter()
         self._stop = self._save_requested = False
         self._nonfinite = None
+        prof = self.profiler
+        prof.install_signal()
         with _sigterm_raises():
             try:
                 self._dispatch("on_train_begin")
+                prof.step_boundary(self)  # a capture requested before fit() starts with its first step
                 total = self.total_steps()
                 while self.epoch < c.epochs and self.step < total and not self._stop:
                     self._run_epoch(total)
@@ -306,6 +324,9 @@ class Trainer:
             except BaseException:
                 self._finish_pending_save(None)
                 raise
+            finally:
+                prof.remove_signal()
+                self._finish_profile()
             self._finish_pending_save(None, raise_errors=True)
         return self.history
 
@@ -330,6 +351,24 @@ class Trainer:
             if raise_errors:
                 raise
             warnings.warn(f"the pending checkpoint save failed too: {type(e).__name__}: {e}", stacklevel=2)
+
+    def _finish_profile(self) -> None:
+        """fit() ended inside a capture window: keep the steps captured so far."""
+        n = len(self.profiler.results)
+        try:
+            self.profiler.finish()
+        except Exception as e:  # a failed analysis must not hide how fit() ended
+            warnings.warn(f"profile capture could not be finished: {type(e).__name__}: {e}", stacklevel=2)
+        self._announce_profiles(n)
+
+    def _announce_profiles(self, before: int) -> None:
+        for a in self.profiler.results[before:]:
+            m = a.mean()
+            split = " ".join(
+                f"{k[:-2]} {100 * v / max(m['total_s'], 1e-12):.0f}%" for k, v in m.items() if k != "total_s"
+            )
+            self.rt.master_print(f"[labkit] profiled {len(a.steps)} steps -> {a.folder} ({split})")
+            self._dispatch("on_profile", a)
 
     def _check_optimizer(self) -> None:
         for i, g in enumerate(self.optimizer.param_groups):
@@ -372,7 +411,16 @@ class Trainer:
         self._epoch_t0 = time.perf_counter()
         epoch_examples = 0
         interval_examples = 0
-        for batch in batches:
+        prof = self.profiler
+        batches = iter(batches)
+        while True:
+            if prof.capturing:  # data wait is timed only inside a capture window
+                prof.before_batch()
+            batch = next(batches, _END)
+            if batch is _END:
+                break
+            if prof.capturing:
+                prof.after_batch()
             n = self.batch_size_of(batch)
             loss = self.train_step(batch)
             extra = {}
@@ -398,7 +446,11 @@ class Trainer:
                     }
                     rt.add_step_closure(self._emit, args=(sums, meta))
                 interval_examples = 0
+            if prof.capturing:
+                prof.before_sync()
             rt.sync()  # ends the step: the graph runs, closures run after it
+            if prof.capturing:
+                prof.after_sync(self.step)  # waits for the device: captured steps only
             self._raise_if_nonfinite()  # before any save: never checkpoint weights a NaN loss produced
             self._dispatch("on_step_end", batch)  # host-side only (e.g. the dashboard notes batch shapes)
             periodic = c.checkpoint_every and self.step % c.checkpoint_every == 0
@@ -408,11 +460,18 @@ class Trainer:
                     warnings.warn("request_checkpoint() ignored: this Trainer has no CheckpointManager", stacklevel=2)
                 else:
                     self.checkpoint.save(self.step, self.state_dict(), metrics=self._last_metrics(), force=not periodic)
+            n_profiles = len(prof.results)
+            prof.step_boundary(self)  # closes a captured step, polls the trigger file (os.stat, <= 1/s)
+            if len(prof.results) > n_profiles:
+                self._announce_profiles(n_profiles)
             if self.step >= total or self._stop:
                 break
 
     def _last_metrics(self) -> dict:
         return dict(self.eval_history[-1]) if self.eval_history else {}
+
+
+_END = object()
 
 
 def _host(tensors):
