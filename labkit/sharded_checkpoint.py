@@ -255,7 +255,9 @@ class ShardedCheckpointManager:
                     data, content_type="application/json", if_generation_match=0, retry=None
                 )
             except exceptions.PreconditionFailed:
-                raise RuntimeError(f"{self._url(name, MARKER)} already exists: another run committed this step") from None
+                raise RuntimeError(
+                    f"{self._url(name, MARKER)} already exists: another run committed this step"
+                ) from None
         else:
             fd, tmp = tempfile.mkstemp(dir=self._url(name), prefix=".committed-")
             with os.fdopen(fd, "w") as f:
