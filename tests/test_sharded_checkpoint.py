@@ -197,3 +197,16 @@ def test_fsdp_over_8_killed_then_restored_onto_4_and_1_devices(tmp_path):
         )
         checks = [ln for ln in p.stdout.splitlines() if ln.startswith("CHECK")]
         assert p.returncode == 0 and len(checks) == 6, f"{n} devices:\n" + p.stdout + p.stderr[-3000:]
+
+
+def test_2d_mesh_with_replicated_tiles_restores_onto_1d_layouts():
+    """Tiles replicated over one mesh axis are written once (with their copies the checkpoint does not
+    load), padded tiles lose their padding, and a 2x4 layout restores onto three 1-D ones."""
+    p = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("sharded_ckpt_mesh2d.py"))],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0 and "RESULT" in p.stdout, p.stdout + p.stderr[-3000:]
