@@ -130,6 +130,8 @@ def _planners(template_on_xla: bool):
 
 # -- the manager ------------------------------------------------------------------------------------
 class ShardedCheckpointManager:
+    restores_in_place = True  # Trainer.fit passes its state_dict() to restore() as the template
+
     def __init__(self, root, keep: int = 3, async_save: bool = True, retry_deadline_s: float = 60):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint (the newest)")
@@ -191,8 +193,9 @@ class ShardedCheckpointManager:
         return self._pending_step if self._thread is not None and not self._done.is_set() else None
 
     # -- saving -------------------------------------------------------------------------------------
-    def save(self, step: int, state: dict, metrics: dict | None = None) -> bool:
-        """Save `state` (nested dicts/lists of tensors, sharded or not, and plain values) as `step`."""
+    def save(self, step: int, state: dict, metrics: dict | None = None, force: bool = False) -> bool:
+        """Save `state` (nested dicts/lists of tensors, sharded or not, and plain values) as `step`.
+        Every call saves (the Trainer decides when; `force` is accepted for its sake)."""
         self._raise_pending()
         self.store.acquire_writer()  # local: a second writer on this folder fails here
         cpu = stage(state)
