@@ -36,7 +36,14 @@ Cost: local disk for one checkpoint's shards of this host during the upload.
 Async: save() copies this host's shards to the CPU on the caller's thread (one batched transfer,
 what torch_xla's own manager does), then DCP's write, the crc32c pass and the uploads run in one
 background thread; at most one save is pending. Its errors surface on the next save(), wait() or
-close().
+close(). Measured here (bench/bench_sharded_checkpoint.py: ResNet-50 + SGD momentum, 205 MB, split
+over 8 XLA:CPU devices, local folder, 2 busy cores): 14.7 host CPU-seconds per GB and 0.84 s blocking
+save(), against CheckpointManager's 29.8 CPU-s/GB and 16 s blocking (it assembles every global
+tensor on the host before torch.save). Small tensors cost ~1.6 KB each per shard in DCP's file (one
+torch.save record per piece): a tiny GPT's 180 KB state took 810 KB over 8 devices.
+
+Scope: one process (one host, all its devices: what labkit.mesh sets up). Several hosts would
+each write their own shards but need a process group for DCP to agree on one `.metadata`.
 """
 
 from __future__ import annotations
