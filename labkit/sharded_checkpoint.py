@@ -48,6 +48,7 @@ each write their own shards but need a process group for DCP to agree on one `.m
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -125,14 +126,25 @@ def stage(state):
     return tree_unflatten(out, spec)
 
 
-def _planners(template_on_xla: bool):
-    if template_on_xla or _xla_loaded():
-        from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
+def _planner_kind() -> str:
+    """ "spmd" (torch_xla's planners) wherever torch_xla is installed, else "default" (DCP's own).
+    The two flatten plain values differently (the optimizer's param_groups: one item or one per
+    field), so a checkpoint must be read with the kind that wrote it: the commit record names it."""
+    return "spmd" if _xla_loaded() or importlib.util.find_spec("torch_xla") is not None else "default"
 
-        return SPMDSavePlanner(), SPMDLoadPlanner()
+
+def _planner(kind: str, load: bool, where: str):
+    if kind == "spmd":
+        try:
+            from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
+        except ImportError as e:
+            raise ImportError(f"{where} was written with torch_xla's SPMD planners; reading it needs torch_xla") from e
+        return SPMDLoadPlanner() if load else SPMDSavePlanner()
+    if kind != "default":
+        raise ValueError(f"{where}: unknown planner {kind!r} in the commit record")
     from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
-    return DefaultSavePlanner(), DefaultLoadPlanner()
+    return DefaultLoadPlanner() if load else DefaultSavePlanner()
 
 
 # -- the manager ------------------------------------------------------------------------------------
@@ -174,7 +186,11 @@ class ShardedCheckpointManager:
     def _read_marker(self, step: int) -> dict | None:
         url = self._url(folder_name(step), MARKER)
         try:
-            data = self.store.get(f"{folder_name(step)}/{MARKER}") if self.is_gcs else open(url, "rb").read()
+            if self.is_gcs:
+                data = self.store.get(f"{folder_name(step)}/{MARKER}")
+            else:
+                with open(url, "rb") as f:
+                    data = f.read()
             rec = json.loads(data)
             if isinstance(rec, dict) and rec.get("step") == step and isinstance(rec.get("files"), dict):
                 return rec
@@ -241,7 +257,8 @@ class ShardedCheckpointManager:
             folder = self._url(name)
             shutil.rmtree(folder, ignore_errors=True)  # an uncommitted leftover of the same step
         try:
-            planner, _ = _planners(False)
+            kind = _planner_kind()
+            planner = _planner(kind, False, self._url(name))
             dcp.save(cpu_state, storage_writer=dcp.FileSystemWriter(folder), planner=planner, no_dist=True)
             files = {}
             for f in sorted(os.listdir(folder)):
@@ -251,7 +268,7 @@ class ShardedCheckpointManager:
                 if self.is_gcs:
                     self.store.put(p, f"{name}/{f}", crc)  # verified against the server's crc32c
             _test_delay(step, folder)  # tests: hold the save open here, every file stored, no marker yet
-            record = {"step": step, "files": files, "metrics": metrics, "time": time.time()}
+            record = {"step": step, "files": files, "planner": kind, "metrics": metrics, "time": time.time()}
             self._commit(name, record)
         finally:
             if self.is_gcs:
@@ -342,7 +359,6 @@ class ShardedCheckpointManager:
         the commit record, or None when nothing is committed. Uncommitted folders newer than the one
         restored, and committed ones whose files fail their crc32c, are skipped with a warning."""
         import torch.distributed.checkpoint as dcp
-        from torch.utils._pytree import tree_leaves
 
         self.wait()
         listing = self._listing()
@@ -371,11 +387,35 @@ class ShardedCheckpointManager:
                 warnings.warn(f"{e}; falling back to the previous committed checkpoint", stacklevel=2)
                 continue
             try:
-                on_xla = any(torch.is_tensor(t) and t.device.type == "xla" for t in tree_leaves(state))
-                _, planner = _planners(on_xla)
-                dcp.load(state, storage_reader=dcp.FileSystemReader(folder), planner=planner, no_dist=True)
+                planner = _planner(rec.get("planner", "spmd"), True, self._url(folder_name(s)))
+                reader = dcp.FileSystemReader(folder)
+                _add_missing(state, reader.read_metadata())
+                dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
             finally:
                 if self.is_gcs:
                     shutil.rmtree(folder, ignore_errors=True)
             return rec
         return None
+
+
+_MISSING = object()
+
+
+def _add_missing(state: dict, metadata) -> None:
+    """DCP loads only into entries the template has. An optimizer whose state is created at its first
+    step (SGD's momentum, AdamW's moments) has none yet: add a CPU tensor of the saved shape for each
+    such entry (None for a plain value), so the checkpoint's structure loads whole. The optimizer's
+    load_state_dict then moves those tensors to their parameter's device, unsharded: create the
+    state first (as parallel_gpt does for AdamW) to restore it sharded."""
+    from torch.distributed.checkpoint._traverse import get_element, set_element
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    paths = metadata.planner_data or {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        path = paths.get(fqn)
+        if path is None or get_element(state, path, _MISSING) is not _MISSING:
+            continue
+        if isinstance(md, TensorStorageMetadata):
+            set_element(state, path, torch.empty(md.size, dtype=md.properties.dtype))
+        else:
+            set_element(state, path, None)

@@ -233,3 +233,41 @@ def test_trainer_killed_and_resumed_from_sharded_checkpoints_is_exact(tmp_path):
         torch.load(tmp_path / "resumed.pt", weights_only=True),
     )
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_planner_named_in_the_commit_record(tmp_path, monkeypatch):
+    """Without torch_xla installed DCP's own planners write (and must read) the checkpoint; the commit
+    record says which, and an unknown one is named."""
+    import labkit.sharded_checkpoint as sc
+
+    monkeypatch.setattr(sc, "_planner_kind", lambda: "default")
+    ck = ShardedCheckpointManager(tmp_path)
+    ck.save(1, _state(1))
+    ck.close()
+    assert ck.latest()["planner"] == "default"
+    target = _state(0)
+    ShardedCheckpointManager(tmp_path).restore(target)
+    _equal(target, _state(1))
+    marker = tmp_path / folder_name(1) / MARKER
+    marker.write_text(marker.read_text().replace('"default"', '"mystery"'))
+    with pytest.raises(ValueError, match="unknown planner 'mystery'"):
+        ShardedCheckpointManager(tmp_path).restore(target)
+
+
+def test_restore_into_an_optimizer_without_state_yet(tmp_path):
+    """A fresh AdamW has no moments until its first step: restore adds them from the checkpoint, and
+    the optimizer's load_state_dict takes them."""
+    ck = ShardedCheckpointManager(tmp_path)
+    ck.save(1, _state(1))
+    ck.close()
+    torch.manual_seed(5)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    target = {"model": m.state_dict(), "optim": opt.state_dict(), "epoch": 0}
+    assert target["optim"]["state"] == {}
+    ShardedCheckpointManager(tmp_path).restore(target)
+    _equal(target, _state(1))
+    opt.load_state_dict(target["optim"])
+    assert len(opt.state) == 4 and torch.equal(
+        opt.state[m[0].weight]["exp_avg"], _state(1)["optim"]["state"][0]["exp_avg"]
+    )
