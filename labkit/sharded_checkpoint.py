@@ -404,7 +404,8 @@ _MISSING = object()
 def _add_missing(state: dict, metadata) -> None:
     """DCP loads only into entries the template has. An optimizer whose state is created at its first
     step (SGD's momentum, AdamW's moments) has none yet: add a CPU tensor of the saved shape for each
-    such entry (None for a plain value), so the checkpoint's structure loads whole. The optimizer's
+    such entry (None for a plain value; a key of digits becomes an int), so the checkpoint's structure
+    loads whole. The optimizer's
     load_state_dict then moves those tensors to their parameter's device, unsharded: create the
     state first (as parallel_gpt does for AdamW) to restore it sharded."""
     from torch.distributed.checkpoint._traverse import get_element, set_element
@@ -413,9 +414,13 @@ def _add_missing(state: dict, metadata) -> None:
     paths = metadata.planner_data or {}
     for fqn, md in metadata.state_dict_metadata.items():
         path = paths.get(fqn)
-        if path is None or get_element(state, path, _MISSING) is not _MISSING:
+        if path is None:
+            continue
+        # the metadata keeps keys as strings; an optimizer's state is keyed by parameter index (int)
+        as_int = tuple(int(k) if isinstance(k, str) and k.isdigit() else k for k in path)
+        if any(get_element(state, p, _MISSING) is not _MISSING for p in (path, as_int)):
             continue
         if isinstance(md, TensorStorageMetadata):
-            set_element(state, path, torch.empty(md.size, dtype=md.properties.dtype))
+            set_element(state, as_int, torch.empty(md.size, dtype=md.properties.dtype))
         else:
-            set_element(state, path, None)
+            set_element(state, as_int, None)

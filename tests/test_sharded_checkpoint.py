@@ -167,7 +167,7 @@ def _kill_during_save(root, tmp_path, step, script, timeout=300):
 def test_kill_9_before_the_marker_restores_previous_step(tmp_path, request, where):
     root = f"gs://{request.getfixturevalue('gcs_bucket')}/run" if where == "gcs" else str(tmp_path / "run")
     script = [sys.executable, "-c", _KILLED_SAVE.format(repo=str(REPO)), root]
-    _kill_during_save(root, tmp_path, 2, script, timeout=120)
+    _kill_during_save(root, tmp_path, 2, script)
     ck = ShardedCheckpointManager(root)
     listing = ck._listing()
     assert MARKER not in listing[2] and "__0_0.distcp" in listing[2]  # the files are there, the commit is not
