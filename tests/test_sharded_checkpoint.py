@@ -212,6 +212,7 @@ def test_2d_mesh_with_replicated_tiles_restores_onto_1d_layouts():
     assert p.returncode == 0 and "RESULT" in p.stdout, p.stdout + p.stderr[-3000:]
 
 
+@pytest.mark.heavy  # three child runs: ~70 s on a busy 2-core machine
 def test_trainer_killed_and_resumed_from_sharded_checkpoints_is_exact(tmp_path):
     """Trainer(checkpoint=ShardedCheckpointManager): SIGKILL after step 8, resume from the newest
     commit, end bit-identical to an uninterrupted run (weights, momentum, scheduler, RNG, data order)."""
