@@ -100,12 +100,14 @@ def is_sharded(state) -> bool:
 def stage(state):
     """A copy of `state` on the CPU: sharded XLA tensors become torch_xla's CPU shards (this host's
     pieces with their offsets, never the global tensor), other XLA tensors come over in one batched
-    transfer, CPU tensors are cloned (training keeps updating them while the write runs)."""
+    transfer, CPU tensors are cloned (training keeps updating them while the write runs). The shard
+    copy is torch_xla 2.9's `_cpu_shards_from_tensors`, what its own CheckpointManager.save_async uses."""
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
     flat, spec = tree_flatten(state)
     sharded = [i for i, x in enumerate(flat) if _sharded(x)]
-    on_xla = [i for i, x in enumerate(flat) if torch.is_tensor(x) and x.device.type == "xla" and i not in sharded]
+    split = set(sharded)
+    on_xla = [i for i, x in enumerate(flat) if torch.is_tensor(x) and x.device.type == "xla" and i not in split]
     out = [x.detach().clone() if torch.is_tensor(x) and x.device.type == "cpu" else x for x in flat]
     if sharded or on_xla:
         import torch_xla
@@ -127,7 +129,7 @@ def stage(state):
 
 
 def _planner_kind() -> str:
-    """ "spmd" (torch_xla's planners) wherever torch_xla is installed, else "default" (DCP's own).
+    """Which DCP planners write: torch_xla's ("spmd") wherever it is installed, else DCP's ("default").
     The two flatten plain values differently (the optimizer's param_groups: one item or one per
     field), so a checkpoint must be read with the kind that wrote it: the commit record names it."""
     return "spmd" if _xla_loaded() or importlib.util.find_spec("torch_xla") is not None else "default"
