@@ -403,26 +403,41 @@ class ShardedCheckpointManager:
 _MISSING = object()
 
 
+def _key(container, k):
+    """The key of `container` that path element `k` names: DCP's paths keep keys as strings, an
+    optimizer's state is keyed by parameter index (int)."""
+    if isinstance(container, dict):
+        if k in container:
+            return k
+        alt = int(k) if isinstance(k, str) and k.isdigit() else k
+        return alt if alt in container else _MISSING
+    if isinstance(container, list) and str(k).isdigit() and int(k) < len(container):
+        return int(k)
+    return _MISSING
+
+
 def _add_missing(state: dict, metadata) -> None:
     """DCP loads only into entries the template has. An optimizer whose state is created at its first
     step (SGD's momentum, AdamW's moments) has none yet: add a CPU tensor of the saved shape for each
     such entry (None for a plain value; a key of digits becomes an int), so the checkpoint's structure
-    loads whole. The optimizer's
-    load_state_dict then moves those tensors to their parameter's device, unsharded: create the
-    state first (as parallel_gpt does for AdamW) to restore it sharded."""
-    from torch.distributed.checkpoint._traverse import get_element, set_element
+    loads whole. The optimizer's load_state_dict then moves those tensors to their parameter's
+    device, unsharded: create the state first (as parallel_gpt does for AdamW) to restore it sharded."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     paths = metadata.planner_data or {}
     for fqn, md in metadata.state_dict_metadata.items():
         path = paths.get(fqn)
-        if path is None:
+        if not path:
             continue
-        # the metadata keeps keys as strings; an optimizer's state is keyed by parameter index (int)
-        as_int = tuple(int(k) if isinstance(k, str) and k.isdigit() else k for k in path)
-        if any(get_element(state, p, _MISSING) is not _MISSING for p in (path, as_int)):
-            continue
-        if isinstance(md, TensorStorageMetadata):
-            set_element(state, as_int, torch.empty(md.size, dtype=md.properties.dtype))
-        else:
-            set_element(state, as_int, None)
+        cur, depth = state, 0
+        while depth < len(path) and (key := _key(cur, path[depth])) is not _MISSING:
+            cur, depth = cur[key], depth + 1
+        if depth == len(path):
+            continue  # the template has it: DCP loads into it
+        if not isinstance(cur, dict):
+            continue  # a list too short or a value where a container was saved: DCP names the key
+        for k in path[depth:-1]:
+            cur = cur.setdefault(int(k) if isinstance(k, str) and k.isdigit() else k, {})
+        last = path[-1]
+        last = int(last) if isinstance(last, str) and last.isdigit() else last
+        cur[last] = torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None

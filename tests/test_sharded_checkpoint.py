@@ -52,11 +52,12 @@ def test_local_roundtrip_in_place_retention(tmp_path):
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-00000002", "step-00000003"]
     assert ck.latest()["step"] == 3 and ck.latest()["metrics"] == {"loss": 1 / 3, "tag": "x"}
     target = _state(99)
-    weight = target["model"]["0.weight"]
+    weight, moment = target["model"]["0.weight"], target["optim"]["state"][0]["exp_avg"]
     rec = ShardedCheckpointManager(tmp_path).restore(target)
     assert rec["step"] == 3 and target["epoch"] == 3
     _equal(target, saved[3])
-    assert target["model"]["0.weight"] is weight  # filled in place: a module's own tensors are restored
+    # filled in place: a module's and an optimizer's own tensors (int-keyed state) are restored
+    assert target["model"]["0.weight"] is weight and target["optim"]["state"][0]["exp_avg"] is moment
     ShardedCheckpointManager(tmp_path).restore(target, step=2)
     _equal(target, saved[2])
 
