@@ -287,7 +287,13 @@ class Trainer:
         c, rt = self.cfg, self.rt
         self._check_optimizer()
         if c.resume and self.checkpoint is not None:
-            state = self.checkpoint.restore()
+            if getattr(self.checkpoint, "restores_in_place", False):
+                # a sharded checkpoint loads into the live tensors, which keep their sharding; the
+                # filled template then goes through load_state_dict like any restored state
+                template = self.state_dict()
+                state = template if self.checkpoint.restore(template) is not None else None
+            else:
+                state = self.checkpoint.restore()
             if state is not None:
                 self.load_state_dict(state)
                 rt.master_print(

@@ -1,6 +1,6 @@
 """Train a tiny MLP with checkpoints; run as a subprocess by tests/test_resume.py.
 
-    python tests/ckpt_train_script.py ROOT OUT.pt --steps 12 --every 3 [--resume] [--kill-at N]
+    python tests/ckpt_train_script.py ROOT OUT.pt --steps 12 --every 3 [--resume] [--kill-at N] [--sharded]
 
 --kill-at N: SIGKILL this process right after optimizer step N (no cleanup, like a lost VM).
 LABKIT_CKPT_KILL_IN_UPLOAD=STEP: the manager kills the process inside the save of STEP.
@@ -49,6 +49,7 @@ def main():
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--kill-at", type=int, default=0)
     ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--sharded", action="store_true", help="labkit.sharded_checkpoint's manager")
     a = ap.parse_args()
     rt = labkit.setup(a.backend)
     rt.manual_seed(0)
@@ -67,7 +68,12 @@ def main():
     cfg = labkit.TrainConfig(
         epochs=100, max_steps=a.steps, checkpoint_every=a.every, resume=a.resume, log_every=0, eval_every=0
     )
-    ckpt = CheckpointManager(a.root, keep=2, rt=rt, retry_deadline_s=5)
+    if a.sharded:
+        from labkit.sharded_checkpoint import ShardedCheckpointManager
+
+        ckpt = ShardedCheckpointManager(a.root, keep=2, retry_deadline_s=5)
+    else:
+        ckpt = CheckpointManager(a.root, keep=2, rt=rt, retry_deadline_s=5)
     cbs = []
     if a.kill_at:
 
