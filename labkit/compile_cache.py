@@ -185,6 +185,8 @@ def first_step_in_child(
     cmd = [sys.executable, "-c", code, model, folder or "off"] + ([backend] if backend else [])
     env = dict(os.environ)
     env.pop(ENV, None)  # the folder argument decides, not this process's environment
+    if backend == "xla-cpu":  # e.g. from a TPU notebook, whose kernel holds the chips: the child uses the CPU
+        env["PJRT_DEVICE"] = "CPU"
     # the child imports the labkit this process runs (a checkout may shadow an installed copy)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

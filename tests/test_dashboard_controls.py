@@ -4,6 +4,7 @@ and a real small run on XLA:CPU and CPU then stops after the epoch and saves the
 import io
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -162,3 +163,81 @@ def test_console_twin_says_how_once():
     quiet = io.StringIO()
     Dashboard(sink=ConsoleSink(quiet), controls=False).sink.begin(tr, Dashboard(controls=False))
     assert quiet.getvalue() == ""
+
+
+KERNEL_SETUP = """
+import os, time, asyncio
+os.environ.pop('LABKIT_CONSOLE', None)
+import torch, labkit
+from labkit.dashboard import NotebookSink
+from labkit.checkpoint import CheckpointManager
+from tests.helpers import blobs, mlp
+
+class Slow:  # a few ms per step, so that the run is still going when the click comes
+    def on_step_end(self, trainer, batch):
+        time.sleep(0.01)
+
+rt = labkit.setup('cpu')
+model = mlp()
+dash = labkit.Dashboard(title='steer', sink=NotebookSink())
+tr = labkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt, labkit.TrainConfig(epochs=500, log_every=8),
+    torch.utils.data.DataLoader(blobs(), batch_size=32), callbacks=[dash, Slow()])
+dash.sink.begin(tr, dash)  # the buttons now (fit() shows the same ones): the test needs their ids
+print(dash.sink.controls.buttons['stop'].model_id)
+"""
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(240)
+def test_a_click_stops_a_fit_running_in_a_real_kernel():
+    """ipykernel 7: while a cell awaits `asyncio.to_thread(trainer.fit)`, the kernel handles the click at once
+    (the front end's comm message, as a browser sends it) and the run stops at the end of that epoch."""
+    import ipykernel
+    from jupyter_client.manager import start_new_kernel
+
+    if int(ipykernel.__version__.split(".")[0]) < 7:
+        pytest.skip("ipykernel < 7 queues widget messages behind the running cell")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    km, kc = start_new_kernel(kernel_name="python3", cwd=root, env=env)
+    try:
+
+        def run(code, wait=True, timeout=180):
+            mid = kc.execute(code)
+            if not wait:
+                return mid
+            return _collect(kc, mid, timeout)
+
+        out, err = run(KERNEL_SETUP)
+        assert not err, err
+        stop_id = out.strip().splitlines()[-1]
+        mid = run("h = await asyncio.to_thread(tr.fit)", wait=False)
+        time.sleep(4)  # the fit is running (500 epochs would take minutes): now a person clicks
+        click = {"comm_id": stop_id, "data": {"method": "custom", "content": {"event": "click"}}}
+        kc.shell_channel.send(kc.session.msg("comm_msg", click))
+        _, err = _collect(kc, mid, 180)
+        assert not err, err
+        out, err = run("print(tr.step, tr.epoch, tr.batch_in_epoch, repr(dash.sink.controls.status.value))")
+        assert not err, err
+        step, epoch, in_epoch, status = out.split(maxsplit=3)
+        assert 0 < int(epoch) < 500 and int(step) == 8 * int(epoch) and int(in_epoch) == 0, out
+        assert status.startswith("'stopping after epoch"), out
+    finally:
+        km.shutdown_kernel(now=True)
+
+
+def _collect(kc, mid, timeout):
+    """stdout and error text of one execution, once the kernel is idle again."""
+    out, err = [], []
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = kc.get_iopub_msg(timeout=timeout)
+        if m["parent_header"].get("msg_id") != mid:
+            continue
+        if m["msg_type"] == "stream":
+            out.append(m["content"]["text"])
+        elif m["msg_type"] == "error":
+            err.append("\n".join(m["content"]["traceback"]))
+        elif m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+            return "".join(out), "".join(err)
+    raise TimeoutError(f"execution {mid} did not finish in {timeout} s")
