@@ -125,6 +125,10 @@ class NotebookSink:
                 display(box)
         self.controls.bind(trainer)
 
+    def end(self, trainer, dash: Dashboard) -> None:
+        if self.controls is not None:
+            self.controls.unbind()
+
     def draw(self, frame: dict, dash: Dashboard) -> None:
         from IPython.display import HTML, Image, display
 
@@ -289,6 +293,8 @@ class Dashboard:
             self.finder.stop()
         if self._tb is not None:
             self._tb.flush()
+        if self._active and hasattr(self.sink, "end"):
+            self.sink.end(trainer, self)
 
     # -- drawing -----------------------------------------------------------------------------
     def _maybe_draw(self, force=False) -> None:

@@ -11,15 +11,17 @@ so the buttons add nothing to a step: no widget is touched while training runs, 
 
 When a click arrives (measured with ipykernel 7.4 and ipywidgets 8.1; a kernel handles widget messages
 on its shell channel): while a cell runs plain Python, such as `trainer.fit()`, the kernel reads no
-message, so a click waits until the cell ends, which is too late (each fit() starts with no request
-pending). While a cell *awaits*, ipykernel 7 dispatches widget messages at once: run the fit in a thread,
+message, so a click waits until the cell ends, which is too late: the label then says that no fit()
+is running and the click is dropped (each fit() starts with no request pending). While a cell *awaits*,
+ipykernel 7 dispatches widget messages at once: run the fit in a thread,
 
-    history = await asyncio.to_thread(trainer.fit)      # the buttons act within a step
+    history = await asyncio.to_thread(trainer.fit)      # a click reaches the Trainer at once
 
-and the click reached the handler within milliseconds in that measurement. Older kernels (ipykernel 6,
-which Colab has shipped) queue widget messages behind the running cell even then: there the buttons only
-act between cells, and a script's signal or trigger file (printed by the console twin) is what works
-mid-run. In a thread, Ctrl-C / "interrupt" stops the await but not the fit: use "Stop after this epoch",
+and the click reached the handler within milliseconds in that measurement (tests/test_dashboard_controls.py
+stops a fit that way in a real kernel). Older kernels (ipykernel 6, as Colab's has been; not measured here)
+handle shell messages one at a time, so a click waits for the cell even then; what works mid-run there
+is a callback calling the same methods, or for profiling the signal / trigger file that the console
+twin prints. In a thread, Ctrl-C / "interrupt" stops the await but not the fit: use "Stop after this epoch",
 or call trainer.request_stop(). labkit does not poll the kernel from inside a cell (jupyter-ui-poll's
 way): with ipykernel 7 there is no do_one_iteration() to call, and re-entering the kernel's event loop
 from the cell it is running is not safe.
@@ -63,21 +65,31 @@ class Controls:
     `.buttons` maps a name ('profile', 'stop', 'save') to its Button; `.status` says what was asked."""
 
     def __init__(self, profile_steps: int = PROFILE_STEPS):
-        self.trainer = None
+        self.trainer, self.running = None, False
         self.box = self.buttons = self.steps = self.status = None
         self._profile_steps = profile_steps
 
     def bind(self, trainer) -> None:
-        self.trainer = trainer
+        """A fit() of `trainer` begins: clicks go to it."""
+        self.trainer, self.running = trainer, True
+
+    def unbind(self) -> None:
+        """That fit() ended: a click now would be dropped by the next fit(), so it is refused (and said)."""
+        self.running = False
 
     def widget(self):
-        """The row of widgets (built once), or None when ipywidgets cannot be imported."""
+        """The row of widgets (built once), or None when ipywidgets cannot be imported or built."""
         if self.box is not None:
             return self.box
         try:
-            import ipywidgets as w
-        except Exception:  # not installed, or broken: no buttons, the run goes on
+            return self._build()
+        except Exception:  # not installed, broken, or no kernel to talk to: no buttons, the run goes on
+            self.box = self.buttons = self.steps = self.status = None
             return None
+
+    def _build(self):
+        import ipywidgets as w
+
         self.steps = w.IntText(value=self._profile_steps, description="steps")
         self.buttons = {
             "profile": w.Button(description="Profile next N steps"),
@@ -96,8 +108,11 @@ class Controls:
         """A click: ask the bound trainer; the status label says what happened (a handler must not raise:
         the front end would only show the traceback in the kernel's log)."""
         tr = self.trainer
-        if tr is None:
-            return self._say("no training run yet")
+        if tr is None or not self.running:
+            return self._say(
+                "no fit() is running (a click made during a plain `trainer.fit()` cell arrives after it: "
+                "run `await asyncio.to_thread(trainer.fit)`)"
+            )
         try:
             if what == "profile":
                 n = int(self.steps.value)

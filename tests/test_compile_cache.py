@@ -55,6 +55,7 @@ def test_bad_values_name_the_setting(monkeypatch, value, source):
             cc.resolve(None, "tpu")
 
 
+@pytest.mark.heavy  # three fresh processes, each importing torch_xla and compiling
 def test_two_processes_share_the_cache(tmp_path):
     folder = str(tmp_path / "xla-cache")
     cold = cc.first_step_in_child(folder, "mlp", "xla-cpu")
@@ -75,6 +76,7 @@ def test_two_processes_share_the_cache(tmp_path):
     assert off["cache"] is None and not any(off["counters"].values())
 
 
+@pytest.mark.heavy  # a fresh process
 def test_too_late_is_said_not_hidden(tmp_path):
     """A computation before setup(): torch_xla has built its cache without a folder; setup warns, rt says off."""
     code = (

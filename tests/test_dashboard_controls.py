@@ -45,7 +45,7 @@ def test_buttons_call_the_trainer():
         "Save a checkpoint now",
     }
     c.buttons["stop"].click()  # nothing bound yet: says so, raises nothing
-    assert c.status.value == "no training run yet"
+    assert c.status.value.startswith("no fit() is running")
     tr = FakeTrainer()
     c.bind(tr)
     c.steps.value = 3
@@ -57,6 +57,9 @@ def test_buttons_call_the_trainer():
     c.bind(FakeTrainer(checkpoint=None))  # no CheckpointManager: no request, and the label says why
     c.buttons["save"].click()
     assert c.trainer.calls == [] and "no CheckpointManager" in c.status.value
+    c.unbind()  # the fit ended: a click now would be lost at the next fit(), so it is refused and said
+    c.buttons["stop"].click()
+    assert c.trainer.calls == [] and "asyncio.to_thread(trainer.fit)" in c.status.value
 
 
 def test_without_ipywidgets_there_are_no_buttons(monkeypatch):
