@@ -8,7 +8,8 @@ step on a 2-core XLA:CPU), loss read every 20 steps in a step closure:
   console  Dashboard with the console twin (one line per interval, written to /dev/null)
   no-finder  the console Dashboard with find_syncs=False (no SyncFinder: the detective without lines)
   figure   Dashboard drawing like the notebook (header each >= 1 s, PNG figure each >= 15 s and at
-           the end of every fit(): one trial = one fit, so trials are long to amortise that)
+           the end of every fit(): one trial = one fit, so trials are long to amortise that), with
+           the notebook's buttons built and bound to the trainer (labkit.dashboard_controls)
 Trials interleave (rotating order) after each loop's warm-up, so drifts of the machine hit all.
 Prints per-trial times and the ratios dashboard / plain (goal <= 1.02).
 """
@@ -27,6 +28,7 @@ import torch.nn as nn
 
 import labkit
 from labkit.dashboard import ConsoleSink, Dashboard, NotebookSink
+from labkit.dashboard_controls import Controls
 from labkit.dashboard_view import html_header
 
 
@@ -39,6 +41,14 @@ class FigureSink:
     def __init__(self):
         self.renders, self._t = 0, 0.0
         self.figure_every_s = NotebookSink().figure_every_s
+        self.controls = None
+
+    def begin(self, trainer, dash):
+        """NotebookSink.begin minus the display: the buttons are built once and bound at each fit()."""
+        if self.controls is None:
+            self.controls = Controls()
+            self.controls.widget()
+        self.controls.bind(trainer)
 
     def draw(self, frame, dash):
         html_header(frame)
@@ -119,7 +129,7 @@ def main():
     )
     print(
         f"draws: figure sink {dashes['figure'].frames} ({dashes['figure'].sink.renders} PNG renders), "
-        f"console {dashes['console'].frames} lines"
+        f"console {dashes['console'].frames} lines; buttons built: {dashes['figure'].sink.controls.box is not None}"
     )
     for k in ("console", "figure"):
         print(f"RATIO {k}-dashboard/plain step time = {med[k] / med['plain']:.3f} (goal <= 1.02)")

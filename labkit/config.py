@@ -31,6 +31,7 @@ NON_CONFIG_ENV = frozenset(
     {
         "LABKIT_FAST",  # CI-sized runs (fast_mode)
         "LABKIT_BACKEND",  # labkit.setup(): force tpu / cuda / xla-cpu / cpu
+        "LABKIT_COMPILE_CACHE",  # labkit.setup(): persistent XLA compile cache (yes/no/auto/a folder)
         "LABKIT_CONSOLE",  # dashboard: console lines instead of widgets
         "LABKIT_PIP_SPEC",  # the notebooks' set-up cell: what pip installs
         "LABKIT_ARTIFACTS",  # where notebook runs keep their outputs

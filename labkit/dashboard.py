@@ -28,6 +28,7 @@ import sys
 import time
 
 from .config import parse_bool
+from .dashboard_controls import Controls, script_help
 from .dashboard_view import html_header, render, summary_line
 from .syncs import SyncFinder
 from .xla_health import HealthMonitor
@@ -67,6 +68,14 @@ class ConsoleSink:
 
     def __init__(self, stream=None):
         self.stream = stream
+        self._helped = False
+
+    def begin(self, trainer, dash: Dashboard) -> None:
+        """Once per sink: how to do what the notebook's buttons do, from a script."""
+        if dash.controls and not self._helped:
+            self._helped = True
+            for line in script_help():
+                print(f"[{dash.title}] {line}", file=self.stream or sys.stdout, flush=True)
 
     def draw(self, frame: dict, dash: Dashboard) -> None:
         out = self.stream or sys.stdout
@@ -100,6 +109,25 @@ class NotebookSink:
         self.figure_every_s = figure_every_s
         self._html = self._img = None
         self._img_t = 0.0
+        self.controls: Controls | None = None
+
+    def begin(self, trainer, dash: Dashboard) -> None:
+        """The buttons (labkit.dashboard_controls), shown once above the figure and pointed at this fit's
+        trainer. No ipywidgets or no front end: no buttons, nothing fails."""
+        if not dash.controls:
+            return
+        if self.controls is None:
+            self.controls = Controls()
+            box = self.controls.widget()
+            if box is not None:
+                from IPython.display import display
+
+                display(box)
+        self.controls.bind(trainer)
+
+    def end(self, trainer, dash: Dashboard) -> None:
+        if self.controls is not None:
+            self.controls.unbind()
 
     def draw(self, frame: dict, dash: Dashboard) -> None:
         from IPython.display import HTML, Image, display
@@ -130,7 +158,9 @@ class Dashboard:
     device->host reads are counted per line of your code (host-side, ~2 us per read). every: minimum seconds
     between draws (default: the sink's own: 0 for the console line, 1 s for the notebook header and 15 s for
     its figure); the last draw always happens. sink: anything with draw(frame, dashboard)
-    (default: chosen by environment()). tensorboard_dir: also write the numbers there."""
+    (default: chosen by environment()). tensorboard_dir: also write the numbers there. controls: buttons
+    under the notebook view to profile, stop after the epoch or save now; the console twin prints the
+    same as method calls and signals (labkit.dashboard_controls, which says when a click takes effect)."""
 
     def __init__(
         self,
@@ -144,6 +174,7 @@ class Dashboard:
         tensorboard_dir=None,
         smoothing=0.6,
         find_syncs=True,
+        controls=True,
     ):
         self.total_steps, self._total_given, self.title = total_steps, total_steps, title
         self.flops_per_step, self.tokens_per_step, self.peak_flops = flops_per_step, tokens_per_step, peak_flops
@@ -159,6 +190,7 @@ class Dashboard:
         self._active, self._rate, self._sps = True, None, None
         self._last_draw, self._pending, self._tb, self._final_drawn = 0.0, False, None, False
         self.world_size, self.rt = 1, None
+        self.controls = controls
 
     # -- Trainer callbacks -----------------------------------------------------------------
     def on_train_begin(self, trainer) -> None:
@@ -186,6 +218,8 @@ class Dashboard:
 
             self._tb = SummaryWriter(self.tensorboard_dir)
         self._prev = {"step": trainer.step, "elapsed_s": 0.0}
+        if self._active and hasattr(self.sink, "begin"):
+            self.sink.begin(trainer, self)
 
     def on_step_end(self, trainer, batch) -> None:
         if self._active and self.health is not None:
@@ -259,6 +293,8 @@ class Dashboard:
             self.finder.stop()
         if self._tb is not None:
             self._tb.flush()
+        if self._active and hasattr(self.sink, "end"):
+            self.sink.end(trainer, self)
 
     # -- drawing -----------------------------------------------------------------------------
     def _maybe_draw(self, force=False) -> None:

@@ -7,6 +7,7 @@
 Detection order: TPU (PJRT, needs torch_xla + libtpu or PJRT_DEVICE=TPU), CUDA (torch's own
 backend: torch_xla 2.9 has no CUDA backend), XLA:CPU (torch_xla importable), plain CPU.
 `setup()` is idempotent: a notebook may run the cell twice and gets the same Runtime.
+On TPU it also turns on torch_xla's persistent compile cache (labkit.compile_cache; `compile_cache=`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import compile_cache as _cc
 from . import envsetup
 from .mesh import parse_spmd, wants_spmd
 from .seeding import manual_seed as _seed  # the one home for seeding and RNG capture
@@ -121,6 +123,7 @@ class Runtime:
     local_device_count: int = 1
     spmd: bool = False
     info: dict = field(default_factory=dict)
+    compile_cache: str | None = None  # the persistent compile cache folder in use (None: off; see info)
 
     @property
     def is_xla(self) -> bool:
@@ -218,13 +221,14 @@ class Runtime:
 
     def __repr__(self) -> str:
         extra = ", spmd" if self.spmd else ""
+        extra += f", compile_cache={self.compile_cache!r}" if self.compile_cache else ""
         return (
             f"Runtime(kind={self.kind!r}, device={str(self.device)!r}, world_size={self.world_size}, "
             f"ordinal={self.ordinal}, local_devices={self.local_device_count}{extra})"
         )
 
 
-def _setup_xla(kind: str, spmd) -> Runtime:
+def _setup_xla(kind: str, spmd, cache: str | None = None) -> Runtime:
     global _xla_kind
     want = "TPU" if kind == "tpu" else "CPU"
     if _xla_kind is not None and _xla_kind != kind:
@@ -263,7 +267,20 @@ def _setup_xla(kind: str, spmd) -> Runtime:
             f"asked for {kind!r} but PJRT started {actual!r} devices (PJRT fell back); "
             "check libtpu and that no other process holds the TPU"
         )
-    return Runtime(kind, device, world, ordinal, local, local_count, is_spmd, {"pjrt_device": actual})
+    rt = Runtime(kind, device, world, ordinal, local, local_count, is_spmd, {"pjrt_device": actual})
+    if cache:  # after the device (which compiles nothing), before the first computation
+        _turn_on_cache(rt, cache)
+    return rt
+
+
+def _turn_on_cache(rt: Runtime, folder: str) -> None:
+    # several processes on one host (xmp.spawn): only local ordinal 0 writes, the others read
+    rt.compile_cache, note = _cc.enable(folder, readonly=rt.local_ordinal != 0 and not rt.spmd)
+    rt.info["compile_cache"] = note
+    if rt.compile_cache is None:
+        import warnings
+
+        warnings.warn(f"labkit.setup(): compile cache {folder}: {note}", stacklevel=3)
 
 
 def tpu_error_advice(message: str, root: str | None = None) -> str | None:
@@ -307,21 +324,27 @@ def _setup_cuda() -> Runtime:
     )
 
 
-def setup(backend: str | None = None, *, spmd: bool | str = False, verbose: bool = False) -> Runtime:
+def setup(
+    backend: str | None = None, *, spmd: bool | str = False, compile_cache=None, verbose: bool = False
+) -> Runtime:
     """Detect (or take) the backend, initialise it once, and return the Runtime.
 
     backend: None (auto), "tpu", "cuda", "xla-cpu" or "cpu"; LABKIT_BACKEND overrides auto.
     spmd: XLA only; one process drives all local devices (torch_xla SPMD). "auto" (or "on"/"off"):
-    on when this host has more than one XLA device, off elsewhere (see labkit.mesh)."""
+    on when this host has more than one XLA device, off elsewhere (see labkit.mesh).
+    compile_cache: torch_xla's persistent compile cache. None reads LABKIT_COMPILE_CACHE, else "auto":
+    on for TPU (in ~/.cache/labkit/xla-cache), off elsewhere; True/False/yes/no, or a folder. XLA:CPU
+    writes the cache but cannot load it (see labkit.compile_cache). rt.compile_cache: the folder or None."""
     global _current
     spmd = parse_spmd(spmd)
     kind = resolve_backend(backend)
+    cache, cache_note = _cc.resolve(compile_cache, kind)
     if spmd == "auto" and kind not in ("tpu", "xla-cpu"):
         spmd = False
     rt = _runtimes.get(kind)
     if rt is None or (spmd is True and not rt.spmd):
         if kind in ("tpu", "xla-cpu"):
-            rt = _setup_xla(kind, spmd)
+            rt = _setup_xla(kind, spmd, cache)
         elif kind == "cuda":
             rt = _setup_cuda()
         else:
@@ -329,6 +352,9 @@ def setup(backend: str | None = None, *, spmd: bool | str = False, verbose: bool
                 raise BackendError("spmd=True needs an XLA backend (tpu or xla-cpu)")
             rt = Runtime("cpu", torch.device("cpu"))
         _runtimes[kind] = rt
+    elif cache and rt.compile_cache != cache:  # asked for again (or for another folder): possible until XLA ran
+        _turn_on_cache(rt, cache)
+    rt.info.setdefault("compile_cache", cache_note if cache is None else "on")
     _current = rt
     if verbose:
         rt.master_print(f"[labkit] {rt}")

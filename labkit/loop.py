@@ -16,10 +16,11 @@ time, inside a step closure: one device->host transfer per log interval, none pe
 Callbacks (e.g. labkit's Dashboard) may define on_train_begin, on_step_end (after each step's
 sync, with the batch), on_log, on_eval, on_epoch_end and on_train_end, each taking the trainer
 first; one dispatcher (`_dispatch`) calls the trainer's hook, then every callback. A callback
-steers the run with `trainer.request_stop()` (stop after the current step),
-`trainer.request_checkpoint()` (save after the current step) and `trainer.request_profile(steps)`
-(capture the next steps' trace and split their time: labkit.profiling; also SIGUSR1 or
-`touch profiles/PROFILE` from another shell). Each finished capture goes out as on_profile(analysis).
+steers the run with `trainer.request_stop()` (stop after the current step; `after_epoch=True`:
+after the current epoch, its evaluation and epoch-end save), `trainer.request_checkpoint()` (save
+after the current step) and `trainer.request_profile(steps)` (capture the next steps' trace and
+split their time: labkit.profiling; also SIGUSR1 or `touch profiles/PROFILE` from another shell).
+Each finished capture goes out as on_profile(analysis).
 
 Nothing fails silently: a loader error stops fit() with its own traceback (on XLA too, see
 labkit.loader); a NaN/inf loss stops the run naming the step (cfg.continue_on_nonfinite to
@@ -91,7 +92,7 @@ class Trainer:
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
         self._acc = DeviceAccumulator(rt)
-        self._stop = False
+        self._stop = self._stop_after_epoch = False
         self._save_requested = False
         self._nonfinite = None  # (step, loss) found by the log closure
         self.profiler = StepProfiler(rt)  # idle until a capture is requested: one attribute test per step
@@ -165,9 +166,14 @@ class Trainer:
         total = self.cfg.epochs * self.steps_per_epoch()
         return min(total, self.cfg.max_steps) if self.cfg.max_steps else total
 
-    def request_stop(self) -> None:
-        """Stop after the current step (callable from any callback; position kept for a resume)."""
-        self._stop = True
+    def request_stop(self, after_epoch: bool = False) -> None:
+        """Stop after the current step (callable from any callback; position kept for a resume).
+        after_epoch=True: finish the current epoch (its evaluation, on_epoch_end and epoch-end
+        checkpoint included), then stop; a resume starts the next epoch."""
+        if after_epoch:
+            self._stop_after_epoch = True
+        else:
+            self._stop = True
 
     stop = request_stop  # older name
 
@@ -301,7 +307,7 @@ class Trainer:
                 )
         self.model.train()
         self._t0 = self._last_emit_t = self._last_log_t = time.perf_counter()
-        self._stop = self._save_requested = False
+        self._stop = self._stop_after_epoch = self._save_requested = False
         self._nonfinite = None
         prof = self.profiler
         prof.install_signal()
@@ -323,6 +329,8 @@ class Trainer:
                         self.checkpoint.save(self.step, self.state_dict(), metrics=self._last_metrics())
                     else:
                         self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+                    if self._stop_after_epoch:
+                        break
                 self._dispatch("on_train_end")
             except KeyboardInterrupt as e:
                 self._finish_pending_save(e)

@@ -169,6 +169,42 @@ if XLA:
     assert by["lazy tensors, XLA"]["first_s"] > by["lazy tensors, XLA"]["steady_s"]  # compiling costs
 
 # %% [markdown]
+# ### Compiled once, kept on disk: the persistent compile cache
+# Every graph above was compiled in this process and is forgotten when the runtime restarts. torch_xla can keep
+# the compiled programs in a folder (`torch_xla.runtime.initialize_cache`, which must run before the first
+# computation); `labkit.setup()` does it on a TPU by default, in `~/.cache/labkit/xla-cache`
+# (`setup(compile_cache=...)` or `LABKIT_COMPILE_CACHE` to change it). Below, two fresh processes run the same
+# training step with one cache folder: the first compiles and writes, the second looks each graph up by its hash.
+# On a TPU the second loads the program (`PersistentCacheHit`) and skips compiling. On XLA:CPU the files are
+# written and found, but torch_xla 2.9's CPU client cannot load them (`PersistentCacheDeserializeFailure`), so it
+# compiles again: the table shows the mechanism, not a saving. (The children run on XLA:CPU even on a TPU: this
+# kernel holds the chips. This kernel's own cache on a TPU is shown under the table.)
+
+# %%
+import tempfile
+
+from labkit import compile_cache
+
+if XLA:
+    folder = os.path.join(tempfile.mkdtemp(), "xla-cache")
+    cold = compile_cache.first_step_in_child(folder, "mlp", "xla-cpu")
+    warm = compile_cache.first_step_in_child(folder, "mlp", "xla-cpu")
+    for name, r in (("cold", cold), ("warm", warm)):
+        hits = {k.removeprefix("PersistentCache"): v for k, v in r["counters"].items() if v}
+        print(f"{name}: first step {r['first_step_s']:.2f} s, {r['compiles']} compile(s) {r['compile_s']:.2f} s, "
+              f"{len(r['entries'])} cached program(s), {hits}")
+    assert cold["entries"] and warm["entries"] == cold["entries"]     # written by the first, reused by name
+    w = warm["counters"]
+    assert w["PersistentCacheMiss"] == 0 and w["PersistentCacheHit"] + w["PersistentCacheDeserializeFailure"] >= 1
+    if w["PersistentCacheHit"]:                                        # a backend that loads them (TPU)
+        assert warm["compiles"] < cold["compiles"]
+    print(f"this kernel: compile cache {rt.compile_cache or 'off'} ({rt.info.get('compile_cache')})")
+    if rt.compile_cache:  # TPU: section 1's graphs were looked up too (a hit after a runtime restart)
+        print(compile_cache.counters(), len(compile_cache.entries(rt.compile_cache)), "programs on disk")
+        mine = compile_cache.counters()
+        assert mine["PersistentCacheHit"] + mine["PersistentCacheMiss"] >= 1
+
+# %% [markdown]
 # ## 2. One data-dependent `if`
 # `branchy` doubles its output when the first layer's activations sum above zero, else subtracts one. The
 # branch depends on the *values*, which a graph does not know when it is built.

@@ -86,6 +86,11 @@ def _counts():
     return {"compiles": n("CompileTime"), "executions": n("ExecuteTime"), "transfers": n("TransferFromDeviceTime")}
 
 
+def _drawn_lines(dash):
+    """The console twin's interval lines (without the how-to-steer lines it prints at train begin)."""
+    return [ln for ln in dash.sink.stream.getvalue().splitlines() if "trainer.request_" not in ln]
+
+
 def test_dashboard_adds_no_device_syncs():
     """Same 60-step loop with and without the dashboard (fresh graphs for each: different widths)."""
     rt = labkit.setup("xla-cpu")
@@ -101,7 +106,7 @@ def test_dashboard_adds_no_device_syncs():
     assert with_dash["compiles"] == without["compiles"]
     assert with_dash["executions"] == without["executions"]
     assert abs(with_dash["transfers"] - without["transfers"]) <= 3, deltas
-    assert cbs[0].frames == 3 and len(cbs[0].sink.stream.getvalue().splitlines()) == 3
+    assert cbs[0].frames == 3 and len(_drawn_lines(cbs[0])) == 3
 
 
 def test_recompilation_after_warmup_names_the_shape_change():
@@ -161,7 +166,7 @@ def test_console_twin_exports_and_plain_cpu(tmp_path):
     tr = _run(rt, dim=16, steps=12, log_every=4, callbacks=[dash])
     assert [r["step"] for r in dash.history] == [4, 8, 12]
     assert [r["loss"] for r in dash.history] == [h["loss"] for h in tr.history]
-    lines = dash.sink.stream.getvalue().splitlines()
+    lines = _drawn_lines(dash)
     assert len(lines) == 3 and lines[-1].startswith("[cpu] step 12/12 ep 0 | loss ")
     assert dash.frame()["health"]["xla"] is False and "compiles" not in lines[-1]
     rows = (tmp_path / "h.csv").read_text() if dash.to_csv(tmp_path / "h.csv") else ""
