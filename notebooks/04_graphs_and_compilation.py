@@ -386,11 +386,12 @@ if XLA:
 # profiling a few steady-state steps rather than the first ones are the same everywhere.
 
 # %%
-import tempfile
+import os
 
 from IPython.display import Image, display
 
-profile_dir = tempfile.mkdtemp(prefix="labkit-profiles-")
+# kept after the run: open one with `tensorboard --logdir <folder>` (XLA) or ui.perfetto.dev (trace.json)
+profile_dir = os.path.join(os.environ.get("LABKIT_ARTIFACTS", "."), "profiles")
 
 
 class ProfileAt:

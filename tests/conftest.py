@@ -34,3 +34,29 @@ def gcs_bucket(gcs_server):
     name = f"test-{uuid.uuid4().hex[:12]}"
     gcs.client().create_bucket(name)
     return name
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection: only the selected tests start a job
+def pytest_collection_modifyitems(config, items):
+    """Tests whose module defines background_job(item) start their child process now (tests/background.py)
+    and run last, by which time most of their work is done."""
+    from tests import background
+
+    jobs, later, first = [], [], []
+    for item in items:
+        make = getattr(getattr(item, "module", None), "background_job", None)
+        if make is None:
+            first.append(item)
+        else:
+            later.append(item)
+            jobs.append(make(item))
+    if config.option.collectonly:
+        return
+    items[:] = first + later
+    background.submit(jobs)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import background
+
+    background.stop_all()

@@ -3,60 +3,46 @@
 .venvs/py3.13/ holds requirements.txt, the 3.11 lock, installed with Python 3.13 from wheels only
 (scripts/image_venv.py; it shares the uv cache with the image venvs). Every pin of the lock has a cp313
 wheel, so no version moves. The run leaves out the image runs (`images`, this file included) and the
-`heavy` tests, which the 3.11 run covers.
+`heavy` tests, which the 3.11 run covers. It runs in the background (tests/image_job.py py3.13, started
+when collection ends: tests/background.py) while the rest of the suite runs.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import json
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("image_venv", ROOT / "scripts" / "image_venv.py")
-image_venv = importlib.util.module_from_spec(_spec)
-sys.modules["image_venv"] = image_venv  # dataclasses look their module up there
-_spec.loader.exec_module(image_venv)
+from tests import background
+from tests.image_job import ROOT
 
 pytestmark = pytest.mark.images
 
 
+def _job() -> background.Job:
+    out = Path(background.job_dir()) / "py3.13.json"
+    argv = [sys.executable, str(ROOT / "tests" / "image_job.py"), "py3.13", str(out)]
+    return background.Job(id="py3.13", argv=argv, cwd=str(ROOT), expected_s=240)
+
+
+def background_job(item) -> background.Job:
+    return _job()
+
+
 @pytest.mark.timeout(3600)
 def test_unit_suite_passes_on_python_313(capsys):
-    built = image_venv.build_lock_venv("3.13", log=lambda msg: None)
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")}
-    env.update(PYTHONPATH=str(ROOT), PJRT_DEVICE="CPU", LABKIT_FAST="1", MPLBACKEND="Agg", LABKIT_CONSOLE="1")
-    py = built["python"]
-    version = subprocess.run([py, "-c", "import sys; print(sys.version.split()[0])"], capture_output=True, text=True)
-    assert version.stdout.startswith("3.13."), version
-    cmd = [
-        py,
-        "-m",
-        "pytest",
-        "tests",
-        "-m",
-        "not images and not heavy",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--timeout=900",
-    ]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    lines = proc.stdout.strip().splitlines()
-    summary = next((ln for ln in reversed(lines) if re.search(r"\d+ (passed|failed|error)", ln)), "(no summary)")
+    job = background.wait("py3.13", _job())
+    result_file = Path(job.argv[-1])
+    assert job.returncode == 0 and result_file.exists(), f"the 3.13 job failed:\n{background.output(job)[-6000:]}"
+    r = json.loads(result_file.read_text())
+    assert r["version"].startswith("3.13."), r["version"]
     with capsys.disabled():
         print(
-            f"\n[py3.13] venv {built['action']} in {built['seconds']:.1f} s; suite in {seconds:.0f} s: {summary.strip('= ')}"
+            f"\n[py3.13] venv {r['built']['action']} in {float(r['built']['seconds']):.1f} s; "
+            f"suite in {r['seconds']:.0f} s: {r['summary']}"
         )
-    assert proc.returncode == 0, (
-        f"the suite failed on Python {version.stdout.strip()}:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    )
-    assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
+    assert r["returncode"] == 0, f"the suite failed on Python {r['version']}:\n{r['stdout']}\n{r['stderr']}"
+    assert re.search(r"\d+ passed", r["summary"]) and "failed" not in r["summary"], r["summary"]

@@ -1,0 +1,171 @@
+"""Child process of tests/test_images.py and tests/test_py313.py (run in the background, tests/background.py).
+
+    python tests/image_job.py IMAGE OUT.json      # both notebooks in the image venv .venvs/IMAGE
+    python tests/image_job.py py3.13 OUT.json     # the unit suite on Python 3.13 (the lock)
+
+Writes what the test asserts on to OUT.json; the test prints and checks it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = [ROOT / "notebooks" / "01_resnet50_cifar10.ipynb", ROOT / "notebooks" / "02_transformer_lm.ipynb"]
+CELL_TIMEOUT = 2400  # a hang guard: the image runs share the cores with the rest of the suite
+
+
+def load_image_venv():
+    spec = importlib.util.spec_from_file_location("image_venv", ROOT / "scripts" / "image_venv.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["image_venv"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# the outer test run's settings that a learner's kernel does not have
+_DROP = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "MPLBACKEND", "PJRT_DEVICE", "JUPYTER_PATH", "IPYTHONDIR")
+
+
+def kernel_env(img, workdir: Path) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _DROP and not k.startswith(("LABKIT_", "COLAB_", "KAGGLE_", "TPU_"))
+    }
+    env.update(img.env)
+    env.update(img.run_env)
+    env.update(
+        LABKIT_FAST="1",
+        LABKIT_PIP_SPEC=str(ROOT),  # the set-up cell installs labkit from this checkout
+        IPYTHONDIR=str(workdir / "ipython"),  # no profile of this machine's user
+        PYTHONNOUSERSITE="1",
+    )
+    return env
+
+
+def write_kernelspec(img, jupyter_dir: Path) -> str:
+    name = f"image-{img.name}"
+    spec = jupyter_dir / "kernels" / name
+    spec.mkdir(parents=True, exist_ok=True)
+    argv = [str(img.python_bin), "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": img.name, "language": "python"}))
+    return name
+
+
+def setup_lines(nb) -> list[str]:
+    """What the set-up cell printed, lines starting with 'labkit setup:'."""
+    lines = []
+    for cell in nb.cells:
+        if "setup" in cell.metadata.get("tags", []):
+            for out in cell.get("outputs", []):
+                text = out.get("text", "") if out.get("output_type") == "stream" else ""
+                lines += [ln.strip() for ln in text.splitlines() if ln.strip().startswith("labkit setup:")]
+    return lines
+
+
+def field_of(lines: list[str], key: str) -> str | None:
+    for ln in lines:
+        m = re.search(rf"\b{key}=(\S+)", ln)
+        if m:
+            return m.group(1)
+    return None
+
+
+def run_notebook(path: Path, img, kernel: str, workdir: Path, out_dir: Path) -> dict:
+    nb = nbformat.read(path, as_version=4)
+    env = kernel_env(img, workdir)
+    env["LABKIT_ARTIFACTS"] = str(out_dir / path.stem)
+    client = NotebookClient(
+        nb, timeout=CELL_TIMEOUT, kernel_name=kernel, resources={"metadata": {"path": str(workdir)}}
+    )
+    t0 = time.perf_counter()
+    error = None
+    try:
+        client.execute(env=env)
+    except CellExecutionError as e:
+        error = str(e)
+    finally:
+        nbformat.write(nb, out_dir / path.name)
+    return {"seconds": time.perf_counter() - t0, "error": error, "setup": setup_lines(nb)}
+
+
+def image_run(name: str) -> dict:
+    image_venv = load_image_venv()
+    img = image_venv.load(name)
+    built = image_venv.build(img, log=lambda msg: None)
+    before = image_venv.freeze(img.python_bin)
+    pristine = before == image_venv.expected_freeze(img)
+    tmp = Path(tempfile.mkdtemp(prefix=f"image-{name}-"))
+    jupyter_dir = tmp / "jupyter"
+    os.environ["JUPYTER_PATH"] = str(jupyter_dir)  # the driver finds the image's kernelspec here
+    kernel = write_kernelspec(img, jupyter_dir)
+    out_dir = ROOT / "artifacts" / "images" / name
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    runs = {}
+    if pristine:
+        for path in NOTEBOOKS:
+            workdir = tmp / path.stem  # data/ and checkpoints/ land here, not next to the committed notebook
+            workdir.mkdir()
+            runs[path.stem] = run_notebook(path, img, kernel, workdir, out_dir)
+    after = image_venv.freeze(img.python_bin)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "python": img.python,
+        "expect": img.expect,
+        "built": built,
+        "pristine": pristine,
+        "runs": runs,
+        "changed": {k: f"{v} -> {after.get(k, 'removed')}" for k, v in before.items() if after.get(k) != v},
+        "added": {k: after[k] for k in sorted(set(after) - set(before))},
+        "out_dir": str(out_dir),
+    }
+
+
+def py313_run() -> dict:
+    image_venv = load_image_venv()
+    built = image_venv.build_lock_venv("3.13", log=lambda msg: None)
+    drop = ("VIRTUAL_ENV", "PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(PYTHONPATH=str(ROOT), PJRT_DEVICE="CPU", LABKIT_FAST="1", MPLBACKEND="Agg", LABKIT_CONSOLE="1")
+    py = built["python"]
+    version = subprocess.run([py, "-c", "import sys; print(sys.version.split()[0])"], capture_output=True, text=True)
+    cmd = [py, "-m", "pytest", "tests", "-m", "not images and not heavy", "-q", "-p", "no:cacheprovider"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd + ["--timeout=900"], cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    summary = next((ln for ln in reversed(lines) if re.search(r"\d+ (passed|failed|error)", ln)), "(no summary)")
+    return {
+        "built": {k: str(v) for k, v in built.items()},
+        "version": version.stdout.strip(),
+        "seconds": time.perf_counter() - t0,
+        "returncode": proc.returncode,
+        "summary": summary.strip("= "),
+        "stdout": proc.stdout[-6000:],
+        "stderr": proc.stderr[-3000:],
+    }
+
+
+def main(argv=None) -> int:
+    name, out = (argv or sys.argv[1:])[:2]
+    result = py313_run() if name == "py3.13" else image_run(name)
+    Path(out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
