@@ -345,8 +345,9 @@ def gpt_param_shapes(cfg) -> list[tuple[int, ...]]:
 def predict_fsdp(cfg, devices: int, bytes_per: int = 4) -> dict:
     """FSDP (ZeRO-3) on paper: what one device holds, and the textbook communication per step.
 
-    param_bytes / opt_bytes: exact. Every parameter is split on dim 0 over all devices (a dim that
-    does not divide is padded: ceil), AdamW keeps two moments of the same shards.
+    param_bytes / opt_bytes: exact. Every parameter is split over all devices along its largest
+    dimension (the first, on a tie: FSDPv2's shard_maximal; one that does not divide is padded:
+    ceil), and AdamW keeps two moments of the same shards.
     textbook: each weight all-gathered whole before its forward use and again for its backward
     (2 x the parameter bytes, two per parameter), its gradient reduce-scattered (counted, as in
     count_collectives, by the unreduced input: the parameter bytes). That is what FSDP in PyTorch
@@ -357,7 +358,7 @@ def predict_fsdp(cfg, devices: int, bytes_per: int = 4) -> dict:
         raise ValueError("predict_fsdp assumes GPTConfig(bias=True)")
     shapes = gpt_param_shapes(cfg)
     full = sum(math.prod(s) for s in shapes) * bytes_per
-    shard = sum(math.ceil(s[0] / devices) * math.prod(s[1:]) for s in shapes) * bytes_per
+    shard = sum(math.ceil(max(s) / devices) * math.prod(s) // max(s) for s in shapes) * bytes_per
     return {
         "param_bytes": shard,
         "opt_bytes": 2 * shard,

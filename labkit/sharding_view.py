@@ -36,7 +36,16 @@ def draw_tensor(ax, name: str, shape: tuple, spec: str, devices: int):
         h, w = rows / nr, cols / nc
         colour = cmap(ids[0] % 10) if ids and len(ids) < devices else (0.85, 0.85, 0.85)
         ax.add_patch(Rectangle((j * w, rows - (i + 1) * h), w, h, facecolor=colour, edgecolor="black", lw=0.8))
-        ax.text(j * w + w / 2, rows - (i + 0.5) * h, _label(ids, devices), ha="center", va="center", fontsize=7)
+        tall = w / cols < h / rows  # narrow column tiles: label along the tile
+        ax.text(
+            j * w + w / 2,
+            rows - (i + 0.5) * h,
+            _label(ids, devices),
+            ha="center",
+            va="center",
+            fontsize=7,
+            rotation=90 if tall else 0,
+        )
     ax.set_xlim(0, cols)
     ax.set_ylim(0, rows)
     ax.set_xticks([])

@@ -44,7 +44,8 @@
 # ## Parameters
 # Every knob lives in this cell; each can be set from the environment as `LABKIT_<NAME>`. `LABKIT_FAST=1` gives
 # the CI-sized run: a 1-layer, 32-wide GPT, 4 steps of each strategy (8 virtual devices on a 2-core CPU compile
-# slowly: four partitioned training graphs take about a minute). The defaults are sized for a TPU host with 8 chips.
+# slowly: the whole notebook takes about 90 s of CPU time, most of it compiling four partitioned training graphs).
+# The defaults are sized for a TPU host with 8 chips.
 #
 # This cell also prepares the devices, because it must happen before torch_xla starts: without a TPU, 8 virtual
 # XLA:CPU devices (`PJRT_DEVICE=CPU`, `CPU_NUM_DEVICES=8`); everywhere, XLA's optimized HLO dumped as text
@@ -179,13 +180,17 @@ for name in STRATEGIES:
 # Below, for each strategy, two weight matrices of block 0 and the batch, drawn to scale and split into the
 # slices the devices hold. Colour: the first device holding a slice; grey: every device holds all of it.
 #
-# * **one device / data parallel**: the MLP's weights are whole on every device (grey); data parallelism splits
-#   the batch's rows (sequences) into 8.
+# * **one device**: under SPMD the program with nothing sharded is *replicated*: every device holds all of it
+#   and computes the whole step. On a TPU that takes the time of one chip; on the CPU the 8 copies share the
+#   cores (section 7). It is the reference the other three must agree with.
+# * **data parallel**: the MLP's weights are whole on every device (grey); the batch's rows (sequences) are split
+#   into 8.
 # * **tensor parallel**: `mlp.fc` (4C x C) is split by rows (*column parallel*: each model group half computes
 #   half the hidden units), `mlp.proj` (C x 4C) by columns (*row parallel*: each half produces a partial sum of
 #   the output, which an all-reduce completes). Devices 0,2,4,6 hold the same half; the batch is split in 4 over
 #   `data`, each quarter held by a model pair.
-# * **FSDP**: every weight is split into 8 row slices, one per device; so is the batch.
+# * **FSDP**: every weight is split 8 ways along its largest dimension (FSDPv2's choice: rows of `mlp.fc`, columns
+#   of `mlp.proj`), one slice per device; the batch too.
 
 # %%
 from labkit.sharding_view import draw_layouts
@@ -196,7 +201,8 @@ for name, r in results.items():
     layout = {row[0]: row for row in r.layout}
     tensors = [(w.split(".", 2)[2], layout[w][1], layout[w][3]) for w in SHOWN]
     tensors.append(("batch (B, T)", (P.batch_size, P.block_size), r.batch_spec))
-    panels.append({"strategy": name, "devices": 1 if name == "single" else N_DEV, "mesh": str(r.mesh_shape),
+    mesh_text = "replicated" if name == "single" else str(r.mesh_shape)
+    panels.append({"strategy": name, "devices": N_DEV, "mesh": mesh_text,
                    "tensors": tensors})
 fig = draw_layouts(panels)
 if os.environ.get("LABKIT_ARTIFACTS"):   # headless runs ($LABKIT_ARTIFACTS) keep the figure
@@ -211,7 +217,6 @@ assert sorted(map(len, fc["tensor"].values())) == [N_DEV // P.model_axis] * P.mo
 assert sorted(sum(fc["fsdp"].values(), [])) == list(range(N_DEV)), "FSDP gives each device its own slice"
 assert len(S.tile_devices(2, results["data"].batch_spec)) == N_DEV
 assert len(S.tile_devices(2, results["tensor"].batch_spec)) == N_DEV // P.model_axis
-fig
 
 # %% [markdown]
 # ## 5. Bytes one device holds
@@ -255,8 +260,8 @@ assert results["fsdp"].param_bytes < results["tensor"].param_bytes < single_byte
 #   MLP's fc: 2 + 4 per block. Then data parallelism over the `data` axis: each gradient all-reduced at the size
 #   a device holds (split matrices at half). XLA adds the LayerNorm all-gathers again and, per block, four
 #   all-gathers over the model group of a (B/data, heads, T, head dim) tensor: the partitioner re-gathers the heads
-#   around `scaled_dot_product_attention` instead of keeping them apart (a cost to know, and the reason
-#   hand-written Megatron code marks the attention's intermediate layout too).
+#   around `scaled_dot_product_attention` instead of keeping them apart (a cost to know; marking the layout of
+#   q, k and v inside the attention with `mark_sharding` is the usual remedy, not tried here).
 # * **FSDP** (`predict_fsdp`): the textbook (ZeRO-3, and what PyTorch's FSDP2 issues by construction) gathers
 #   every weight before its forward and again before its backward (**all-gather**, 2 x the parameter bytes) and
 #   **reduce-scatters** each gradient (the parameter bytes). GSPMD is free to do otherwise and, on XLA:CPU with
@@ -300,8 +305,8 @@ elif not DUMPING:
 # figure times the chips the strategy uses (one for `single`). On the CPU the 8 virtual devices are threads on the
 # same cores, so every strategy is measured against one figure: a float32 matmul timed on this machine
 # (`labkit.flops.measure_cpu_peak`). CPU times say what the *bookkeeping* costs (the collectives become memory
-# copies), not what a mesh of chips would gain: on 2 cores the sharded runs are slower than one device, and
-# at this size the model is far too small to fill even a CPU.
+# copies), not what a mesh of chips would gain, and the "one device" run computes its step 8 times over (once
+# per virtual device, replicated). At this size the model is far too small to fill even a CPU.
 
 # %%
 PEAK, PEAK_SOURCE = flops.peak_flops(rt, "fp32")
@@ -342,9 +347,11 @@ assert ref[-1] < ref[0] - 0.3, f"the loss did not fall: {ref[0]:.3f} -> {ref[-1]
 #
 # torch_xla-specific: `xs.Mesh`, `xs.mark_sharding`, `SpmdFullyShardedDataParallel`, and the fact that the
 # compiler chooses the collectives (GSPMD; Shardy next): you predict, then read the HLO. What carries over: the
-# mesh, the placements, and the costs above. In plain PyTorch: `init_device_mesh(("data", "model"))` + DTensor,
+# mesh, the placements, and the costs above. In plain PyTorch: `init_device_mesh("cuda", (4, 2),
+# mesh_dim_names=("data", "model"))` + DTensor,
 # `parallelize_module(block, mesh["model"], {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})`, and
-# `fully_shard(model)` (FSDP2) for ZeRO-3, which issues exactly the textbook all-gathers and reduce-scatters; in
+# `fully_shard(model)` (FSDP2) for ZeRO-3, which issues the textbook all-gathers and reduce-scatters itself
+# (per module, with `reshard_after_forward=True`, its default); in
 # JAX, `Mesh` + `PartitionSpec` + `jax.jit` with the same GSPMD/Shardy partitioner as here.
 
 # %%

@@ -69,11 +69,14 @@ def test_fsdp_prediction_matches_measured_bytes(L, C, T, per_device):
 
 
 def test_fsdp_prediction_pads_like_the_sharding():
-    cfg = GPTConfig(block_size=10, n_layer=1, n_head=2, n_embd=6)  # 10 / 8 and 6 / 8 do not divide
-    want = sum(
-        torch.Size(sharding.shard_shape(s, "{devices=[8" + ",1" * (len(s) - 1) + "]0,1,2,3,4,5,6,7}")).numel() * 4
-        for s in sharding.gpt_param_shapes(cfg)
-    )
+    cfg = GPTConfig(block_size=10, n_layer=1, n_head=2, n_embd=6)  # 6 / 8, 18 / 8, 24 / 8 ... do not all divide
+
+    def spec(shape):  # FSDPv2 splits the largest dim (the first on a tie) over the 8 devices
+        tiles = [1] * len(shape)
+        tiles[shape.index(max(shape))] = 8
+        return "{devices=[" + ",".join(map(str, tiles)) + "]0,1,2,3,4,5,6,7}"
+
+    want = sum(torch.Size(sharding.shard_shape(s, spec(s))).numel() * 4 for s in sharding.gpt_param_shapes(cfg))
     assert sharding.predict_fsdp(cfg, 8)["param_bytes"] == want
 
 
