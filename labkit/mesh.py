@@ -140,3 +140,27 @@ def virtual_cpu_devices(n: int) -> bool:
         return False
     os.environ["CPU_NUM_DEVICES"] = str(int(n))
     return True
+
+
+def practice_devices(n: int = 8, dump_dir: str | None = None) -> str:
+    """Call before torch_xla starts. On a host without a TPU: n virtual XLA:CPU devices
+    (PJRT_DEVICE=CPU, CPU_NUM_DEVICES=n; torch_xla 2.9 has no GPU backend, so a GPU host practises
+    on its CPU too). Anywhere: XLA's optimized HLO dumped as text to dump_dir (XLA_FLAGS), where
+    the collectives the partitioner inserted can be read. Returns what it did, in words."""
+    import sys
+
+    if "torch_xla" in sys.modules:
+        return "torch_xla already imported: devices and XLA_FLAGS left as they are (restart the kernel to change them)"
+    said = []
+    if envsetup.detect_tpu():
+        said.append("TPU host: SPMD over its chips")
+    else:
+        os.environ["PJRT_DEVICE"] = "CPU"
+        virtual_cpu_devices(n)
+        said.append(f"no TPU: {os.environ['CPU_NUM_DEVICES']} virtual XLA:CPU devices (PJRT_DEVICE=CPU)")
+    if dump_dir:
+        flags = f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
+        if flags not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
+        said.append(f"optimized HLO dumped to {dump_dir}")
+    return "; ".join(said)

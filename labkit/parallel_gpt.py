@@ -50,6 +50,8 @@ class Result:
     collectives: dict
     layout: list = field(default_factory=list)
     hlo_path: str = ""
+    batch_spec: str = ""  # the XLA sharding of the batch ("" on one device)
+    ops: list = field(default_factory=list)  # every collective of the step graph (sharding.collective_ops)
 
 
 def build_mesh(strategy: Strategy):
@@ -116,12 +118,13 @@ def train(strategy: Strategy, cfg: GPTConfig, batches, lr: float = 1e-2, dump_di
     model, opt, mesh, axis = build(strategy, cfg, device, lr, seed)
     params = list(model.parameters())
     before = S.dumped(dump_dir) if dump_dir else set()
-    losses, times = [], []
+    losses, times, batch_spec = [], [], ""
     for x, y in batches:
         t0 = time.perf_counter()
         x, y = x.to(device), y.to(device)
         if axis is not None:
             S.shard_batch((x, y), mesh, axis)
+            batch_spec = batch_spec or S.sharding_of(x)
         _, loss = model(x, y)
         loss.backward()
         opt.step()
@@ -131,10 +134,11 @@ def train(strategy: Strategy, cfg: GPTConfig, batches, lr: float = 1e-2, dump_di
         xm.wait_device_ops()  # honest step times: the graph has finished, not just been queued
         times.append(time.perf_counter() - t0)
     losses = [float(v) for v in torch.stack([v.cpu() for v in losses])]
-    coll, path = {}, ""
+    coll, path, ops = {}, "", []
     if dump_dir:
         path, text = S.newest_step_graph(dump_dir, before)
         coll = {k: v for k, v in S.count_collectives(text).items() if v["count"]}
+        ops = S.collective_ops(text)
     steady = sorted(times[1:]) or times
     inner = getattr(model, "module", model)
     return Result(
@@ -147,4 +151,6 @@ def train(strategy: Strategy, cfg: GPTConfig, batches, lr: float = 1e-2, dump_di
         collectives=coll,
         layout=S.layout_table(inner),
         hlo_path=path,
+        batch_spec=batch_spec,
+        ops=ops,
     )

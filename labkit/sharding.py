@@ -66,14 +66,15 @@ def _group_size(line: str) -> int:
     return int(m.group(2)) if m else 1
 
 
-def count_collectives(hlo_text: str) -> dict:
-    """{op: {"count": n, "bytes": b}} for each collective in an optimized HLO module's text.
+def collective_ops(hlo_text: str) -> list[dict]:
+    """One {"op", "result", "bytes", "group"} per collective in an optimized HLO module's text.
 
     bytes: the full buffer the collective works on, read from the result type (operands carry no
     types in XLA's text): an all-reduce's (combined ones: the tuple's sum), an all-gather's
     gathered result, a reduce-scatter's unreduced input (result x group size). An async pair
-    counts once, at its -start (whose tuple holds the input too: the largest element is taken)."""
-    out = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
+    counts once, at its -start (whose tuple holds the input too: the largest element is taken).
+    result: the result type without layouts ("f32[1,512,32]"); group: devices per replica group."""
+    out = []
     for line in hlo_text.splitlines():
         m = _OP.search(line)
         if not m:
@@ -86,8 +87,17 @@ def count_collectives(hlo_text: str) -> dict:
             nbytes = sum(sizes) * _group_size(line)
         else:
             nbytes = sum(sizes)
-        out[op]["count"] += 1
-        out[op]["bytes"] += nbytes
+        out.append({"op": op, "result": re.sub(r"\{[\d,]*\}", "", result), "bytes": nbytes, "group": _group_size(line)})
+    return out
+
+
+def count_collectives(hlo_text: str) -> dict:
+    """{op: {"count": n, "bytes": b}} for each collective in an optimized HLO module's text (see
+    collective_ops for what the bytes are)."""
+    out = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
+    for c in collective_ops(hlo_text):
+        out[c["op"]]["count"] += 1
+        out[c["op"]]["bytes"] += c["bytes"]
     return out
 
 
@@ -123,6 +133,35 @@ def shard_shape(shape, spec: str) -> tuple[int, ...]:
     tiles = [int(t) for t in m.group(1).split(",")]
     tiles = tiles[: len(shape)]  # extra trailing tile dims are replication (last_tile_dim_replicate)
     return tuple(math.ceil(d / t) for d, t in zip(shape, tiles)) + shape[len(tiles) :]
+
+
+def tile_devices(ndim: int, spec: str) -> dict[tuple[int, ...], list[int]]:
+    """{tile index: device ids holding that tile} for a tensor of `ndim` dims with an XLA sharding
+    string: "{replicated}" or "" gives {(0,)*ndim: []} (every device); "{devices=[2,1,4]0,2,4,6,1,3,5,7
+    last_tile_dim_replicate}" gives two row tiles, each held by four devices. The iota form
+    ("devices=[2,4]<=[4,2]T(1,0)") is read too."""
+    m = re.search(r"devices=\[([\d,]+)\](?:<=\[([\d,]+)\](?:T\(([\d,]+)\))?|([\d,]+))", spec or "")
+    if not m or "maximal" in spec:
+        return {(0,) * ndim: []}
+    dims = [int(d) for d in m.group(1).split(",")]
+    if m.group(4):
+        ids = [int(d) for d in m.group(4).split(",")]
+    else:
+        import numpy as np
+
+        iota = np.arange(math.prod(dims)).reshape([int(d) for d in m.group(2).split(",")])
+        if m.group(3):
+            iota = iota.transpose([int(d) for d in m.group(3).split(",")])
+        ids = [int(i) for i in iota.reshape(-1)]
+    tiles, rep = dims[:ndim], math.prod(dims[ndim:])  # trailing tile dims: replication
+    out = {}
+    for k in range(math.prod(tiles)):
+        idx, r = [], k
+        for t in reversed(tiles):
+            idx.append(r % t)
+            r //= t
+        out[tuple(reversed(idx))] = ids[k * rep : (k + 1) * rep]
+    return out
 
 
 def sharding_of(t: torch.Tensor) -> str:
@@ -252,4 +291,79 @@ def predict_data_parallel(cfg, global_batch: int, bytes_per: int = 4) -> dict:
     return {
         "all-reduce": {"count": len(grads) + 3, "bytes": (sum(grads) + 3) * bytes_per},
         "all-gather": {"count": 2 * layernorms, "bytes": 2 * layernorms * global_batch * T * C * bytes_per},
+    }
+
+
+def _split(n: int, ways: int, what: str) -> int:
+    if n % ways:
+        raise ValueError(f"{what}={n} does not divide evenly over {ways} devices")
+    return n // ways
+
+
+def predict_tensor_parallel(cfg, global_batch: int, data: int, model: int, bytes_per: int = 4) -> dict:
+    """Collectives of one tensor-parallel step (split_qkv GPT, gpt_tensor_parallel_specs on a
+    data x model mesh), worked out on paper (float32).
+
+    Megatron's own: per block, the two row-parallel outputs (attention projection, MLP projection)
+    are partial sums, all-reduced over the `model` group forward; backward, the input gradient of
+    each column-parallel layer is a partial sum too: q, k and v are reduced one by one (XLA does not
+    add them first), then the MLP's fc, so 2 + 4 all-reduces of one data shard's (B/data, T, C).
+    Data parallelism's: each weight gradient all-reduced over the `data` group, at the size one
+    device holds (the split ones at 1/model), as in predict_data_parallel.
+    XLA's extras (torch_xla 2.9, XLA:CPU): the LayerNorm all-gathers of data parallelism, and per
+    block four all-gathers over the model group of a (B/data, heads, T, head dim) tensor: the
+    partitioner gathers the heads around scaled_dot_product_attention rather than keep them split."""
+    C, L, T, V, H = cfg.n_embd, cfg.n_layer, cfg.block_size, cfg.vocab_size, cfg.n_head
+    if not cfg.bias:
+        raise ValueError("predict_tensor_parallel assumes GPTConfig(bias=True)")
+    Cm = _split(C, model, "n_embd")
+    _split(H, model, "n_head")  # whole heads per device
+    b = _split(global_batch, data, "global_batch")
+    act = b * T * C  # one data shard's activations
+    per_block = [Cm * C] * 3 + [Cm] * 3 + [C * Cm, C] + [4 * Cm * C, 4 * Cm, C * 4 * Cm, C] + [C] * 4
+    grads = [V * C, T * C] + per_block * L + [C, C] + [V * C]  # the tied table reduced twice
+    layernorms = 2 * L + 1
+    return {
+        "all-reduce": {
+            "count": len(grads) + 3 + 6 * L,
+            "bytes": (sum(grads) + 3 + 6 * L * act) * bytes_per,
+        },
+        "all-gather": {
+            "count": 2 * layernorms + 4 * L,
+            "bytes": (2 * layernorms * global_batch * T * C + 4 * L * act) * bytes_per,
+        },
+    }
+
+
+def gpt_param_shapes(cfg) -> list[tuple[int, ...]]:
+    """Shapes of labkit.gpt.GPT's parameters (bias=True; the output layer is the tied token table)."""
+    C, T, V = cfg.n_embd, cfg.block_size, cfg.vocab_size
+    block = [(C,), (C,), (3 * C, C), (3 * C,), (C, C), (C,), (C,), (C,), (4 * C, C), (4 * C,), (C, 4 * C), (C,)]
+    return [(V, C), (T, C)] + block * cfg.n_layer + [(C,), (C,)]
+
+
+def predict_fsdp(cfg, devices: int, bytes_per: int = 4) -> dict:
+    """FSDP (ZeRO-3) on paper: what one device holds, and the textbook communication per step.
+
+    param_bytes / opt_bytes: exact. Every parameter is split over all devices along its largest
+    dimension (the first, on a tie: FSDPv2's shard_maximal; one that does not divide is padded:
+    ceil), and AdamW keeps two moments of the same shards.
+    textbook: each weight all-gathered whole before its forward use and again for its backward
+    (2 x the parameter bytes, two per parameter), its gradient reduce-scattered (counted, as in
+    count_collectives, by the unreduced input: the parameter bytes). That is what FSDP in PyTorch
+    (FSDP2) issues by construction. Under GSPMD (torch_xla's FSDPv2) the partitioner chooses per
+    op: on XLA:CPU with small layers it moves activations (all-to-all, collective-permute) and
+    all-reduces gradients instead, so only the per-device bytes are a prediction to assert there."""
+    if not cfg.bias:
+        raise ValueError("predict_fsdp assumes GPTConfig(bias=True)")
+    shapes = gpt_param_shapes(cfg)
+    full = sum(math.prod(s) for s in shapes) * bytes_per
+    shard = sum(math.ceil(max(s) / devices) * math.prod(s) // max(s) for s in shapes) * bytes_per
+    return {
+        "param_bytes": shard,
+        "opt_bytes": 2 * shard,
+        "textbook": {
+            "all-gather": {"count": 2 * len(shapes), "bytes": 2 * full},
+            "reduce-scatter": {"count": len(shapes), "bytes": full},
+        },
     }

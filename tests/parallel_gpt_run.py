@@ -1,5 +1,5 @@
 """Run in a subprocess (SPMD and the HLO dump must be set before torch_xla starts): a 1-layer GPT trained
-three ways on 8 virtual CPU devices; prints one line per check for tests/test_parallel_gpt.py."""
+four ways on 8 virtual CPU devices; prints one line per check for tests/test_parallel_gpt.py."""
 
 import os
 import sys
@@ -22,8 +22,8 @@ cfg = GPTConfig(block_size=16, n_layer=1, n_head=4, n_embd=32)
 g = torch.Generator().manual_seed(0)
 text = torch.randint(0, 8, (4, 16, 17), generator=g)  # 8 symbols: the loss can fall below ln 256 in 4 steps
 batches = [(t[:, :-1], t[:, 1:]) for t in text]
-res = {s: PG.train(PG.Strategy(s), cfg, batches, lr=3e-2, dump_dir=DUMP) for s in ("single", "data", "fsdp")}
-single, data, fsdp = res["single"], res["data"], res["fsdp"]
+res = {s: PG.train(PG.Strategy(s), cfg, batches, lr=3e-2, dump_dir=DUMP) for s in PG.STRATEGIES}
+single, data, tensor, fsdp = res["single"], res["data"], res["tensor"], res["fsdp"]
 ok = True
 
 
@@ -34,10 +34,11 @@ def check(name, cond, detail):
 
 
 check("loss falls", single.losses[-1] < single.losses[0] - 0.2, single.losses)
-for s in ("data", "fsdp"):
+for s in ("data", "tensor", "fsdp"):
     diff = max(abs(a - b) for a, b in zip(res[s].losses, single.losses))
     check(f"{s} losses match single", diff < 1e-4, diff)
 check("dp collectives", data.collectives == S.predict_data_parallel(cfg, 16), data.collectives)
+check("tp collectives", tensor.collectives == S.predict_tensor_parallel(cfg, 16, 4, 2), tensor.collectives)
 check("fsdp params per device", fsdp.param_bytes == single.param_bytes // 8, (fsdp.param_bytes, single.param_bytes))
 check("fsdp adam per device", fsdp.opt_bytes == 2 * fsdp.param_bytes, fsdp.opt_bytes)
 check("dp replicated", data.param_bytes == single.param_bytes and not single.collectives, data.param_bytes)

@@ -51,3 +51,13 @@ def test_set_up_cell_is_envsetups():
         nb = nbformat.read(path, as_version=4)
         (cell,) = [c.source for c in nb.cells if "setup" in c.metadata.get("tags", [])]
         assert cell == envsetup.SETUP_CELL, f"{path.name}: set-up cell differs from labkit.envsetup.SETUP_CELL"
+
+
+def test_every_notebook_is_in_the_readme_and_runs_under_the_test_command():
+    """The README lists each notebook (with its Colab link), and `pytest tests notebooks --nbval-lax` (the
+    README's test command) collects every .ipynb in notebooks/: a new notebook is in CI once it is here."""
+    readme = (ROOT / "README.md").read_text()
+    names = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert "03_sharding_on_a_mesh" in names
+    missing = [n for n in names if f"| `{n}`" not in readme or f"notebooks/{n}.ipynb)" not in readme]
+    assert not missing, f"notebooks missing from README's notebook table: {missing}"

@@ -1,4 +1,4 @@
-"""The GPT trained as one device, data parallel and FSDPv2 over 8 virtual CPU devices (subprocess:
+"""The GPT trained as one device, data parallel, tensor parallel and FSDPv2 over 8 virtual CPU devices (subprocess:
 SPMD and XLA's HLO dump must be set before torch_xla starts): same losses, predicted collectives,
 per-device bytes."""
 
@@ -19,6 +19,6 @@ def test_strategies_agree_and_cost_what_the_paper_says():
         [sys.executable, "-m", "tests.parallel_gpt_run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
     checks = [ln for ln in p.stdout.splitlines() if ln.startswith("CHECK")]
-    assert p.returncode == 0 and len(checks) == 7 and all(" OK " in c for c in checks), (
+    assert p.returncode == 0 and len(checks) == 9 and all(" OK " in c for c in checks), (
         "\n".join(checks) + p.stderr[-3000:]
     )

@@ -1,0 +1,367 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # One GPT, four ways over a mesh of devices: data, tensor and fully sharded parallelism
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/03_sharding_on_a_mesh.ipynb)
+#
+# The GPT of notebook 02, trained the same number of steps on the same batches four ways:
+#
+# 1. **one device**: the reference;
+# 2. **data parallel**: every device holds all the weights and a slice of the batch; gradients are summed;
+# 3. **tensor parallel** (Megatron style): on a 2-D `data x model` mesh, each block's attention heads and MLP units
+#    are split over the `model` axis, the batch over `data`;
+# 4. **FSDP** (torch_xla's FSDPv2, `SpmdFullyShardedDataParallel`): every weight and the batch split over all devices.
+#
+# For each: a picture of where the weights and the batch live, the bytes of parameters and optimizer state one
+# device holds, the collectives XLA put into the compiled step (read from its optimized HLO) next to what we
+# predict on paper, step time and MFU, and the losses, which must match the one-device run.
+#
+# On a TPU host (a v5e-8, a v4-8) the mesh is the chips. Anywhere else torch_xla runs on the CPU as 8 *virtual*
+# devices in one process: the partitioning, the collectives and the bytes are real, the speed is not (all 8 share
+# the same cores). torch_xla 2.9 has no GPU backend, so a GPU runtime practises on its CPU as well.
+#
+# Which lessons are torch_xla's: `xs.Mesh`, `xs.mark_sharding`, `SpmdFullyShardedDataParallel`, and GSPMD (the
+# compiler, not your code, inserts the collectives). Which carry over: the mesh with named axes, the placements
+# (split a dimension over an axis, or replicate), what each strategy costs in memory and communication. Plain
+# PyTorch writes the same with `init_device_mesh` + DTensor (`Shard(0)`, `Replicate()`), `parallelize_module` with
+# `ColwiseParallel`/`RowwiseParallel` for Megatron, and `fully_shard` (FSDP2); JAX with `Mesh` + `PartitionSpec`.
+
+# %% [markdown]
+# ## Parameters
+# Every knob lives in this cell; each can be set from the environment as `LABKIT_<NAME>`. `LABKIT_FAST=1` gives
+# the CI-sized run: a 1-layer, 32-wide GPT, 4 steps of each strategy (8 virtual devices on a 2-core CPU compile
+# slowly: the whole notebook takes about 90 s of CPU time, most of it compiling four partitioned training graphs).
+# The defaults are sized for a TPU host with 8 chips.
+#
+# This cell also prepares the devices, because it must happen before torch_xla starts: without a TPU, 8 virtual
+# XLA:CPU devices (`PJRT_DEVICE=CPU`, `CPU_NUM_DEVICES=8`); everywhere, XLA's optimized HLO dumped as text
+# (`XLA_FLAGS=--xla_dump_to=...`), where the collectives can be counted.
+
+# %% tags=["parameters"]
+import dataclasses, os, sys, tempfile
+
+
+@dataclasses.dataclass
+class Params:
+    n_layer: int = 4
+    n_head: int = 8
+    n_embd: int = 256
+    block_size: int = 128         # context length T (bytes)
+    batch_size: int = 64          # sequences per step, in total (split over the devices)
+    steps: int = 30               # training steps per strategy (the same batches for all four)
+    lr: float = 3e-3              # AdamW
+    model_axis: int = 2           # devices per tensor-parallel group: the mesh is (devices / model_axis) x model_axis
+    loss_tol: float = 1e-2        # nats: how far a sharded run's loss may drift from the one-device run
+    seed: int = 0
+    # CI-sized: tiny model, few steps, a high learning rate so the loss visibly falls in 4 steps
+    FAST = {"n_layer": 1, "n_head": 4, "n_embd": 32, "block_size": 16, "batch_size": 16, "steps": 4, "lr": 3e-2,
+            "loss_tol": 1e-3}
+
+
+HLO_DIR = os.path.join(tempfile.gettempdir(), f"labkit-hlo-{os.getpid()}")   # XLA writes its compiled graphs here
+try:
+    import labkit
+    P = labkit.from_env(Params)
+    print(labkit.mesh.practice_devices(8, HLO_DIR))   # before torch_xla starts
+except (ImportError, AttributeError):  # first run: the set-up cell installs labkit and reads them again
+    P = Params()
+P
+
+# %% [markdown]
+# ## Set-up
+# Runs wherever you opened this (Colab TPU or GPU, Kaggle, a TPU VM, a laptop) and never replaces what the runtime
+# already has: it keeps the image's torch (and torch_xla when the pair matches), installs only what is missing,
+# and prints what it found and chose (`labkit setup: platform=... choice=...`). Only where torch and torch_xla are
+# missing or do not match (a bare TPU VM, a torch upgraded by hand) it installs the pair together and asks you to
+# restart the runtime; then run the notebook again.
+
+# %% tags=["setup"]
+# Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
+import importlib.util, os, subprocess, sys
+
+def _labkit_dir():
+    spec = importlib.util.find_spec("labkit")
+    d = spec and spec.submodule_search_locations and list(spec.submodule_search_locations)[0]
+    return d if d and os.path.exists(os.path.join(d, "envsetup.py")) else None
+
+if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours (no dependencies yet)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run(pip + ["uninstall", "-y", "labkit"], capture_output=True)
+    subprocess.run(pip + ["install", "--no-deps", os.environ.get("LABKIT_PIP_SPEC") or
+                          "labkit-xla @ git+https://github.com/labkit/labkit"], check=True)
+    importlib.invalidate_caches()
+    for m in [m for m in sys.modules if m == "labkit" or m.startswith("labkit.")]:
+        del sys.modules[m]
+_spec = importlib.util.spec_from_file_location("labkit_envsetup", os.path.join(_labkit_dir(), "envsetup.py"))
+envsetup = sys.modules["labkit_envsetup"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(envsetup)
+envsetup.main()  # prints "labkit setup: platform=... / choice=..."; asks for a restart if one is needed
+import labkit
+P = labkit.from_env(Params)
+print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
+
+# %% [markdown]
+# ## 1. The devices and the mesh
+# `labkit.setup(spmd=True)` switches torch_xla to SPMD: one process, one program written for one big device, and
+# `mark_sharding` to say how each tensor is laid out over a `Mesh`. Data parallelism and FSDP use a 1-D mesh over
+# all devices; tensor parallelism a 2-D one, `data x model`: devices 0,1 form a model group (they split one
+# layer), 0,2,4,6 a data group (they hold the same weight slice and different batch slices).
+
+# %%
+import time
+
+if HLO_DIR not in os.environ.get("XLA_FLAGS", ""):   # the parameters cell ran before labkit was installed
+    print(labkit.mesh.practice_devices(8, HLO_DIR))
+rt = labkit.setup(spmd=True)
+if not rt.spmd:
+    raise RuntimeError(f"this notebook needs torch_xla's SPMD over several devices; the backend is {rt.kind}")
+N_DEV = labkit.mesh.addressable_devices()
+DUMPING = HLO_DIR in os.environ.get("XLA_FLAGS", "")
+print(f"backend {rt.kind}, {N_DEV} devices in one SPMD process; HLO dumped to {HLO_DIR}: {DUMPING}")
+assert N_DEV >= 2 and N_DEV % P.model_axis == 0, f"{N_DEV} devices do not split into model groups of {P.model_axis}"
+assert P.batch_size % N_DEV == 0, f"batch_size={P.batch_size} must divide over {N_DEV} devices"
+
+# %% [markdown]
+# ## 2. The model and the batches
+# `labkit.gpt.GPT` as in notebook 02, trained on the same offline text (the Python Language Reference, bytes as
+# tokens). Every strategy starts from the same initial weights (seeded) and sees the same list of batches, so
+# the four loss curves must agree up to floating-point rounding: a sum split over devices is added in another
+# order. Tensor parallelism needs whole attention heads per device, so its copy of the model keeps q, k and v as
+# three matrices (`labkit.sharding.split_qkv`, the same values): split by rows, each device gets whole heads.
+
+# %%
+from labkit import flops, text
+from labkit import parallel_gpt as PG
+from labkit import sharding as S
+from labkit.gpt import GPT, GPTConfig
+
+gcfg = GPTConfig(block_size=P.block_size, n_layer=P.n_layer, n_head=P.n_head, n_embd=P.n_embd, dropout=0.0)
+train_data, _ = text.split(text.load_corpus("offline"))
+batches = list(text.TextBatches(train_data, P.batch_size, P.block_size, P.steps, seed=P.seed, name="offline"))
+assert len(batches) == P.steps and batches[0][0].shape == (P.batch_size, P.block_size)
+probe = GPT(gcfg)
+FLOPS_PER_STEP = probe.flops_per_token() * P.batch_size * P.block_size
+PARAM_BYTES = sum(p.numel() * p.element_size() for p in probe.parameters())
+print(f"{sum(p.numel() for p in probe.parameters()):,} parameters ({PARAM_BYTES / 1e6:.2f} MB float32), "
+      f"{P.steps} steps of {P.batch_size} x {P.block_size} tokens, {FLOPS_PER_STEP / 1e9:.3f} GFLOP per step")
+
+# %% [markdown]
+# ## 3. Train four ways
+# `labkit.parallel_gpt.train` builds the model for a strategy, creates AdamW's moments with each weight's
+# sharding before the first step (one compile), runs the steps with the batch marked as split, waits for the
+# device after each step (honest step times), and reads the collectives from the newest compiled step graph.
+
+# %%
+STRATEGIES = ("single", "data", "tensor", "fsdp")
+results = {}
+for name in STRATEGIES:
+    t0 = time.perf_counter()
+    results[name] = r = PG.train(PG.Strategy(name, model_axis=P.model_axis), gcfg, batches, lr=P.lr,
+                                 dump_dir=HLO_DIR if DUMPING else None, seed=P.seed)
+    print(f"{name:7s} mesh {r.mesh_shape}: {time.perf_counter() - t0:5.1f} s with compiling; losses "
+          + " ".join(f"{v:.3f}" for v in r.losses[:3]) + (" ... " + f"{r.losses[-1]:.3f}" if P.steps > 3 else ""))
+
+# %% [markdown]
+# ## 4. Where the weights and the batch live
+# Below, for each strategy, two weight matrices of block 0 and the batch, drawn to scale and split into the
+# slices the devices hold. Colour: the first device holding a slice; grey: every device holds all of it.
+#
+# * **one device**: under SPMD the program with nothing sharded is *replicated*: every device holds all of it
+#   and computes the whole step. On a TPU that takes the time of one chip; on the CPU the 8 copies share the
+#   cores (section 7). It is the reference the other three must agree with.
+# * **data parallel**: the MLP's weights are whole on every device (grey); the batch's rows (sequences) are split
+#   into 8.
+# * **tensor parallel**: `mlp.fc` (4C x C) is split by rows (*column parallel*: each model group half computes
+#   half the hidden units), `mlp.proj` (C x 4C) by columns (*row parallel*: each half produces a partial sum of
+#   the output, which an all-reduce completes). Devices 0,2,4,6 hold the same half; the batch is split in 4 over
+#   `data`, each quarter held by a model pair.
+# * **FSDP**: every weight is split 8 ways along its largest dimension (FSDPv2's choice: rows of `mlp.fc`, columns
+#   of `mlp.proj`), one slice per device; the batch too.
+
+# %%
+from labkit.sharding_view import draw_layouts
+
+SHOWN = ("blocks.0.mlp.fc.weight", "blocks.0.mlp.proj.weight")
+panels = []
+for name, r in results.items():
+    layout = {row[0]: row for row in r.layout}
+    tensors = [(w.split(".", 2)[2], layout[w][1], layout[w][3]) for w in SHOWN]
+    tensors.append(("batch (B, T)", (P.batch_size, P.block_size), r.batch_spec))
+    mesh_text = "replicated" if name == "single" else str(r.mesh_shape)
+    panels.append({"strategy": name, "devices": N_DEV, "mesh": mesh_text,
+                   "tensors": tensors})
+fig = draw_layouts(panels)
+if os.environ.get("LABKIT_ARTIFACTS"):   # headless runs ($LABKIT_ARTIFACTS) keep the figure
+    os.makedirs(os.environ["LABKIT_ARTIFACTS"], exist_ok=True)
+    png = os.path.join(os.environ["LABKIT_ARTIFACTS"], "sharding-layouts.png")
+    fig.savefig(png, dpi=110)
+    print("saved", png)
+
+fc = {name: S.tile_devices(2, {row[0]: row for row in r.layout}[SHOWN[0]][3]) for name, r in results.items()}
+assert fc["single"] == fc["data"] == {(0, 0): []}, "data parallel replicates every weight"
+assert sorted(map(len, fc["tensor"].values())) == [N_DEV // P.model_axis] * P.model_axis, fc["tensor"]
+assert sorted(sum(fc["fsdp"].values(), [])) == list(range(N_DEV)), "FSDP gives each device its own slice"
+assert len(S.tile_devices(2, results["data"].batch_spec)) == N_DEV
+assert len(S.tile_devices(2, results["tensor"].batch_spec)) == N_DEV // P.model_axis
+
+# %% [markdown]
+# ## 5. Bytes one device holds
+# Read from each tensor's sharding (`labkit.sharding.device_bytes`: the largest shard of each tensor, padding
+# included). AdamW keeps two moments per weight, each with its weight's layout, so optimizer state is twice the
+# parameters in every strategy: 3x the weights in all, plus gradients and activations (not counted here).
+#
+# * data parallel: everything replicated, the same as one device. Memory does not shrink with more devices.
+# * tensor parallel: the split matrices are halved (`model_axis=2`); embeddings, LayerNorms and the
+#   row-parallel biases stay whole.
+# * FSDP: every tensor split 8 ways: **total / 8** (exactly, when every dim 0 divides by 8; else padding);
+#   `labkit.sharding.predict_fsdp` computes it from the shapes alone.
+
+# %%
+FS = S.predict_fsdp(gcfg, N_DEV)
+single_bytes = results["single"].param_bytes
+print(f"{'strategy':8s} {'params/device':>14s} {'AdamW/device':>13s} {'vs one device':>14s}")
+for name, r in results.items():
+    print(f"{name:8s} {r.param_bytes:14,d} {r.opt_bytes:13,d} {r.param_bytes / single_bytes:14.3f}")
+assert single_bytes == PARAM_BYTES and results["data"].param_bytes == single_bytes
+assert all(r.opt_bytes == 2 * r.param_bytes for r in results.values()), "AdamW: two moments per weight"
+assert results["fsdp"].param_bytes == FS["param_bytes"] and results["fsdp"].opt_bytes == FS["opt_bytes"]
+assert abs(results["fsdp"].param_bytes * N_DEV / single_bytes - 1) < 0.05, "FSDP holds about total / devices"
+assert results["fsdp"].param_bytes < results["tensor"].param_bytes < single_bytes
+
+# %% [markdown]
+# ## 6. The collectives, predicted and measured
+# Under SPMD you never call a collective: XLA's partitioner (GSPMD) inserts them where a sharded computation
+# needs data another device holds. They are visible only in the *optimized* HLO (after partitioning), which XLA
+# dumped; `labkit.sharding.count_collectives` reads count and bytes (the buffer each one works on) per kind.
+# On paper, per training step, float32, for `L` blocks, width `C`, context `T`, global batch `B`:
+#
+# * **data parallel** (`predict_data_parallel`): one **all-reduce** per weight gradient, at the full weight size
+#   (the tied token table twice: the embedding's and the output layer's gradient are reduced separately), plus
+#   three scalars for the mean loss. And something nobody asked for: two **all-gathers** of the (B, T, C)
+#   activations per LayerNorm (`2L + 1` of them), which is how GSPMD partitions LayerNorm's backward as
+#   torch_xla lowers it.
+# * **tensor parallel** (`predict_tensor_parallel`): Megatron's all-reduces over each model group of one data
+#   slice's activations (B/data, T, C): forward, the two row-parallel outputs per block (attention projection,
+#   MLP projection); backward, the input gradient of each column-parallel layer, q, k and v separately and the
+#   MLP's fc: 2 + 4 per block. Then data parallelism over the `data` axis: each gradient all-reduced at the size
+#   a device holds (split matrices at half). XLA adds the LayerNorm all-gathers again and, per block, four
+#   all-gathers over the model group of a (B/data, heads, T, head dim) tensor: the partitioner re-gathers the heads
+#   around `scaled_dot_product_attention` instead of keeping them apart (a cost to know; marking the layout of
+#   q, k and v inside the attention with `mark_sharding` is the usual remedy, not tried here).
+# * **FSDP** (`predict_fsdp`): the textbook (ZeRO-3, and what PyTorch's FSDP2 issues by construction) gathers
+#   every weight before its forward and again before its backward (**all-gather**, 2 x the parameter bytes) and
+#   **reduce-scatters** each gradient (the parameter bytes). GSPMD is free to do otherwise and, on XLA:CPU with
+#   layers this small, it does: it moves *activations* (all-to-all, collective-permute, activation all-gathers)
+#   and all-reduces gradients, with no reduce-scatter at all. So for FSDP only the bytes per device (section 5)
+#   are an exact prediction; below we assert what must hold whichever way XLA goes: the weights are never
+#   replicated, and communication costs more than data parallelism's.
+#
+# The exact predictions are asserted on XLA:CPU (torch_xla 2.9), where they were worked out. On a TPU XLA combines
+# and schedules collectives its own way (async pairs, combined all-reduces, reduce-scatter): there the cell prints
+# both and does not insist.
+
+# %%
+def fmt(coll):
+    return ", ".join(f"{k} {v['count']} x = {v['bytes'] / 1e6:.3f} MB" for k, v in sorted(coll.items()) if v["count"]) or "none"
+
+
+data_axis = N_DEV // P.model_axis
+PRED = {"single": {},
+        "data": S.predict_data_parallel(gcfg, P.batch_size),
+        "tensor": S.predict_tensor_parallel(gcfg, P.batch_size, data_axis, P.model_axis),
+        "fsdp": FS["textbook"]}
+for name, r in results.items():
+    print(f"{name:7s} measured:  {fmt(r.collectives)}")
+    print(f"{'':7s} predicted: {fmt(PRED[name])}" + ("  (textbook ZeRO-3)" if name == "fsdp" else ""))
+if DUMPING and rt.kind == "xla-cpu":
+    assert results["single"].collectives == {}, "one device needs no collective"
+    assert results["data"].collectives == PRED["data"], (results["data"].collectives, PRED["data"])
+    assert results["tensor"].collectives == PRED["tensor"], (results["tensor"].collectives, PRED["tensor"])
+    moved = {n: sum(v["bytes"] for v in results[n].collectives.values()) for n in ("data", "fsdp")}
+    assert moved["fsdp"] > moved["data"], f"FSDP moved {moved['fsdp']:,} bytes, data parallel {moved['data']:,}"
+    assert sum(c["op"] == "all-reduce" and c["result"] == "f32[]" for c in results["fsdp"].ops) == 3, "the mean loss"
+    print(f"FSDP moved {moved['fsdp'] / moved['data']:.1f}x the bytes of data parallelism in this step graph")
+elif not DUMPING:
+    print("no HLO dump (XLA_FLAGS was set after torch_xla started): restart the kernel to count collectives")
+
+# %% [markdown]
+# ## 7. Step time and MFU
+# Median seconds per step after the first (compiling) one, each step waited for. MFU = the model's FLOPs per step
+# (`GPT.flops_per_token`, the same for every strategy) / step time / peak. On a TPU the peak is one chip's rated
+# figure times the chips the strategy uses (one for `single`). On the CPU the 8 virtual devices are threads on the
+# same cores, so every strategy is measured against one figure: a float32 matmul timed on this machine
+# (`labkit.flops.measure_cpu_peak`). CPU times say what the *bookkeeping* costs (the collectives become memory
+# copies), not what a mesh of chips would gain, and the "one device" run computes its step 8 times over (once
+# per virtual device, replicated). At this size the model is far too small to fill even a CPU.
+
+# %%
+PEAK, PEAK_SOURCE = flops.peak_flops(rt, "fp32")
+mfu = {}
+for name, r in results.items():
+    chips = 1 if (name == "single" or rt.kind != "tpu") else N_DEV
+    mfu[name] = flops.mfu(FLOPS_PER_STEP, r.step_s, PEAK * chips if PEAK else None)
+    print(f"{name:7s} {r.step_s * 1e3:8.1f} ms/step  MFU " + (f"{mfu[name]:.2%}" if mfu[name] is not None else "unknown"))
+print("peak:", PEAK_SOURCE)
+assert all(r.step_s > 0 for r in results.values())
+assert all(m is None or 0 < m < 1 for m in mfu.values()), mfu
+
+# %% [markdown]
+# ## 8. The same training, four times
+# The sharded runs compute the same sums in another order, so their losses drift from the one-device run by
+# rounding only: within `loss_tol` nats at every step (and the loss fell, so there was something to agree on).
+
+# %%
+ref = results["single"].losses
+for name, r in results.items():
+    diff = max(abs(a - b) for a, b in zip(r.losses, ref))
+    print(f"{name:7s} final loss {r.losses[-1]:.4f}, largest difference from one device {diff:.2e} nats")
+    assert len(r.losses) == P.steps and diff < P.loss_tol, f"{name} drifted {diff:.2e} nats (loss_tol={P.loss_tol})"
+assert ref[-1] < ref[0] - 0.3, f"the loss did not fall: {ref[0]:.3f} -> {ref[-1]:.3f}"
+
+# %% [markdown]
+# ## 9. What each strategy costs, and when to pick it
+# * **Data parallel**: every device holds the whole model and its optimizer state; the gradients (the size of the
+#   model) are all-reduced once per step. The simplest and usually the fastest while the model, its gradients and
+#   AdamW's state (4x the weights in float32) fit one chip. Pick it first.
+# * **FSDP**: memory per device falls to ~1/N of the weights and optimizer state, paid for with more
+#   communication (the weights travel every step, forward and backward). Pick it when data parallelism no longer
+#   fits: the step is big enough that the gathers hide behind compute (large batch x context per chip).
+# * **Tensor parallel**: splits the layers themselves, so it also cuts activation memory and the work per device
+#   for one sequence, at the price of all-reduces of activations inside every block, on the critical path.
+#   Keep the model axis within the fastest links (the chips of one host; NVLink on GPUs) and combine it with data
+#   parallelism or FSDP on the other mesh axis, as here.
+#
+# torch_xla-specific: `xs.Mesh`, `xs.mark_sharding`, `SpmdFullyShardedDataParallel`, and the fact that the
+# compiler chooses the collectives (GSPMD; Shardy next): you predict, then read the HLO. What carries over: the
+# mesh, the placements, and the costs above. In plain PyTorch: `init_device_mesh("cuda", (4, 2),
+# mesh_dim_names=("data", "model"))` + DTensor,
+# `parallelize_module(block, mesh["model"], {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})`, and
+# `fully_shard(model)` (FSDP2) for ZeRO-3, which issues the textbook all-gathers and reduce-scatters itself
+# (per module, with `reshard_after_forward=True`, its default); in
+# JAX, `Mesh` + `PartitionSpec` + `jax.jit` with the same GSPMD/Shardy partitioner as here.
+
+# %%
+rows = []
+for name, r in results.items():
+    coll = ", ".join(f"{k} {v['count']}" for k, v in sorted(r.collectives.items())) or "none"
+    moved = sum(v["bytes"] for v in r.collectives.values())
+    rows.append((name, r.param_bytes + r.opt_bytes, coll, moved, r.step_s, mfu[name], r.losses[-1]))
+print(f"{'strategy':8s} {'bytes/device':>13s} {'collective MB':>13s} {'ms/step':>8s} {'MFU':>7s} {'final loss':>10s}  collectives")
+for name, b, coll, moved, step, m, loss in rows:
+    print(f"{name:8s} {b:13,d} {moved / 1e6:13.3f} {step * 1e3:8.1f} {(f'{m:.2%}' if m is not None else '-'):>7s} "
+          f"{loss:10.4f}  {coll}")
+assert len(rows) == 4
