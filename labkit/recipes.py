@@ -20,13 +20,14 @@ from .optim import warmup_cosine
 
 
 # -- images (notebook 01) --------------------------------------------------------------------------
-def local_gcs_root(data_dir: str, server_root: str = "data/local-gcs"):
-    """Start a GCS-API server on 127.0.0.1 (bucket labkit-local) and return (server, gs:// data root).
-    The server sets STORAGE_EMULATOR_HOST, so labkit.gcs and data_tools talk to it like to Google."""
+def local_gcs_root(data_dir: str, server=None, server_root: str = "data/local-gcs"):
+    """(server, gs:// data root): a GCS-API server on 127.0.0.1 (started unless `server` is one already
+    running) with the bucket labkit-local. The server sets STORAGE_EMULATOR_HOST, so labkit.gcs and
+    data_tools talk to it as they would to Google."""
     from . import gcs
     from .gcs_emulator import LocalGCSServer
 
-    server = LocalGCSServer(root=os.path.abspath(server_root)).start()
+    server = server or LocalGCSServer(root=os.path.abspath(server_root)).start()
     if gcs.client().lookup_bucket("labkit-local") is None:
         gcs.client().create_bucket("labkit-local")
     return server, "gs://labkit-local/" + data_dir.strip("/").replace("/", "-")

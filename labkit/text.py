@@ -151,7 +151,9 @@ class TextBatches:
         g = torch.Generator().manual_seed(hash((self.seed, 0 if self.fixed else self.epoch, rank, world)) % 2**63)
         hi = len(self.data) - self.block_size - 1  # last valid start (exclusive upper bound + 1)
         draw = self.batch_size * (self.world_size if self.shared_order else 1)
-        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size) if self.shared_order else slice(None)
+        mine = (
+            slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size) if self.shared_order else slice(None)
+        )
         for _ in range(self.steps):
             starts = torch.randint(0, hi + 1, (draw,), generator=g)[mine]
             win = self.data[starts[:, None] + self._offsets].long()  # (B, T+1), one gather

@@ -163,7 +163,9 @@ class ConsoleLog:
 
     def on_eval(self, trainer, rec: dict) -> None:
         if trainer.rt.is_master:
-            print(f"eval at step {rec['step']}: val_loss {rec['val_loss']:.4f}  val_acc {rec['val_acc']:.2%}", flush=True)
+            print(
+                f"eval at step {rec['step']}: val_loss {rec['val_loss']:.4f}  val_acc {rec['val_acc']:.2%}", flush=True
+            )
 
 
 def _runtime(P, backend):
@@ -290,7 +292,9 @@ def _finish(trainer, plan, ckpt, extra: dict) -> dict:
         "chips": plan.total_chips,
         **extra,
     }
-    rt.master_print("FINAL " + " ".join(f"{k}={v:.6f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+    rt.master_print(
+        "FINAL " + " ".join(f"{k}={v:.6f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())
+    )
     rt.rendezvous("labkit-train-end")
     return result
 
