@@ -45,9 +45,9 @@ def _env(**extra):
     return env
 
 
-def _final(cmd, env, timeout=300) -> dict:
+def _final(cmd, env, timeout=300, cwd=ROOT) -> dict:
     """Run a training command; parse its FINAL line (printed once, by process 0)."""
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr[-4000:]
     assert p.returncode == 0, out
     finals = [line for line in p.stdout.splitlines() if line.startswith("FINAL ")]
@@ -156,9 +156,24 @@ def test_resnet_recipe_trains_writes_shards_and_a_checkpoint(tmp_path):
     """Notebook 01's path as a script: digits shards and the checkpoint on a loopback GCS server (fast mode)."""
     cmd = [sys.executable, "-m", "labkit.train", "resnet", "--fast", "--backend", "cpu", "--max-steps", "3"]
     cmd += ["--log-every", "3", "--samples-per-shard", "100"]
-    p = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout + p.stderr[-4000:]
-    final = dict(kv.split("=", 1) for kv in p.stdout.splitlines()[-1].split()[1:])
-    assert final["steps"] == "3" and final["samples"] == str(3 * train.ResNetParams.FAST["batch_size"]), final
-    assert final["source"] == "digits" and float(final["loss"]) < 10, final
-    assert "saved step 3 to gs://labkit-local/checkpoints-resnet50/run-" in p.stdout, p.stdout
+    final = _final(cmd, _env(), timeout=900, cwd=tmp_path)
+    assert final["steps"] == 3 and final["samples"] == 3 * train.ResNetParams.FAST["batch_size"], final
+    assert final["source"] == "digits" and final["loss"] < 10, final
+    assert list(tmp_path.glob("data/local-gcs/**/checkpoints-resnet50/run-*/*")), "no checkpoint on the GCS server"
+
+
+def test_torchrun_on_a_cpu_host_picks_the_plain_cpu(monkeypatch):
+    """torchrun sets WORLD_SIZE in every rank; XLA:CPU has no multi-process path, so auto-detection says cpu."""
+    import torch
+
+    from labkit import device
+
+    if torch.cuda.is_available() or device.tpu_evidence():
+        pytest.skip("a GPU or TPU host: torchrun would use it")
+    monkeypatch.delenv("LABKIT_BACKEND", raising=False)
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert device.resolve_backend() == "cpu"
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(device.BackendError, match="WORLD_SIZE='two'"):
+        device.resolve_backend()
