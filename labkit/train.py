@@ -188,7 +188,13 @@ def run_resnet(P: ResNetParams, backend=None) -> dict:
     rt, prec, plan = _runtime(P, backend)
     server = None
     data, ckpt_root = P.data_dir, P.checkpoint_dir
-    if P.local_gcs:  # every process starts one on its own host: data and checkpoints stay on that host
+    if P.local_gcs and rt.world_size > 1:
+        raise ValueError(
+            f"local_gcs=True starts a GCS-API server inside each of the {rt.world_size} processes, which would "
+            "not share their data: pass --local-gcs false and a --data-dir/--checkpoint-dir every process can "
+            "reach (a gs:// bucket, or a local folder when all processes run on one machine)"
+        )
+    if P.local_gcs:  # a GCS-API server on 127.0.0.1: the gs:// code path without an account
         server, data = recipes.local_gcs_root(P.data_dir)
         ckpt_root = "gs://labkit-local/" + P.checkpoint_dir.strip("/").replace("/", "-")
     else:
