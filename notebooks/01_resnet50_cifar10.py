@@ -426,4 +426,8 @@ info = labkit.explain(dash)
 # * *Transfers*: the loop reads its metrics once per log interval; anything more is a `.item()`, a `print(tensor)`
 #   or a `.cpu()` somewhere in the step.
 #
+# The same training runs as a script, from the same `labkit.recipes` functions and with these parameters as flags:
+# `python -m labkit.train resnet --epochs 8` on one TPU VM (every chip, SPMD), on every host of a pod slice, or under
+# `torchrun` (README: *Scale out*).
+#
 # Next: `02_transformer_lm.ipynb` trains a GPT-style transformer with the same `labkit` calls.

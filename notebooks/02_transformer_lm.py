@@ -349,5 +349,7 @@ info = labkit.explain(dash)
 # * On a Colab TPU the defaults train a 10.7 M-parameter model on 256-byte windows; watch MFU on the dashboard and
 #   try a larger `batch_size` or `n_embd` (multiples of 128 fill the TPU's 128×128 matrix units better).
 # * `LABKIT_SOURCE=/path/to/any.txt` trains on your own text.
+# * `python -m labkit.train gpt --max-steps 5000` trains the same model from a terminal (the same recipes, these
+#   parameters as flags), also on a pod slice or under `torchrun` (README: *Scale out*).
 # * The loss in bits per byte compares across tokenizers: a byte-level model at 1.5 bits/byte on English is
 #   doing well for its size.
