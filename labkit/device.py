@@ -76,6 +76,8 @@ def resolve_backend(backend: str | None = None) -> str:
             "(labkit picks the backend) or set PJRT_DEVICE=CPU for XLA on the CPU"
         )
     if name is None:
+        if torchrun_world() > 1 and not found["tpu"] and not found["cuda"]:
+            return "cpu"  # torchrun on a CPU host: one process per rank over gloo (XLA:CPU has no multi-process path)
         if pjrt == "CPU" and found["torch_xla"]:
             return "xla-cpu"  # an explicit request for XLA:CPU, even on a TPU host
         if found["torch_xla"] and found["tpu"]:
@@ -303,10 +305,32 @@ def tpu_error_advice(message: str, root: str | None = None) -> str | None:
     )
 
 
+def torchrun_world() -> int:
+    """WORLD_SIZE as torchrun (torch.distributed.run) sets it in every process it launches; 1 without it."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(raw)
+    except ValueError:
+        raise BackendError(f"environment variable WORLD_SIZE={raw!r} is not an integer (torchrun sets it)") from None
+
+
+def _setup_cpu() -> Runtime:
+    """Plain PyTorch on the CPU; under torchrun one process per rank, joined over gloo (the CPU
+    collective backend), so DistributedDataParallel averages gradients across processes."""
+    import torch.distributed as dist
+
+    world = torchrun_world()
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")  # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return Runtime("cpu", torch.device("cpu"), world, rank, local, 1, False, {"dist": "gloo" if world > 1 else None})
+
+
 def _setup_cuda() -> Runtime:
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = torchrun_world()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl")  # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR
@@ -350,7 +374,7 @@ def setup(
         else:
             if spmd:
                 raise BackendError("spmd=True needs an XLA backend (tpu or xla-cpu)")
-            rt = Runtime("cpu", torch.device("cpu"))
+            rt = _setup_cpu()
         _runtimes[kind] = rt
     elif cache and rt.compile_cache != cache:  # asked for again (or for another folder): possible until XLA ran
         _turn_on_cache(rt, cache)

@@ -77,9 +77,11 @@ class Trainer:
         self.scaler = precision.grad_scaler() if precision is not None else None
         self.optimizer, self.scheduler = optimizer, scheduler
         self.model = _move_model(model, optimizer, rt.device)
-        if rt.kind == "cuda" and rt.world_size > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            # DDP all-reduces gradients during backward, so optimizer_step is a plain step there
-            self.model = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=[rt.device.index])
+        ddp = rt.kind in ("cuda", "cpu") and rt.world_size > 1  # torchrun: one process per GPU / CPU rank
+        if ddp and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            # DDP all-reduces (averages) gradients during backward, so optimizer_step is a plain step there
+            ids = [rt.device.index] if rt.kind == "cuda" else None
+            self.model = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         self.module = getattr(self.model, "module", self.model)  # unwrapped: what checkpoints hold
         self.loss_fn = loss_fn or F.cross_entropy
         self.train_loader = self._wrap(train_loader)

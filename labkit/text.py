@@ -107,7 +107,13 @@ class TextBatches:
     Each pass draws from torch.Generator(seed, epoch, rank): the same seed gives the same
     batches; set_epoch (the Trainer calls it) gives a new draw per epoch unless fixed=True (use
     that for evaluation: the same windows every time, so val losses compare). rank/world_size
-    give each replica its own windows. name: shown in errors."""
+    give each replica its own windows. name: shown in errors.
+
+    shared_order=True: every replica draws the whole step's batch (batch_size x world_size windows)
+    from one generator that ignores rank and world size, and keeps rows rank*B..(rank+1)*B. The data a
+    step sees then depends only on the global batch, not on how it is split: 2 ranks x 8 windows train
+    on exactly the windows of 1 process x 16 (how tests check DDP and SPMD against one process). With
+    one replica it yields the same batches as shared_order=False."""
 
     def __init__(
         self,
@@ -120,6 +126,7 @@ class TextBatches:
         rank: int = 0,
         world_size: int = 1,
         name: str = "corpus",
+        shared_order: bool = False,
     ):
         if not isinstance(data, torch.Tensor):
             data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -130,6 +137,7 @@ class TextBatches:
             )
         self.data, self.batch_size, self.block_size, self.steps = data, batch_size, block_size, steps
         self.seed, self.fixed, self.rank, self.world_size, self.epoch = seed, fixed, rank, world_size, 0
+        self.shared_order = shared_order
         self._offsets = torch.arange(block_size + 1)
 
     def set_epoch(self, epoch: int) -> None:
@@ -139,12 +147,15 @@ class TextBatches:
         return self.steps
 
     def __iter__(self):
-        g = torch.Generator().manual_seed(
-            hash((self.seed, 0 if self.fixed else self.epoch, self.rank, self.world_size)) % 2**63
-        )
+        rank, world = (0, 1) if self.shared_order else (self.rank, self.world_size)
+        g = torch.Generator().manual_seed(hash((self.seed, 0 if self.fixed else self.epoch, rank, world)) % 2**63)
         hi = len(self.data) - self.block_size - 1  # last valid start (exclusive upper bound + 1)
+        draw = self.batch_size * (self.world_size if self.shared_order else 1)
+        mine = (
+            slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size) if self.shared_order else slice(None)
+        )
         for _ in range(self.steps):
-            starts = torch.randint(0, hi + 1, (self.batch_size,), generator=g)
+            starts = torch.randint(0, hi + 1, (draw,), generator=g)[mine]
             win = self.data[starts[:, None] + self._offsets].long()  # (B, T+1), one gather
             yield win[:, :-1].contiguous(), win[:, 1:].contiguous()
 

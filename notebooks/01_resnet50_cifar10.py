@@ -163,33 +163,23 @@ if not P.local_gcs and gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_p
 # would to Google: the same `gs://` code path, no account needed.
 
 # %%
-from labkit import gcs
+from labkit import gcs, recipes
 from labkit.envsetup import online
-from data_tools import load_manifest, write_dataset
+from data_tools import load_manifest
 
 SOURCE = P.source if P.source != "auto" else ("cifar10" if online() else "digits")
 DATA = P.data_dir
-if P.local_gcs:
-    from labkit.gcs_emulator import LocalGCSServer
-    if "gcs_server" not in globals():          # keep one server per kernel (the cell may run again)
-        gcs_server = LocalGCSServer(root=os.path.abspath("data/local-gcs")).start()
-    if gcs.client().lookup_bucket("labkit-local") is None:
-        gcs.client().create_bucket("labkit-local")
-    DATA = "gs://labkit-local/" + P.data_dir.strip("/").replace("/", "-")
+if P.local_gcs:                               # one server per kernel (the cell may run again), bucket labkit-local
+    gcs_server, DATA = recipes.local_gcs_root(P.data_dir, globals().get("gcs_server"))
 else:                                         # your own bucket: sign in when data or checkpoints are on gs://
     gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_project or None)
 
-manifests = {}
-for split in ("train", "val"):
-    out = f"{DATA}/{SOURCE}-x{P.upsample}/{split}"
-    try:                                      # already written (the cell ran before): reuse it
-        m = load_manifest(f"{out}/manifest.json")
-        assert m.get("source") == SOURCE and m.get("split") == split
-    except (FileNotFoundError, AssertionError, ValueError):
-        m = write_dataset(SOURCE, split, out, upsample=P.upsample, samples_per_shard=P.samples_per_shard)
-    manifests[split] = f"{out}/manifest.json"
+# write_dataset for each split, unless the manifest is already there (the cell ran before): then reuse it
+manifests = recipes.image_shards(SOURCE, DATA, upsample=P.upsample, samples_per_shard=P.samples_per_shard)
+for split, url in manifests.items():
+    m = load_manifest(url)
     total = sum(s["samples"] for s in m["shards"])
-    print(f"{split:5s}: {total:6d} {SOURCE} images in {len(m['shards'])} shards at {out}  "
+    print(f"{split:5s}: {total:6d} {SOURCE} images in {len(m['shards'])} shards at {url.rsplit('/', 1)[0]}  "
           f"(mean {[round(v, 3) for v in m['mean']]}, std {[round(v, 3) for v in m['std']]})")
 CLASSES = load_manifest(manifests["train"])["class_names"]
 print("classes:", CLASSES)
@@ -226,11 +216,8 @@ assert names[0].endswith((".cls", ".png")) and names[0].split(".")[0] == names[1
 # (`cross_entropy`'s ignore index), so shapes stay static and the accuracy stays exact.
 
 # %%
-from data_tools import make_loader
-
-train_loader = make_loader(manifests["train"], PLAN.host_batch, train=True, num_workers=P.num_workers, seed=P.seed)
-val_loader = make_loader(manifests["val"], PLAN.host_batch, train=False, num_workers=P.num_workers,
-                         mean=train_loader.mean, std=train_loader.std)
+# two make_loader calls (train: shuffled, augmented; val: in order, padded), shards dealt by rt.ordinal / rt.world_size
+train_loader, val_loader = recipes.image_loaders(manifests, PLAN, rt, num_workers=P.num_workers, seed=P.seed)
 n_train = sum(s["samples"] for s in load_manifest(manifests["train"])["shards"])
 assert len(train_loader) == n_train // PLAN.global_batch
 x, y = next(iter(train_loader))
@@ -291,24 +278,21 @@ del probe
 import time
 from labkit.checkpoint import CheckpointManager, to_cpu
 from labkit.loop import chance_accuracy
-from labkit.models import image_optimizer
-from labkit.optim import warmup_cosine
 
 
 def build(seed):
-    """A fresh model and optimizer (so this cell can run again from scratch)."""
-    torch.manual_seed(seed)
-    model = resnet50_cifar(num_classes=len(CLASSES), cifar_stem=P.cifar_stem)
-    # SGD+Nesterov or AdamW (capturable on XLA: no recompile when a bias correction rounds to 1.0)
-    return model, image_optimizer(model, P.optimizer, P.lr, xla=rt.is_xla)
+    """A fresh model and optimizer (so this cell can run again from scratch): torch.manual_seed(seed), then
+    resnet50_cifar and SGD+Nesterov or AdamW (capturable on XLA: no recompile when a bias correction rounds to 1.0)."""
+    return recipes.build_resnet(len(CLASSES), P.cifar_stem, P.optimizer, P.lr, seed, rt)
 
 
 cfg = labkit.TrainConfig(epochs=P.epochs, max_steps=P.max_steps, bf16=BF16, log_every=P.log_every,
                          checkpoint_every=P.checkpoint_every or len(train_loader))
 TOTAL = min(cfg.epochs * len(train_loader), cfg.max_steps or 10**12)
 model, optimizer = build(P.seed)
-# the schedule counts steps; it continues flat past TOTAL so the resume demo below can train further
-scheduler = warmup_cosine(optimizer, warmup=max(1, TOTAL // 10), total=TOTAL, floor=0.02)
+# warm-up over 10% of TOTAL, cosine to 2%; it counts steps and continues flat past TOTAL so the resume demo
+# below can train further
+scheduler = recipes.resnet_schedule(optimizer, TOTAL)
 
 RUN = time.strftime("run-%Y%m%d-%H%M%S")       # a fresh folder per run: nothing from an older run is touched
 CKPT = (f"gs://labkit-local/checkpoints/{RUN}" if P.local_gcs else f"{P.checkpoint_dir}/{RUN}")
@@ -410,7 +394,7 @@ print(f"all {len(live)} tensors restored bit for bit")
 
 # %%
 model2, optimizer2 = build(P.seed + 1)        # different initial weights: only the checkpoint can explain a good loss
-scheduler2 = warmup_cosine(optimizer2, warmup=max(1, TOTAL // 10), total=TOTAL, floor=0.02)
+scheduler2 = recipes.resnet_schedule(optimizer2, TOTAL)
 cfg2 = dataclasses.replace(cfg, resume=True, max_steps=trainer.step + P.resume_steps, epochs=cfg.epochs + 1,
                            log_every=max(1, P.resume_steps // 2))
 resumed = labkit.Trainer(model2, optimizer2, rt, cfg2, train_loader, None, scheduler=scheduler2,
@@ -441,5 +425,9 @@ info = labkit.explain(dash)
 #   halve TPU throughput.
 # * *Transfers*: the loop reads its metrics once per log interval; anything more is a `.item()`, a `print(tensor)`
 #   or a `.cpu()` somewhere in the step.
+#
+# The same training runs as a script, from the same `labkit.recipes` functions and with these parameters as flags:
+# `python -m labkit.train resnet --epochs 8` on one TPU VM (every chip, SPMD), on every host of a pod slice, or under
+# `torchrun` (README: *Scale out*).
 #
 # Next: `02_transformer_lm.ipynb` trains a GPT-style transformer with the same `labkit` calls.

@@ -148,27 +148,19 @@ print(PLAN.describe())
 # shape, so XLA compiles the training step once.
 
 # %%
-from labkit import text
+from labkit import recipes, text
 
-SOURCE = P.source
-if SOURCE == "auto":
-    try:
-        data = text.load_corpus("shakespeare")
-        SOURCE = "shakespeare"
-    except ConnectionError as e:
-        print("offline:", str(e).split(":")[0], "- using the bundled text instead")
-        SOURCE = "offline"
-data = text.load_corpus(SOURCE)
+SOURCE, data = recipes.load_text(P.source)   # auto: shakespeare when it downloads, else the offline text
 train_data, val_data = text.split(data)
 print(f"{text.corpus_source(SOURCE)}: {len(data):,} bytes ({len(train_data):,} train, {len(val_data):,} validation)")
 print("-" * 60)
 print(text.decode(train_data[2000:2400]))
 print("-" * 60)
 STEPS_PER_EVAL = max(1, P.max_steps // P.evals)
-train_batches = text.TextBatches(train_data, PLAN.host_batch, P.block_size, STEPS_PER_EVAL, seed=P.seed,
-                                 rank=rt.ordinal, world_size=rt.world_size, name=SOURCE)
-val_batches = text.TextBatches(val_data, PLAN.host_batch, P.block_size, P.eval_batches, seed=P.seed + 1, fixed=True,
-                               rank=rt.ordinal, world_size=rt.world_size, name=SOURCE)
+# two text.TextBatches: training windows drawn anew each epoch, validation the same windows every time
+train_batches, val_batches = recipes.text_batches(train_data, val_data, PLAN, rt, block_size=P.block_size,
+                                                  steps_per_eval=STEPS_PER_EVAL, eval_batches=P.eval_batches,
+                                                  seed=P.seed, name=SOURCE)
 x, y = next(iter(train_batches))
 assert x.shape == y.shape == (PLAN.host_batch, P.block_size) and torch.equal(x[:, 1:], y[:, :-1])
 print("one batch:", tuple(x.shape), x.dtype, "| targets are the inputs shifted by one byte")
@@ -195,9 +187,8 @@ print("one batch:", tuple(x.shape), x.dtype, "| targets are the inputs shifted b
 # per weight forward, two backward; the second term is attention's score and mixing products).
 
 # %%
-from labkit.gpt import GPT, GPTConfig, adamw, bits_per_byte
+from labkit.gpt import GPT, GPTConfig, bits_per_byte
 from labkit.lm import LMTrainer
-from labkit.optim import warmup_cosine
 from labkit import flops
 
 gcfg = GPTConfig(block_size=P.block_size, n_layer=P.n_layer, n_head=P.n_head, n_embd=P.n_embd, dropout=P.dropout)
@@ -231,11 +222,9 @@ print("peak for MFU:", PEAK_SOURCE)
 # measures one: a float32 matrix multiply timed for a second.
 
 # %%
-rt.manual_seed(P.seed)
-torch.manual_seed(P.seed)
-model = GPT(gcfg)
-optimizer = adamw(model, P.lr, P.weight_decay, betas=(0.9, 0.95), rt=rt)   # decay on matrices only; capturable on XLA
-scheduler = warmup_cosine(optimizer, warmup=max(1, P.max_steps // 20), total=P.max_steps, floor=0.1)
+# GPT(gcfg) seeded on host and device; labkit.gpt.adamw (decay on matrices only, capturable on XLA);
+# warm-up over 5% of the steps, then cosine to 10%
+model, optimizer, scheduler = recipes.build_gpt(gcfg, P.lr, P.weight_decay, P.max_steps, P.seed, rt)
 cfg = labkit.TrainConfig(epochs=P.evals, max_steps=P.max_steps, bf16=BF16, clip_norm=1.0, log_every=P.log_every,
                          eval_every=1)
 dash = labkit.Dashboard(title=f"GPT {P.n_layer}x{P.n_embd} on {SOURCE} ({rt.kind})", tokens_per_step=TOKENS_PER_STEP * PLAN.chips,
@@ -360,5 +349,7 @@ info = labkit.explain(dash)
 # * On a Colab TPU the defaults train a 10.7 M-parameter model on 256-byte windows; watch MFU on the dashboard and
 #   try a larger `batch_size` or `n_embd` (multiples of 128 fill the TPU's 128×128 matrix units better).
 # * `LABKIT_SOURCE=/path/to/any.txt` trains on your own text.
+# * `python -m labkit.train gpt --max-steps 5000` trains the same model from a terminal (the same recipes, these
+#   parameters as flags), also on a pod slice or under `torchrun` (README: *Scale out*).
 # * The loss in bits per byte compares across tokenizers: a byte-level model at 1.5 bits/byte on English is
 #   doing well for its size.
