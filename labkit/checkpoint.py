@@ -130,6 +130,8 @@ def verify(data: bytes, where: str, expect_crc: str | None = None) -> None:
 
 # -- the manager ----------------------------------------------------------------------------------
 class CheckpointManager:
+    KIND = "checkpoint"  # names the manager in errors of a save that failed in the background
+
     def __init__(
         self,
         root,
@@ -257,7 +259,7 @@ class CheckpointManager:
             crc, size = gcs.crc32c_b64(tmp), os.path.getsize(tmp)  # the one crc pass of this save
             if os.environ.get("LABKIT_CKPT_KILL_IN_UPLOAD") == str(step):  # tests: die mid-save
                 os.kill(os.getpid(), 9)
-            _test_delay(step, tmp)
+            hold_for_tests(step, tmp)
             self._check_abandon(step)
             self.store.put(tmp, name, crc)
         finally:
@@ -297,13 +299,13 @@ class CheckpointManager:
     def _raise_pending(self):
         err, self._error = self._error, None
         if err is not None:
-            raise RuntimeError(f"an earlier checkpoint save to {self.root} failed: {err}") from err
+            raise RuntimeError(f"an earlier {self.KIND} save to {self.root} failed: {err}") from err
 
     def wait(self) -> None:
-        """Block until the pending upload finished; re-raise its error."""
+        """Block until the pending save finished; re-raise its error."""
         t = self._thread
         if t is not None:
-            self._done.wait()  # an interrupt here leaves the upload pending: close() can still finish it
+            self._done.wait()  # an interrupt here leaves the save pending: close() can still finish it
             t.join()  # ended: returns at once
             self._thread = None
         self._raise_pending()
@@ -374,7 +376,7 @@ class CheckpointManager:
         return self.store.read_pointer()
 
 
-def _test_delay(step, tmp) -> None:
+def hold_for_tests(step, tmp) -> None:
     """Tests: LABKIT_CKPT_UPLOAD_DELAY=STEP:SECONDS holds the upload of STEP open (the temp file is
     written) and, when LABKIT_CKPT_PENDING_MARKER names a file, writes it so a test process knows
     when to send its signal."""

@@ -62,7 +62,7 @@ import warnings
 import torch
 
 from . import gcs
-from .checkpoint import _test_delay
+from .checkpoint import CheckpointManager, hold_for_tests
 from .storage import GCSStore, LocalStore
 
 MARKER = "COMMITTED"
@@ -269,7 +269,7 @@ class ShardedCheckpointManager:
                 files[f] = {"crc32c": crc, "size": os.path.getsize(p)}
                 if self.is_gcs:
                     self.store.put(p, f"{name}/{f}", crc)  # verified against the server's crc32c
-            _test_delay(step, folder)  # tests: hold the save open here, every file stored, no marker yet
+            hold_for_tests(step, folder)  # tests: hold the save open here, every file stored, no marker yet
             record = {"step": step, "files": files, "planner": kind, "metrics": metrics, "time": time.time()}
             self._commit(name, record)
         finally:
@@ -319,19 +319,10 @@ class ShardedCheckpointManager:
                         pass
                 shutil.rmtree(self._url(folder_name(step)), ignore_errors=True)
 
-    def _raise_pending(self):
-        err, self._error = self._error, None
-        if err is not None:
-            raise RuntimeError(f"an earlier sharded checkpoint save to {self.root} failed: {err}") from err
-
-    def wait(self) -> None:
-        """Block until the pending save is committed; re-raise its error."""
-        t = self._thread
-        if t is not None:
-            self._done.wait()
-            t.join()
-            self._thread = None
-        self._raise_pending()
+    # one home for the pending-save bookkeeping (same _thread / _done / _error fields)
+    KIND = "sharded checkpoint"
+    _raise_pending = CheckpointManager._raise_pending
+    wait = CheckpointManager.wait
 
     def close(self) -> None:
         """Finish the pending save, then give up the writer lock."""
