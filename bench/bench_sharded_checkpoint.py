@@ -1,4 +1,5 @@
-"""Host CPU cost of saving a sharded state: ShardedCheckpointManager (DCP, async) vs CheckpointManager.
+"""Host CPU cost of saving a sharded state: CheckpointManager's sharded format (DCP, async; what format="auto"
+picks for it) vs its one-file format (format="file").
 
     CPU_NUM_DEVICES=8 python bench/bench_sharded_checkpoint.py [--repeats 3]
 
@@ -8,7 +9,7 @@ replicated), as FSDP lays it out. For each manager: process CPU-seconds (time.pr
 thread: staging, serialising, crc32c, writing) per GB of state, from save() until the save is
 committed; the seconds save() blocks the caller; and the wall seconds until committed. Medians of
 --repeats saves to a local folder (the page cache: what is measured is the host's work, not a disk).
-CheckpointManager gathers each sharded tensor whole (one batched transfer) and torch.saves one
+The one-file format gathers each sharded tensor whole (one batched transfer) and torch.saves one
 object; the sharded save moves only the shards (each piece once) and lets DCP write them.
 """
 
@@ -27,7 +28,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import labkit  # noqa: E402
 from labkit.checkpoint import CheckpointManager  # noqa: E402
-from labkit.sharded_checkpoint import ShardedCheckpointManager, is_sharded  # noqa: E402
+from labkit.sharded_checkpoint import is_sharded  # noqa: E402
 
 
 def sharded_state(n):
@@ -74,8 +75,10 @@ def main():
     gb = sum(t.numel() * t.element_size() for t in tree_leaves(state) if torch.is_tensor(t)) / 1e9
     print(f"state: ResNet-50 + SGD momentum, {gb * 1e3:.0f} MB, sharded over {n} devices: {is_sharded(state)}")
     rows = {
-        "CheckpointManager (gather + torch.save, async)": lambda r: CheckpointManager(r, keep=1, best_metric=None),
-        "ShardedCheckpointManager (DCP, async)": lambda r: ShardedCheckpointManager(r, keep=1),
+        "CheckpointManager format=file (gather + torch.save, async)": lambda r: CheckpointManager(
+            r, keep=1, best_metric=None, format="file"
+        ),
+        "CheckpointManager format=auto (sharded: DCP, async)": lambda r: CheckpointManager(r, keep=1, best_metric=None),
     }
     res = {}
     for name, make in rows.items():
@@ -84,7 +87,7 @@ def main():
         res[name] = cpu / gb
         print(f"{name:48s} {cpu / gb:6.2f} CPU-s/GB   save() blocks {blocked:5.2f} s   committed after {wall:5.2f} s")
     a_, b_ = res.values()
-    print(f"ratio sharded / CheckpointManager CPU-s per GB: {b_ / a_:.2f}")
+    print(f"ratio sharded / one file CPU-s per GB: {b_ / a_:.2f}")
 
 
 if __name__ == "__main__":

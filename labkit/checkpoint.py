@@ -19,6 +19,13 @@ has one, and always every member of the torch zip against its own CRC-32 (torch.
 reads a flipped byte as a changed weight). Cost: one crc pass over the bytes (~1 GB/s).
 One writer per root: local folders take a lock naming the holder (host, pid); on GCS the
 conditional pointer write refuses the second writer. keep must be >= 1.
+
+format="auto" (the default): a state with any tensor split over devices (FSDP, tensor parallel
+under SPMD) is saved in the sharded format instead (labkit.sharded_checkpoint: DCP folders
+`step-00001200/` with a COMMITTED marker beside the files above; each host's shards written once,
+never gathered). restore() reads whichever format is newest; pass `into=state_dict` to fill live,
+sharded tensors in place (the Trainer does), otherwise it returns full CPU tensors. "file" forces
+one file (the whole state gathered on the host), "sharded" forces the sharded format.
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ from .device import current_runtime
 from .metrics import to_host
 from .storage import NAME as _NAME
 from .storage import GCSStore, LocalStore
+
+# "auto": one file, or DCP shards (labkit.sharded_checkpoint) when any tensor of the state is split over devices
+FORMATS = ("auto", "file", "sharded")
 
 
 class _Abandoned(Exception):
@@ -142,7 +152,10 @@ class CheckpointManager:
         rt=None,
         save_every: int | None = None,
         retry_deadline_s: float = 60,
+        format: str = "auto",
     ):
+        if format not in FORMATS:
+            raise ValueError(f"format={format!r}: expected one of {', '.join(map(repr, FORMATS))}")
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -150,7 +163,9 @@ class CheckpointManager:
         if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
             raise ValueError(f"save_every={save_every!r}: expected None or an integer >= 1")
         self.root, self.keep, self.best_metric, self.mode = str(root), keep, best_metric, mode
-        self.async_save, self.save_every = async_save, save_every
+        self.async_save, self.save_every, self.format = async_save, save_every, format
+        self.retry_deadline_s = retry_deadline_s
+        self._dcp_manager = None  # the ShardedCheckpointManager sharded states go to, made on first use
         if rt is None:
             rt = current_runtime()
         self.rt = rt
@@ -161,6 +176,9 @@ class CheckpointManager:
         self._objects = dict(ptr.get("objects") or {}) if ptr else {}  # name -> crc32c of kept objects
         if ptr and ptr.get("crc32c"):
             self._objects.setdefault(ptr["name"], ptr["crc32c"])
+        rec = self._dcp.latest() if self._dcp_steps() else None  # a sharded run: its best lives in the record
+        if rec and isinstance(rec.get("best"), dict) and (ptr is None or rec["step"] > ptr.get("step", -1)):
+            self.best = rec["best"]
         self._thread: threading.Thread | None = None
         # set by the upload thread when it ends. Waiting on it (not on Thread.join) keeps an interrupt safe:
         # on Python 3.11 a join interrupted by a signal handler's exception marks the still-running
@@ -178,7 +196,45 @@ class CheckpointManager:
     def pending(self) -> int | None:
         """The step whose upload is still running, or None."""
         t = self._thread
-        return self._pending_step if t is not None and not self._done.is_set() else None
+        if t is not None and not self._done.is_set():
+            return self._pending_step
+        return self._dcp_manager.pending if self._dcp_manager is not None else None
+
+    # -- the sharded format ------------------------------------------------------------------------
+    @property
+    def _dcp(self):
+        """The ShardedCheckpointManager for this root (same writer lock: it shares this store)."""
+        if self._dcp_manager is None:
+            from .sharded_checkpoint import ShardedCheckpointManager
+
+            self._dcp_manager = ShardedCheckpointManager(
+                self.root,
+                keep=self.keep,
+                async_save=self.async_save,
+                retry_deadline_s=self.retry_deadline_s,
+                store=self.store,
+            )
+        return self._dcp_manager
+
+    def _dcp_steps(self) -> list[int]:
+        """Steps with a sharded-format folder under root (committed or not); cheap when there are none."""
+        if self._dcp_manager is None and not any(n.startswith("step-") for n in self._root_names()):
+            return []
+        return sorted(self._dcp._listing())
+
+    def _root_names(self) -> list[str]:
+        if gcs.is_gcs(self.root):
+            bucket, prefix = gcs.parse_url(self.root.rstrip("/") + "/")
+            blobs = gcs.client().list_blobs(bucket, prefix=prefix + "step-", max_results=1)
+            return [b.name[len(prefix) :] for b in blobs]
+        return os.listdir(self.root) if os.path.isdir(self.root) else []
+
+    def _sharded_format(self, state) -> bool:
+        if self.format != "auto":
+            return self.format == "sharded"
+        from .sharded_checkpoint import is_sharded
+
+        return is_sharded(state)
 
     def _improved(self, value) -> bool:
         if value is None or value != value:
@@ -207,6 +263,8 @@ class CheckpointManager:
             return False
         if self._master:
             self.store.acquire_writer()  # a second writer on this root fails here, before any work
+        if self._sharded_format(state):
+            return self._save_sharded(step, state, metrics, improved, value)
         if improved:
             self.best = {"step": int(step), "name": object_name(step), "value": value}
         cpu = to_cpu(state, self.rt)  # every replica: keeps XLA graphs identical across replicas
@@ -228,6 +286,24 @@ class CheckpointManager:
         else:
             self._write(step, cpu, meta, self.best)
         return True
+
+    def _save_sharded(self, step, state, metrics, improved, value) -> bool:
+        """State split over devices (SPMD): each host's shards go to `step-N/` through DCP, never
+        gathered into one tensor (labkit.sharded_checkpoint); the best step is kept by its pruning."""
+        if self.rt is not None and self.rt.world_size > 1:
+            raise RuntimeError(
+                f"checkpoint to {self.root}: the sharded format is written by one process (one host with all "
+                f"its devices, SPMD); this run has {self.rt.world_size} processes. Use format='file', or SPMD "
+                "(labkit.setup(spmd='on')) instead of one process per device"
+            )
+        from .sharded_checkpoint import folder_name
+
+        self.wait()
+        if improved:
+            self.best = {"step": int(step), "name": folder_name(step), "value": value}
+        dcp = self._dcp
+        dcp.pinned = {self.best["step"]} if self.best and self.best["name"].startswith("step-") else set()
+        return dcp.save(step, state, metrics, best=dict(self.best) if self.best else None)
 
     def _write_guarded(self, done: threading.Event, *args):
         try:
@@ -303,6 +379,11 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the pending save finished; re-raise its error."""
+        self._wait_thread()
+        if self._dcp_manager is not None:
+            self._dcp_manager.wait()
+
+    def _wait_thread(self) -> None:
         t = self._thread
         if t is not None:
             self._done.wait()  # an interrupt here leaves the save pending: close() can still finish it
@@ -328,7 +409,7 @@ class CheckpointManager:
                 )
                 raise
         finally:
-            if self._thread is None:
+            if self._thread is None and self.pending is None:  # the lock is shared with the sharded format's saves
                 self.store.release_writer()
 
     # -- reading -----------------------------------------------------------------------------------
@@ -337,11 +418,20 @@ class CheckpointManager:
         verify(data, self.store.url(name), expect_crc)
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
-    def restore(self, step: int | None = None, map_location="cpu"):
+    def restore(self, step: int | None = None, map_location="cpu", into: dict | None = None):
         """The verified state dict of `latest` (or of `step`), or None when nothing was saved. A
         corrupt newest object warns and falls back to the previous verified one; a corrupt
-        explicit `step` raises IOError."""
+        explicit `step` raises IOError.
+
+        A checkpoint in the sharded format (newer than the newest single file, or the `step` asked
+        for) is read through DCP: into `into`, in place (its tensors keep their device and sharding:
+        any mesh, or none) and `into` is returned; without `into`, into new full CPU tensors."""
         self.wait()
+        sharded = self._dcp_steps()
+        if sharded and (step in sharded or (step is None and sharded[-1] > self._newest_file_step())):
+            target = into if into is not None else {}
+            if self._dcp.restore(target, step) is not None:
+                return target
         ptr = self.store.read_pointer()
         recorded = dict(self._objects)
         if ptr is not None:
@@ -372,8 +462,19 @@ class CheckpointManager:
                 )
         raise RuntimeError(f"no readable checkpoint under {self.root} (tried {candidates})")
 
+    def _newest_file_step(self) -> int:
+        ptr = self.store.read_pointer()
+        names = self.store.names()
+        return max([_step_of(n) for n in names] + ([int(ptr["step"])] if ptr else []), default=-1)
+
     def latest(self) -> dict | None:
-        return self.store.read_pointer()
+        """The pointer of the newest single-file checkpoint, or the commit record of the newest sharded
+        one when that is newer (both carry step and metrics)."""
+        ptr = self.store.read_pointer()
+        rec = self._dcp.latest() if self._dcp_steps() else None
+        if rec is not None and (ptr is None or rec["step"] > ptr["step"]):
+            return rec
+        return ptr
 
 
 def hold_for_tests(step, tmp) -> None:

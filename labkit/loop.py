@@ -41,7 +41,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import check_compatible
+from .checkpoint import CheckpointManager, check_compatible
 from .config import TrainConfig
 from .loader import ParallelLoader, device_loader
 from .metrics import DeviceAccumulator, read, to_host
@@ -300,6 +300,8 @@ class Trainer:
                 # filled template then goes through load_state_dict like any restored state
                 template = self.state_dict()
                 state = template if self.checkpoint.restore(template) is not None else None
+            elif isinstance(self.checkpoint, CheckpointManager):  # a sharded-format step fills the template
+                state = self.checkpoint.restore(into=self.state_dict())
             else:
                 state = self.checkpoint.restore()
             if state is not None:

@@ -14,13 +14,13 @@ their crc32c warns and falls back too. DCP stores each shard's piece of the glob
 offsets, so a state saved over 8 devices restores onto 4 devices or onto one (the load planner
 reads the slices each target shard needs).
 
-Why not labkit.checkpoint.CheckpointManager: it writes one torch.save of the whole state on one
-host, so a sharded tensor is first gathered (all of the model in host memory) and its restore
-returns fresh CPU tensors. Here restore writes into tensors that already carry the target sharding,
-and the save never builds a global tensor. The vocabulary (save/wait/close/restore/latest, keep,
-async errors surfacing on the next call, one writer per folder) is the same, but the two formats
-and their verification differ (zip CRCs vs a commit record), so they are two small managers;
-`is_sharded(state)` tells which one a state wants.
+How it relates to labkit.checkpoint.CheckpointManager: that manager writes one torch.save of the
+whole state on one host, so a sharded tensor would first be gathered (all of the model in host
+memory) and its restore returns fresh CPU tensors. Here restore writes into tensors that already
+carry the target sharding, and the save never builds a global tensor. CheckpointManager hands a
+state with any sharded tensor to this module by itself (format="auto"; "sharded" forces it), under
+the same root, the same writer lock and its own decisions on when to save and which step is best.
+Use ShardedCheckpointManager directly for the format alone (every save() call saves).
 
 Why not torch_xla.experimental.distributed_checkpoint.CheckpointManager: in torch_xla 2.9 it
 asserts an initialised process group (a notebook has none) and commits nothing: a folder killed
@@ -153,12 +153,14 @@ def _planner(kind: str, load: bool, where: str):
 class ShardedCheckpointManager:
     restores_in_place = True  # Trainer.fit passes its state_dict() to restore() as the template
 
-    def __init__(self, root, keep: int = 3, async_save: bool = True, retry_deadline_s: float = 60):
+    def __init__(self, root, keep: int = 3, async_save: bool = True, retry_deadline_s: float = 60, store=None):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint (the newest)")
         self.root, self.keep, self.async_save = str(root).rstrip("/"), keep, async_save
         self.is_gcs = gcs.is_gcs(self.root)
-        self.store = GCSStore(self.root, retry_deadline_s) if self.is_gcs else LocalStore(self.root)
+        # store: CheckpointManager passes its own, so both formats on one root share one writer lock
+        self.store = store or (GCSStore(self.root, retry_deadline_s) if self.is_gcs else LocalStore(self.root))
+        self.pinned: set[int] = set()  # steps pruning keeps besides the newest `keep` (CheckpointManager's best)
         self._thread: threading.Thread | None = None
         self._done = threading.Event()  # waited on instead of Thread.join: see CheckpointManager
         self._error: BaseException | None = None
@@ -218,9 +220,10 @@ class ShardedCheckpointManager:
         return self._pending_step if self._thread is not None and not self._done.is_set() else None
 
     # -- saving -------------------------------------------------------------------------------------
-    def save(self, step: int, state: dict, metrics: dict | None = None, force: bool = False) -> bool:
+    def save(self, step: int, state: dict, metrics: dict | None = None, force: bool = False, best=None) -> bool:
         """Save `state` (nested dicts/lists of tensors, sharded or not, and plain values) as `step`.
-        Every call saves (the Trainer decides when; `force` is accepted for its sake)."""
+        Every call saves (the Trainer decides when; `force` is accepted for its sake). `best` (a small
+        dict) goes into the commit record."""
         self._raise_pending()
         self.store.acquire_writer()  # local: a second writer on this folder fails here
         cpu = stage(state)
@@ -228,11 +231,14 @@ class ShardedCheckpointManager:
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
         self._pending_step = int(step)
         if not self.async_save:
-            self._write(int(step), cpu, meta)
+            self._write(int(step), cpu, meta, best)
             return True
         self._done = threading.Event()
         self._thread = threading.Thread(
-            target=self._write_guarded, args=(self._done, int(step), cpu, meta), name=f"labkit-dcp-{step}", daemon=True
+            target=self._write_guarded,
+            args=(self._done, int(step), cpu, meta, best),
+            name=f"labkit-dcp-{step}",
+            daemon=True,
         )
         self._thread.start()
         return True
@@ -249,7 +255,7 @@ class ShardedCheckpointManager:
         finally:
             done.set()
 
-    def _write(self, step: int, cpu_state, metrics: dict):
+    def _write(self, step: int, cpu_state, metrics: dict, best=None):
         import torch.distributed.checkpoint as dcp
 
         name = folder_name(step)
@@ -271,6 +277,8 @@ class ShardedCheckpointManager:
                     self.store.put(p, f"{name}/{f}", crc)  # verified against the server's crc32c
             hold_for_tests(step, folder)  # tests: hold the save open here, every file stored, no marker yet
             record = {"step": step, "files": files, "planner": kind, "metrics": metrics, "time": time.time()}
+            if best:
+                record["best"] = best
             self._commit(name, record)
         finally:
             if self.is_gcs:
@@ -303,7 +311,7 @@ class ShardedCheckpointManager:
         `newest` (saves of a killed writer). The marker goes first: a half-deleted folder is uncommitted."""
         listing = self._listing()
         committed = sorted(s for s, n in listing.items() if MARKER in n)
-        keep = set(committed[-self.keep :]) | {newest}
+        keep = set(committed[-self.keep :]) | {newest} | self.pinned
         for step, names in listing.items():
             if step in keep or (MARKER not in names and step > newest):
                 continue
@@ -322,7 +330,7 @@ class ShardedCheckpointManager:
     # one home for the pending-save bookkeeping (same _thread / _done / _error fields)
     KIND = "sharded checkpoint"
     _raise_pending = CheckpointManager._raise_pending
-    wait = CheckpointManager.wait
+    wait = CheckpointManager._wait_thread
 
     def close(self) -> None:
         """Finish the pending save, then give up the writer lock."""

@@ -49,7 +49,7 @@ def main():
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--kill-at", type=int, default=0)
     ap.add_argument("--backend", default="cpu")
-    ap.add_argument("--sharded", action="store_true", help="labkit.sharded_checkpoint's manager")
+    ap.add_argument("--sharded", action="store_true", help="CheckpointManager(format='sharded'): DCP shards")
     a = ap.parse_args()
     rt = labkit.setup(a.backend)
     rt.manual_seed(0)
@@ -68,12 +68,9 @@ def main():
     cfg = labkit.TrainConfig(
         epochs=100, max_steps=a.steps, checkpoint_every=a.every, resume=a.resume, log_every=0, eval_every=0
     )
-    if a.sharded:
-        from labkit.sharded_checkpoint import ShardedCheckpointManager
-
-        ckpt = ShardedCheckpointManager(a.root, keep=2, retry_deadline_s=5)
-    else:
-        ckpt = CheckpointManager(a.root, keep=2, rt=rt, retry_deadline_s=5)
+    # --sharded: the DCP format that CheckpointManager picks by itself for a state split over devices
+    fmt = "sharded" if a.sharded else "auto"
+    ckpt = CheckpointManager(a.root, keep=2, rt=rt, retry_deadline_s=5, format=fmt)
     cbs = []
     if a.kill_at:
 

@@ -3,6 +3,9 @@
     python tests/sharded_ckpt_run.py save 8 ROOT REF      # FSDP GPT over 8 devices: train, save steps 1 and 2
     python tests/sharded_ckpt_run.py restore 4 ROOT REF   # FSDP over 4 devices (1: one device, no SPMD)
 
+The saves go through CheckpointManager (format "auto": the state is sharded, so DCP shards); the
+4-device restore reads them through CheckpointManager too, the 1-device one through ShardedCheckpointManager.
+
 `save` writes REF (torch.save of {step: full CPU copy of the state}) after each committed save, so a
 test that kills it during the save of step 2 still has step 1's reference. `restore` prints one
 CHECK line per claim and exits 1 if any failed."""
@@ -20,8 +23,9 @@ from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
 import labkit  # noqa: E402
 from labkit import parallel_gpt as PG  # noqa: E402
 from labkit import sharding as S  # noqa: E402
+from labkit.checkpoint import CheckpointManager  # noqa: E402
 from labkit.gpt import GPT, GPTConfig  # noqa: E402
-from labkit.sharded_checkpoint import ShardedCheckpointManager, is_sharded  # noqa: E402
+from labkit.sharded_checkpoint import ShardedCheckpointManager, folder_name, is_sharded  # noqa: E402
 
 CFG = GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=32, vocab_size=64)
 rt = labkit.setup("xla-cpu", spmd=N > 1)
@@ -55,7 +59,7 @@ def state_of(inner, opt):
 
 model, inner, opt = build(seed=0 if MODE == "save" else 1)
 if MODE == "save":
-    ckpt = ShardedCheckpointManager(ROOT, keep=3)
+    ckpt = CheckpointManager(ROOT, keep=3)
     g = torch.Generator().manual_seed(0)
     refs = {}
     for step in (1, 2):
@@ -69,6 +73,7 @@ if MODE == "save":
         assert is_sharded(state), "the FSDP state should be sharded"
         ckpt.save(step, state, {"loss": float(loss)})
         ckpt.wait()
+        assert os.path.isdir(os.path.join(ROOT, folder_name(step))), "a sharded state should be saved as DCP shards"
         refs[step] = tree_map(lambda t: t.cpu() if torch.is_tensor(t) else t, state)
         torch.save(refs, REF)
         print("SAVED", step, flush=True)
@@ -79,8 +84,11 @@ refs = torch.load(REF, weights_only=True)
 state = state_of(inner, opt)
 want_sharded = N > 1
 check("target layout", is_sharded(state) == want_sharded, S.sharding_of(next(iter(inner.parameters()))))
-rec = ShardedCheckpointManager(ROOT).restore(state)
-step = rec["step"]
+if N > 1:
+    assert CheckpointManager(ROOT).restore(into=state) is state
+    step = CheckpointManager(ROOT).latest()["step"]
+else:
+    step = ShardedCheckpointManager(ROOT).restore(state)["step"]
 expect = int(os.environ.get("EXPECT_STEP", max(refs)))
 check("restored step", step == expect, (step, expect))
 got, want = tree_leaves(state), tree_leaves(refs[step])

@@ -215,7 +215,7 @@ def test_2d_mesh_with_replicated_tiles_restores_onto_1d_layouts():
 
 @pytest.mark.heavy  # three child runs: ~70 s on a busy 2-core machine
 def test_trainer_killed_and_resumed_from_sharded_checkpoints_is_exact(tmp_path):
-    """Trainer(checkpoint=ShardedCheckpointManager): SIGKILL after step 8, resume from the newest
+    """Trainer(checkpoint=CheckpointManager(format="sharded")): SIGKILL after step 8, resume from the newest
     commit, end bit-identical to an uninterrupted run (weights, momentum, scheduler, RNG, data order)."""
     script = Path(__file__).with_name("ckpt_train_script.py")
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -273,3 +273,52 @@ def test_restore_into_an_optimizer_without_state_yet(tmp_path):
     assert len(opt.state) == 4 and torch.equal(
         opt.state[m[0].weight]["exp_avg"], _state(1)["optim"]["state"][0]["exp_avg"]
     )
+
+
+def test_checkpoint_manager_writes_and_reads_the_sharded_format(tmp_path):
+    """CheckpointManager's format: "auto" keeps a CPU state in one file; "sharded" (what "auto" picks for a
+    state split over devices) writes DCP folders, keeps its best step through pruning, remembers it in
+    the commit record, and reads back as new CPU tensors or into a template in place; the newer of the
+    two formats is restored."""
+    from labkit.checkpoint import CheckpointManager, object_name
+
+    auto = CheckpointManager(tmp_path / "auto", rt=None)
+    auto.save(1, _state(1))
+    auto.close()
+    assert os.listdir(tmp_path / "auto").count(object_name(1)) == 1 and auto.format == "auto"
+
+    ck = CheckpointManager(tmp_path, keep=2, best_metric="acc", format="sharded", rt=None)
+    saved = {}
+    for step, acc in ((1, 0.9), (2, 0.1), (3, 0.2), (4, 0.3)):
+        st = _state(step)
+        assert ck.save(step, st, {"acc": acc})
+        saved[step] = tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, st)
+    ck.close()
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == [folder_name(s) for s in (1, 3, 4)]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".pt")]
+    again = CheckpointManager(tmp_path, best_metric="acc", rt=None)
+    assert again.best == {"step": 1, "name": folder_name(1), "value": 0.9}
+    assert again.latest()["step"] == 4 and again.latest()["metrics"] == {"acc": 0.3}
+    got = again.restore()  # no template: full CPU tensors, like the one-file format
+    _equal(got, saved[4])
+    target = _state(0)
+    weight = target["model"]["0.weight"]
+    assert again.restore(into=target) is target and target["model"]["0.weight"] is weight
+    _equal(target, saved[4])
+    _equal(again.restore(step=1), saved[1])
+    later = CheckpointManager(tmp_path, format="file", best_metric=None, rt=None)
+    later.save(5, _state(5))
+    later.close()
+    assert CheckpointManager(tmp_path, rt=None).latest()["step"] == 5
+    _equal(CheckpointManager(tmp_path, rt=None).restore(into=_state(0)), _state(5))
+    with pytest.raises(ValueError, match="format='dcp'"):
+        CheckpointManager(tmp_path, format="dcp", rt=None)
+
+
+def test_sharded_format_refuses_several_processes(tmp_path):
+    from labkit.checkpoint import CheckpointManager
+    from labkit.device import Runtime
+
+    rt = Runtime(kind="cpu", device=torch.device("cpu"), world_size=2)
+    with pytest.raises(RuntimeError, match="2 processes.*format='file'"):
+        CheckpointManager(tmp_path, format="sharded", rt=rt).save(1, _state(1))
