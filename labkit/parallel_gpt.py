@@ -52,6 +52,8 @@ class Result:
     hlo_path: str = ""
     batch_spec: str = ""  # the XLA sharding of the batch ("" on one device)
     ops: list = field(default_factory=list)  # every collective of the step graph (sharding.collective_ops)
+    model: object = field(default=None, repr=False)  # the trained module (unwrapped) and its optimizer
+    optimizer: object = field(default=None, repr=False)
 
 
 def build_mesh(strategy: Strategy):
@@ -153,4 +155,6 @@ def train(strategy: Strategy, cfg: GPTConfig, batches, lr: float = 1e-2, dump_di
         hlo_path=path,
         batch_spec=batch_spec,
         ops=ops,
+        model=inner,
+        optimizer=opt,
     )

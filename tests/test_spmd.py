@@ -51,28 +51,28 @@ def test_setup_auto_switches_spmd_on_with_several_devices_and_off_with_one():
 
 # Notebooks 01 and 02 in fast mode, a second time, on 4 virtual devices: the batch-size parameter is per chip,
 # so a quarter of the fast size keeps the global batch (and the learning the asserts check) of the 1-device run.
-# Their own asserts (loss falls, exact sample counts in evaluation, no recompilation after warm-up) must hold
-# under SPMD too. Notebook 02 takes ~2.5 min here. Notebook 01 passes too but XLA:CPU needs ~11 min to compile
-# ResNet-50's partitioned graphs on 2 cores (37 min wall on a loaded machine): it runs with LABKIT_SPMD_RESNET=1.
+# Their own asserts (loss falls, exact sample counts in evaluation, no recompilation after warm-up, the resume)
+# must hold under SPMD too. Notebook 02: ~2.5 min. Notebook 01 runs one epoch of the fast mode's two (44 steps,
+# then the 8-step resume): 4 virtual devices share 2 cores and execute ResNet-50 at ~6 images/s against ~19 on
+# one device (measured: the whole fast run 731 s under SPMD, of which 124 s compiling 8 graphs; 348 s on one
+# device); after one epoch the loss has fallen ~0.7 and validation accuracy is ~45%, clear of the asserts.
 NOTEBOOKS = {
-    "01_resnet50_cifar10": {"LABKIT_BATCH_SIZE": "8"},
-    "02_transformer_lm": {"LABKIT_BATCH_SIZE": "4"},
+    "01_resnet50_cifar10": ({"LABKIT_BATCH_SIZE": "8", "LABKIT_EPOCHS": "1"}, 1500),
+    "02_transformer_lm": ({"LABKIT_BATCH_SIZE": "4"}, 600),
 }
-SLOW = {"01_resnet50_cifar10"}
 
 
 @pytest.mark.parametrize("name", sorted(NOTEBOOKS))
 def test_notebook_trains_on_every_device_with_spmd(name, tmp_path):
-    if name in SLOW and os.environ.get("LABKIT_SPMD_RESNET", "0") != "1":
-        pytest.skip("ResNet-50 under SPMD compiles for ~11 min on 2 CPU cores: set LABKIT_SPMD_RESNET=1")
-    env = _env(LABKIT_FAST="1", LABKIT_SPMD="on", LABKIT_CONSOLE="1", **NOTEBOOKS[name])
+    extra, timeout = NOTEBOOKS[name]
+    env = _env(LABKIT_FAST="1", LABKIT_SPMD="on", LABKIT_CONSOLE="1", **extra)
     p = subprocess.run(
         [sys.executable, "scripts/run_notebooks.py", f"notebooks/{name}.ipynb", "--out", str(tmp_path)],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     out = p.stdout[-6000:] + p.stderr[-3000:]
     assert p.returncode == 0, out
