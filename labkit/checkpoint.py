@@ -395,6 +395,7 @@ class CheckpointManager:
         """Finish the pending upload, then give up the writer lock. An interrupt while waiting
         abandons the upload cleanly (the pointer does not move; temp files are removed) and is
         re-raised."""
+        step = self.pending
         try:
             try:
                 self.wait()
@@ -404,9 +405,8 @@ class CheckpointManager:
                 if t is not None and self._done.wait(timeout=30):  # it stops at its next check
                     t.join()
                     self._thread = None
-                warnings.warn(
-                    f"checkpoint of step {self._pending_step} to {self.root} abandoned (interrupted)", stacklevel=2
-                )
+                # a sharded-format save has no abandon point: without its COMMITTED marker it is never restored
+                warnings.warn(f"checkpoint of step {step} to {self.root} abandoned (interrupted)", stacklevel=2)
                 raise
         finally:
             if self._thread is None and self.pending is None:  # the lock is shared with the sharded format's saves
