@@ -322,3 +322,17 @@ def test_sharded_format_refuses_several_processes(tmp_path):
     rt = Runtime(kind="cpu", device=torch.device("cpu"), world_size=2)
     with pytest.raises(RuntimeError, match="2 processes.*format='file'"):
         CheckpointManager(tmp_path, format="sharded", rt=rt).save(1, _state(1))
+
+
+def test_checkpoint_manager_finds_the_sharded_format_on_gcs(gcs_bucket):
+    from labkit.checkpoint import CheckpointManager
+
+    root = f"gs://{gcs_bucket}/run"
+    ck = CheckpointManager(root, keep=1, best_metric=None, format="sharded", rt=None, retry_deadline_s=10)
+    ck.save(7, _state(7))
+    ck.close()
+    again = CheckpointManager(root, rt=None, retry_deadline_s=10)
+    assert again.latest()["step"] == 7
+    target = _state(0)
+    assert again.restore(into=target) is target
+    _equal(target, _state(7))
