@@ -76,7 +76,7 @@ def save_for_serving(
     """Write the trainer's model (CPU float32 tensors), its architecture, the final evaluation metrics,
     `meta` (plain data: class names, normalisation, where the validation data live) and a reference:
     the training device's logits for `example` under the run's autocast. Atomic (write + rename)."""
-    from .checkpoint import to_cpu
+    from .state_io import to_cpu
 
     module = getattr(trainer, "module", trainer)
     rt, bf16 = getattr(trainer, "rt", None), bool(getattr(getattr(trainer, "cfg", None), "bf16", False))

@@ -41,13 +41,14 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import CheckpointManager, check_compatible
+from .checkpoint import CheckpointManager
 from .config import TrainConfig
 from .loader import ParallelLoader, device_loader
 from .metrics import DeviceAccumulator, read, to_host
 from .optim import optimizer_step
 from .profiling import StepProfiler
 from .seeding import rng_state, set_rng_state
+from .state_io import check_compatible
 from .versions import versions
 
 

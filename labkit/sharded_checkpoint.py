@@ -62,7 +62,8 @@ import warnings
 import torch
 
 from . import gcs
-from .checkpoint import CheckpointManager, hold_for_tests
+from .checkpoint import CheckpointManager
+from .state_io import hold_for_tests
 from .storage import GCSStore, LocalStore
 
 MARKER = "COMMITTED"
