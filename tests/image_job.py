@@ -155,9 +155,19 @@ def py313_run() -> dict:
         "seconds": time.perf_counter() - t0,
         "returncode": proc.returncode,
         "summary": summary.strip("= "),
-        "stdout": proc.stdout[-6000:],
+        "stdout": _report(proc.stdout),
         "stderr": proc.stderr[-3000:],
     }
+
+
+def _report(out: str, n: int = 6000) -> str:
+    """pytest's failures section (the warnings summary after it would push it out of a plain tail) and its
+    last lines; the tail alone when nothing failed."""
+    found = [i for i in (out.find("= ERRORS ="), out.find("= FAILURES =")) if i >= 0]
+    if not found:
+        return out[-n:]
+    start = min(found)
+    return out[start : start + n] + "\n[...]\n" + out[-1500:]
 
 
 def main(argv=None) -> int:
