@@ -28,7 +28,8 @@
 #
 # For each: a picture of where the weights and the batch live, the bytes of parameters and optimizer state one
 # device holds, the collectives XLA put into the compiled step (read from its optimized HLO) next to what we
-# predict on paper, step time and MFU, and the losses, which must match the one-device run.
+# predict on paper, step time and MFU, and the losses, which must match the one-device run. Last, the FSDP run is
+# checkpointed shard by shard and restored into the data-parallel layout, bit for bit.
 #
 # On a TPU host (a v5e-8, a v4-8) the mesh is the chips. Anywhere else torch_xla runs on the CPU as 8 *virtual*
 # devices in one process: the partitioning, the collectives and the bytes are real, the speed is not (all 8 share
