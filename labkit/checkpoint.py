@@ -83,19 +83,23 @@ class CheckpointManager:
             raise ValueError(f"save_every={save_every!r}: expected None or an integer >= 1")
         self.root, self.keep, self.best_metric, self.mode = str(root), keep, best_metric, mode
         self.async_save, self.save_every, self.format = async_save, save_every, format
-        self.retry_deadline_s = retry_deadline_s
-        self._dcp_manager = None  # the ShardedCheckpointManager sharded states go to, made on first use
         if rt is None:
             rt = current_runtime()
         self.rt = rt
         self.store = GCSStore(self.root, retry_deadline_s) if gcs.is_gcs(self.root) else LocalStore(self.root)
+        from .sharded_checkpoint import ShardedCheckpointManager  # (it imports this module)
+
+        # where sharded states go: same root, same store (so the same writer lock), the decisions stay here
+        self._sharded = ShardedCheckpointManager(
+            self.root, keep=keep, async_save=async_save, retry_deadline_s=retry_deadline_s, store=self.store
+        )
         ptr = self.store.read_pointer()  # every replica: the same best value -> the same save decisions
         best = ptr.get("best") if ptr else None
         self.best = best if isinstance(best, dict) and "value" in best else None  # {"step", "name", "value"}
         self._objects = dict(ptr.get("objects") or {}) if ptr else {}  # name -> crc32c of kept objects
         if ptr and ptr.get("crc32c"):
             self._objects.setdefault(ptr["name"], ptr["crc32c"])
-        rec = self._dcp.latest() if self._dcp_steps() else None  # a sharded run: its best lives in the record
+        rec = self._sharded.latest()  # a sharded run: its best lives in the commit record
         if rec and isinstance(rec.get("best"), dict) and (ptr is None or rec["step"] > ptr.get("step", -1)):
             self.best = rec["best"]
         self._thread: threading.Thread | None = None
@@ -117,37 +121,9 @@ class CheckpointManager:
         t = self._thread
         if t is not None and not self._done.is_set():
             return self._pending_step
-        return self._dcp_manager.pending if self._dcp_manager is not None else None
+        return self._sharded.pending
 
     # -- the sharded format ------------------------------------------------------------------------
-    @property
-    def _dcp(self):
-        """The ShardedCheckpointManager for this root (same writer lock: it shares this store)."""
-        if self._dcp_manager is None:
-            from .sharded_checkpoint import ShardedCheckpointManager
-
-            self._dcp_manager = ShardedCheckpointManager(
-                self.root,
-                keep=self.keep,
-                async_save=self.async_save,
-                retry_deadline_s=self.retry_deadline_s,
-                store=self.store,
-            )
-        return self._dcp_manager
-
-    def _dcp_steps(self) -> list[int]:
-        """Steps with a sharded-format folder under root (committed or not); cheap when there are none."""
-        if self._dcp_manager is None and not any(n.startswith("step-") for n in self._root_names()):
-            return []
-        return sorted(self._dcp._listing())
-
-    def _root_names(self) -> list[str]:
-        if gcs.is_gcs(self.root):
-            bucket, prefix = gcs.parse_url(self.root.rstrip("/") + "/")
-            blobs = gcs.client().list_blobs(bucket, prefix=prefix + "step-", max_results=1)
-            return [b.name[len(prefix) :] for b in blobs]
-        return os.listdir(self.root) if os.path.isdir(self.root) else []
-
     def _sharded_format(self, state) -> bool:
         if self.format != "auto":
             return self.format == "sharded"
@@ -220,9 +196,8 @@ class CheckpointManager:
         self.wait()
         if improved:
             self.best = {"step": int(step), "name": folder_name(step), "value": value}
-        dcp = self._dcp
-        dcp.pinned = {self.best["step"]} if self.best and self.best["name"].startswith("step-") else set()
-        return dcp.save(step, state, metrics, best=dict(self.best) if self.best else None)
+        self._sharded.pinned = {self.best["step"]} if self.best and self.best["name"].startswith("step-") else set()
+        return self._sharded.save(step, state, metrics, best=dict(self.best) if self.best else None)
 
     def _write_guarded(self, done: threading.Event, *args):
         try:
@@ -299,8 +274,7 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the pending save finished; re-raise its error."""
         self._wait_thread()
-        if self._dcp_manager is not None:
-            self._dcp_manager.wait()
+        self._sharded.wait()
 
     def _wait_thread(self) -> None:
         t = self._thread
@@ -346,12 +320,13 @@ class CheckpointManager:
         for) is read through DCP: into `into`, in place (its tensors keep their device and sharding:
         any mesh, or none) and `into` is returned; without `into`, into new full CPU tensors."""
         self.wait()
-        sharded = self._dcp_steps()
-        if sharded and (step in sharded or (step is None and sharded[-1] > self._newest_file_step())):
+        ptr, names = self.store.read_pointer(), self.store.names()
+        sharded = sorted(self._sharded._listing())
+        newest_file = max([_step_of(n) for n in names] + ([int(ptr["step"])] if ptr else []), default=-1)
+        if sharded and (step in sharded or (step is None and sharded[-1] > newest_file)):
             target = into if into is not None else {}
-            if self._dcp.restore(target, step) is not None:
+            if self._sharded.restore(target, step) is not None:
                 return target
-        ptr = self.store.read_pointer()
         recorded = dict(self._objects)
         if ptr is not None:
             recorded.update(ptr.get("objects") or {})
@@ -359,10 +334,9 @@ class CheckpointManager:
                 recorded[ptr["name"]] = ptr["crc32c"]
         if step is not None:
             name = object_name(step)
-            if name not in self.store.names():
+            if name not in names:
                 raise FileNotFoundError(f"no checkpoint {self.store.url(name)}")
             return self._load(name, recorded.get(name), map_location)
-        names = self.store.names()
         if ptr is None and not names:
             return None
         candidates = []
@@ -381,16 +355,11 @@ class CheckpointManager:
                 )
         raise RuntimeError(f"no readable checkpoint under {self.root} (tried {candidates})")
 
-    def _newest_file_step(self) -> int:
-        ptr = self.store.read_pointer()
-        names = self.store.names()
-        return max([_step_of(n) for n in names] + ([int(ptr["step"])] if ptr else []), default=-1)
-
     def latest(self) -> dict | None:
         """The pointer of the newest single-file checkpoint, or the commit record of the newest sharded
         one when that is newer (both carry step and metrics)."""
         ptr = self.store.read_pointer()
-        rec = self._dcp.latest() if self._dcp_steps() else None
+        rec = self._sharded.latest()
         if rec is not None and (ptr is None or rec["step"] > ptr["step"]):
             return rec
         return ptr

@@ -39,8 +39,8 @@ background thread; at most one save is pending. Its errors surface on the next s
 close(). Measured here (bench/bench_sharded_checkpoint.py: ResNet-50 + SGD momentum, 205 MB, split
 over 8 XLA:CPU devices, local folder, quiet 2-core machine): 5.6 host CPU-seconds per GB and 0.08 s
 blocking save(), against the one-file format's 10.6 CPU-s/GB and 1.6 s blocking (it assembles every
-global tensor on the host before torch.save); on a loaded machine 14.7 vs 29.8 CPU-s/GB. Small tensors cost ~1.6 KB each per shard in DCP's file (one
-torch.save record per piece): a tiny GPT's 180 KB state took 810 KB over 8 devices.
+global tensor on the host before torch.save); on a loaded machine 14.7 vs 29.8 CPU-s/GB. Small
+tensors cost ~1.6 KB each per shard in DCP's file (one torch.save record per piece): a tiny GPT's 180 KB state took 810 KB over 8 devices.
 
 Scope: one process (one host, all its devices: what labkit.mesh sets up). Several hosts would
 each write their own shards but need a process group for DCP to agree on one `.metadata`.
