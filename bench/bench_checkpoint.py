@@ -30,9 +30,9 @@ import torch
 import torchvision
 
 import labkit
-from labkit import gcs
 from labkit.checkpoint import CheckpointManager
-from labkit.gcs_emulator import LocalGCSServer
+from labkit.cloud import gcs
+from labkit.cloud.emulator import LocalGCSServer
 
 
 def main():

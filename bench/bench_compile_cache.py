@@ -3,7 +3,7 @@
     PJRT_DEVICE=CPU .venv/bin/python bench/bench_compile_cache.py [--model resnet50] [--trials 2]
 
 Each trial empties a cache folder, then runs two fresh processes on it one after the other
-(labkit.compile_cache.first_step_in_child): the cold one compiles and writes the programs, the warm one
+(labkit.lessons.compile_cache_demo.first_step_in_child): the cold one compiles and writes the programs, the warm one
 finds them. A third process with the cache off is the baseline. Prints, per trial, the first step's
 wall time, XLA compile time and compiles, and the PersistentCache* counters, then warm/cold ratios.
 
@@ -21,7 +21,7 @@ import tempfile
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-from labkit.compile_cache import MODELS, first_step_in_child
+from labkit.lessons.compile_cache_demo import MODELS, first_step_in_child
 
 
 def _row(name: str, r: dict) -> str:

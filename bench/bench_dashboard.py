@@ -9,7 +9,7 @@ step on a 2-core XLA:CPU), loss read every 20 steps in a step closure:
   no-finder  the console Dashboard with find_syncs=False (no SyncFinder: the detective without lines)
   figure   Dashboard drawing like the notebook (header each >= 1 s, PNG figure each >= 15 s and at
            the end of every fit(): one trial = one fit, so trials are long to amortise that), with
-           the notebook's buttons built and bound to the trainer (labkit.dashboard_controls)
+           the notebook's buttons built and bound to the trainer (labkit.dashboard.controls)
 Trials interleave (rotating order) after each loop's warm-up, so drifts of the machine hit all.
 Prints per-trial times and the ratios dashboard / plain (goal <= 1.02).
 """
@@ -28,8 +28,8 @@ import torch.nn as nn
 
 import labkit
 from labkit.dashboard import ConsoleSink, Dashboard, NotebookSink
-from labkit.dashboard_controls import Controls
-from labkit.dashboard_view import html_header
+from labkit.dashboard.controls import Controls
+from labkit.dashboard.view import html_header
 
 
 class FigureSink:
@@ -133,7 +133,7 @@ def main():
     )
     for k in ("console", "figure"):
         print(f"RATIO {k}-dashboard/plain step time = {med[k] / med['plain']:.3f} (goal <= 1.02)")
-    # the recompile detective's line capture and the host-sync finder (labkit.syncs) on vs off
+    # the recompile detective's line capture and the host-sync finder (labkit.dashboard.syncs) on vs off
     print(f"RATIO finder-on/finder-off step time = {med['console'] / med['no-finder']:.3f} (goal <= 1.02)")
 
 

@@ -63,7 +63,7 @@ class PngFolder(torch.utils.data.Dataset):
 
 class GcsObjects(torch.utils.data.Dataset):
     """One gs:// object per image: one GET request per sample, the layout shards replace on a bucket.
-    Same decode and collate as the stream; labkit.gcs gives each worker process its own client."""
+    Same decode and collate as the stream; labkit.cloud.gcs gives each worker process its own client."""
 
     def __init__(self, urls: list[str], labels: list[int], mean, std):
         self.urls, self.labels = urls, labels
@@ -73,7 +73,7 @@ class GcsObjects(torch.utils.data.Dataset):
         return len(self.urls)
 
     def __getitem__(self, i):
-        from labkit import gcs
+        from labkit.cloud import gcs
 
         return decode_image(gcs.blob(self.urls[i]).download_as_bytes()), self.labels[i]
 
@@ -128,7 +128,7 @@ def resnet_consumption(steps: int = 6, bs: int = 8) -> float:
     import torch_xla
 
     import labkit
-    from labkit.models import resnet50_cifar
+    from labkit.models.resnet import resnet50_cifar
     from labkit.optim import optimizer_step
 
     rt = labkit.setup("xla-cpu")
@@ -201,8 +201,8 @@ def main(argv=None):
     )
 
     print("2. gs:// from fake-gcs-server on 127.0.0.1 vs local disk (same shards, same loader):")
-    from labkit import gcs
-    from labkit.gcs_emulator import LocalGCSServer
+    from labkit.cloud import gcs
+    from labkit.cloud.emulator import LocalGCSServer
 
     with LocalGCSServer(root=os.path.join(tmp, "gcs")):
         gcs.client().create_bucket("bench-data")

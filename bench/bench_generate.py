@@ -23,9 +23,10 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 import torch
 import torch_xla
 
+import data_tools.text
 import labkit
-from labkit.gpt import GPT, GPTConfig
-from labkit.xla_health import compile_count
+from labkit.dashboard.health import compile_count
+from labkit.models.gpt import GPT, GPTConfig
 
 
 def textbook(model, idx, n, block, sync=True):
@@ -51,7 +52,7 @@ def main():
     rt = labkit.setup("xla-cpu")
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=args.block, n_layer=2, n_head=4, n_embd=64)).to(rt.device).eval()
-    prompt = labkit.text.encode("The ")[None].to(rt.device)
+    prompt = data_tools.text.encode("The ")[None].to(rt.device)
     rows = {}
     with torch.no_grad():
         for name, fn in (
@@ -80,7 +81,7 @@ def cpu_kv_cache(args):
     """On the plain CPU (eager): generate's fixed window vs generate_cached's key/value cache, same bytes."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=args.block, n_layer=2, n_head=4, n_embd=64)).eval()
-    prompt = labkit.text.encode("The ")[None]
+    prompt = data_tools.text.encode("The ")[None]
     n = args.block - prompt.shape[1]  # fill the window: the cache's best case
     rates, outs = {}, {}
     for name, fn in (

@@ -2,8 +2,8 @@
 
     python bench/bench_int8.py [--checkpoint checkpoints/resnet50_cifar.pt] [--calib 512] [--seconds 3]
 
-Uses notebook 01's serving checkpoint (labkit.export.artifacts_dir()/resnet50_cifar.pt) and its validation
-shards; without one it trains the CPU stand-in (labkit.export.stand_in_resnet) first and says so. Prints, from
+Uses notebook 01's serving checkpoint (labkit.serve.export.artifacts_dir()/resnet50_cifar.pt) and its validation
+shards; without one it trains the CPU stand-in (labkit.serve.export.stand_in_resnet) first and says so. Prints, from
 one run with every model measured on the same cores one after another: images/s for fp32 eager, fp32 compiled
 and int8 compiled at each batch size, compile times, validation accuracy of each, sizes of the exported
 programs, the CPU's int8 flags, and the ratios int8/fp32 (throughput) and int8 - fp32 (accuracy).
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from data_tools import load_manifest, make_loader  # noqa: E402
-from labkit import export, quantize  # noqa: E402
+from labkit.serve import export, quantize  # noqa: E402
 
 
 def main():
@@ -43,7 +43,7 @@ def main():
     meta = ckpt["meta"]
     val_url = meta["val"]
     if val_url.startswith("gs://labkit-local/"):
-        from labkit.gcs_emulator import LocalGCSServer
+        from labkit.cloud.emulator import LocalGCSServer
 
         LocalGCSServer(root=os.path.abspath("notebooks/data/local-gcs")).start()
     load_manifest(val_url)

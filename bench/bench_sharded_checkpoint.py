@@ -28,14 +28,14 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import labkit  # noqa: E402
 from labkit.checkpoint import CheckpointManager  # noqa: E402
-from labkit.sharded_checkpoint import is_sharded  # noqa: E402
+from labkit.checkpoint.sharded import is_sharded  # noqa: E402
 
 
 def sharded_state(n):
     import torch_xla
     import torch_xla.distributed.spmd as xs
 
-    from labkit.mesh import make_mesh
+    from labkit.spmd.mesh import make_mesh
 
     device = torch_xla.device()
     model = torchvision.models.resnet50(num_classes=1000).to(device)

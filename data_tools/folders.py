@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 
-from labkit import gcs
+from labkit.cloud import gcs
 
 from .manifest import MANIFEST
 

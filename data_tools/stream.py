@@ -5,7 +5,7 @@
     val = make_loader("/data/cifar/val/manifest.json", 256, train=False, mean=train.mean, std=train.std)
     for epoch in range(3):
         train.set_epoch(epoch)                 # labkit's Trainer does this for you
-        for x, y in labkit.device_loader(train, rt): ...   # x float32 NCHW normalised, y int64
+        for x, y in labkit.DeviceLoader(train, rt): ...   # x float32 NCHW normalised, y int64
 
 Distribution is explicit (see data_tools.plan): shards are dealt round-robin to replicas (the
 node splitter, by torch_xla's global ordinal) and then to DataLoader workers (the worker

@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-from labkit import gcs
+from labkit.cloud import gcs
 
 DEFAULT_TIMEOUT = 30.0  # seconds without a byte before a network read gives up
 ATTEMPTS = 3  # opening a network URL: tries in all (connect errors, timeouts, HTTP 5xx)

@@ -20,15 +20,55 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import compile_cache as _cc
-from . import envsetup
-from .mesh import parse_spmd, wants_spmd
-from .seeding import manual_seed as _seed  # the one home for seeding and RNG capture
+from labkit import compile_cache as _cc
+from labkit import envsetup
+from labkit.config import parse_bool
+from labkit.seeding import manual_seed as _seed  # the one home for seeding and RNG capture
 
 BACKENDS = ("tpu", "cuda", "xla-cpu", "cpu")
 _runtimes: dict[str, Runtime] = {}
 _current: Runtime | None = None
 _xla_kind: str | None = None  # the PJRT device this process committed to (cannot change later)
+
+
+# -- the SPMD switch: one process drives every chip of the host (labkit.spmd builds the meshes) --
+SPMD_CHOICES = ("auto", "on", "off")
+
+
+def parse_spmd(value) -> str | bool:
+    """Returns "auto", True or False, from a bool or a string (auto, on/off, true/false, yes/no, 1/0).
+
+    Raises ValueError naming the setting for anything else."""
+    if isinstance(value, bool) or value is None:
+        return bool(value)
+    low = str(value).strip().lower()
+    if low == "auto":
+        return "auto"
+    try:
+        return parse_bool(low, "spmd")
+    except ValueError:
+        raise ValueError(f"spmd must be one of {', '.join(SPMD_CHOICES)} (or True/False), got {value!r}") from None
+
+
+def addressable_devices() -> int:
+    """XLA devices this process can drive (chips of the host; CPU_NUM_DEVICES on XLA:CPU).
+
+    Reading it starts the PJRT client but does not lock the SPMD choice: `xr.use_spmd()` may
+    still follow as long as no XLA tensor exists (measured with torch_xla 2.9)."""
+    import torch_xla.runtime as xr
+
+    return int(xr.addressable_runtime_device_count())
+
+
+def wants_spmd(spmd, kind: str) -> bool:
+    """Resolve setup()'s `spmd` for a backend: "auto" means on with more than one local XLA device."""
+    choice = parse_spmd(spmd)
+    xla = kind in ("tpu", "xla-cpu")
+    if choice == "auto":
+        return xla and addressable_devices() > 1
+    if choice and not xla:
+        raise ValueError(f"spmd=True needs an XLA backend (tpu or xla-cpu), not {kind!r}")
+    return bool(choice)
 
 
 class BackendError(RuntimeError):
@@ -355,7 +395,7 @@ def setup(
 
     backend: None (auto), "tpu", "cuda", "xla-cpu" or "cpu"; LABKIT_BACKEND overrides auto.
     spmd: XLA only; one process drives all local devices (torch_xla SPMD). "auto" (or "on"/"off"):
-    on when this host has more than one XLA device, off elsewhere (see labkit.mesh).
+    on when this host has more than one XLA device, off elsewhere (see labkit.spmd.mesh).
     compile_cache: torch_xla's persistent compile cache. None reads LABKIT_COMPILE_CACHE, else "auto":
     on for TPU (in ~/.cache/labkit/xla-cache), off elsewhere; True/False/yes/no, or a folder. XLA:CPU
     writes the cache but cannot load it (see labkit.compile_cache). rt.compile_cache: the folder or None."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import platform
 
-from . import device as _device
-from . import envsetup
+from labkit import device as _device
+from labkit import envsetup
 
 # variable -> what to do instead
 DEPRECATED_ENV = {

@@ -1,6 +1,6 @@
 """Language-model training: labkit's Trainer with the hooks next-token prediction needs.
 
-    from labkit.gpt import GPT, GPTConfig, adamw
+    from labkit.models.gpt import GPT, GPTConfig, adamw
     from labkit.lm import LMTrainer
     trainer = LMTrainer(model, adamw(model, 3e-4, rt=rt), rt, cfg, train_batches, val_batches)
     trainer.fit()
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from .loop import Trainer
+from labkit.loop import Trainer
 
 
 class LMTrainer(Trainer):

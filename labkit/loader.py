@@ -1,6 +1,6 @@
 """Feed a host DataLoader to the device, overlapping the copy with compute.
 
-    train = labkit.device_loader(torch.utils.data.DataLoader(ds, batch_size=128), rt)
+    train = labkit.DeviceLoader(torch.utils.data.DataLoader(ds, batch_size=128), rt)
     for x, y in train: ...            # x, y are already on rt.device
 
 - XLA (TPU, XLA:CPU): torch_xla's ParallelLoader/MpDeviceLoader: a background thread copies
@@ -41,7 +41,7 @@ def _leading_dim(batch):
 class _HostSide:
     """Iterates the host loader, drops partial batches, counts what was pulled."""
 
-    def __init__(self, owner: ParallelLoader):
+    def __init__(self, owner: DeviceLoader):
         self.owner = owner
 
     def __iter__(self):
@@ -70,7 +70,7 @@ class _HostSide:
         return len(self.owner)
 
 
-class ParallelLoader:
+class DeviceLoader:
     """Same iteration protocol on every backend: yields batches already on `rt.device`.
 
     Attributes for the curious: `fetched` (host batches pulled so far, including the ones
@@ -203,8 +203,3 @@ def _map(obj, fn):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map(v, fn) for v in obj)
     return obj
-
-
-def device_loader(loader, rt, **kwargs) -> ParallelLoader:
-    """Wrap a host loader for `rt` (see ParallelLoader for options)."""
-    return ParallelLoader(loader, rt, **kwargs)

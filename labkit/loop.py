@@ -41,15 +41,15 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import CheckpointManager
-from .config import TrainConfig
-from .loader import ParallelLoader, device_loader
-from .metrics import DeviceAccumulator, read, to_host
-from .optim import optimizer_step
-from .profiling import StepProfiler
-from .seeding import rng_state, set_rng_state
-from .state_io import check_compatible
-from .versions import versions
+from labkit.accumulate import DeviceAccumulator, read, to_host
+from labkit.checkpoint import CheckpointManager
+from labkit.checkpoint.state import check_compatible
+from labkit.config import TrainConfig
+from labkit.loader import DeviceLoader
+from labkit.optim import optimizer_step
+from labkit.profiling import StepProfiler
+from labkit.seeding import rng_state, set_rng_state
+from labkit.versions import versions
 
 
 class Preempted(KeyboardInterrupt):
@@ -101,9 +101,9 @@ class Trainer:
         self.profiler = StepProfiler(rt)  # idle until a capture is requested: one attribute test per step
 
     def _wrap(self, loader):
-        if loader is None or isinstance(loader, ParallelLoader):
+        if loader is None or isinstance(loader, DeviceLoader):
             return loader
-        return device_loader(loader, self.rt)
+        return DeviceLoader(loader, self.rt)
 
     # -- hooks -----------------------------------------------------------------------------
     def autocast(self):
@@ -422,10 +422,10 @@ class Trainer:
         skip = self.batch_in_epoch
         if skip:  # resuming mid-epoch: the same epoch order, minus what was done
             rt.master_print(f"[labkit] skipping {skip} batches of epoch {self.epoch} already trained")
-            if isinstance(loader, ParallelLoader):
+            if isinstance(loader, DeviceLoader):
                 loader.skip_batches = skip  # skipped on the host, never copied to the device
         batches = iter(loader)
-        if skip and not isinstance(loader, ParallelLoader):
+        if skip and not isinstance(loader, DeviceLoader):
             batches = itertools.islice(batches, skip, None)
         self._epoch_t0 = time.perf_counter()
         epoch_examples = 0

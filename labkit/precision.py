@@ -2,7 +2,7 @@
 
     prec = labkit.precision.choose(rt, "auto")     # or "bf16" | "fp16" | "fp32" | "true" | "false"
     trainer = labkit.Trainer(model, opt, rt, cfg, loader, precision=prec)
-    peak, _ = labkit.flops.peak_flops(rt, prec.name)
+    peak, _ = labkit.dashboard.flops.peak_flops(rt, prec.name)
 
 - TPU: bf16 autocast. The MXU multiplies in bf16 natively; bf16 keeps fp32's exponent range, so no
   loss scaling is needed.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import parse_bool
+from labkit.config import parse_bool
 
 MODES = ("auto", "bf16", "fp16", "fp32")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -29,7 +29,7 @@ import sys
 import time
 import typing
 
-from .config import fast_mode, from_env, parse_bool
+from labkit.config import fast_mode, from_env, parse_bool
 
 
 @dataclasses.dataclass
@@ -173,7 +173,7 @@ def _runtime(P, backend):
 
     rt = labkit.setup(backend, spmd=P.spmd)
     prec = labkit.precision.choose(rt, P.bf16)
-    plan = labkit.mesh.batch_plan(rt, P.batch_size)
+    plan = labkit.spmd.mesh.batch_plan(rt, P.batch_size)
     rt.master_print(f"[labkit.train] {rt}; precision {prec}\n[labkit.train] {plan.describe()}")
     return rt, prec, plan
 
@@ -181,9 +181,9 @@ def _runtime(P, backend):
 def run_resnet(P: ResNetParams, backend=None) -> dict:
     import labkit
     from data_tools import load_manifest
-
-    from . import gcs, recipes
-    from .checkpoint import CheckpointManager
+    from labkit.checkpoint import CheckpointManager
+    from labkit.cloud import gcs
+    from labkit.lessons import recipes
 
     rt, prec, plan = _runtime(P, backend)
     server = None
@@ -237,12 +237,12 @@ def run_resnet(P: ResNetParams, backend=None) -> dict:
 
 def run_gpt(P: GPTParams, backend=None) -> dict:
     import labkit
-
-    from . import gcs, recipes
-    from .checkpoint import CheckpointManager
-    from .gpt import GPTConfig
-    from .lm import LMTrainer
-    from .text import split
+    from data_tools.text import split
+    from labkit.checkpoint import CheckpointManager
+    from labkit.cloud import gcs
+    from labkit.lessons import recipes
+    from labkit.lm import LMTrainer
+    from labkit.models.gpt import GPTConfig
 
     rt, prec, plan = _runtime(P, backend)
     name, data = recipes.load_text(P.source)

@@ -6,7 +6,7 @@ versions()   # {'labkit': '0.1.0', 'torch': '2.9.0+cu128', 'torch_xla': '2.9.0'}
 
 from __future__ import annotations
 
-from .envsetup import VERSION as __version__  # the one home of the version
+from labkit.envsetup import VERSION as __version__  # the one home of the version
 
 
 def versions() -> dict:

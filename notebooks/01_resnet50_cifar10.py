@@ -129,7 +129,7 @@ report = labkit.doctor(rt)
 assert labkit.setup() is rt       # a second call (or running this cell again) gives the same runtime
 PREC = labkit.precision.choose(rt, P.bf16)  # bf16 on TPU / CUDA >= 8.0, fp16 + GradScaler below, else fp32
 BF16 = PREC.name == "bf16"
-PLAN = labkit.mesh.batch_plan(rt, P.batch_size)   # SPMD: the host loads every chip's share, sharded on "data"
+PLAN = labkit.spmd.mesh.batch_plan(rt, P.batch_size)   # SPMD: the host loads every chip's share, sharded on "data"
 print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), precision {PREC}")
 print(PLAN.describe())
 
@@ -143,7 +143,7 @@ print(PLAN.describe())
 # rather than at the first checkpoint. (This carries over to any PyTorch backend: it is plain GCS.)
 
 # %%
-from labkit import gcs
+from labkit.cloud import gcs
 
 if not P.local_gcs and gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_project or None):
     for path in (P.data_dir, P.checkpoint_dir):
@@ -163,7 +163,8 @@ if not P.local_gcs and gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_p
 # would to Google: the same `gs://` code path, no account needed.
 
 # %%
-from labkit import gcs, recipes
+from labkit.cloud import gcs
+from labkit.lessons import recipes
 from labkit.envsetup import online
 from data_tools import load_manifest
 
@@ -248,7 +249,7 @@ plt.show()
 
 # %%
 from labkit.loop import count_params
-from labkit.models import resnet50_cifar, resnet_flops_per_image
+from labkit.models.resnet import resnet50_cifar, resnet_flops_per_image
 
 probe = resnet50_cifar(num_classes=len(CLASSES), cifar_stem=P.cifar_stem)
 FLOPS_FWD = resnet_flops_per_image(probe)
@@ -298,7 +299,7 @@ RUN = time.strftime("run-%Y%m%d-%H%M%S")       # a fresh folder per run: nothing
 CKPT = (f"gs://labkit-local/checkpoints/{RUN}" if P.local_gcs else f"{P.checkpoint_dir}/{RUN}")
 ckpt = CheckpointManager(CKPT, keep=2, best_metric="val_acc", mode="max", rt=rt)
 dash = labkit.Dashboard(title=f"ResNet-50 on {SOURCE} ({rt.kind})", flops_per_step=3 * FLOPS_FWD * P.batch_size,
-                        peak_flops=labkit.flops.peak_flops(rt, PREC.name)[0])   # MFU against the dtype we run in
+                        peak_flops=labkit.dashboard.flops.peak_flops(rt, PREC.name)[0])   # MFU against the dtype we run in
 trainer = labkit.Trainer(model, optimizer, rt, cfg, train_loader, val_loader, scheduler=scheduler,
                          callbacks=[dash], checkpoint=ckpt, precision=PREC)
 t0 = time.perf_counter()
@@ -308,7 +309,7 @@ final = trainer.evaluate() if not trainer.eval_history or trainer.eval_history[-
 ckpt.save(trainer.step, trainer.state_dict(), metrics=final, force=True)
 ckpt.wait()
 # a copy for serving (notebook 05 loads it on a CPU): $LABKIT_ARTIFACTS or ./checkpoints, outlives the GCS server
-from labkit.export import save_for_serving
+from labkit.serve.export import save_for_serving
 SERVING = save_for_serving(trainer, final, next(iter(val_loader))[0], meta={"source": SOURCE, "val": manifests["val"],
                            "classes": CLASSES, "mean": train_loader.mean, "std": train_loader.std},
                            arch={"name": "resnet50_cifar", "num_classes": len(CLASSES), "cifar_stem": P.cifar_stem})
@@ -333,7 +334,7 @@ if rt.is_xla:
     recompiles = dash.health.events
     print("recompilations after warm-up:", len(recompiles), [e["reason"] for e in recompiles])
     assert not recompiles, f"XLA recompiled after warm-up: {recompiles}"
-rates = labkit.mesh.throughput(float(np.median([r["examples_per_s"] for r in history[1:]])), PLAN)
+rates = labkit.spmd.mesh.throughput(float(np.median([r["examples_per_s"] for r in history[1:]])), PLAN)
 print(f"throughput: {rates['total']:.0f} examples/s in total, {rates['per_chip']:.0f} per chip over {PLAN.total_chips} "
       f"chip(s) (median over intervals after the first); MFU per chip is on the dashboard")
 
@@ -355,7 +356,7 @@ C = len(CLASSES)
 model.eval()
 conf = torch.zeros(C * C + 1, dtype=torch.long, device=rt.device)
 with torch.no_grad():
-    for xb, yb in labkit.device_loader(val_loader, rt):
+    for xb, yb in labkit.DeviceLoader(val_loader, rt):
         pred = model(xb).argmax(-1)
         cell = torch.where(yb >= 0, yb * C + pred, C * C)   # padded samples (label -100) go to the last bin
         conf += torch.nn.functional.one_hot(cell, C * C + 1).sum(0)
@@ -426,7 +427,7 @@ info = labkit.explain(dash)
 # * *Transfers*: the loop reads its metrics once per log interval; anything more is a `.item()`, a `print(tensor)`
 #   or a `.cpu()` somewhere in the step.
 #
-# The same training runs as a script, from the same `labkit.recipes` functions and with these parameters as flags:
+# The same training runs as a script, from the same `labkit.lessons.recipes` functions and with these parameters as flags:
 # `python -m labkit.train resnet --epochs 8` on one TPU VM (every chip, SPMD), on every host of a pod slice, or under
 # `torchrun` (README: *Scale out*).
 #

@@ -129,7 +129,7 @@ report = labkit.doctor(rt)
 assert labkit.setup() is rt
 PREC = labkit.precision.choose(rt, P.bf16)  # bf16 on TPU / CUDA >= 8.0, fp16 + GradScaler below, else fp32
 BF16 = PREC.name == "bf16"
-PLAN = labkit.mesh.batch_plan(rt, P.batch_size)   # SPMD: the host loads every chip's share, sharded on "data"
+PLAN = labkit.spmd.mesh.batch_plan(rt, P.batch_size)   # SPMD: the host loads every chip's share, sharded on "data"
 print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), precision {PREC}")
 print(PLAN.describe())
 
@@ -148,7 +148,8 @@ print(PLAN.describe())
 # shape, so XLA compiles the training step once.
 
 # %%
-from labkit import recipes, text
+from labkit.lessons import recipes
+from data_tools import text
 
 SOURCE, data = recipes.load_text(P.source)   # auto: shakespeare when it downloads, else the offline text
 train_data, val_data = text.split(data)
@@ -167,7 +168,7 @@ print("one batch:", tuple(x.shape), x.dtype, "| targets are the inputs shifted b
 
 # %% [markdown]
 # ## 3. The model
-# `labkit.gpt.GPT` is a decoder-only transformer in the style of GPT-2:
+# `labkit.models.gpt.GPT` is a decoder-only transformer in the style of GPT-2:
 #
 # * **Embeddings**: each byte gets a learned vector (`wte`), each position 0..T-1 another (`wpe`); their sum
 #   enters the residual stream.
@@ -187,9 +188,9 @@ print("one batch:", tuple(x.shape), x.dtype, "| targets are the inputs shifted b
 # per weight forward, two backward; the second term is attention's score and mixing products).
 
 # %%
-from labkit.gpt import GPT, GPTConfig, bits_per_byte
+from labkit.models.gpt import GPT, GPTConfig, bits_per_byte
 from labkit.lm import LMTrainer
-from labkit import flops
+from labkit.dashboard import flops
 
 gcfg = GPTConfig(block_size=P.block_size, n_layer=P.n_layer, n_head=P.n_head, n_embd=P.n_embd, dropout=P.dropout)
 torch.manual_seed(P.seed)
@@ -215,14 +216,14 @@ print("peak for MFU:", PEAK_SOURCE)
 # One XLA trap hides in plain AdamW: it computes its bias correction `sqrt(1 - beta2**step)` as a Python
 # number. torch_xla passes most Python numbers to the device as data, but writes 0 and 1 into the graph as
 # constants, so on the step where that correction rounds to exactly 1.0 (around step 325 with beta2 = 0.95) the
-# graph changes and XLA recompiles in the middle of the run. `labkit.gpt.adamw` sets `capturable=True` on XLA,
+# graph changes and XLA recompiles in the middle of the run. `labkit.models.gpt.adamw` sets `capturable=True` on XLA,
 # which keeps the step count on the device and computes the correction there: one graph for the whole run.
 # (The learning rate is a Python number too: the schedule below never reaches exactly 0 for the same reason.) The dashboard gets the work per step, so it reports tokens per second and
 # MFU = achieved FLOP/s ÷ peak FLOP/s of one chip. On a CPU there is no meaningful vendor peak, so labkit
 # measures one: a float32 matrix multiply timed for a second.
 
 # %%
-# GPT(gcfg) seeded on host and device; labkit.gpt.adamw (decay on matrices only, capturable on XLA);
+# GPT(gcfg) seeded on host and device; labkit.models.gpt.adamw (decay on matrices only, capturable on XLA);
 # warm-up over 5% of the steps, then cosine to 10%
 model, optimizer, scheduler = recipes.build_gpt(gcfg, P.lr, P.weight_decay, P.max_steps, P.seed, rt)
 cfg = labkit.TrainConfig(epochs=P.evals, max_steps=P.max_steps, bf16=BF16, clip_norm=1.0, log_every=P.log_every,
@@ -235,7 +236,7 @@ t0 = time.perf_counter()
 history = trainer.fit()
 TRAIN_S = time.perf_counter() - t0
 final = trainer.eval_history[-1]
-from labkit.export import save_for_serving    # a CPU copy for notebook 05 ($LABKIT_ARTIFACTS or ./checkpoints)
+from labkit.serve.export import save_for_serving    # a CPU copy for notebook 05 ($LABKIT_ARTIFACTS or ./checkpoints)
 save_for_serving(trainer, final, x[:4], arch={"name": "gpt", **dataclasses.asdict(gcfg)}, meta={"source": SOURCE})
 print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f} nats = "
       f"{bits_per_byte(final['val_loss']):.2f} bits per byte, next-byte accuracy {final['val_acc']:.1%}")
@@ -267,7 +268,7 @@ if rt.is_xla:
     assert not dash.health.events, f"XLA recompiled after warm-up: {dash.health.events}"
 steady = [r for r in dash.history[1:] if r.get("tokens_per_s")] or dash.history[-1:]   # the first interval includes compiling
 TOK_S = float(np.median([r["tokens_per_s"] for r in steady]))
-RATE = labkit.mesh.throughput(TOK_S, PLAN)             # tokens/s in total and per chip
+RATE = labkit.spmd.mesh.throughput(TOK_S, PLAN)             # tokens/s in total and per chip
 MFU = flops.mfu(FLOPS_PER_TOKEN * TOKENS_PER_STEP, TOKENS_PER_STEP / RATE["per_chip"], PEAK)   # per chip
 print(f"throughput {RATE['total']:,.0f} tokens/s in total, {RATE['per_chip']:,.0f} per chip over {PLAN.total_chips} chip(s); "
       f"{FLOPS_PER_TOKEN * RATE['per_chip'] / 1e12:.4f} TFLOP/s per chip, {FLOPS_PER_TOKEN * RATE['total'] / 1e12:.4f} in total")
@@ -297,7 +298,7 @@ dash.figure()
 # the start, then none, checked with torch_xla's counter; a second call compiles nothing at all.
 
 # %%
-from labkit.xla_health import compile_count
+from labkit.dashboard.health import compile_count
 
 PROMPT = "ROMEO:\n" if SOURCE == "shakespeare" else "The "
 prompt = text.encode(PROMPT)[None].to(rt.device)
@@ -326,7 +327,7 @@ if rt.is_xla:
 
 # %%
 if P.save_to:
-    from labkit import gcs
+    from labkit.cloud import gcs
     from labkit.checkpoint import CheckpointManager
 
     if gcs.sign_in(P.save_to, project=P.gcp_project or None):

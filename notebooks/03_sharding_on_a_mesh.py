@@ -78,7 +78,7 @@ HLO_DIR = os.path.join(tempfile.gettempdir(), f"labkit-hlo-{os.getpid()}")   # X
 try:
     import labkit
     P = labkit.from_env(Params)
-    print(labkit.mesh.practice_devices(8, HLO_DIR))   # before torch_xla starts
+    print(labkit.spmd.mesh.practice_devices(8, HLO_DIR))   # before torch_xla starts
 except (ImportError, AttributeError):  # first run: the set-up cell installs labkit and reads them again
     P = Params()
 P
@@ -127,11 +127,11 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 import time
 
 if HLO_DIR not in os.environ.get("XLA_FLAGS", ""):   # the parameters cell ran before labkit was installed
-    print(labkit.mesh.practice_devices(8, HLO_DIR))
+    print(labkit.spmd.mesh.practice_devices(8, HLO_DIR))
 rt = labkit.setup(spmd=True)
 if not rt.spmd:
     raise RuntimeError(f"this notebook needs torch_xla's SPMD over several devices; the backend is {rt.kind}")
-N_DEV = labkit.mesh.addressable_devices()
+N_DEV = labkit.spmd.mesh.addressable_devices()
 DUMPING = HLO_DIR in os.environ.get("XLA_FLAGS", "")
 print(f"backend {rt.kind}, {N_DEV} devices in one SPMD process; HLO dumped to {HLO_DIR}: {DUMPING}")
 assert N_DEV >= 2 and N_DEV % P.model_axis == 0, f"{N_DEV} devices do not split into model groups of {P.model_axis}"
@@ -139,17 +139,18 @@ assert P.batch_size % N_DEV == 0, f"batch_size={P.batch_size} must divide over {
 
 # %% [markdown]
 # ## 2. The model and the batches
-# `labkit.gpt.GPT` as in notebook 02, trained on the same offline text (the Python Language Reference, bytes as
+# `labkit.models.gpt.GPT` as in notebook 02, trained on the same offline text (the Python Language Reference, bytes as
 # tokens). Every strategy starts from the same initial weights (seeded) and sees the same list of batches, so
 # the four loss curves must agree up to floating-point rounding: a sum split over devices is added in another
 # order. Tensor parallelism needs whole attention heads per device, so its copy of the model keeps q, k and v as
-# three matrices (`labkit.sharding.split_qkv`, the same values): split by rows, each device gets whole heads.
+# three matrices (`labkit.spmd.sharding.split_qkv`, the same values): split by rows, each device gets whole heads.
 
 # %%
-from labkit import flops, text
-from labkit import parallel_gpt as PG
-from labkit import sharding as S
-from labkit.gpt import GPT, GPTConfig
+from labkit.dashboard import flops
+from data_tools import text
+from labkit.lessons import parallel_gpt as PG
+from labkit.spmd import sharding as S
+from labkit.models.gpt import GPT, GPTConfig
 
 gcfg = GPTConfig(block_size=P.block_size, n_layer=P.n_layer, n_head=P.n_head, n_embd=P.n_embd, dropout=0.0)
 train_data, _ = text.split(text.load_corpus("offline"))
@@ -163,7 +164,7 @@ print(f"{sum(p.numel() for p in probe.parameters()):,} parameters ({PARAM_BYTES 
 
 # %% [markdown]
 # ## 3. Train four ways
-# `labkit.parallel_gpt.train` builds the model for a strategy, creates AdamW's moments with each weight's
+# `labkit.lessons.parallel_gpt.train` builds the model for a strategy, creates AdamW's moments with each weight's
 # sharding before the first step (one compile), runs the steps with the batch marked as split, waits for the
 # device after each step (honest step times), and reads the collectives from the newest compiled step graph.
 
@@ -195,7 +196,7 @@ for name in STRATEGIES:
 #   of `mlp.proj`), one slice per device; the batch too.
 
 # %%
-from labkit.sharding_view import draw_layouts
+from labkit.spmd.view import draw_layouts
 
 SHOWN = ("blocks.0.mlp.fc.weight", "blocks.0.mlp.proj.weight")
 panels = []
@@ -222,7 +223,7 @@ assert len(S.tile_devices(2, results["tensor"].batch_spec)) == N_DEV // P.model_
 
 # %% [markdown]
 # ## 5. Bytes one device holds
-# Read from each tensor's sharding (`labkit.sharding.device_bytes`: the largest shard of each tensor, padding
+# Read from each tensor's sharding (`labkit.spmd.sharding.device_bytes`: the largest shard of each tensor, padding
 # included). AdamW keeps two moments per weight, each with its weight's layout, so optimizer state is twice the
 # parameters in every strategy: 3x the weights in all, plus gradients and activations (not counted here).
 #
@@ -230,7 +231,7 @@ assert len(S.tile_devices(2, results["tensor"].batch_spec)) == N_DEV // P.model_
 # * tensor parallel: the split matrices are halved (`model_axis=2`); embeddings, LayerNorms and the
 #   row-parallel biases stay whole.
 # * FSDP: every tensor split 8 ways: **total / 8** (exactly, when every dim 0 divides by 8; else padding);
-#   `labkit.sharding.predict_fsdp` computes it from the shapes alone.
+#   `labkit.spmd.sharding.predict_fsdp` computes it from the shapes alone.
 
 # %%
 FS = S.predict_fsdp(gcfg, N_DEV)
@@ -248,7 +249,7 @@ assert results["fsdp"].param_bytes < results["tensor"].param_bytes < single_byte
 # ## 6. The collectives, predicted and measured
 # Under SPMD you never call a collective: XLA's partitioner (GSPMD) inserts them where a sharded computation
 # needs data another device holds. They are visible only in the *optimized* HLO (after partitioning), which XLA
-# dumped; `labkit.sharding.count_collectives` reads count and bytes (the buffer each one works on) per kind.
+# dumped; `labkit.spmd.sharding.count_collectives` reads count and bytes (the buffer each one works on) per kind.
 # On paper, per training step, float32, for `L` blocks, width `C`, context `T`, global batch `B`:
 #
 # * **data parallel** (`predict_data_parallel`): one **all-reduce** per weight gradient, at the full weight size
@@ -306,7 +307,7 @@ elif not DUMPING:
 # (`GPT.flops_per_token`, the same for every strategy) / step time / peak. On a TPU the peak is one chip's rated
 # figure times the chips the strategy uses (one for `single`). On the CPU the 8 virtual devices are threads on the
 # same cores, so every strategy is measured against one figure: a float32 matmul timed on this machine
-# (`labkit.flops.measure_cpu_peak`). CPU times say what the *bookkeeping* costs (the collectives become memory
+# (`labkit.dashboard.flops.measure_cpu_peak`). CPU times say what the *bookkeeping* costs (the collectives become memory
 # copies), not what a mesh of chips would gain, and the "one device" run computes its step 8 times over (once
 # per virtual device, replicated). At this size the model is far too small to fill even a CPU.
 
@@ -387,7 +388,7 @@ import math
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from labkit.checkpoint import CheckpointManager
-from labkit.sharded_checkpoint import folder_name, is_sharded
+from labkit.checkpoint.sharded import folder_name, is_sharded
 
 CKPT = P.checkpoint_dir or tempfile.mkdtemp(prefix="labkit-sharded-")
 fsdp, dp = results["fsdp"], results["data"]

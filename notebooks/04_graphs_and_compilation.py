@@ -93,7 +93,7 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 # Eager PyTorch runs each op as Python reaches it. The other modes build a graph first and run the graph:
 # the first call pays for tracing and compiling, later calls reuse it. On XLA the count is torch_xla's
 # `CompileTime` samples; for `torch.compile` it is dynamo's captured graphs. Timings include waiting for the
-# result (`labkit.graphs.measure`). Eager CPU runs on one thread here: on a busy 2-core machine OpenMP's
+# result (`labkit.lessons.capture_modes.measure`). Eager CPU runs on one thread here: on a busy 2-core machine OpenMP's
 # spinning threads made a 0.4 ms forward take ~20 ms.
 
 # %%
@@ -103,7 +103,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from labkit.graphs import dynamo_graphs, measure, table, xla_graphs
+from labkit.lessons.capture_modes import dynamo_graphs, measure, table, xla_graphs
 
 rt = labkit.setup()
 XLA = rt.is_xla
@@ -290,8 +290,8 @@ for k, v in findings.items():
 # watching, names the line that compiled. (The `Dashboard` does both on its own; here the loop is hand-written.)
 
 # %%
-from labkit.syncs import SyncFinder
-from labkit.xla_health import HealthMonitor
+from labkit.dashboard.syncs import SyncFinder
+from labkit.dashboard.health import HealthMonitor
 
 lengths = [16, 16, 12, 16, 9, 12, 16, 9][:P.steps]
 emb = nn.Linear(8, 8).to(rt.device)

@@ -111,7 +111,7 @@ import time
 
 import torch
 
-from labkit import export, quantize
+from labkit.serve import export, quantize
 
 if P.threads:
     torch.set_num_threads(P.threads)
@@ -125,13 +125,13 @@ print("quantization API from:", quantize.pt2e_api()[-1])
 
 # %% [markdown]
 # ## 2. Load the training run's checkpoint on the CPU
-# Notebook 01 ends its training with `labkit.export.save_for_serving`: the model's weights as float32 CPU tensors
+# Notebook 01 ends its training with `labkit.serve.export.save_for_serving`: the model's weights as float32 CPU tensors
 # (copied off the device in one transfer), the architecture, the final evaluation, where the validation shards
 # live, and the logits the *training device* computed for one validation batch. In CI notebook 01 runs before this
 # one, so its checkpoint is there. If it is not, a small stand-in is trained right here, and the output says so.
 
 # %%
-from labkit.models import resnet50_cifar
+from labkit.models.resnet import resnet50_cifar
 
 ART = export.artifacts_dir()
 RESNET = P.resnet_checkpoint or str(ART / "resnet50_cifar.pt")
@@ -188,7 +188,7 @@ from data_tools import load_manifest, make_loader, write_dataset
 
 VAL = meta["val"]
 if VAL.startswith("gs://labkit-local/"):
-    from labkit.gcs_emulator import LocalGCSServer
+    from labkit.cloud.emulator import LocalGCSServer
     if "gcs_server" not in globals():
         gcs_server = LocalGCSServer(root=os.path.abspath("data/local-gcs")).start()
 try:
@@ -250,7 +250,7 @@ print(f"{path}: {os.path.getsize(path) / 1e6:.1f} MB; reloaded program equals ea
 
 # %% [markdown]
 # ## 4. INT8 post-training quantization for x86
-# The PyTorch 2 flow, step by step (`labkit.quantize.quantize_x86`):
+# The PyTorch 2 flow, step by step (`labkit.serve.quantize.quantize_x86`):
 # 1. `torch.export` the float32 model (strict mode: see the note below);
 # 2. `X86InductorQuantizer` marks convolutions, linears and the adds/pools between them; `prepare_pt2e` inserts
 #    observers;
@@ -339,12 +339,12 @@ assert DELTA > -0.05, f"int8 lost {-DELTA:.1%} accuracy: calibrate on more image
 # each layer keeps the keys and values of the tokens already seen, and a new token runs through the model alone,
 # attending to the cache: about `2·N` FLOPs per token instead of a forward pass over the whole window.
 # `GPT.forward_cached` keeps the cache at a fixed size with the positions as tensors, so a compiled or exported
-# step is one graph for every token. `labkit.export.export_decoder` exports that step with a dynamic batch and
+# step is one graph for every token. `labkit.serve.export.export_decoder` exports that step with a dynamic batch and
 # token count (one program for the prompt's prefill and for every step after it).
 
 # %%
-from labkit import text
-from labkit.gpt import GPT, GPTConfig
+from data_tools import text
+from labkit.models.gpt import GPT, GPTConfig
 
 GPT_PATH = P.gpt_checkpoint or str(ART / "gpt.pt")
 if os.path.exists(GPT_PATH):

@@ -18,7 +18,7 @@ import pytest
 @pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory):
     """A fake-gcs-server on 127.0.0.1 for the whole session; STORAGE_EMULATOR_HOST points at it."""
-    from labkit.gcs_emulator import LocalGCSServer
+    from labkit.cloud.emulator import LocalGCSServer
 
     server = LocalGCSServer(root=tmp_path_factory.mktemp("gcs"))
     server.start()
@@ -29,7 +29,7 @@ def gcs_server(tmp_path_factory):
 @pytest.fixture
 def gcs_bucket(gcs_server):
     """A fresh, empty bucket name on the session server."""
-    from labkit import gcs
+    from labkit.cloud import gcs
 
     name = f"test-{uuid.uuid4().hex[:12]}"
     gcs.client().create_bucket(name)

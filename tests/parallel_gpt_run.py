@@ -13,9 +13,9 @@ os.environ["XLA_FLAGS"] = f"--xla_dump_to={DUMP} --xla_dump_hlo_as_text"
 import torch  # noqa: E402
 
 import labkit  # noqa: E402
-from labkit import parallel_gpt as PG  # noqa: E402
-from labkit import sharding as S  # noqa: E402
-from labkit.gpt import GPTConfig  # noqa: E402
+from labkit.lessons import parallel_gpt as PG  # noqa: E402
+from labkit.models.gpt import GPTConfig  # noqa: E402
+from labkit.spmd import sharding as S  # noqa: E402
 
 rt = labkit.setup("xla-cpu", spmd=True)
 cfg = GPTConfig(block_size=16, n_layer=1, n_head=4, n_embd=32)

@@ -12,8 +12,8 @@ os.environ["CPU_NUM_DEVICES"] = "8"
 import torch  # noqa: E402
 
 import labkit  # noqa: E402
-from labkit.mesh import make_mesh  # noqa: E402
-from labkit.sharded_checkpoint import ShardedCheckpointManager, is_sharded  # noqa: E402
+from labkit.checkpoint.sharded import ShardedCheckpointManager, is_sharded  # noqa: E402
+from labkit.spmd.mesh import make_mesh  # noqa: E402
 
 labkit.setup("xla-cpu", spmd=True)
 import torch_xla  # noqa: E402

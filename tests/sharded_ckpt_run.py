@@ -21,11 +21,11 @@ import torch  # noqa: E402
 from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
 
 import labkit  # noqa: E402
-from labkit import parallel_gpt as PG  # noqa: E402
-from labkit import sharding as S  # noqa: E402
 from labkit.checkpoint import CheckpointManager  # noqa: E402
-from labkit.gpt import GPT, GPTConfig  # noqa: E402
-from labkit.sharded_checkpoint import ShardedCheckpointManager, folder_name, is_sharded  # noqa: E402
+from labkit.checkpoint.sharded import ShardedCheckpointManager, folder_name, is_sharded  # noqa: E402
+from labkit.lessons import parallel_gpt as PG  # noqa: E402
+from labkit.models.gpt import GPT, GPTConfig  # noqa: E402
+from labkit.spmd import sharding as S  # noqa: E402
 
 CFG = GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=32, vocab_size=64)
 rt = labkit.setup("xla-cpu", spmd=N > 1)

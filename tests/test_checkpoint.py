@@ -93,7 +93,7 @@ def test_trainer_load_state_dict_rejects_other_shape(tmp_path):
 
 
 def test_gcs_roundtrip_corrupt_and_two_writers(gcs_bucket):
-    from labkit import gcs
+    from labkit.cloud import gcs
 
     root = f"gs://{gcs_bucket}/run"
     m = CheckpointManager(root, keep=2)
@@ -122,8 +122,8 @@ def test_missing_bucket_is_a_clear_error(gcs_server):
 
 
 def test_server_down_during_upload_then_recovers(tmp_path, monkeypatch):
-    from labkit import gcs
-    from labkit.gcs_emulator import LocalGCSServer
+    from labkit.cloud import gcs
+    from labkit.cloud.emulator import LocalGCSServer
 
     # stop()+start() leaves this server's address in the environment: monkeypatch puts the
     # session server's back afterwards

@@ -9,6 +9,7 @@ import pytest
 
 from labkit import compile_cache as cc
 from labkit.config import TrainConfig, from_env
+from labkit.lessons.compile_cache_demo import first_step_in_child
 
 
 def test_auto_is_on_for_tpu_only(monkeypatch):
@@ -58,12 +59,12 @@ def test_bad_values_name_the_setting(monkeypatch, value, source):
 @pytest.mark.heavy  # three fresh processes, each importing torch_xla and compiling
 def test_two_processes_share_the_cache(tmp_path):
     folder = str(tmp_path / "xla-cache")
-    cold = cc.first_step_in_child(folder, "mlp", "xla-cpu")
+    cold = first_step_in_child(folder, "mlp", "xla-cpu")
     assert cold["cache"] == folder and cold["note"] == "on"
     assert cold["entries"], "the first process wrote no cached program"
     assert sorted(os.listdir(folder)) == cold["entries"]
     assert cold["counters"]["PersistentCacheMiss"] >= 1 and cold["compiles"] >= 1
-    warm = cc.first_step_in_child(folder, "mlp", "xla-cpu")
+    warm = first_step_in_child(folder, "mlp", "xla-cpu")
     assert warm["entries"] == cold["entries"], "the second process should find, not add, the same programs"
     c = warm["counters"]
     assert c["PersistentCacheMiss"] == 0, c  # every graph of the step was found on disk by its hash
@@ -72,7 +73,7 @@ def test_two_processes_share_the_cache(tmp_path):
     # the same lookup is a PersistentCacheHit and `compiles` drops to 0.
     assert c["PersistentCacheDeserializeFailure"] >= 1 and warm["compiles"] >= 1
     assert warm["loss"] == pytest.approx(cold["loss"])
-    off = cc.first_step_in_child(None, "mlp", "xla-cpu")
+    off = first_step_in_child(None, "mlp", "xla-cpu")
     assert off["cache"] is None and not any(off["counters"].values())
 
 

@@ -115,7 +115,7 @@ def test_recompilation_after_warmup_names_the_shape_change():
     dash = Dashboard(title="shapes", sink=ConsoleSink(out))
     ds = blobs(n=100, dim=24)  # batches of 32, 32, 32, 4
     model = mlp(dim=24)
-    loader = labkit.device_loader(torch.utils.data.DataLoader(ds, batch_size=32), rt, drop_partial=False)
+    loader = labkit.DeviceLoader(torch.utils.data.DataLoader(ds, batch_size=32), rt, drop_partial=False)
     tr = Trainer(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
@@ -231,7 +231,7 @@ NOTEBOOK = [
     "import os\nos.environ.pop('LABKIT_CONSOLE', None)\nimport torch, labkit\nfrom tests.helpers import blobs, mlp",
     "rt = labkit.setup('xla-cpu')\nmodel = mlp()\ndash = labkit.Dashboard(title='kernel test', every=0)\n"
     "ds = blobs(n=264)\ntrain_ds, val_ds = torch.utils.data.Subset(ds, range(200)), torch.utils.data.Subset(ds, range(200, 264))\n"
-    "train = labkit.device_loader(torch.utils.data.DataLoader(train_ds, batch_size=32), rt, drop_partial=False)\n"
+    "train = labkit.DeviceLoader(torch.utils.data.DataLoader(train_ds, batch_size=32), rt, drop_partial=False)\n"
     "class WithAcc(labkit.Trainer):\n"
     "    def train_step(self, batch):\n"
     "        x, y = batch\n        out = self.model(x)\n        loss = torch.nn.functional.cross_entropy(out, y)\n"

@@ -13,7 +13,7 @@ import labkit
 from labkit import Dashboard, TrainConfig, Trainer
 from labkit.checkpoint import CheckpointManager
 from labkit.dashboard import ConsoleSink, NotebookSink
-from labkit.dashboard_controls import PROFILE_SIGNAL, Controls, script_help
+from labkit.dashboard.controls import PROFILE_SIGNAL, Controls, script_help
 from tests.helpers import blobs, mlp
 
 pytest.importorskip("ipywidgets")

@@ -2,8 +2,8 @@
 
 import torch
 
-from labkit import export
-from labkit.models import resnet50_cifar
+from labkit.models.resnet import resnet50_cifar
+from labkit.serve import export
 
 
 def test_resnet50_exports_with_a_dynamic_batch_and_reloads(tmp_path):

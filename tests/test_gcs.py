@@ -1,4 +1,4 @@
-"""labkit.gcs with your own bucket: missing bucket (real loopback GCS server), 403s (a tiny HTTP server on
+"""labkit.cloud.gcs with your own bucket: missing bucket (real loopback GCS server), 403s (a tiny HTTP server on
 127.0.0.1 answering like GCS), no credentials, no project, and sign-in only when a path is gs://."""
 
 import json
@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from labkit import gcs
+from labkit.cloud import gcs
 
 
 def test_missing_bucket_names_it_and_the_command(gcs_server):

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 import labkit
-from labkit import flops, gpt, text
-from labkit.gpt import GPT, GPTConfig, bits_per_byte
-from labkit.xla_health import compile_count
+from data_tools import text
+from labkit.dashboard import flops
+from labkit.dashboard.health import compile_count
+from labkit.models import gpt
+from labkit.models.gpt import GPT, GPTConfig, bits_per_byte
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -145,7 +147,7 @@ def test_generate_cached_equals_the_fixed_window_while_it_fits():
 
 
 def test_exported_cached_step_has_a_dynamic_batch_and_matches_eager():
-    from labkit.export import export_decoder
+    from labkit.serve.export import export_decoder
 
     m = tiny(3, spread=1.0)
     ep = export_decoder(m)

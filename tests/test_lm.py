@@ -9,11 +9,12 @@ import pytest
 import torch
 
 import labkit
-from labkit import gpt, text
-from labkit.export import load_serving, save_for_serving
-from labkit.gpt import GPT, GPTConfig
+from data_tools import text
+from labkit.dashboard.health import compile_count
 from labkit.lm import LMTrainer
-from labkit.xla_health import compile_count
+from labkit.models import gpt
+from labkit.models.gpt import GPT, GPTConfig
+from labkit.serve.export import load_serving, save_for_serving
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -81,7 +82,7 @@ def test_checkpoint_trained_on_xla_with_bf16_serves_on_a_cpu_without_xla(tmp_pat
     assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in state["model"].values())
     # a fresh interpreter with no PJRT_DEVICE: loading and running must not need torch_xla
     code = (
-        "import sys, torch; from labkit.export import load_model; "
+        "import sys, torch; from labkit.serve.export import load_model; "
         f"m, s = load_model({str(path)!r}); ref = s['reference']; "
         "out = m(ref['x'])[0].float(); d = (out - ref['logits']).abs().max().item(); "
         "agree = (out.argmax(-1) == ref['logits'].argmax(-1)).float().mean().item(); "

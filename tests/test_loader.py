@@ -6,14 +6,14 @@ import pytest
 import torch
 
 import labkit
-from labkit import TrainConfig, Trainer, device_loader
+from labkit import DeviceLoader, TrainConfig, Trainer
 from tests.helpers import blobs, mlp, xla_counts
 
 
 def test_xla_loader_yields_device_tensors_and_prefetches():
     rt = labkit.setup("xla-cpu")
     dl = torch.utils.data.DataLoader(blobs(n=320), batch_size=32)
-    loader = device_loader(dl, rt, device_prefetch=4)
+    loader = DeviceLoader(dl, rt, device_prefetch=4)
     assert len(loader) == 10
     it = iter(loader)
     x, y = next(it)
@@ -27,11 +27,11 @@ def test_xla_loader_yields_device_tensors_and_prefetches():
 def test_cpu_loader_is_pass_through():
     rt = labkit.setup("cpu")
     dl = torch.utils.data.DataLoader(blobs(n=100), batch_size=32)
-    loader = device_loader(dl, rt)
+    loader = DeviceLoader(dl, rt)
     batches = list(loader)
     assert len(loader) == 3 == len(batches) and loader.dropped == 1  # 100 = 3*32 + 4
     assert all(b[0].shape[0] == 32 and b[0].device.type == "cpu" for b in batches)
-    assert len(device_loader(dl, rt, drop_partial=False)) == 4
+    assert len(DeviceLoader(dl, rt, drop_partial=False)) == 4
 
 
 def test_partial_batches_dropped_no_recompiles_over_three_epochs():
@@ -61,7 +61,7 @@ def test_partial_batches_dropped_no_recompiles_over_three_epochs():
 def test_skip_batches_on_host():
     rt = labkit.setup("xla-cpu")
     dl = torch.utils.data.DataLoader(torch.arange(10.0).reshape(10, 1), batch_size=2)
-    loader = device_loader(dl, rt)
+    loader = DeviceLoader(dl, rt)
     loader.skip_batches = 3
     got = [b.cpu().flatten().tolist() for b in loader]
     assert got == [[6.0, 7.0], [8.0, 9.0]] and loader.fetched == 2

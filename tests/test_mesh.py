@@ -1,10 +1,11 @@
-"""labkit.mesh and labkit.sharding pieces that need no SPMD process: the spmd switch, the batch plan,
+"""labkit.spmd.mesh and labkit.spmd.sharding pieces that need no SPMD process: the spmd switch, the batch plan,
 shard shapes from XLA sharding strings, and collective counting on real optimized-HLO lines."""
 
 import pytest
 
-from labkit import mesh, sharding
-from labkit.gpt import GPT, GPTConfig
+from labkit import device
+from labkit.models.gpt import GPT, GPTConfig
+from labkit.spmd import mesh, sharding
 
 
 @pytest.mark.parametrize(
@@ -21,18 +22,18 @@ from labkit.gpt import GPT, GPTConfig
     ],
 )
 def test_parse_spmd(value, want):
-    assert mesh.parse_spmd(value) == want
+    assert device.parse_spmd(value) == want
 
 
 def test_parse_spmd_names_the_setting():
     with pytest.raises(ValueError, match="spmd must be one of auto, on, off"):
-        mesh.parse_spmd("sometimes")
+        device.parse_spmd("sometimes")
 
 
 def test_spmd_on_a_backend_without_xla_is_refused():
     with pytest.raises(ValueError, match="needs an XLA backend"):
-        mesh.wants_spmd(True, "cuda")
-    assert mesh.wants_spmd("auto", "cpu") is False
+        device.wants_spmd(True, "cuda")
+    assert device.wants_spmd("auto", "cpu") is False
 
 
 def test_batch_plan_arithmetic():
@@ -97,7 +98,7 @@ def test_split_qkv_computes_the_same_function():
 
 def test_data_parallel_prediction_matches_the_counts_measured_on_8_devices():
     # figures read from the optimized HLO of a 2-layer, 64-wide GPT, batch 16 x 32, 8 virtual devices
-    from labkit.gpt import GPTConfig as Cfg
+    from labkit.models.gpt import GPTConfig as Cfg
 
     pred = sharding.predict_data_parallel(Cfg(block_size=32, n_layer=2, n_head=4, n_embd=64), 16)
     assert pred == {"all-reduce": {"count": 32, "bytes": 539660}, "all-gather": {"count": 10, "bytes": 1310720}}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit.models import image_optimizer, resnet50_cifar
+from labkit.models.resnet import image_optimizer, resnet50_cifar
 
 
 def test_cifar_stem_keeps_32_pixels_and_the_imagenet_stem_shrinks_them():

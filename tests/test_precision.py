@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import labkit
-from labkit import flops
+from labkit.dashboard import flops
 from labkit.precision import Precision, choose
 
 

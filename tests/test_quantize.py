@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from labkit import quantize
+from labkit.serve import quantize
 
 
 def small_convnet():

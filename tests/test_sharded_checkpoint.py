@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from labkit import gcs
-from labkit.sharded_checkpoint import MARKER, ShardedCheckpointManager, folder_name, is_sharded
+from labkit.checkpoint.sharded import MARKER, ShardedCheckpointManager, folder_name, is_sharded
+from labkit.cloud import gcs
 
 RUN = Path(__file__).with_name("sharded_ckpt_run.py")
 REPO = Path(__file__).resolve().parent.parent
@@ -135,7 +135,7 @@ _KILLED_SAVE = textwrap.dedent(
     import sys, torch
     sys.path.insert(0, {repo!r})
     from tests.test_sharded_checkpoint import _state
-    from labkit.sharded_checkpoint import ShardedCheckpointManager
+    from labkit.checkpoint.sharded import ShardedCheckpointManager
     ck = ShardedCheckpointManager(sys.argv[1], retry_deadline_s=10)
     ck.save(1, _state(1)); ck.wait()
     ck.save(2, _state(2)); ck.wait()   # LABKIT_CKPT_UPLOAD_DELAY holds this one open: the test kills us
@@ -240,7 +240,7 @@ def test_trainer_killed_and_resumed_from_sharded_checkpoints_is_exact(tmp_path):
 def test_planner_named_in_the_commit_record(tmp_path, monkeypatch):
     """Without torch_xla installed DCP's own planners write (and must read) the checkpoint; the commit
     record says which, and an unknown one is named."""
-    import labkit.sharded_checkpoint as sc
+    import labkit.checkpoint.sharded as sc
 
     monkeypatch.setattr(sc, "_planner_kind", lambda: "default")
     ck = ShardedCheckpointManager(tmp_path)

@@ -1,4 +1,4 @@
-"""The paper predictions of labkit.sharding for tensor parallelism and FSDP against figures read from
+"""The paper predictions of labkit.spmd.sharding for tensor parallelism and FSDP against figures read from
 real optimized HLO (torch_xla 2.9, XLA:CPU, 8 virtual devices), tile parsing, collective listing, the
 layout picture, and the practice-devices switch (in a fresh process: it must run before torch_xla)."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import sharding
-from labkit.gpt import GPT, GPTConfig
+from labkit.models.gpt import GPT, GPTConfig
+from labkit.spmd import sharding
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,7 +121,7 @@ def test_layout_picture_draws_every_tile():
     import matplotlib
 
     matplotlib.use("Agg")
-    from labkit.sharding_view import draw_layouts
+    from labkit.spmd.view import draw_layouts
 
     fig = draw_layouts(
         [

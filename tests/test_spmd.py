@@ -32,7 +32,7 @@ def test_spmd_data_parallel_trains_with_sharded_inputs():
 def test_setup_auto_switches_spmd_on_with_several_devices_and_off_with_one():
     code = (
         "import labkit, torch_xla.runtime as xr; rt = labkit.setup('xla-cpu', spmd='auto'); "
-        "print('SPMD', rt.spmd, xr.is_spmd(), rt.local_device_count, labkit.mesh.batch_plan(rt, 8).global_batch)"
+        "print('SPMD', rt.spmd, xr.is_spmd(), rt.local_device_count, labkit.spmd.mesh.batch_plan(rt, 8).global_batch)"
     )
     many = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120

@@ -140,7 +140,7 @@ def test_gcs_round_trip(gcs_bucket, digits):
     import importlib
 
     assert importlib.import_module("webdataset.gopen").gopen_schemes["gs"].__module__ == "data_tools.urls"
-    from labkit import gcs
+    from labkit.cloud import gcs
 
     gcs.blob(url + "/train-000003.tar").delete()
     with pytest.raises(FileNotFoundError, match="shard not found: gs://.*train-000003.tar"):

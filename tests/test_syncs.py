@@ -8,8 +8,8 @@ import torch
 import labkit
 from labkit import Dashboard, TrainConfig, Trainer
 from labkit.dashboard import ConsoleSink
-from labkit.syncs import SyncFinder
-from labkit.xla_health import HealthMonitor
+from labkit.dashboard.health import HealthMonitor
+from labkit.dashboard.syncs import SyncFinder
 from tests.helpers import blobs, mlp
 
 

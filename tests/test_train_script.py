@@ -138,7 +138,7 @@ def test_shared_order_splits_one_draw_over_ranks():
     shared_order each rank draws windows of its own (the old per-replica behaviour, kept as default)."""
     import torch
 
-    from labkit.text import TextBatches
+    from data_tools.text import TextBatches
 
     data = torch.arange(1000) % 251
     one = list(TextBatches(data, 8, 16, 3, seed=5, shared_order=True))

@@ -94,7 +94,7 @@ def torch_t(v):
 
 
 def test_write_to_gcs_and_verify(gcs_bucket):
-    from labkit import gcs
+    from labkit.cloud import gcs
 
     url = f"gs://{gcs_bucket}/digits/val"
     x, y, names = load_source("digits", "val")
@@ -214,7 +214,7 @@ def test_shard_of_another_write_is_refused_by_name(tmp_path):
 
 
 def test_gcs_rewrite_killed_midway_and_stale_shards(gcs_bucket, tmp_path):
-    from labkit import gcs
+    from labkit.cloud import gcs
 
     url = f"gs://{gcs_bucket}/syn/train"
     x, y, names = load_source("synthetic", "train", num_synthetic=200, seed=1)

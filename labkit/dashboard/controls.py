@@ -43,7 +43,7 @@ PROFILE_STEPS = 5
 def profile_trigger() -> str:
     """The trigger file that starts a capture (labkit.profiling's own answer when it is there)."""
     try:
-        from .profiling import trigger_path
+        from labkit.profiling import trigger_path
     except ImportError:
         return os.environ.get("LABKIT_PROFILE_TRIGGER") or PROFILE_TRIGGER
     return str(trigger_path())

@@ -1,6 +1,6 @@
 """Sharding a model over a mesh, and measuring what it costs: bytes per device, collectives.
 
-    mesh = labkit.mesh.make_mesh((4, 2), ("data", "model"))
+    mesh = labkit.spmd.mesh.make_mesh((4, 2), ("data", "model"))
     model = split_qkv(GPT(cfg)).to(device)
     shard_gpt_tensor_parallel(model, mesh)            # Megatron-style heads / MLP split on "model"
     per_device_bytes(model.parameters())              # {device: bytes} from each tensor's sharding
@@ -197,7 +197,7 @@ def layout_table(model: nn.Module, limit: int | None = None) -> list[tuple[str, 
 
 # -- the GPT, Megatron style ------------------------------------------------------------------------
 class SplitQKVAttention(nn.Module):
-    """labkit.gpt's attention with q, k and v as three Linears (same values, same maths).
+    """labkit.models.gpt's attention with q, k and v as three Linears (same values, same maths).
 
     Why: the packed (3C, C) qkv matrix split in halves by rows puts all of q and half of k on the
     first half of the devices, so the heads would not line up; three (C, C) matrices split by rows
@@ -236,7 +236,9 @@ def gpt_tensor_parallel_specs(model: nn.Module, axis: str = "model") -> dict[str
     specs = {}
     for i, block in enumerate(model.blocks):
         if not isinstance(block.attn, SplitQKVAttention):
-            raise TypeError("tensor parallelism needs labkit.sharding.split_qkv(model) first (whole heads per device)")
+            raise TypeError(
+                "tensor parallelism needs labkit.spmd.sharding.split_qkv(model) first (whole heads per device)"
+            )
         for name in ("q", "k", "v"):
             specs[f"blocks.{i}.attn.{name}.weight"] = (axis, None)  # column parallel: heads split
             specs[f"blocks.{i}.attn.{name}.bias"] = (axis,)
@@ -336,7 +338,7 @@ def predict_tensor_parallel(cfg, global_batch: int, data: int, model: int, bytes
 
 
 def gpt_param_shapes(cfg) -> list[tuple[int, ...]]:
-    """Shapes of labkit.gpt.GPT's parameters (bias=True; the output layer is the tied token table)."""
+    """Shapes of labkit.models.gpt.GPT's parameters (bias=True; the output layer is the tied token table)."""
     C, T, V = cfg.n_embd, cfg.block_size, cfg.vocab_size
     block = [(C,), (C,), (3 * C, C), (3 * C,), (C, C), (C,), (C,), (C,), (4 * C, C), (4 * C,), (C, 4 * C), (C,)]
     return [(V, C), (T, C)] + block * cfg.n_layer + [(C,), (C,)]

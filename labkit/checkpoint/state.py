@@ -4,7 +4,7 @@
     verify(data, "gs://b/run/ckpt-00000100.pt", expect_crc)   # IOError naming the object if damaged
     check_compatible(state["model"], model)        # ValueError naming the first mismatched key
 
-Used by labkit.checkpoint (the manager), labkit.loop (resume) and labkit.export (serving copies).
+Used by labkit.checkpoint (the manager), labkit.loop (resume) and labkit.serve.export (serving copies).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import zipfile
 import numpy as np
 import torch
 
-from . import gcs
-from .metrics import to_host
+from labkit.accumulate import to_host
+from labkit.cloud import gcs
 
 
 # -- state conversion ----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Train labkit.gpt's GPT one of four ways over the devices of an SPMD process, and measure it.
+"""Train labkit.models.gpt's GPT one of four ways over the devices of an SPMD process, and measure it.
 
     r = train(Strategy("fsdp"), GPTConfig(...), batches, dump_dir="/tmp/hlo")
     r.losses, r.step_s, r.param_bytes, r.opt_bytes, r.collectives
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import sharding as S
-from .gpt import GPT, GPTConfig
-from .mesh import make_mesh
+from labkit.models.gpt import GPT, GPTConfig
+from labkit.spmd import sharding as S
+from labkit.spmd.mesh import make_mesh
 
 STRATEGIES = ("single", "data", "tensor", "fsdp")
 

@@ -21,7 +21,7 @@ not counted.
 
 The wrapping is process-wide (torch.Tensor's methods) and undone when the last active finder
 exits; nested and repeated use is fine. Python-level only: a transfer made inside C++ (a CPU
-fallback of an aten op) is counted by labkit.xla_health, not here.
+fallback of an aten op) is counted by labkit.dashboard.health, not here.
 """
 
 from __future__ import annotations

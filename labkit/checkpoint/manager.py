@@ -11,7 +11,7 @@ server's crc32c matched ours, so a reader never sees half a checkpoint. On GCS t
 written with if_generation_match (the generation last read, 0 to create): of two writers only one
 wins, the other gets a clear error. Old objects (beyond the last `keep`, except the best) are deleted
 after the pointer moved. Uploads run in one background thread, at most one pending; their errors
-surface on the next save(), wait() or close(). The folder/GCS specifics live in labkit.storage.
+surface on the next save(), wait() or close(). The folder/GCS specifics live in labkit.cloud.store.
 
 Every state restore() returns was verified, whichever object it came from (the pointer's, a
 fallback, an explicit step): the whole object against the crc32c the pointer recorded when it
@@ -21,7 +21,7 @@ One writer per root: local folders take a lock naming the holder (host, pid); on
 conditional pointer write refuses the second writer. keep must be >= 1.
 
 format="auto" (the default): a state with any tensor split over devices (FSDP, tensor parallel
-under SPMD) is saved in the sharded format instead (labkit.sharded_checkpoint: DCP folders
+under SPMD) is saved in the sharded format instead (labkit.checkpoint.sharded: DCP folders
 `step-00001200/` with a COMMITTED marker beside the files above; each host's shards written once,
 never gathered). restore() reads whichever format is newest; pass `into=state_dict` to fill live,
 sharded tensors in place (the Trainer does), otherwise it returns full CPU tensors. "file" forces
@@ -39,13 +39,13 @@ import warnings
 
 import torch
 
-from . import gcs
-from .device import current_runtime
-from .state_io import check_compatible, hold_for_tests, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
-from .storage import NAME as _NAME
-from .storage import GCSStore, LocalStore
+from labkit.checkpoint.state import check_compatible, hold_for_tests, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
+from labkit.cloud import gcs
+from labkit.cloud.store import NAME as _NAME
+from labkit.cloud.store import GCSStore, LocalStore
+from labkit.device import current_runtime
 
-# "auto": one file, or DCP shards (labkit.sharded_checkpoint) when any tensor of the state is split over devices
+# "auto": one file, or DCP shards (labkit.checkpoint.sharded) when any tensor of the state is split over devices
 FORMATS = ("auto", "file", "sharded")
 
 
@@ -87,7 +87,7 @@ class CheckpointManager:
             rt = current_runtime()
         self.rt = rt
         self.store = GCSStore(self.root, retry_deadline_s) if gcs.is_gcs(self.root) else LocalStore(self.root)
-        from .sharded_checkpoint import ShardedCheckpointManager  # (it imports this module)
+        from labkit.checkpoint.sharded import ShardedCheckpointManager  # (it imports this module)
 
         # where sharded states go: same root, same store (so the same writer lock), the decisions stay here
         self._sharded = ShardedCheckpointManager(
@@ -127,7 +127,7 @@ class CheckpointManager:
     def _sharded_format(self, state) -> bool:
         if self.format != "auto":
             return self.format == "sharded"
-        from .sharded_checkpoint import is_sharded
+        from labkit.checkpoint.sharded import is_sharded
 
         return is_sharded(state)
 
@@ -184,14 +184,14 @@ class CheckpointManager:
 
     def _save_sharded(self, step, state, metrics, improved, value) -> bool:
         """State split over devices (SPMD): each host's shards go to `step-N/` through DCP, never
-        gathered into one tensor (labkit.sharded_checkpoint); the best step is kept by its pruning."""
+        gathered into one tensor (labkit.checkpoint.sharded); the best step is kept by its pruning."""
         if self.rt is not None and self.rt.world_size > 1:
             raise RuntimeError(
                 f"checkpoint to {self.root}: the sharded format is written by one process (one host with all "
                 f"its devices, SPMD); this run has {self.rt.world_size} processes. Use format='file', or SPMD "
                 "(labkit.setup(spmd='on')) instead of one process per device"
             )
-        from .sharded_checkpoint import folder_name
+        from labkit.checkpoint.sharded import folder_name
 
         self.wait()
         if improved:

@@ -1,7 +1,7 @@
 """Vision models sized for 32x32 inputs.
 
-    model = labkit.models.resnet50_cifar(num_classes=10)
-    opt = labkit.models.image_optimizer(model, "sgd", lr=0.1, xla=rt.is_xla)
+    model = labkit.models.resnet.resnet50_cifar(num_classes=10)
+    opt = labkit.models.resnet.image_optimizer(model, "sgd", lr=0.1, xla=rt.is_xla)
 
 torchvision's ResNet-50 was built for 224x224 ImageNet images: a 7x7 stride-2 stem conv and a
 stride-2 max-pool shrink the input 4x before the first block. On 32x32 CIFAR images that leaves
@@ -35,7 +35,7 @@ def image_optimizer(model: nn.Module, name: str, lr: float, xla: bool = False):
 
     sgd: Nesterov momentum 0.9, weight decay 5e-4 (the classic CIFAR recipe). adamw: weight decay 0.05,
     capturable on XLA, so the bias corrections are computed on the device and the graph does not change
-    (recompile) when one of them rounds to exactly 1.0 after ~16,600 steps (see labkit.gpt.adamw)."""
+    (recompile) when one of them rounds to exactly 1.0 after ~16,600 steps (see labkit.models.gpt.adamw)."""
     import torch
 
     if name == "sgd":

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import re
 
-from . import xla_health
-from .device import current_runtime
-from .xla_rules import counts_from, findings
+from labkit.dashboard import health as xla_health
+from labkit.dashboard.rules import counts_from, findings
+from labkit.device import current_runtime
 
 _TIME = re.compile(r"(\d+(?:\.\d+)?)(ns|us|ms|s|m|h|d)")
 _UNIT = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}

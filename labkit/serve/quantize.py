@@ -1,6 +1,6 @@
 """INT8 post-training static quantization for x86 CPUs (PyTorch 2 export flow + Inductor), and how to measure it.
 
-    from labkit import quantize
+    from labkit.serve import quantize
     qmodel = quantize.quantize_x86(model, example_batch, calib_batches)   # int8 weights and activations
     fast = quantize.compile_cpu(qmodel, example_batch)                   # Inductor: fused int8 oneDNN kernels
     quantize.throughput(fast, torch.randn(32, 3, 32, 32))                # images/s

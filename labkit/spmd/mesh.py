@@ -1,9 +1,9 @@
 """Every chip of the host in one process: SPMD switch, meshes and the data-parallel batch plan.
 
     rt = labkit.setup(spmd="auto")          # SPMD when this host has more than one XLA device
-    plan = labkit.mesh.batch_plan(rt, per_chip=32)
+    plan = labkit.spmd.mesh.batch_plan(rt, per_chip=32)
     loader = make_loader(..., plan.host_batch, ...)   # the host feeds its chips' share; the
-    # ParallelLoader shards dim 0 over the mesh's "data" axis (input_sharding), the model stays replicated
+    # DeviceLoader shards dim 0 over the mesh's "data" axis (input_sharding), the model stays replicated
 
 Why SPMD and not one process per chip: on a TPU VM or a Kaggle v5e-8 a notebook has already
 initialised the runtime in its own process ("Runtime is already initialized" if it then spawns),
@@ -24,46 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import envsetup
-from .config import parse_bool
-
-SPMD_CHOICES = ("auto", "on", "off")
-
-
-def parse_spmd(value) -> str | bool:
-    """Returns "auto", True or False, from a bool or a string (auto, on/off, true/false, yes/no, 1/0).
-
-    Raises ValueError naming the setting for anything else."""
-    if isinstance(value, bool) or value is None:
-        return bool(value)
-    low = str(value).strip().lower()
-    if low == "auto":
-        return "auto"
-    try:
-        return parse_bool(low, "spmd")
-    except ValueError:
-        raise ValueError(f"spmd must be one of {', '.join(SPMD_CHOICES)} (or True/False), got {value!r}") from None
-
-
-def addressable_devices() -> int:
-    """XLA devices this process can drive (chips of the host; CPU_NUM_DEVICES on XLA:CPU).
-
-    Reading it starts the PJRT client but does not lock the SPMD choice: `xr.use_spmd()` may
-    still follow as long as no XLA tensor exists (measured with torch_xla 2.9)."""
-    import torch_xla.runtime as xr
-
-    return int(xr.addressable_runtime_device_count())
-
-
-def wants_spmd(spmd, kind: str) -> bool:
-    """Resolve setup()'s `spmd` for a backend: "auto" means on with more than one local XLA device."""
-    choice = parse_spmd(spmd)
-    xla = kind in ("tpu", "xla-cpu")
-    if choice == "auto":
-        return xla and addressable_devices() > 1
-    if choice and not xla:
-        raise ValueError(f"spmd=True needs an XLA backend (tpu or xla-cpu), not {kind!r}")
-    return bool(choice)
+from labkit import envsetup
+from labkit.device import addressable_devices  # the SPMD switch itself lives in labkit.device
 
 
 def make_mesh(shape: tuple[int, ...] | None = None, axis_names: tuple[str, ...] = ("data",)):

@@ -5,14 +5,14 @@
         ("batch (B, T)", (16, 16), "{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}")]}])
     fig.savefig("layouts.png")
 
-Draws from plain data (shapes and XLA sharding strings, as labkit.sharding.layout_table and
+Draws from plain data (shapes and XLA sharding strings, as labkit.spmd.sharding.layout_table and
 sharding_of give them): each tile of a tensor is a rectangle in proportion to its slice, coloured
 by the first device holding it and labelled with every device that holds a copy.
 """
 
 from __future__ import annotations
 
-from .sharding import tile_devices
+from labkit.spmd.sharding import tile_devices
 
 
 def _label(ids: list[int], devices: int) -> str:

@@ -42,7 +42,7 @@ blocking save(), against the one-file format's 10.6 CPU-s/GB and 1.6 s blocking 
 global tensor on the host before torch.save); on a loaded machine 14.7 vs 29.8 CPU-s/GB. Small
 tensors cost ~1.6 KB each per shard in DCP's file (one torch.save record per piece): a tiny GPT's 180 KB state took 810 KB over 8 devices.
 
-Scope: one process (one host, all its devices: what labkit.mesh sets up). Several hosts would
+Scope: one process (one host, all its devices: what labkit.spmd.mesh sets up). Several hosts would
 each write their own shards but need a process group for DCP to agree on one `.metadata`.
 """
 
@@ -61,10 +61,10 @@ import warnings
 
 import torch
 
-from . import gcs
-from .checkpoint import CheckpointManager
-from .state_io import hold_for_tests
-from .storage import GCSStore, LocalStore
+from labkit.checkpoint import CheckpointManager
+from labkit.checkpoint.state import hold_for_tests
+from labkit.cloud import gcs
+from labkit.cloud.store import GCSStore, LocalStore
 
 MARKER = "COMMITTED"
 _STEP = re.compile(r"^step-(\d{8,})$")

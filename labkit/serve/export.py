@@ -37,11 +37,11 @@ def build_model(arch: dict) -> torch.nn.Module:
     args = dict(arch)
     name = args.pop("name", None)
     if name == "resnet50_cifar":
-        from .models import resnet50_cifar
+        from labkit.models.resnet import resnet50_cifar
 
         return resnet50_cifar(**args)
     if name == "gpt":
-        from .gpt import GPT, GPTConfig
+        from labkit.models.gpt import GPT, GPTConfig
 
         return GPT(GPTConfig(**args))
     raise ValueError(f"unknown architecture {name!r} in serving checkpoint (expected 'resnet50_cifar' or 'gpt')")
@@ -76,7 +76,7 @@ def save_for_serving(
     """Write the trainer's model (CPU float32 tensors), its architecture, the final evaluation metrics,
     `meta` (plain data: class names, normalisation, where the validation data live) and a reference:
     the training device's logits for `example` under the run's autocast. Atomic (write + rename)."""
-    from .state_io import to_cpu
+    from labkit.checkpoint.state import to_cpu
 
     module = getattr(trainer, "module", trainer)
     rt, bf16 = getattr(trainer, "rt", None), bool(getattr(getattr(trainer, "cfg", None), "bf16", False))
@@ -105,7 +105,7 @@ def load_serving(path: str | os.PathLike) -> dict:
     """Read a serving checkpoint on the CPU (weights_only: no code from the file runs)."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"no serving checkpoint at {path} (written by labkit.export.save_for_serving)")
+        raise FileNotFoundError(f"no serving checkpoint at {path} (written by labkit.serve.export.save_for_serving)")
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not a labkit serving checkpoint (format {FORMAT!r})")
@@ -187,8 +187,7 @@ def stand_in_resnet(workdir: str | os.PathLike, steps: int = 60, seed: int = 0) 
     workdir (with digits shards for train and val): ResNet-50 with the ImageNet stem, `steps` AdamW steps of
     32 digits. For when no real checkpoint exists; its accuracy is far below a real run's."""
     from data_tools import make_loader, write_dataset
-
-    from .models import resnet50_cifar
+    from labkit.models.resnet import resnet50_cifar
 
     workdir = Path(workdir)
     for split in ("train", "val"):

@@ -1,13 +1,13 @@
 """Google Cloud Storage access shared by data_tools and labkit.checkpoint.
 
-    from labkit import gcs
+    from labkit.cloud import gcs
     bucket, name = gcs.parse_url("gs://my-bucket/shards/train-000000.tar")
     gcs.upload_file("local.tar", "gs://my-bucket/shards/train-000000.tar")   # verified crc32c
     with gcs.open_read("gs://my-bucket/shards/train-000000.tar") as f: ...    # streaming
 
 One `google.cloud.storage.Client` per process (created lazily, re-created after fork),
 so connections are reused. With ``STORAGE_EMULATOR_HOST`` set (a loopback server, see
-`labkit.gcs_emulator`) the client talks to it with anonymous credentials; otherwise it
+`labkit.cloud.emulator`) the client talks to it with anonymous credentials; otherwise it
 uses Application Default Credentials.
 
 Your own bucket, from a notebook:
@@ -29,7 +29,7 @@ import base64
 import os
 import threading
 
-from . import envsetup
+from labkit import envsetup
 
 _lock = threading.Lock()
 _client = None
@@ -92,13 +92,13 @@ def project_from_environment() -> str | None:
 def _no_credentials(detail: str = "") -> GCSAuthError:
     place = envsetup.detect_platform()
     how = {
-        "colab": "call labkit.gcs.sign_in(path) (google.colab.auth.authenticate_user() under the hood)",
+        "colab": "call labkit.cloud.gcs.sign_in(path) (google.colab.auth.authenticate_user() under the hood)",
         "kaggle": "attach your Google account under Add-ons > Google Cloud Services (Cloud Storage), "
-        "then call labkit.gcs.sign_in(path)",
+        "then call labkit.cloud.gcs.sign_in(path)",
     }.get(
         place.split("-")[0],
         "run `gcloud auth application-default login` (or use a VM whose service "
-        "account has access), then call labkit.gcs.sign_in(path)",
+        "account has access), then call labkit.cloud.gcs.sign_in(path)",
     )
     return GCSAuthError(
         f"no Google credentials for Cloud Storage ({place}): {how}" + (f" [{detail}]" if detail else "")

@@ -14,9 +14,9 @@ A compile after warm-up is a recompilation. Its usual cause is an input shape th
 the warm-up shapes (a short last batch, variable sequence lengths); when the shapes match, the
 graph itself changed (a Python number baked into the graph, data-dependent Python control flow).
 Each recompilation event names the inputs that changed (old -> new shape and dtype) and, when a
-labkit.syncs.SyncFinder is active (the Dashboard runs one on XLA), the user's line that made XLA
+labkit.dashboard.syncs.SyncFinder is active (the Dashboard runs one on XLA), the user's line that made XLA
 compile: a read in the step (`if t:`, `.item()`) or the sync that ended it. The rules that turn
-these numbers into warnings live in labkit.xla_rules (shared with labkit.explain).
+these numbers into warnings live in labkit.dashboard.rules (shared with labkit.dashboard.explain).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections import Counter
 
 import torch
 
-from .xla_rules import BRANCH_REASON, SAME_SHAPES_REASON, counts_from, findings
+from labkit.dashboard.rules import BRANCH_REASON, SAME_SHAPES_REASON, counts_from, findings
 
 _BRANCH_READS = ("__bool__", "__int__", "__index__", "__float__", "item")  # reads whose value steers Python
 
@@ -144,7 +144,7 @@ def describe_change(old: tuple, new: tuple) -> str:
 class HealthMonitor:
     """Watches compiles per step and XLA counters per interval; produces warnings in plain words.
 
-    finder: a labkit.syncs.SyncFinder that is active during training (the Dashboard starts one):
+    finder: a labkit.dashboard.syncs.SyncFinder that is active during training (the Dashboard starts one):
     then each recompilation also names the user line that triggered it, and the transfer warning
     names the lines that read from the device."""
 

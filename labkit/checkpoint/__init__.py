@@ -1,0 +1,26 @@
+"""Checkpoints: save every N steps in the background, restore the newest that verifies, resume exactly.
+
+    ckpt = labkit.CheckpointManager("gs://bucket/run1", keep=3)   # or a local folder
+    labkit.Trainer(..., checkpoint=ckpt).fit()                    # saves; cfg.resume=True restores
+
+manager.py: CheckpointManager (one file per step, or the sharded format when the state is split over devices);
+sharded.py: the sharded format (torch.distributed.checkpoint with torch_xla's planners);
+state.py: what a checkpoint holds and how it is checked (to_cpu, verify, check_compatible).
+Where the bytes go (a local folder or a GCS prefix) is labkit.cloud.store, shared with data_tools.
+"""
+
+from labkit.checkpoint.manager import CheckpointManager, object_name
+from labkit.checkpoint.sharded import MARKER, ShardedCheckpointManager, folder_name, is_sharded
+from labkit.checkpoint.state import check_compatible, to_cpu, verify
+
+__all__ = [
+    "MARKER",
+    "CheckpointManager",
+    "ShardedCheckpointManager",
+    "check_compatible",
+    "folder_name",
+    "is_sharded",
+    "object_name",
+    "to_cpu",
+    "verify",
+]

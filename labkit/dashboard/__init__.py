@@ -1,0 +1,33 @@
+"""The live dashboard and what it reads: loss and throughput curves, MFU, and XLA's health (compiles,
+recompiles with their cause, CPU fallbacks, host syncs per line of your code), in plain words.
+
+    dash = labkit.Dashboard(flops_per_step=...)   # collector.py; drawn by sinks.py + view.py
+    labkit.Trainer(..., callbacks=[dash]).fit()
+    labkit.explain(dash)                          # explain.py, with the diagnosis rules of rules.py
+
+controls.py: the buttons (profile, stop after this epoch, save now); health.py: XLA's counters per interval and
+the recompile detective; syncs.py: the host-sync finder; flops.py: peak FLOP/s per chip and MFU.
+"""
+
+from labkit.dashboard import flops
+from labkit.dashboard.collector import Dashboard
+from labkit.dashboard.controls import Controls
+from labkit.dashboard.explain import explain, parse_report
+from labkit.dashboard.health import HealthMonitor, compile_count
+from labkit.dashboard.sinks import ConsoleSink, NotebookSink, environment, force_console
+from labkit.dashboard.syncs import SyncFinder
+
+__all__ = [
+    "ConsoleSink",
+    "Controls",
+    "Dashboard",
+    "HealthMonitor",
+    "NotebookSink",
+    "SyncFinder",
+    "compile_count",
+    "environment",
+    "explain",
+    "flops",
+    "force_console",
+    "parse_report",
+]

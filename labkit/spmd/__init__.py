@@ -1,0 +1,22 @@
+"""Every chip of the host in one process (SPMD): meshes, the batch plan, sharding specs, collectives read
+from XLA's optimized HLO, and pictures of layouts. torch_xla-specific; the ideas map onto DTensor and JAX.
+
+    rt = labkit.setup(spmd="auto")
+    plan = labkit.spmd.batch_plan(rt, per_chip=32)
+    mesh = labkit.spmd.make_mesh((2, 4), ("data", "model"))
+"""
+
+from labkit.spmd import sharding
+from labkit.spmd.mesh import BatchPlan, batch_plan, make_mesh, practice_devices, throughput, virtual_cpu_devices
+from labkit.spmd.view import draw_layouts
+
+__all__ = [
+    "BatchPlan",
+    "batch_plan",
+    "draw_layouts",
+    "make_mesh",
+    "practice_devices",
+    "sharding",
+    "throughput",
+    "virtual_cpu_devices",
+]
