@@ -68,7 +68,7 @@ def _roots() -> tuple[str, ...]:
 
     roots = [
         os.path.dirname(torch.__file__),
-        os.path.dirname(os.path.abspath(__file__)),
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # all of labkit
         sysconfig.get_paths()["stdlib"],
     ]
     if "torch_xla" in sys.modules:
