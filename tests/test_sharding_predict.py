@@ -145,7 +145,7 @@ def test_layout_picture_draws_every_tile():
 
 def test_practice_devices_sets_the_cpu_mesh_and_the_dump_before_torch_xla(tmp_path):
     code = (
-        "import os, sys; from labkit import mesh; "
+        "import os, sys; from labkit.spmd import mesh; "
         f"print(mesh.practice_devices(8, {str(tmp_path)!r})); "
         "print(os.environ['PJRT_DEVICE'], os.environ['CPU_NUM_DEVICES'], os.environ['XLA_FLAGS']); "
         "import torch_xla; print(mesh.practice_devices(8, 'elsewhere'))"
