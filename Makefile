@@ -28,6 +28,7 @@ notebooks: venv
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	.venv/bin/lint-imports  # the layout's contracts (pyproject.toml [tool.importlinter])
 
 test: venv lint
 	PJRT_DEVICE=CPU LABKIT_FAST=1 MPLBACKEND=Agg LABKIT_CONSOLE=1 $(PY) -m pytest tests notebooks \
