@@ -56,6 +56,7 @@ class Image:
     run_env: dict[str, str]  # what CI adds to run it on a CPU
     expect: dict[str, str]  # what the set-up cell should print, e.g. {"platform": "colab-tpu", "choice": "keep"}
     colab: bool
+    notebooks: tuple[str, ...] = ("01", "02")  # the notebooks CI runs in this image (their number prefixes)
 
     @property
     def venv(self) -> Path:
@@ -78,7 +79,7 @@ def load(name_or_path: str | Path) -> Image:
     header: dict[str, str] = {}
     pins: dict[str, str] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
-        m = re.match(r"#\s*(python|env|run-env|expect|colab):\s*(.*)$", line)
+        m = re.match(r"#\s*(python|env|run-env|expect|colab|notebooks):\s*(.*)$", line)
         if m:
             header[m.group(1)] = m.group(2).strip()
             continue
@@ -100,6 +101,7 @@ def load(name_or_path: str | Path) -> Image:
         run_env=_pairs(header.get("run-env", "")),
         expect=_pairs(header.get("expect", "")),
         colab="colab" in header,
+        notebooks=tuple(header.get("notebooks", "01 02").split("(")[0].split()),  # "(why)" is a comment
     )
 
 

@@ -1,6 +1,6 @@
 """Child process of tests/test_images.py and tests/test_py313.py (run in the background, tests/background.py).
 
-    python tests/image_job.py IMAGE OUT.json      # both notebooks in the image venv .venvs/IMAGE
+    python tests/image_job.py IMAGE OUT.json      # the image's notebooks (its '# notebooks:' line) in .venvs/IMAGE
     python tests/image_job.py py3.13 OUT.json     # the unit suite on Python 3.13 (the lock)
 
 Writes what the test asserts on to OUT.json; the test prints and checks it.
@@ -24,7 +24,18 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = [ROOT / "notebooks" / "01_resnet50_cifar10.ipynb", ROOT / "notebooks" / "02_transformer_lm.ipynb"]
+
+
+def notebooks_of(img) -> list[Path]:
+    """The notebooks an image runs, from its header's `# notebooks: 01 02 ...` line (number prefixes)."""
+    found = []
+    for prefix in img.notebooks:
+        match = sorted((ROOT / "notebooks").glob(f"{prefix}_*.ipynb"))
+        if len(match) != 1:
+            raise FileNotFoundError(f"{img.pin_file}: '# notebooks:' names {prefix}, which matches {match or 'no notebook'}")
+        found.append(match[0])
+    return found
+
 CELL_TIMEOUT = 2400  # a hang guard: the image runs share the cores with the rest of the suite
 
 
@@ -50,6 +61,7 @@ def kernel_env(img, workdir: Path) -> dict[str, str]:
     env.update(img.run_env)
     env.update(
         LABKIT_FAST="1",
+        LABKIT_SOLUTIONS="1",  # the exercises run their hidden solutions, as in the main suite
         LABKIT_PIP_SPEC=str(ROOT),  # the set-up cell installs labkit from this checkout
         IPYTHONDIR=str(workdir / "ipython"),  # no profile of this machine's user
         PYTHONNOUSERSITE="1",
@@ -118,7 +130,7 @@ def image_run(name: str) -> dict:
     out_dir.mkdir(parents=True)
     runs = {}
     if pristine:
-        for path in NOTEBOOKS:
+        for path in notebooks_of(img):
             workdir = tmp / path.stem  # data/ and checkpoints/ land here, not next to the committed notebook
             workdir.mkdir()
             runs[path.stem] = run_notebook(path, img, kernel, workdir, out_dir)
@@ -127,6 +139,7 @@ def image_run(name: str) -> dict:
     return {
         "python": img.python,
         "expect": img.expect,
+        "notebooks": [p.stem for p in notebooks_of(img)],
         "built": built,
         "pristine": pristine,
         "runs": runs,
