@@ -32,9 +32,12 @@ def notebooks_of(img) -> list[Path]:
     for prefix in img.notebooks:
         match = sorted((ROOT / "notebooks").glob(f"{prefix}_*.ipynb"))
         if len(match) != 1:
-            raise FileNotFoundError(f"{img.pin_file}: '# notebooks:' names {prefix}, which matches {match or 'no notebook'}")
+            raise FileNotFoundError(
+                f"{img.pin_file}: '# notebooks:' names {prefix}, which matches {match or 'no notebook'}"
+            )
         found.append(match[0])
     return found
+
 
 CELL_TIMEOUT = 2400  # a hang guard: the image runs share the cores with the rest of the suite
 

@@ -70,4 +70,6 @@ def test_notebooks_in_image(name, capsys):
                 problems.append(
                     f"{stem} in {name}: set-up cell printed {key}={got}, expected {key}={want}; its lines: {run['setup']}"
                 )
-    assert sorted(runs) == sorted(r["notebooks"]) and not problems, "\n\n".join(problems) or f"notebooks run: {sorted(runs)}"
+    assert sorted(runs) == sorted(r["notebooks"]) and not problems, (
+        "\n\n".join(problems) or f"notebooks run: {sorted(runs)}"
+    )

@@ -59,3 +59,18 @@ def test_cpu_flags_and_what_they_promise(tmp_path):
     assert quantize.cpu_flags(str(tmp_path / "none"))["model"].startswith("unknown")
     real = quantize.cpu_flags()
     assert set(quantize.INT8_FLAGS) <= set(real)
+
+
+def test_without_pt2e_the_error_says_what_to_install(monkeypatch):
+    """torch >= 2.10 without a torchao that has pt2e (Colab's GPU image: torch 2.11, torchao 0.10)."""
+    import sys
+
+    from labkit.serve import quantize
+
+    assert quantize.pt2e_missing() is None  # the lock's torch 2.9 still ships torch.ao's flow
+    for name in ("torchao", "torch.ao.quantization.quantize_pt2e"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import` of either now raises ImportError
+    reason = quantize.pt2e_missing()
+    assert reason is not None and "torchao>=0.11" in reason and "no torchao" in reason
+    with pytest.raises(ImportError, match="PT2E"):
+        quantize.pt2e_api()

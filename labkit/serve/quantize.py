@@ -68,7 +68,11 @@ def int8_outlook(flags: dict) -> str:
 
 
 def pt2e_api():
-    """(prepare_pt2e, convert_pt2e, X86InductorQuantizer, default_config_fn, where) from torchao or torch.ao."""
+    """(prepare_pt2e, convert_pt2e, X86InductorQuantizer, default_config_fn, where) from torchao or torch.ao.
+
+    torch < 2.10 ships the PT2E flow as torch.ao.quantization; from 2.10 it lives only in torchao
+    (torchao.quantization.pt2e, torchao >= 0.11). Colab's GPU image pairs torch 2.11 with torchao 0.10, which
+    has neither: then this raises ImportError saying what to install (see pt2e_missing())."""
     try:
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
         from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
@@ -77,18 +81,44 @@ def pt2e_api():
         )
 
         return prepare_pt2e, convert_pt2e, X86InductorQuantizer, get_default_x86_inductor_quantization_config, "torchao"
-    except ImportError:
+    except Exception:  # ImportError, or a torchao built for another torch failing in its own __init__
         pass
-    with warnings.catch_warnings():
-        warnings.simplefilter(
-            "ignore", DeprecationWarning
-        )  # "torch.ao.quantization ... removed in 2.10": see module doc
-        from torch.ao.quantization.quantize_pt2e import convert_pt2e, prepare_pt2e
-        from torch.ao.quantization.quantizer.x86_inductor_quantizer import (
-            X86InductorQuantizer,
-            get_default_x86_inductor_quantization_config,
-        )
+    try:
+        with warnings.catch_warnings():
+            # "torch.ao.quantization ... removed in 2.10": see the docstring
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from torch.ao.quantization.quantize_pt2e import convert_pt2e, prepare_pt2e
+            from torch.ao.quantization.quantizer.x86_inductor_quantizer import (
+                X86InductorQuantizer,
+                get_default_x86_inductor_quantization_config,
+            )
+    except ImportError:
+        raise ImportError(_missing_message()) from None
     return prepare_pt2e, convert_pt2e, X86InductorQuantizer, get_default_x86_inductor_quantization_config, "torch.ao"
+
+
+def _missing_message() -> str:
+    import importlib.metadata as md
+
+    try:
+        tao = f"torchao {md.version('torchao')}, which has no torchao.quantization.pt2e"
+    except md.PackageNotFoundError:
+        tao = "no torchao"
+    return (
+        f"x86 INT8 needs the PT2E quantization flow: torch {torch.__version__} no longer ships it "
+        f"(torch.ao.quantization.quantize_pt2e was removed in 2.10) and this environment has {tao}. "
+        "`pip install -U 'torchao>=0.11'` brings it (on a Colab image this replaces the image's torchao: "
+        "restart the runtime after it)"
+    )
+
+
+def pt2e_missing() -> str | None:
+    """None when the PT2E INT8 flow can run here, else the reason and the command that fixes it."""
+    try:
+        pt2e_api()
+    except ImportError as e:
+        return str(e)
+    return None
 
 
 def batch_dim(max_batch: int = 1024):
