@@ -187,8 +187,8 @@ from labkit import compile_cache
 
 if XLA:
     folder = os.path.join(tempfile.mkdtemp(), "xla-cache")
-    cold = compile_cache.first_step_in_child(folder, "mlp", "xla-cpu")
-    warm = compile_cache.first_step_in_child(folder, "mlp", "xla-cpu")
+    cold = labkit.lessons.first_step_in_child(folder, "mlp", "xla-cpu")
+    warm = labkit.lessons.first_step_in_child(folder, "mlp", "xla-cpu")
     for name, r in (("cold", cold), ("warm", warm)):
         hits = {k.removeprefix("PersistentCache"): v for k, v in r["counters"].items() if v}
         print(f"{name}: first step {r['first_step_s']:.2f} s, {r['compiles']} compile(s) {r['compile_s']:.2f} s, "
