@@ -117,6 +117,9 @@ import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
+from labkit.lessons import exercises  # check(), solutions_on(), results
+from labkit.lessons.exercises import nb00  # this notebook's checkers
+
 rt = labkit.setup()
 if not rt.is_xla:  # a GPU runtime picks torch's own CUDA; this notebook is about torch_xla
     rt = labkit.setup("xla-cpu")  # says what to pip install when torch_xla is missing
@@ -259,19 +262,13 @@ def pad_batch(x, y):
     return ...  # YOUR CODE: (x padded with zero rows, y padded with -100), both to a multiple of 8 rows
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# solution (collapsed; runs only with LABKIT_SOLUTIONS=1)
-from labkit.lessons import exercises
-from labkit.lessons.exercises import nb00
-
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if exercises.solutions_on():
     def pad_batch(x, y):
         return pad_to(x, y, 8 * math.ceil(len(x) / 8))  # pad on the host: on the device it would be a graph per size
 
 # %%
-from labkit.lessons import exercises
-from labkit.lessons.exercises import nb00
-
 exercises.check("00.bucket", lambda: nb00.check_pad_batch(pad_batch))
 
 # %% [markdown]
@@ -305,8 +302,8 @@ def masked_mean(pred, y):
     return ...  # YOUR CODE
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# solution (collapsed; runs only with LABKIT_SOLUTIONS=1)
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if exercises.solutions_on():
     def masked_mean(pred, y):
         keep = y >= 0
@@ -381,8 +378,8 @@ def quiet_epoch(model, opt, batches):
     return ...  # the mean loss as a float
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# solution (collapsed; runs only with LABKIT_SOLUTIONS=1)
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if exercises.solutions_on():
     def quiet_epoch(model, opt, batches):
         dev = next(model.parameters()).device
