@@ -35,6 +35,7 @@ NON_CONFIG_ENV = frozenset(
         "LABKIT_CONSOLE",  # dashboard: console lines instead of widgets
         "LABKIT_PIP_SPEC",  # the notebooks' set-up cell: what pip installs
         "LABKIT_ARTIFACTS",  # where notebook runs keep their outputs
+        "LABKIT_SOLUTIONS",  # notebooks: run the hidden exercise solutions (labkit.lessons.exercises)
         "LABKIT_HOST_ROOT",  # host-side data/cache root
         "LABKIT_CACHE",  # shard cache folder
         "LABKIT_PEAK_FLOPS",  # MFU denominator override

@@ -1,0 +1,195 @@
+"""Checkers for notebook 00's exercises (lazy tensors by hand). Each runs the learner's function on the XLA
+device and reads torch_xla's own counters: what is judged is what the code makes XLA do, never its text.
+
+    from labkit.lessons.exercises import check, nb00
+    check("00.bucket", lambda: nb00.check_pad_batch(pad_batch))
+    check("00.mask", lambda: nb00.check_masked_mean(masked_mean))
+    check("00.sync", lambda: nb00.check_quiet_epoch(quiet_epoch))
+
+Each checker needs an XLA device (`labkit.setup("xla-cpu")` or a TPU) and costs a few small compiles (well
+under a second each on XLA:CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from labkit.lessons.exercises import Wrong, require, todo
+
+# each call of a checker uses a feature width of its own: graphs compiled by an earlier attempt (XLA caches
+# them) cannot make a later one look compile-free
+_fresh = itertools.count()
+
+
+def _xla():
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    return torch_xla, met
+
+
+def compiles() -> int:
+    """Graphs XLA has compiled in this process (samples of the CompileTime metric)."""
+    _, met = _xla()
+    data = met.metric_data("CompileTime")
+    return data[0] if data else 0
+
+
+def fallbacks() -> dict[str, int]:
+    """torch_xla's `aten::*` counters: ops that had no XLA lowering and ran on the host CPU instead."""
+    _, met = _xla()
+    return {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")}
+
+
+def _new_fallbacks(before: dict[str, int]) -> dict[str, int]:
+    now = fallbacks()
+    return {n: v - before.get(n, 0) for n, v in now.items() if v > before.get(n, 0)}
+
+
+# -- 1. pad a batch to a bucket of 8 ------------------------------------------------------------------------
+
+
+def check_pad_batch(pad_batch, sizes=(5, 7, 8, 12, 16, 3, 9, 13)) -> str:
+    """pad_batch(x, y) -> (x_padded, y_padded) on the host: rows up to the next multiple of 8, padding labels
+    -100 (the loss ignores them). Judged by: shapes, a loss equal to the unpadded one, and one compile per
+    bucket over batches of many sizes."""
+    torch_xla, _ = _xla()
+    dev = torch_xla.device()
+    torch.manual_seed(0)
+    d = 4 + next(_fresh)
+    lin = torch.nn.Linear(d, 3)
+    lin_x = copy.deepcopy(lin).to(dev)
+    torch_xla.sync()  # nothing of the caller's pending work is counted below
+    buckets, c0 = set(), compiles()
+    for n in sizes:
+        x, y = torch.randn(n, d), torch.randint(0, 3, (n,))
+        out = pad_batch(x, y)
+        todo(out)
+        require(isinstance(out, (tuple, list)) and len(out) == 2, "return the pair (x_padded, y_padded)")
+        xp, yp = out
+        todo(xp)
+        todo(yp)
+        want = 8 * math.ceil(n / 8)
+        require(
+            tuple(xp.shape) == (want, d) and tuple(yp.shape) == (want,),
+            f"a batch of {n} rows should become {want} rows (the next multiple of 8); got x {tuple(xp.shape)}, "
+            f"y {tuple(yp.shape)}",
+        )
+        buckets.add(want)
+        loss = F.cross_entropy(lin_x(xp.to(dev)), yp.to(dev), ignore_index=-100)
+        torch_xla.sync()
+        ref = F.cross_entropy(lin(x), y).item()
+        got = loss.cpu().item()
+        require(
+            abs(got - ref) < 1e-5,
+            f"batch of {n}: the loss of the padded batch is {got:.5f}, of the batch itself {ref:.5f}: padding rows "
+            "must not count (label them -100, cross_entropy's ignore_index)",
+        )
+    extra = compiles() - c0
+    require(
+        extra <= len(buckets),
+        f"{len(sizes)} batch sizes in {len(buckets)} buckets compiled {extra} graphs; each "
+        "bucket should compile once (pad on the host: padding on the device is itself an op on the unpadded shape)",
+    )
+    return f"{len(sizes)} batch sizes, {len(buckets)} buckets {sorted(buckets)}, {extra} graph(s) compiled"
+
+
+# -- 2. a masked mean without dynamic shapes ----------------------------------------------------------------
+
+
+def check_masked_mean(masked_mean) -> str:
+    """masked_mean(pred, y): the mean of pred over the positions where y >= 0. Judged by: the value, no CPU
+    fallback (`aten::*` counter), and no new graph when the number of valid positions changes."""
+    torch_xla, _ = _xla()
+    dev = torch_xla.device()
+    n = 16 + next(_fresh)
+    g = torch.Generator().manual_seed(1)
+    pred = torch.randn(n, generator=g)
+    masks = [[(-1 if (i + k) % (k + 2) == 0 else 1) for i in range(n)] for k in range(4)]  # 8..12 valid
+    c0 = None
+    for k, labels in enumerate(masks):
+        y = torch.tensor(labels)
+        px, yx = pred.to(dev), y.to(dev)
+        torch_xla.sync()  # the inputs are on the device before anything is counted
+        before, c_before = fallbacks(), compiles()
+        out = masked_mean(px, yx)
+        todo(out)
+        require(torch.is_tensor(out), f"return a tensor (got {type(out).__name__})")
+        torch_xla.sync()
+        new = _new_fallbacks(before)
+        require(
+            not new,
+            f"{new}: these ops ran on the host CPU (a CPU fallback); boolean indexing needs the number of "
+            "selected rows, which only the data know: keep the shape fixed (torch.where, or multiply by the mask)",
+        )
+        if c0 is None:
+            c0 = compiles()
+        elif compiles() > c_before:
+            raise Wrong(
+                f"mask {k} ({int((y >= 0).sum())} valid of {n}) compiled a new graph: the graph still depends on "
+                "how many values are valid"
+            )
+        want = pred[y >= 0].mean().item()
+        got = out.cpu().item()
+        require(abs(got - want) < 1e-5, f"mask {k}: got {got:.6f}, the mean over y >= 0 is {want:.6f}")
+    return f"{len(masks)} masks with {[sum(v >= 0 for v in m) for m in masks]} valid values: one graph, no fallback"
+
+
+# -- 3. an epoch that reads the device once -----------------------------------------------------------------
+
+
+def _task(device, seed: int = 0, steps: int = 6):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(seed)
+    batches = [(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(steps)]
+    return model, opt, batches
+
+
+def noisy_epoch(model, opt, batches) -> float:
+    """The reference: right answer, one host sync per step (`.item()`)."""
+    import torch_xla
+
+    dev = next(model.parameters()).device
+    total = 0.0
+    for x, y in batches:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x.to(dev)), y.to(dev))
+        loss.backward()
+        opt.step()
+        total += loss.item()
+        torch_xla.sync()
+    return total / len(batches)
+
+
+def check_quiet_epoch(quiet_epoch, steps: int = 6) -> str:
+    """quiet_epoch(model, opt, batches) -> float: the mean training loss of the epoch, reading the device at
+    most once. Judged by: the value (same as the per-step `.item()` version) and the reads that labkit's
+    SyncFinder counts while it runs."""
+    from labkit.dashboard.syncs import SyncFinder
+
+    torch_xla, _ = _xla()
+    dev = torch_xla.device()
+    want = noisy_epoch(*_task(dev, steps=steps))
+    model, opt, batches = _task(dev, steps=steps)
+    finder = SyncFinder()
+    with finder:
+        got = quiet_epoch(model, opt, batches)
+    todo(got)
+    reads = sum(finder.total.values())
+    if torch.is_tensor(got):
+        raise Wrong("return a Python float (read the device once, at the end), not a tensor")
+    require(isinstance(got, (int, float)), f"return a float, got {type(got).__name__}")
+    require(
+        abs(got - want) < 1e-5,
+        f"mean loss {got:.6f}, but the epoch's mean loss is {want:.6f} (sum the per-step losses on the device)",
+    )
+    lines = "; ".join(f"{n}× {s}" for s, n in finder.total.most_common(3))
+    require(reads <= 1, f"{reads} device->host reads in {steps} steps ({lines}): read once, after the loop")
+    return f"{steps} steps, {reads} read, mean loss {got:.4f}"

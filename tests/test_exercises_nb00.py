@@ -1,0 +1,111 @@
+"""Notebook 00's exercise checkers on XLA:CPU: each accepts a right answer and turns away the wrong ones it was
+written for (padding on the device, labels that count, boolean indexing, a read per step), with a message that
+says what is wrong; and every solution cell of every notebook is collapsed and runs only with LABKIT_SOLUTIONS."""
+
+import math
+
+import nbformat
+import pytest
+import torch
+import torch.nn.functional as F
+
+import labkit
+from labkit.lessons import exercises
+from labkit.lessons.exercises import NotDone, Wrong, nb00
+from tests.test_notebooks import ROOT
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return labkit.setup("xla-cpu").device
+
+
+def _pad(x, y, value=-100):
+    extra = 8 * math.ceil(len(x) / 8) - len(x)
+    return F.pad(x, (0, 0, 0, extra)), F.pad(y, (0, extra), value=value)
+
+
+def test_pad_batch(dev):
+    assert "buckets [8, 16]" in nb00.check_pad_batch(_pad)
+    with pytest.raises(NotDone):
+        nb00.check_pad_batch(lambda x, y: ...)
+    with pytest.raises(Wrong, match="padding rows must not count"):
+        nb00.check_pad_batch(lambda x, y: _pad(x, y, value=0))
+    with pytest.raises(Wrong, match="next multiple of 8"):
+        nb00.check_pad_batch(lambda x, y: (F.pad(x, (0, 0, 0, 16 - len(x) % 16)), F.pad(y, (0, 16 - len(y) % 16))))
+    with pytest.raises(Wrong, match=r"compiled \d+ graphs; each bucket should compile once"):
+        nb00.check_pad_batch(lambda x, y: _pad(x.to(dev), y.to(dev)))  # padded on the device: a graph per size
+
+
+def test_masked_mean(dev):
+    def right(pred, y):
+        keep = y >= 0
+        return torch.where(keep, pred, 0.0).sum() / keep.sum()
+
+    assert "one graph, no fallback" in nb00.check_masked_mean(right)
+    with pytest.raises(Wrong, match="aten::nonzero"):
+        nb00.check_masked_mean(lambda pred, y: pred[y >= 0].mean())
+    with pytest.raises(Wrong, match="the mean over y >= 0"):
+        nb00.check_masked_mean(lambda pred, y: pred.mean())
+
+
+def test_quiet_epoch(dev):
+    import torch_xla
+
+    def right(model, opt, batches):
+        d = next(model.parameters()).device
+        total = torch.zeros((), device=d)
+        for x, y in batches:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x.to(d)), y.to(d))
+            loss.backward()
+            opt.step()
+            total += loss.detach()
+            torch_xla.sync()
+        return total.item() / len(batches)
+
+    def loud(model, opt, batches):
+        d = next(model.parameters()).device
+        losses = []
+        for x, y in batches:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x.to(d)), y.to(d))
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))  # the read per step the exercise is about
+            torch_xla.sync()
+        return sum(losses) / len(losses)
+
+    assert "1 read" in nb00.check_quiet_epoch(right)
+    with pytest.raises(Wrong, match=r"6 device->host reads in 6 steps \(6× test_exercises_nb00.py:\d+ losses.append"):
+        nb00.check_quiet_epoch(loud)
+    with pytest.raises(Wrong, match="not a tensor"):
+        nb00.check_quiet_epoch(lambda m, o, b: torch.zeros(()))
+
+
+def test_check_prints_and_raises_only_with_solutions(monkeypatch, capsys):
+    def wrong():
+        raise Wrong("not like this")
+
+    monkeypatch.setenv("LABKIT_SOLUTIONS", "0")
+    assert exercises.check("t.x", wrong) is False and exercises.results["t.x"] is False
+    assert "✗ t.x: not yet: not like this" in capsys.readouterr().out
+    monkeypatch.setenv("LABKIT_SOLUTIONS", "1")
+    with pytest.raises(Wrong):
+        exercises.check("t.x", wrong)
+
+
+def test_solution_cells_are_collapsed_and_guarded():
+    """Every cell tagged 'solution' is hidden in Jupyter (source_hidden) and Colab (a form), and defines its answer
+    only under solutions_on(): Run all leaves the learner's own cell in force."""
+    found = 0
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if "solution" not in cell.metadata.get("tags", []):
+                continue
+            found += 1
+            assert cell.metadata.get("jupyter", {}).get("source_hidden") is True, f"{path.name}: {cell.id} not hidden"
+            assert cell.metadata.get("colab", {}).get("cellView") == "form", f"{path.name}: {cell.id} not a form"
+            code = [ln for ln in cell.source.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+            assert code[0] == "if exercises.solutions_on():", f"{path.name}: {cell.id} runs without LABKIT_SOLUTIONS"
+    assert found >= 3
