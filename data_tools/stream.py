@@ -20,6 +20,10 @@ next epoch's shuffle. Shard order is a permutation seeded by (seed, epoch), the 
 buffer by (seed, epoch, rank, worker): the same seed, epoch, world size and num_workers give the
 same batches. Iterating again without set_epoch() advances the epoch by itself.
 
+Augmentation (training): a random crop from the image padded by `crop_padding`, and a horizontal
+flip only where the manifest says a mirror image keeps its label ("hflip": CIFAR-10 yes, digits
+no; `flip=` overrides).
+
 Evaluation: each replica reads its shards once, in order. Every sample is seen exactly once
 across replicas. `last_batch="pad"` (default) pads each worker's last batch to full size with
 zero images and label -100 (PyTorch's cross_entropy ignore_index), keeping shapes static;

@@ -74,7 +74,7 @@ def _retrying(url: str, timeout: float, attempt: Callable[[], object], transient
     )
 
 
-def _http_request(url: str, start: int = 0) -> urllib.request.Request:
+def http_request(url: str, start: int = 0) -> urllib.request.Request:
     """The request for `url`, its user info (`https://user:pass@host/...`) moved into an
     `Authorization: Basic` header: urllib would otherwise send it to DNS as part of the host name.
     The header is not repeated on a redirect (add_unredirected_header): credentials for one host
@@ -109,7 +109,7 @@ class _HttpStream(Wrapper):
     def _get(self, start: int):
         def attempt():
             try:  # timeout: per socket wait, connect included
-                r = urllib.request.urlopen(_http_request(self.url, start), timeout=self.timeout)
+                r = urllib.request.urlopen(http_request(self.url, start), timeout=self.timeout)
             except urllib.error.HTTPError as e:
                 if e.code in (404, 410):
                     raise FileNotFoundError(f"not found: {redact(self.url)} (HTTP {e.code})") from None

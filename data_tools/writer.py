@@ -158,6 +158,8 @@ def write_shards(
         raise ValueError(f"images must be uint8 (N, H, W, 3), got {images.dtype} {images.shape}")
     if len(images) != len(labels) or len(images) == 0:
         raise ValueError(f"{len(images)} images but {len(labels)} labels (need the same, non-zero number)")
+    if not split or any(c in split for c in "/\\:\0") or split.startswith("."):
+        raise ValueError(f"split {split!r} must be a plain name (no /, \\, :, leading dot): it starts every shard name")
     if encoding not in ENCODINGS:
         raise ValueError(f"unknown encoding {encoding!r}; valid: {', '.join(ENCODINGS)}")
     if upsample < 1 or samples_per_shard < 1 or max_shard_bytes < 1:

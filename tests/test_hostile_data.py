@@ -229,6 +229,14 @@ def test_writer_keeps_files_no_labkit_manifest_lists(tmp_path):
     )
 
 
+def test_a_split_name_that_would_make_bad_shard_names_is_refused(tmp_path):
+    x, y, names = load_source("synthetic", "train", num_synthetic=5)
+    for bad in ("a:b", "../x", ".hidden", "a\\b"):
+        with pytest.raises(ValueError, match=f"split {re.escape(repr(bad))} must be a plain name"):
+            write_shards(x, y, str(tmp_path / "o"), split=bad, class_names=names)
+    assert not (tmp_path / "o").exists() or os.listdir(tmp_path / "o") == []
+
+
 # -- 4. a full disk ---------------------------------------------------------------------------------------
 def test_disk_full_while_writing_cleans_up_and_says_so(tmp_path, monkeypatch):
     import webdataset.writer
@@ -325,6 +333,12 @@ def test_digits_are_never_mirrored_cifar_still_is(tmp_path):
     assert write_shards(x, y, str(cifar), class_names=names, samples_per_shard=30, source="cifar10")["hflip"]
     same, mirrored = _streamed_vs_source(cifar, x)
     assert mirrored > 5 and same + mirrored == 60
+    # a CIFAR-10 manifest written before manifests said so: its source decides (notebook 01 keeps its flips)
+    man = json.loads((cifar / "manifest.json").read_text())
+    del man["hflip"]
+    (cifar / "manifest.json").write_text(json.dumps(man))
+    assert make_loader(str(cifar / "manifest.json"), 10, train=True).stream.flip is True
+    assert make_loader(str(digits / "manifest.json"), 10, train=True, flip=True).stream.flip is True
 
 
 # -- weak spots: broken tars, duplicate keys, decompression bombs, odd gs:// paths, a dying GCS server --------
