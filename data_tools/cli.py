@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from .sources import SOURCES, SPLITS
+from .urls import redact
 from .writer import ENCODINGS, write_dataset
 
 
@@ -50,16 +51,16 @@ def main(argv=None, prog: str = "python -m data_tools") -> int:
             verbose=not a.quiet,
         )
     except (RuntimeError, OSError, ValueError) as e:  # OSError: missing/unwritable/unreachable output
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(
-            f"interrupted: {a.out} keeps its previous manifest and shards (or none, if publishing had begun)",
+            f"interrupted: {redact(a.out)} keeps its previous manifest and shards (or none, if publishing had begun)",
             file=sys.stderr,
         )
         return 130
     print(
-        f"{m['num_samples']} samples in {len(m['shards'])} shards -> {a.out}/manifest.json "
+        f"{m['num_samples']} samples in {len(m['shards'])} shards -> {redact(a.out)}/manifest.json "
         f"(mean {m['mean']}, std {m['std']})"
     )
     return 0

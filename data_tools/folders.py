@@ -9,19 +9,26 @@
 Local: the staging folder is `<out>/.staging-<generation>/` (same file system: publishing is a
 rename). gs://: shards are staged under `<out>/.staging-<generation>/` in the bucket and copied to
 their final names (GCS has no rename; a copy inside a bucket moves no data through this host).
-Leftovers of killed writes are removed by the next write (one writer per folder at a time).
+Leftovers of killed writes (`.staging-<12 hex digits>`) are removed by the next write (one writer
+per folder at a time); nothing else in the folder is touched unless a labkit manifest lists it
+(see data_tools.writer).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 
 from labkit.cloud import gcs
 
 from .manifest import MANIFEST
+from .urls import check_gs_url
 
+# a staging folder of a labkit write: `.staging-` + the 12 hex digits of its generation. Only these are
+# removed as leftovers of killed writes; any other `.staging-*` belongs to someone else and stays.
+STAGING = re.compile(r"\.staging-[0-9a-f]{12}")
 GCS_TIMEOUT = 30.0  # seconds per request while writing to gs://; retries stop after twice that
 GCS_REACH_S = 10.0  # the first request (the bucket check) retries an unreachable endpoint this long
 
@@ -37,9 +44,16 @@ class _Local:
             raise type(e)(f"cannot write to output folder {out}: {e.strerror or e}") from None
         self.out = out
 
+    def url(self, name: str) -> str:
+        return os.path.join(self.out, name)
+
+    def head(self, name: str, n: int = 512) -> bytes:
+        with open(os.path.join(self.out, name), "rb") as f:
+            return f.read(n)
+
     def stage(self, gen: str) -> str:
-        for name in os.listdir(self.out):  # what killed writes left (one writer per folder at a time)
-            if name.startswith(".staging-"):
+        for name in os.listdir(self.out):  # what killed labkit writes left (one writer per folder at a time)
+            if STAGING.fullmatch(name):
                 shutil.rmtree(os.path.join(self.out, name), ignore_errors=True)
         d = os.path.join(self.out, f".staging-{gen}")
         os.makedirs(d)
@@ -69,6 +83,9 @@ class _Local:
     def done(self, staging: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
+    def local_dir(self, staging: str) -> str:
+        return self.out  # the disk the shards are staged on
+
 
 class _GCS:
     def __init__(self, out: str):
@@ -79,7 +96,7 @@ class _GCS:
             return getattr(DEFAULT_RETRY, "with_timeout", DEFAULT_RETRY.with_deadline)(seconds)
 
         self.retry = bounded(2 * GCS_TIMEOUT)
-        self.out = out.rstrip("/")
+        self.out = check_gs_url(out).rstrip("/")
         bucket, self.prefix = gcs.parse_url(self.out)
         self.bucket = gcs.client().bucket(bucket)
         host = os.environ.get("STORAGE_EMULATOR_HOST", "storage.googleapis.com")
@@ -97,10 +114,17 @@ class _GCS:
     def _blob(self, name: str):
         return self.bucket.blob(f"{self.prefix}/{name}" if self.prefix else name)
 
+    def url(self, name: str) -> str:
+        return gcs.join(self.out, name)
+
+    def head(self, name: str, n: int = 512) -> bytes:
+        return self._blob(name).download_as_bytes(start=0, end=n - 1, timeout=GCS_TIMEOUT, retry=self.retry)
+
     def stage(self, gen: str) -> str:
-        pre = f"{self.prefix}/.staging-" if self.prefix else ".staging-"
-        for b in gcs.client().list_blobs(self.bucket, prefix=pre):  # what killed writes left
-            self.bucket.blob(b.name).delete(timeout=GCS_TIMEOUT, retry=self.retry)
+        pre = f"{self.prefix}/" if self.prefix else ""
+        for b in gcs.client().list_blobs(self.bucket, prefix=pre + ".staging-"):  # what killed labkit writes left
+            if STAGING.fullmatch(b.name[len(pre) :].split("/", 1)[0]):
+                self.bucket.blob(b.name).delete(timeout=GCS_TIMEOUT, retry=self.retry)
         self.gen = gen
         return tempfile.mkdtemp(prefix="labkit-shards-")
 
@@ -135,6 +159,9 @@ class _GCS:
 
     def done(self, staging: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)
+
+    def local_dir(self, staging: str) -> str:
+        return os.path.dirname(staging)  # shards are staged in a local temp folder before upload
 
 
 def open_folder(out: str):

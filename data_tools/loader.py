@@ -86,7 +86,8 @@ def make_loader(
     source: manifest.json path/URL, or a brace pattern / list of shard URLs (a manifest.json in the
     same folder is used when present; otherwise pass num_samples for training). `options` go to
     ShardStream unchanged (rank, world_size, seed, shuffle_buffer, verify, skip_corrupt, num_samples,
-    mean, std, last_batch, return_keys, augment, crop_padding, timeout).
+    mean, std, last_batch, return_keys, augment, crop_padding, flip, timeout). flip=None (default)
+    mirrors images only when the manifest says a mirror keeps the label ("hflip": CIFAR-10 yes, digits no).
     persistent_workers keeps worker processes between epochs, but then set_epoch() no longer
     reaches them (they hold their own copy of the stream): leave it off unless epochs don't matter."""
     stream = ShardStream(source, batch_size, train=train, num_workers=num_workers, **options)

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 
-from .urls import DEFAULT_TIMEOUT, Wrapper, is_not_found, read_bytes, scheme_of, sibling
+from .urls import DEFAULT_TIMEOUT, Wrapper, is_not_found, read_bytes, redact, scheme_of, sibling
 
 MANIFEST = "manifest.json"
 FORMAT = "labkit-shards/1"
@@ -28,10 +28,31 @@ class ShardError(ValueError):
 
 def _folder_hint(url: str) -> str | None:
     if scheme_of(url) == "file" and os.path.isdir(url):
-        return f"{url} is a folder; pass {os.path.join(url, MANIFEST)}"
+        return f"{redact(url)} is a folder; pass {os.path.join(url, MANIFEST)}"
     if url.endswith("/"):
-        return f"{url} looks like a folder; pass {url}{MANIFEST}"
+        return f"{redact(url)} looks like a folder; pass {redact(url)}{MANIFEST}"
     return None
+
+
+def check_shard_name(manifest_url: str, name) -> str:
+    """A shard name is a plain file name in the manifest's own folder: no separator, no `.`/`..`, no
+    scheme (`x://`), drive (`C:`) or absolute path. Else ShardError naming the manifest and the name:
+    `../../other/train-000000.tar` would read another dataset, `/etc/passwd` any file."""
+    bad = (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or "/" in name
+        or "\\" in name
+        or ":" in name  # x://..., C:..., and NTFS streams (name:stream)
+        or os.path.isabs(name)
+        or "\0" in name
+    )
+    if bad:
+        raise ShardError(
+            f"manifest {redact(manifest_url)}: shard name {name!r} is not a plain file name in the manifest's "
+            "folder (no /, \\, '..', '.', scheme, drive letter or absolute path): refusing to read it"
+        )
+    return name
 
 
 def load_manifest(url: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
@@ -43,19 +64,22 @@ def load_manifest(url: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
     try:
         m = json.loads(read_bytes(url, timeout))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"manifest {url} is not valid JSON: {e}") from None
+        raise ValueError(f"manifest {redact(url)} is not valid JSON: {e}") from None
     except Exception as e:
         if is_not_found(e):
-            raise FileNotFoundError(f"manifest not found: {url}") from None
+            raise FileNotFoundError(f"manifest not found: {redact(url)}") from None
         raise
     if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("shards"), list):
         fmt = m.get("format") if isinstance(m, dict) else type(m).__name__
-        raise ValueError(f"{url} is not a labkit shard manifest (format={fmt!r})")
+        raise ValueError(f"{redact(url)} is not a labkit shard manifest (format={fmt!r})")
     if not m["shards"]:
-        raise ValueError(f'manifest {url} lists no shards ("shards": []): rewrite the dataset')
+        raise ValueError(f'manifest {redact(url)} lists no shards ("shards": []): rewrite the dataset')
     for i, s in enumerate(m["shards"]):
         if not isinstance(s, dict) or not {"name", "samples", "bytes", "sha256"} <= set(s):
-            raise ValueError(f"manifest {url}: shard entry {i} needs name, samples, bytes and sha256, got {s!r}")
+            raise ValueError(
+                f"manifest {redact(url)}: shard entry {i} needs name, samples, bytes and sha256, got {s!r}"
+            )
+        check_shard_name(url, s["name"])
     m["urls"] = [sibling(url, s["name"]) for s in m["shards"]]
     m["manifest_url"] = url
     return m
@@ -65,8 +89,12 @@ def verify_manifest(manifest: dict | str) -> dict:
     """Read every shard and compare its sha256 and size with the manifest.
 
     Raises ValueError naming the first shard that differs. Returns the manifest."""
-    m = load_manifest(manifest) if isinstance(manifest, str) else manifest
+    m = load_manifest(manifest) if isinstance(manifest, (str, os.PathLike)) else manifest
+    where = m.get("manifest_url", "(dict)")
     for url, s in zip(m["urls"], m["shards"]):
+        check_shard_name(where, s["name"])  # a dict may have been edited after load_manifest
+        if url != sibling(where, s["name"]) and "manifest_url" in m:
+            raise ShardError(f"manifest {redact(where)}: shard URL {redact(url)} is not beside the manifest")
         data = read_bytes(url)
         check_digest(len(data), hashlib.sha256(data).hexdigest(), url, s)
     return m
@@ -74,9 +102,11 @@ def verify_manifest(manifest: dict | str) -> dict:
 
 def check_digest(size: int, digest: str, url: str, entry: dict) -> None:
     if size != entry["bytes"]:
-        raise ShardError(f"shard {url}: {size} bytes, manifest says {entry['bytes']} (truncated or replaced)")
+        raise ShardError(f"shard {redact(url)}: {size} bytes, manifest says {entry['bytes']} (truncated or replaced)")
     if digest != entry["sha256"]:
-        raise ShardError(f"shard {url}: sha256 {digest[:16]}... does not match manifest {entry['sha256'][:16]}...")
+        raise ShardError(
+            f"shard {redact(url)}: sha256 {digest[:16]}... does not match manifest {entry['sha256'][:16]}..."
+        )
 
 
 class HashingReader(Wrapper):

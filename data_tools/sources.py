@@ -17,6 +17,10 @@ import numpy as np
 
 SOURCES = ("cifar10", "digits", "synthetic")
 SPLITS = ("train", "val")
+# Does a horizontal mirror image keep its label? Written into the manifest ("hflip"); the loader's
+# augmentation flips only where it does. A mirrored 3 or 6 is no digit (classes 3 and 6 then score
+# 40-50 %); the synthetic classes are stripe angles, and a mirror turns one angle into another class's.
+HFLIP = {"cifar10": True, "digits": False, "synthetic": False}
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 

@@ -20,6 +20,10 @@ next epoch's shuffle. Shard order is a permutation seeded by (seed, epoch), the 
 buffer by (seed, epoch, rank, worker): the same seed, epoch, world size and num_workers give the
 same batches. Iterating again without set_epoch() advances the epoch by itself.
 
+Augmentation (training): a random crop from the image padded by `crop_padding`, and a horizontal
+flip only where the manifest says a mirror image keeps its label ("hflip": CIFAR-10 yes, digits
+no; `flip=` overrides).
+
 Evaluation: each replica reads its shards once, in order. Every sample is seen exactly once
 across replicas. `last_batch="pad"` (default) pads each worker's last batch to full size with
 zero images and label -100 (PyTorch's cross_entropy ignore_index), keeping shapes static;
@@ -57,9 +61,10 @@ from webdataset.tariterators import group_by_keys
 
 from .manifest import GROUP_PREFIX, HashingReader, ShardError, check_digest, load_manifest
 from .plan import allocate, expand_urls, resolve_replica, split_round_robin
-from .tario import TarFormatError, TarGroupError, iter_tar
+from .sources import HFLIP
+from .tario import MAX_MEMBER, TarFormatError, TarGroupError, iter_tar
 from .transforms import augment, decode_image, scale_stats, to_batch
-from .urls import DEFAULT_TIMEOUT, is_not_found, open_url, register_webdataset, sibling
+from .urls import DEFAULT_TIMEOUT, is_not_found, open_url, redact, register_webdataset, sibling
 
 PAD_LABEL = -100  # F.cross_entropy's default ignore_index
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -88,6 +93,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         return_keys: bool = False,
         augment: bool = True,
         crop_padding: int = 4,
+        flip: bool | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ):
         if batch_size < 1:
@@ -115,6 +121,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.mean = tuple(mean if mean is not None else m.get("mean", CIFAR_MEAN))
         self.std = tuple(std if std is not None else m.get("std", CIFAR_STD))
         self.image_size = tuple(m.get("image_size", (32, 32)))
+        # horizontal flips only where a mirror image keeps its label: the manifest says (CIFAR-10 yes,
+        # digits no); a manifest written before it said so: by its source; no manifest: no flips
+        self.flip = bool(flip if flip is not None else m.get("hflip", HFLIP.get(m.get("source"), False)))
         self.num_classes, self.generation = m.get("num_classes"), m.get("generation")
         self.epoch = 0
         self._decoded = 0  # per process: detects a pass with nothing readable
@@ -123,13 +132,13 @@ class ShardStream(torch.utils.data.IterableDataset):
         if S < R * W:
             raise ValueError(
                 f"{S} shard(s) for {R} replica(s) x {W} worker(s) = {R * W} readers: every reader needs "
-                f"at least one shard (write smaller shards or use fewer workers) [{self.urls[0]} ...]"
+                f"at least one shard (write smaller shards or use fewer workers) [{redact(self.urls[0])} ...]"
             )
         counts = [e["samples"] if e else None for e in self.entries]
         if None in counts:
             if num_samples is None and train:
                 raise ValueError(
-                    f"no manifest found beside {self.urls[0]}: pass num_samples= (the total number of "
+                    f"no manifest found beside {redact(self.urls[0])}: pass num_samples= (the total number of "
                     "samples) so that every replica can yield the same number of batches"
                 )
             counts = [num_samples / S] * S if num_samples is not None else None
@@ -155,6 +164,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         urls = expand_urls(source)
         try:  # a manifest beside the shards gives sample counts and mean/std
             return load_manifest(sibling(urls[0], "manifest.json"), timeout)
+        except ShardError:  # ours, but names a shard outside its folder: never quietly ignored
+            raise
         except (FileNotFoundError, ValueError):  # none there, or not ours; network failures do raise
             return None
 
@@ -217,12 +228,16 @@ class ShardStream(torch.utils.data.IterableDataset):
     def _read_tar(self, idx: int):
         """Samples of one shard. Only a broken tar or wrong count is corruption (skippable)."""
         url, entry = self.urls[idx], self.entries[idx]
+        shown = redact(url)  # the URL as messages show it: no password, no token
+        limit = entry["bytes"] if entry else MAX_MEMBER  # no member is larger than its shard
         group = GROUP_PREFIX + self.generation if (entry and self.generation) else None
         n, key = 0, None
         try:
             stream, hasher = self._open(url, entry)
             with stream:
-                members = ({"fname": name, "data": data, "__url__": url} for name, data in iter_tar(stream, group))
+                members = (
+                    {"fname": name, "data": data, "__url__": url} for name, data in iter_tar(stream, group, limit)
+                )
                 for sample in group_by_keys(members):
                     n, key = n + 1, sample["__key__"]
                     yield sample
@@ -230,7 +245,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                     hasher.finish(url, entry)
         except TarGroupError as e:
             raise ShardError(
-                f"shard {url} is not from the write that manifest.json describes (generation "
+                f"shard {shown} is not from the write that manifest.json describes (generation "
                 f"{self.generation}; {e}): the folder is being rewritten or a rewrite was "
                 "interrupted - write it again"
             ) from None
@@ -240,21 +255,29 @@ class ShardStream(torch.utils.data.IterableDataset):
             warnings.warn(str(e), stacklevel=2)
             return
         except (TarFormatError, EOFError) as e:
-            msg = f"shard {url}: corrupt or truncated tar after {n} sample(s) (last key {key!r}): {e}"
+            msg = f"shard {shown}: corrupt or truncated tar after {n} sample(s) (last key {key!r}): {e}"
             if not self.skip_corrupt:
                 raise ShardError(msg) from e
             self._count_skip(max(1, (entry["samples"] - n) if entry else 1))
             return
+        except ValueError as e:  # webdataset's group_by_keys: two members of one sample with one name
+            if "duplicate file name" not in str(e):
+                raise
+            msg = f"shard {shown}: duplicate member after {n} sample(s) (last key {key!r}): {e}"
+            if not self.skip_corrupt:
+                raise ShardError(msg) from None
+            self._count_skip()
+            return
         except OSError as e:  # the network or the disk failed: never a corrupt sample, never skipped
             if is_not_found(e):
-                raise FileNotFoundError(f"shard not found: {url}") from None
-            raise type(e)(f"shard {url}: read failed after {n} sample(s): {e}") from e
+                raise FileNotFoundError(f"shard not found: {shown}") from None
+            raise type(e)(f"shard {shown}: read failed after {n} sample(s): {e}") from e
         except Exception as e:
             if is_not_found(e):  # google-cloud-storage's NotFound is no OSError
-                raise FileNotFoundError(f"shard not found: {url}") from None
+                raise FileNotFoundError(f"shard not found: {shown}") from None
             raise
         if entry and n != entry["samples"]:
-            msg = f"shard {url}: {n} samples, manifest says {entry['samples']} (truncated or replaced)"
+            msg = f"shard {shown}: {n} samples, manifest says {entry['samples']} (truncated or replaced)"
             if not self.skip_corrupt:
                 raise ShardError(msg)
             self._count_skip(max(0, entry["samples"] - n))
@@ -281,13 +304,13 @@ class ShardStream(torch.utils.data.IterableDataset):
                 else samples
             )
             if self._decoded == before:
-                raise ShardError(f"no readable samples in shards {[self.urls[i] for i in shards]}")
+                raise ShardError(f"no readable samples in shards {[redact(self.urls[i]) for i in shards]}")
 
     def _decode(self, samples, rng):
         h, w = self.image_size
         k = self.num_classes
         for s in samples:
-            url, key = s["__url__"], s["__key__"]
+            url, key = redact(s["__url__"]), s["__key__"]
             try:
                 if "cls" not in s:
                     raise ShardError(
@@ -297,8 +320,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                 ext = next((e for e in ("png", "ppm", "jpg", "jpeg") if e in s), None)
                 if ext is None:
                     raise ShardError(f"shard {url}: sample {key!r} has no image (png/ppm/jpg) field")
-                try:
-                    img = decode_image(s[ext])
+                try:  # the header's size is checked before any pixel is decoded (a PNG may claim gigapixels)
+                    img = decode_image(s[ext], size=(h, w))
                     label = int(s["cls"])
                 except Exception as e:
                     raise ShardError(f"shard {url}: sample {key!r} cannot be decoded: {e}") from e
@@ -315,7 +338,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                 self._count_skip()
                 continue
             if self.augment:
-                img = augment(img, rng, self.crop_padding)
+                img = augment(img, rng, self.crop_padding, flip=self.flip)
             self._decoded += 1
             yield img, label, key
 

@@ -33,11 +33,16 @@ def _read_exact(f, n: int) -> bytes:
     return data
 
 
-def iter_tar(f, group: str | None = None):
+MAX_MEMBER = 1 << 30  # bytes: a member larger than this (or than its shard) is a broken size field
+
+
+def iter_tar(f, group: str | None = None, max_member: int = MAX_MEMBER):
     """(name, bytes) of each regular file in an uncompressed tar stream (ustar, pax, GNU long names).
 
     Reads the 512-byte headers directly (checksums verified; see the module docstring for the cost). With `group`, every regular member's
-    group name (the ustar gname field) must equal it, else TarGroupError (one bytes compare per member)."""
+    group name (the ustar gname field) must equal it, else TarGroupError (one bytes compare per member).
+    A header whose size field exceeds `max_member` (pass the shard's size when known) is a
+    TarFormatError before anything is read: a corrupt field must not ask for petabytes of memory."""
     want = group.encode().ljust(32, b"\0")[:32] if group is not None else None
     long_name = None
     offset = 0
@@ -60,6 +65,8 @@ def iter_tar(f, group: str | None = None):
             raise TarFormatError(f"unreadable tar header at byte {offset}") from None
         if stored != sum(h) - sum(h[148:156]) + 8 * 32:
             raise TarFormatError(f"tar header checksum mismatch at byte {offset}")
+        if size > max_member:
+            raise TarFormatError(f"member at byte {offset} claims {size} bytes, more than the {max_member} allowed")
         pad = -size % 512
         data = _read_exact(f, size + pad)
         if len(data) < size + pad:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from .urls import http_request, redact
+
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
 
@@ -52,11 +54,14 @@ def download(url: str, name: str, timeout: float = 20.0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".part")
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r, open(tmp, "wb") as f:
+        # http_request: user info goes in an Authorization header, not to DNS
+        with urllib.request.urlopen(http_request(url), timeout=timeout) as r, open(tmp, "wb") as f:
             f.write(r.read())
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise ConnectionError(f"could not download {url} to {path}: {e}. Offline? Use load_corpus('offline')") from e
+        raise ConnectionError(
+            f"could not download {redact(url)} to {path}: {redact(e)}. Offline? Use load_corpus('offline')"
+        ) from e
     tmp.replace(path)
     return path
 

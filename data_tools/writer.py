@@ -11,9 +11,13 @@ A rewrite never lets a manifest describe shards it did not write:
 1. shards go to a staging place first (`<out>/.staging-<generation>/`; for gs:// a local temp
    file, uploaded with a verified crc32c, then deleted: disk use stays at one shard);
 2. only when all are complete, the old manifest is deleted, the staged shards take their final
-   names, and shards of an earlier, larger write (`<split>-NNNNNN.tar` not in the new list) are
-   deleted, so a brace pattern cannot read them;
+   names, and shards of an earlier, larger write (listed by the old manifest, not by the new one)
+   are deleted, so a brace pattern cannot read them;
 3. the new manifest is published last (an atomic rename, or one GCS upload).
+Nothing else is touched: a folder whose manifest.json is not labkit's, or that holds a
+`<split>-NNNNNN.tar` that no labkit manifest lists and labkit did not write (its tar header says),
+is refused before anything is written; other files, and `.staging-*` folders that are not named
+like labkit's, stay. A full disk removes the staging folder and says how much space was left.
 A writer killed in 1 leaves the old dataset intact; killed in 2, no manifest (loaders fail with
 "manifest not found"). The generation is a hash of the inputs and settings, stored in the manifest
 and in every tar header (group `labkit-<generation>`): equal inputs give byte-identical shards, and a
@@ -22,11 +26,13 @@ loader refuses a shard whose generation differs from its manifest's.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
 import re
+import shutil
 import tarfile
 import time
 
@@ -34,8 +40,9 @@ import numpy as np
 import webdataset as wds
 
 from .folders import open_folder
-from .manifest import FORMAT, GROUP_PREFIX, MANIFEST
-from .sources import load_source
+from .manifest import FORMAT, GROUP_PREFIX, MANIFEST, ShardError, load_manifest
+from .sources import HFLIP, load_source
+from .urls import redact
 
 ENCODINGS = ("png", "ppm")
 SHARD_MTIME = 1_700_000_000  # member timestamps: fixed, so equal inputs give byte-identical shards
@@ -84,6 +91,41 @@ def generation(images: np.ndarray, labels: np.ndarray, **settings) -> str:
     return h.hexdigest()[:12]
 
 
+def _is_labkit_tar(head: bytes) -> bool:
+    """The first tar header's group name is labkit's (`labkit-<generation>`)."""
+    return len(head) >= 512 and head[297:329].startswith(GROUP_PREFIX.encode())
+
+
+def _owned(folder, out: str, split: str) -> set[str]:
+    """Names a write to `folder` may replace or delete: the shards its labkit manifest lists, and
+    `<split>-NNNNNN.tar` files a killed labkit write left (their tar headers say labkit). Refuses,
+    before anything is written or deleted, a folder whose manifest.json is not labkit's, or that holds
+    a `<split>-NNNNNN.tar` labkit did not write: the writer never deletes what is not its own."""
+    names = set(folder.names())
+    owned: set[str] = set()
+    if MANIFEST in names:
+        try:
+            owned = {s["name"] for s in load_manifest(folder.url(MANIFEST))["shards"]}
+        except ShardError:  # a labkit manifest naming files outside the folder: refuse as it is
+            raise
+        except ValueError as e:
+            raise ValueError(
+                f"{redact(out)} holds a manifest.json that labkit did not write ({e}); refusing to write "
+                "there, nothing was changed: pick another folder, or move its contents away yourself"
+            ) from None
+    shard = re.compile(rf"{re.escape(split)}-\d{{6}}\.tar")
+    for name in sorted(names - owned):
+        if shard.fullmatch(name):
+            if not _is_labkit_tar(folder.head(name)):
+                raise ValueError(
+                    f"{redact(out)} holds {name}, which no labkit manifest lists and labkit did not write; "
+                    "refusing to overwrite or delete it, nothing was changed: pick another folder, or move "
+                    "it away yourself"
+                )
+            owned.add(name)
+    return owned
+
+
 # -- writing --------------------------------------------------------------------------------------------
 def write_shards(
     images: np.ndarray,
@@ -97,6 +139,7 @@ def write_shards(
     max_shard_bytes: int = 64 << 20,
     encoding: str = "png",
     source: str = "custom",
+    hflip: bool | None = None,
     extra: dict | None = None,
     verbose: bool = False,
 ) -> dict:
@@ -106,6 +149,8 @@ def write_shards(
     computed on the images once (repetition does not change them). Shards close at
     `samples_per_shard` samples or before they would exceed `max_shard_bytes` (tar bytes; only a
     sample larger than the cap on its own). Labels must lie in 0..len(class_names)-1.
+    `hflip`: whether a mirror image keeps its label (the loader's augmentation flips only then);
+    None: data_tools.sources.HFLIP for a known source, else False.
     Returns the manifest dict."""
     images = np.asarray(images)
     labels = np.asarray(labels, dtype=np.int64)
@@ -113,6 +158,8 @@ def write_shards(
         raise ValueError(f"images must be uint8 (N, H, W, 3), got {images.dtype} {images.shape}")
     if len(images) != len(labels) or len(images) == 0:
         raise ValueError(f"{len(images)} images but {len(labels)} labels (need the same, non-zero number)")
+    if not split or any(c in split for c in "/\\:\0") or split.startswith("."):
+        raise ValueError(f"split {split!r} must be a plain name (no /, \\, :, leading dot): it starts every shard name")
     if encoding not in ENCODINGS:
         raise ValueError(f"unknown encoding {encoding!r}; valid: {', '.join(ENCODINGS)}")
     if upsample < 1 or samples_per_shard < 1 or max_shard_bytes < 1:
@@ -138,6 +185,7 @@ def write_shards(
     )
     gen = generation(images, labels, **settings)
     folder = open_folder(out)
+    owned = _owned(folder, out, split)  # refuses a folder holding what labkit did not write
     staging = folder.stage(gen)
     shards: list[dict] = []
     counts: list[int] = []
@@ -184,9 +232,20 @@ def write_shards(
                 counts[-1] += 1
                 tar_bytes += cost
         writer.close()
-    except BaseException:
-        writer.close()
+    except BaseException as e:
+        try:  # closing flushes the tar: on a full disk it fails again, and the staging folder must still go
+            writer.close()
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            pass
         folder.done(staging)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            where = folder.local_dir(staging)
+            free = shutil.disk_usage(where).free / 1e6
+            raise OSError(
+                errno.ENOSPC,
+                f"no space left on {where} ({free:.0f} MB free) while writing shards of {out}; the partly "
+                "written shards were removed and the folder's previous dataset is unchanged",
+            ) from e
         raise
     mean, std = channel_stats(images)
     manifest = {
@@ -203,6 +262,7 @@ def write_shards(
         "std": std,
         "num_samples": int(sum(s["samples"] for s in shards)),
         "upsample": upsample,
+        "hflip": bool(hflip if hflip is not None else HFLIP.get(source, False)),
         "shards": shards,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -213,10 +273,8 @@ def write_shards(
     new = {s["name"] for s in shards}
     for name in sorted(new):
         folder.publish(staging, name)
-    stale = re.compile(rf"{re.escape(split)}-\d{{6}}\.tar")
-    for name in folder.names():
-        if stale.fullmatch(name) and name not in new:
-            folder.delete(name)
+    for name in sorted(owned - new):  # only what the old manifest listed, or labkit's own leftovers
+        folder.delete(name)
     folder.write_manifest(json.dumps(manifest, indent=1).encode())
     folder.done(staging)
     return manifest

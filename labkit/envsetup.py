@@ -62,6 +62,24 @@ TPU_PLATFORMS = ("colab-tpu", "kaggle-tpu", "tpu-vm")
 TPU_VENDOR = "0x1ae0"  # Google's PCI vendor id (torch_xla's tpu.py counts chips by it)
 
 
+# -- secrets in URLs: the one redaction rule (labkit.cloud and data_tools use it for every URL they show) --
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s]*@")
+_QUERY = re.compile(r"([?&;])([^=&#\s]*)=([^&#\s]*)")
+SECRET_PARAMS = ("token", "sig", "secret", "password", "passwd", "credential", "key", "auth")
+
+
+def redact(text) -> str:
+    """`text` with the secrets of every URL in it replaced by ***: user info (`https://user:pass@host`
+    -> `https://***@host`) and query values whose name holds token, sig(nature), secret, password,
+    credential, key or auth (`?X-Goog-Signature=...`, `?access_token=...`). Everything else is kept."""
+
+    def query(m):
+        hidden = any(w in m.group(2).lower() for w in SECRET_PARAMS)
+        return f"{m.group(1)}{m.group(2)}=***" if hidden and m.group(3) else m.group(0)
+
+    return _QUERY.sub(query, _USERINFO.sub(r"\1***@", str(text)))
+
+
 class RestartRequired(RuntimeError):
     """Packages the running kernel already loaded (or would load) were replaced: restart, then run again."""
 
@@ -335,7 +353,7 @@ def decision_line(d: Decision) -> str:
     if d.uninstall:
         parts.append(f"uninstall={','.join(d.uninstall)}")
     if d.labkit:
-        parts.append(f"labkit={d.labkit}")
+        parts.append(f"labkit={redact(d.labkit)}")  # a private repository's spec may carry a token
     return "labkit setup: " + " ".join(parts) + f" ({d.reason})" + (" then restart" if d.restart else "")
 
 
@@ -358,7 +376,9 @@ def _pip(args: list, python: str) -> None:
     cmd = [python, "-m", "pip", *args]
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if r.returncode:
-        raise SetupError(f"labkit setup: `{' '.join(cmd)}` failed (exit {r.returncode}):\n{r.stdout[-3000:]}")
+        raise SetupError(
+            f"labkit setup: `{redact(' '.join(cmd))}` failed (exit {r.returncode}):\n{redact(r.stdout[-3000:])}"
+        )
 
 
 def act(f: Facts, d: Decision, python: str | None = None, quiet: bool = True) -> None:

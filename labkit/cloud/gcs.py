@@ -42,6 +42,10 @@ ROLE_HINT = (
 )
 
 
+# URLs in messages: user info and token-like query values hidden (one rule, kept in stdlib-only envsetup)
+redact = envsetup.redact
+
+
 class GCSAuthError(PermissionError):
     """No usable Google credentials; the message says how to sign in on this platform."""
 
