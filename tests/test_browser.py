@@ -38,6 +38,12 @@ HOW = (
 )
 COLAB_KERNEL = ROOT / ".venvs" / "colab-kernel"
 COLAB_KERNEL_PACKAGES = ["ipykernel", "ipywidgets"]  # at Colab's versions: images/colab-tpu.txt is the constraint
+# The front end's widget manager for ipywidgets 7 kernels. JupyterLab 4 with jupyterlab_widgets 3.0.17 (the
+# lock's, for ipywidgets 8) cannot draw them: "Module @jupyter-widgets/controls, version ^1.5.0 is not
+# registered, however, 2.0.0 is" (measured). jupyterlab_widgets 1.1.11 (the last of the 1.x line, made for
+# ipywidgets 7, declares JupyterLab "^3 || ^4") draws them in JupyterLab 4.6. Colab draws them with its own
+# front end; 1.1.11 goes into the kernel venv and that server is pointed at it with JUPYTER_PATH.
+WIDGETS7_FRONT_END = "jupyterlab_widgets==1.1.11"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -120,7 +126,8 @@ def colab_kernel() -> Path:
     if uv is None:
         pytest.skip("uv is not installed (it is in requirements.txt): run `make venv`")
     pins = (ROOT / "images" / "colab-tpu.txt").read_text()
-    stamp_want = hashlib.sha256((pins + repr(COLAB_KERNEL_PACKAGES) + repr(site_dirs())).encode()).hexdigest()
+    what = pins + repr(COLAB_KERNEL_PACKAGES) + WIDGETS7_FRONT_END + repr(site_dirs())
+    stamp_want = hashlib.sha256(what.encode()).hexdigest()
     stamp = COLAB_KERNEL / ".labkit-stamp"
     py = COLAB_KERNEL / "bin" / "python"
     if stamp.exists() and stamp.read_text() == stamp_want and py.exists():
@@ -132,6 +139,8 @@ def colab_kernel() -> Path:
     cmd = [uv, "pip", "install", "-q", "--python", str(py), "-c", str(ROOT / "images" / "colab-tpu.txt")]
     done = subprocess.run(cmd + COLAB_KERNEL_PACKAGES, env=env, capture_output=True, text=True)
     assert done.returncode == 0, f"building {COLAB_KERNEL} with Colab's kernel pins failed:\n{done.stderr}"
+    done = subprocess.run(cmd[:4] + ["--python", str(py), "--no-deps", WIDGETS7_FRONT_END], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, f"installing {WIDGETS7_FRONT_END} into {COLAB_KERNEL} failed:\n{done.stderr}"
     purelib = subprocess.check_output([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
     Path(purelib.decode().strip(), "zz_labkit_project.pth").write_text("\n".join(site_dirs()) + "\n")
     stamp.write_text(stamp_want)
@@ -141,7 +150,7 @@ def colab_kernel() -> Path:
 class JupyterLab:
     """`python -m jupyterlab` on 127.0.0.1 with a token, its config, data and kernel specs under `home`."""
 
-    def __init__(self, home: Path, kernels: dict[str, Path]):
+    def __init__(self, home: Path, kernels: dict[str, Path], jupyter_path: Path | None = None):
         self.root, self.port, self.token = home / "root", free_port(), hashlib.sha1(os.urandom(8)).hexdigest()
         self.root.mkdir()
         data = home / "data"
@@ -161,6 +170,7 @@ class JupyterLab:
             JUPYTER_RUNTIME_DIR=str(home / "runtime"),
             JUPYTERLAB_SETTINGS_DIR=str(home / "settings"),
             JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"),
+            JUPYTER_PATH=str(jupyter_path or ""),  # first place JupyterLab looks for its extensions
             PYTHONPATH=str(ROOT),
             PJRT_DEVICE="CPU",
             MPLBACKEND="Agg",
@@ -210,12 +220,12 @@ def browser():
     driver.quit()
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    kernels = {"labkit-ipykernel7": Path(sys.executable), "labkit-colab": colab_kernel()}
-    server = JupyterLab(tmp_path_factory.mktemp("jupyter"), kernels)
-    yield server
-    server.close()
+def start_lab(home: Path, stack: str) -> JupyterLab:
+    """One server per stack: the kernel and the widget manager that the stack's widgets need."""
+    if stack == "ipykernel7":
+        return JupyterLab(home, {"labkit-ipykernel7": Path(sys.executable)})
+    py = colab_kernel()
+    return JupyterLab(home, {"labkit-colab": py}, jupyter_path=COLAB_KERNEL / "share" / "jupyter")
 
 
 # -- what a person sees -----------------------------------------------------------------------------------
@@ -268,7 +278,7 @@ def watch_and_stop(driver, lab: JupyterLab, stack: str, run_line: str = RUN_LINE
     from selenium.webdriver.common.by import By
 
     name = f"live-{stack}.ipynb"
-    kernel = "labkit-ipykernel7" if stack == "ipykernel7" else "labkit-colab"
+    kernel = "labkit-ipykernel7" if stack.startswith("ipykernel7") else "labkit-colab"
     (lab.root / name).write_text(json.dumps(live_notebook(kernel, run_line)))
     shots, out = artifacts(), {"steps": [], "imgs": set(), "xla": [], "clicked_at": None, "t": {}}
     t0 = time.monotonic()
@@ -310,8 +320,14 @@ def watch_and_stop(driver, lab: JupyterLab, stack: str, run_line: str = RUN_LINE
 
 
 @pytest.mark.parametrize("stack", ["ipykernel7", "colab"])
-def test_dashboard_live_in_a_browser(stack, lab, browser):
-    seen = watch_and_stop(browser, lab, stack)
+def test_dashboard_live_in_a_browser(stack, browser, tmp_path):
+    t0 = time.monotonic()
+    lab = start_lab(tmp_path, stack)
+    try:
+        seen = watch_and_stop(browser, lab, stack)
+    finally:
+        lab.close()
+    seen["t"]["test"] = time.monotonic() - t0
     print(f"{stack}: {json.dumps({k: v for k, v in seen.items() if k in ('steps', 'clicked_at', 'final', 't')})}")
     assert "kernel stack: ipykernel " + ("7." if stack == "ipykernel7" else "6.17.1") in seen["text"]
     # the counter moved while the cell ran (several distinct steps seen before the FINAL line), and the figure
@@ -327,3 +343,81 @@ def test_dashboard_live_in_a_browser(stack, lab, browser):
     click_epoch = int(said[0].group(1))  # the epoch the trainer was in when the click reached it
     assert click_epoch >= seen["clicked_at"][1], "the click reached the trainer before it was made?"
     assert step == per_epoch * (click_epoch + 1) < total and epoch == click_epoch + 1, (seen["final"], click_epoch)
+
+
+# -- the book ----------------------------------------------------------------------------------------------
+
+FIGURE_NOTEBOOK = [
+    "# A figure for the book check\nOne executed cell that draws a figure, so the built site has an image to load.",
+    "import io\nimport matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+    "from IPython.display import Image, display\n"
+    "fig, ax = plt.subplots(figsize=(3, 2))\nax.plot([0, 1, 2], [2, 0, 1])\nbuf = io.BytesIO()\n"
+    "fig.savefig(buf, format='png')\ndisplay(Image(buf.getvalue()))\nprint('figure drawn')",
+]
+
+PAGE_JS = """
+const imgs = [...document.querySelectorAll('img')].map(i => ({src: i.src.slice(0, 80), ok: i.complete && i.naturalWidth > 0}));
+const links = [...document.querySelectorAll('a[href]')].map(a => a.href);
+return {title: document.title, imgs: imgs, links: links, text: document.body.innerText.slice(0, 4000)};
+"""
+
+
+def test_book_pages_figures_and_links(browser, tmp_path):
+    """The book as built by `make book` (scripts/build_book.py), from cheap inputs: every course notebook as its
+    source, plus one small notebook executed here (a figure). Every page loads, every img loads, every link
+    inside the site resolves."""
+    import functools
+    import http.server
+    import threading
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import build_book
+
+    executed, site = tmp_path / "executed", tmp_path / "site"
+    executed.mkdir()
+    md, code = FIGURE_NOTEBOOK
+    fig_nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(md), nbformat.v4.new_code_cell(code)])
+    src = tmp_path / "99_figure_check.ipynb"
+    nbformat.write(fig_nb, src)
+    NotebookClient(fig_nb, timeout=120, kernel_name="python3").execute()
+    nbformat.write(fig_nb, executed / src.name)
+    course = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    entries = build_book.build(course + [src], executed, site)
+    assert [e["src"].name for e in entries] == [p.name for p in course] + [src.name]
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}/"
+    try:
+        pages = ["index.html"] + [e["src"].stem + ".html" for e in entries]
+        broken, seen_links, figures = [], set(), 0
+        for page in pages:
+            browser.get(base + page)
+            time.sleep(0.3)
+            got = browser.execute_script(PAGE_JS)
+            assert "404" not in got["title"] and got["text"].strip(), f"{page} did not load: {got['title']}"
+            broken += [f"{page}: {i['src']}" for i in got["imgs"] if not i["ok"]]
+            figures += sum(i["ok"] for i in got["imgs"] if i["src"].startswith("data:image/png"))
+            seen_links |= {u.split("#")[0] for u in got["links"] if u.startswith(base)}
+            if page == "index.html":
+                browser.save_screenshot(str(artifacts() / "book-index.png"))
+                for e in entries:
+                    assert e["title"] in got["text"], f"the index does not list {e['title']}"
+            if page == "99_figure_check.html":
+                browser.save_screenshot(str(artifacts() / "book-figure-page.png"))
+        assert not broken, f"images that did not load: {broken}"
+        assert figures >= 1, "the executed notebook's figure is not in the book"
+        dead = []
+        for url in sorted(seen_links):
+            try:
+                urllib.request.urlopen(url, timeout=10).read()
+            except OSError as e:
+                dead.append(f"{url}: {e}")
+        assert not dead, f"internal links that do not resolve: {dead}"
+        assert len(seen_links) >= len(pages)
+    finally:
+        server.shutdown()
