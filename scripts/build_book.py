@@ -48,18 +48,22 @@ def course(notebooks: list[Path], executed: Path) -> list[dict]:
 
 
 def headline(nb) -> tuple[str, str]:
-    """The first markdown cell's `# title` and its first paragraph that is prose (not a badge, not a list)."""
+    """The first markdown cell's `# title` and its first prose paragraph (two sentences at most); a paragraph
+    that introduces a numbered list ("...: 1. **Set-up**: ...") gets the list's bold heads."""
     for cell in nb.cells:
         if cell.cell_type != "markdown":
             continue
-        title, paras = "", []
-        for block in re.split(r"\n\s*\n", cell.source):
-            block = block.strip()
+        title, blocks = "", [b.strip() for b in re.split(r"\n\s*\n", cell.source) if b.strip()]
+        for i, block in enumerate(blocks):
             if block.startswith("# ") and not title:
                 title = block[2:].splitlines()[0].strip()
-            elif block and not block.startswith(("[![", "#", "1.", "-", "*", "|")):
-                paras.append(" ".join(block.split()))
-        return title, (paras[0] if paras else "")
+            elif not block.startswith(("[![", "#", "1.", "-", "*", "|")):
+                text = " ".join(re.split(r"(?<=[.!?])\s+", " ".join(block.split()))[:2])
+                heads = re.findall(r"^\d+\. \*\*(.+?)\*\*", blocks[i + 1], re.M) if i + 1 < len(blocks) else []
+                if text.endswith(":") and heads:
+                    text = f"{text} {'; '.join(heads)}."
+                return title, text
+        return title, ""
     return "", ""
 
 

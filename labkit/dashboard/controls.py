@@ -116,8 +116,8 @@ class Controls:
         tr = self.trainer
         if tr is None or not self.running:
             return self._say(
-                "no fit() is running (a click made during a plain `trainer.fit()` cell arrives after it: "
-                "run `await fit_with_buttons(trainer)`)"
+                "no fit() is running (a click made while a cell runs `trainer.fit()`, or awaits it in a thread on "
+                "ipykernel 6, arrives after it: run `await fit_with_buttons(trainer)`)"
             )
         try:
             if what == "profile":
