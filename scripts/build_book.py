@@ -14,6 +14,7 @@ executed copy goes in as its source (no outputs) and the index says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import re
 import shutil
@@ -154,7 +155,8 @@ def build(notebooks: list[Path], executed: Path, out: Path) -> list[dict]:
         (docs / "index.md").write_text(index_page(entries, ROOT / "README.md"))
         cfg = Path(tmp) / "mkdocs.yml"
         cfg.write_text(mkdocs_yml(entries, docs, out.resolve()))
-        mkdocs_build(load_config(str(cfg)))
+        with contextlib.chdir(tmp):  # mkdocs-jupyter keeps a conversion cache in ./.cache: not in the checkout
+            mkdocs_build(load_config(str(cfg)))
     return entries
 
 

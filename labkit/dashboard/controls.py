@@ -30,8 +30,8 @@ with the cell's parent message put back after each, so the cell's output stays w
 thread, Ctrl-C / "interrupt" stops the await but not the fit: use "Stop after this epoch", or call
 trainer.request_stop().
 
-Only APIs that ipywidgets 7.7.1 (Colab) and 8.x share are used: Button(description=), on_click, IntText
-(value=, description=), Label(value=), HBox; nothing from `layout`/`style`. Without ipywidgets (or
+Only APIs that ipywidgets 7.7.1 (Colab) and 8.x share are used: Button(description=, tooltip=), on_click,
+IntText(value=, description=), Label(value=), HBox, Layout(width="auto"); nothing from `style`. Without ipywidgets (or
 without a front end) there are no buttons and the run goes on.
 """
 
@@ -97,11 +97,15 @@ class Controls:
         import ipywidgets as w
 
         self.steps = w.IntText(value=self._profile_steps, description="steps")
+        mid_run = "acts mid-run when the cell runs `await fit_with_buttons(trainer)`"
+        wide = {"width": "auto"}  # the default width cuts "Stop after this epoch" to "Stop after this ep..."
         self.buttons = {
-            "profile": w.Button(description="Profile next N steps"),
-            "stop": w.Button(description="Stop after this epoch"),
-            "save": w.Button(description="Save a checkpoint now"),
+            "profile": w.Button(description="Profile next N steps", tooltip=f"trainer.request_profile(N); {mid_run}"),
+            "stop": w.Button(description="Stop after this epoch", tooltip=f"trainer.request_stop(); {mid_run}"),
+            "save": w.Button(description="Save a checkpoint now", tooltip=f"trainer.request_checkpoint(); {mid_run}"),
         }
+        for b in self.buttons.values():
+            b.layout = w.Layout(**wide)
         self.buttons["profile"].on_click(lambda _b: self._act("profile"))
         self.buttons["stop"].on_click(lambda _b: self._act("stop"))
         self.buttons["save"].on_click(lambda _b: self._act("save"))
