@@ -236,7 +236,8 @@ SAMPLE_JS = """
 const outs = [...document.querySelectorAll('.jp-OutputArea-output')].map(e => e.innerText).join('\\n');
 const imgs = [...document.querySelectorAll('.jp-OutputArea-output img')].map(i => i.src.length + ':' + i.src.slice(-48));
 const labels = [...document.querySelectorAll('.widget-label')].map(e => e.innerText);
-return {text: outs, imgs: imgs, labels: labels};
+const running = [...document.querySelectorAll('.jp-InputPrompt')].some(e => e.innerText.includes('[*]'));
+return {text: outs, imgs: imgs, labels: labels, running: running};
 """
 STEP = re.compile(r"\[live\] step (\d+)/(\d+) ep (\d+)")
 XLA = re.compile(r"compiles (\d+) \(([\d.]+)s\) graphs (\d+)")
@@ -295,7 +296,7 @@ def watch_and_stop(driver, lab: JupyterLab, stack: str, run_line: str = RUN_LINE
             out["labels"], out["text"] = s["labels"], s["text"]
             break
         steps = STEP.findall(s["text"])
-        if not steps:
+        if not steps or not s["running"]:  # only what is seen while a cell runs ([*])
             time.sleep(0.2)
             continue
         step, total, epoch = (int(v) for v in steps[-1])
