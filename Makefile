@@ -6,12 +6,16 @@
 #                   both notebooks in the Colab TPU/GPU and Kaggle TPU images and the unit suite on
 #                   Python 3.13 (venvs in .venvs/, built by the tests with uv from images/*.txt).
 #   make images     only build or reuse those venvs, and print their disk use.
+#   make book       every notebook executed (fast mode), then the course as a static site in
+#                   artifacts/book/ (index.html: course order, objectives, run times).
+# make venv (bootstrap.sh) also installs Debian's chromium + chromium-driver when root with apt-get:
+# tests/test_browser.py drives JupyterLab with them (the live dashboard on two widget stacks, the book).
 SHELL := /bin/bash
 PY := .venv/bin/python
 LABKIT_FAST ?= 1
 NOTEBOOK ?= notebooks/01_resnet50_cifar10.ipynb
 
-.PHONY: venv images lint notebook notebooks test bench clean
+.PHONY: venv images lint notebook notebooks book test bench clean
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -24,6 +28,9 @@ notebook: venv
 
 notebooks: venv
 	LABKIT_FAST=$(LABKIT_FAST) $(PY) scripts/run_notebooks.py notebooks/*.ipynb --out artifacts
+
+book: notebooks
+	$(PY) scripts/build_book.py --executed artifacts --out artifacts/book
 
 lint: venv
 	$(PY) -m ruff check .

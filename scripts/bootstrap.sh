@@ -20,3 +20,19 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
   echo "[bootstrap] done in $(( $(date +%s) - start )) s" >&2
 fi
+# Chromium for tests/test_browser.py (the dashboard seen live in JupyterLab): Debian's packages, installed
+# only as root with apt-get and only when missing; anywhere else the browser tests skip and say how to run them.
+if ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+    echo "[bootstrap] installing chromium and chromium-driver with apt-get (for tests/test_browser.py)" >&2
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
+        > .venv/apt-chromium.log 2>&1; then
+      tail -n 5 .venv/apt-chromium.log >&2
+      echo "[bootstrap] apt-get could not install chromium / chromium-driver (full log: .venv/apt-chromium.log):" \
+        "tests/test_browser.py will skip" >&2
+    fi
+  else
+    echo "[bootstrap] no /usr/bin/chromium + /usr/bin/chromedriver (not root, or no apt-get): tests/test_browser.py" \
+      "will skip; to run it: sudo apt-get install chromium chromium-driver" >&2
+  fi
+fi

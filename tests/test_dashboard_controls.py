@@ -59,7 +59,7 @@ def test_buttons_call_the_trainer():
     assert c.trainer.calls == [] and "no CheckpointManager" in c.status.value
     c.unbind()  # the fit ended: a click now would be lost at the next fit(), so it is refused and said
     c.buttons["stop"].click()
-    assert c.trainer.calls == [] and "asyncio.to_thread(trainer.fit)" in c.status.value
+    assert c.trainer.calls == [] and "await fit_with_buttons(trainer)" in c.status.value
 
 
 def test_without_ipywidgets_there_are_no_buttons(monkeypatch):

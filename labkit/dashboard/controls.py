@@ -18,21 +18,27 @@ ipykernel 7 dispatches widget messages at once: run the fit in a thread,
     history = await asyncio.to_thread(trainer.fit)      # a click reaches the Trainer at once
 
 and the click reached the handler within milliseconds in that measurement (tests/test_dashboard_controls.py
-stops a fit that way in a real kernel). Older kernels (ipykernel 6, as Colab's has been; not measured here)
-handle shell messages one at a time, so a click waits for the cell even then; what works mid-run there
-is a callback calling the same methods, or for profiling the signal / trigger file that the console
-twin prints. In a thread, Ctrl-C / "interrupt" stops the await but not the fit: use "Stop after this epoch",
-or call trainer.request_stop(). labkit does not poll the kernel from inside a cell (jupyter-ui-poll's
-way): with ipykernel 7 there is no do_one_iteration() to call, and re-entering the kernel's event loop
-from the cell it is running is not safe.
+stops a fit that way in a real kernel). ipykernel 6 (Colab's: 6.17.1) handles shell
+messages one at a time, so there a click waits for the cell even while it awaits (measured in a browser,
+tests/test_browser.py). One line works on both:
 
-Only APIs that ipywidgets 7.7.1 (Colab) and 8.x share are used: Button(description=), on_click, IntText
-(value=, description=), Label(value=), HBox; nothing from `layout`/`style`. Without ipywidgets (or
+    history = await fit_with_buttons(trainer)           # from labkit.dashboard.controls
+
+It runs the fit in a thread; on ipykernel 6 it also hands the widget messages that wait in the kernel's
+queue to the kernel every 50 ms (only those: the next cells' execute requests stay queued, in order),
+with the cell's parent message put back after each, so the cell's output stays where it belongs. In a
+thread, Ctrl-C / "interrupt" stops the await but not the fit: use "Stop after this epoch", or call
+trainer.request_stop().
+
+Only APIs that ipywidgets 7.7.1 (Colab) and 8.x share are used: Button(description=, tooltip=), on_click,
+IntText(value=, description=), Label(value=), HBox, Layout(width="auto"); nothing from `style`. Without ipywidgets (or
 without a front end) there are no buttons and the run goes on.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 
 PROFILE_SIGNAL = "SIGUSR1"  # what labkit.profiling listens to during fit()
@@ -91,11 +97,15 @@ class Controls:
         import ipywidgets as w
 
         self.steps = w.IntText(value=self._profile_steps, description="steps")
+        mid_run = "acts mid-run when the cell runs `await fit_with_buttons(trainer)`"
+        wide = {"width": "auto"}  # the default width cuts "Stop after this epoch" to "Stop after this ep..."
         self.buttons = {
-            "profile": w.Button(description="Profile next N steps"),
-            "stop": w.Button(description="Stop after this epoch"),
-            "save": w.Button(description="Save a checkpoint now"),
+            "profile": w.Button(description="Profile next N steps", tooltip=f"trainer.request_profile(N); {mid_run}"),
+            "stop": w.Button(description="Stop after this epoch", tooltip=f"trainer.request_stop(); {mid_run}"),
+            "save": w.Button(description="Save a checkpoint now", tooltip=f"trainer.request_checkpoint(); {mid_run}"),
         }
+        for b in self.buttons.values():
+            b.layout = w.Layout(**wide)
         self.buttons["profile"].on_click(lambda _b: self._act("profile"))
         self.buttons["stop"].on_click(lambda _b: self._act("stop"))
         self.buttons["save"].on_click(lambda _b: self._act("save"))
@@ -110,8 +120,8 @@ class Controls:
         tr = self.trainer
         if tr is None or not self.running:
             return self._say(
-                "no fit() is running (a click made during a plain `trainer.fit()` cell arrives after it: "
-                "run `await asyncio.to_thread(trainer.fit)`)"
+                "no fit() is running (a click made while a cell runs `trainer.fit()`, or awaits it in a thread on "
+                "ipykernel 6, arrives after it: run `await fit_with_buttons(trainer)`)"
             )
         try:
             if what == "profile":
@@ -134,3 +144,75 @@ class Controls:
     def _say(self, text: str) -> None:
         if self.status is not None:
             self.status.value = text
+
+
+WIDGET_MESSAGES = ("comm_open", "comm_msg", "comm_close", "comm_info_request")
+
+
+async def fit_with_buttons(trainer, poll_s: float = 0.05):
+    """`await` this in a notebook cell instead of calling trainer.fit(): the fit runs in a thread and the
+    kernel handles the buttons' clicks while it runs (ipykernel 7 by itself; ipykernel 6 through
+    serve_widget_messages). Returns what fit() returns; its exception, if it raises."""
+    fit = asyncio.ensure_future(asyncio.to_thread(trainer.fit))
+    kernel = _kernel_with_queue()
+    while not fit.done():
+        await asyncio.wait({fit}, timeout=poll_s)
+        if kernel is not None:
+            await serve_widget_messages(kernel)
+    return fit.result()
+
+
+def _kernel_with_queue():
+    """The running ipykernel when it queues shell messages in `msg_queue` (ipykernel 6), else None."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    ip = get_ipython()
+    kernel = getattr(ip, "kernel", None)
+    if kernel is None or not hasattr(kernel, "msg_queue") or not hasattr(kernel, "shell_stream"):
+        return None
+    import ipykernel
+
+    return kernel if int(ipykernel.__version__.split(".")[0]) < 7 else None
+
+
+async def serve_widget_messages(kernel) -> int:
+    """ipykernel 6: dispatch the widget messages (clicks) waiting in the kernel's shell queue while a cell
+    runs; everything else (the next cells' execute requests) goes back to the queue, in order. The
+    cell's parent message is restored after each, so its output keeps going to the cell. Returns the
+    number of messages handled. Reads the kernel's own queue, so it is tied to ipykernel 6's layout
+    (msg_queue items are (order, dispatch, (raw frames,))); ipykernel 7 needs none of it."""
+    kernel.shell_stream.flush()  # move what zmq has received into msg_queue
+    waiting = []
+    while True:
+        try:
+            waiting.append(kernel.msg_queue.get_nowait())
+        except Exception:  # asyncio.QueueEmpty (or queue.Empty): nothing more
+            break
+    widget, other = [], []
+    for item in waiting:
+        (widget if _msg_type(kernel, item) in WIDGET_MESSAGES else other).append(item)
+    for item in other:  # back before any await: nothing can slip in between
+        kernel.msg_queue.put_nowait(item)
+    if not widget:
+        return 0
+    ident, parent = kernel._parent_ident.get("shell"), kernel.get_parent("shell")
+    try:
+        for _order, dispatch, args in widget:
+            await dispatch(*args)
+    finally:
+        kernel.set_parent(ident, parent, "shell")  # the cell's output goes to the cell again
+        kernel._publish_status("busy", "shell")  # the cell is still running
+    return len(widget)
+
+
+def _msg_type(kernel, item) -> str | None:
+    """The msg_type of a queued raw shell message, read from its header frame (nothing is consumed)."""
+    try:
+        args = item[2]
+        _idents, frames = kernel.session.feed_identities(list(args[0]), copy=False)
+        header = frames[1]
+        return json.loads(getattr(header, "bytes", header))["msg_type"]
+    except Exception:
+        return None
