@@ -11,7 +11,7 @@ the recompile detective; syncs.py: the host-sync finder; flops.py: peak FLOP/s p
 
 from labkit.dashboard import flops
 from labkit.dashboard.collector import Dashboard
-from labkit.dashboard.controls import Controls
+from labkit.dashboard.controls import Controls, fit_with_buttons
 from labkit.dashboard.explain import explain, parse_report
 from labkit.dashboard.health import HealthMonitor, compile_count
 from labkit.dashboard.sinks import ConsoleSink, NotebookSink, environment, force_console
@@ -28,6 +28,7 @@ __all__ = [
     "environment",
     "explain",
     "flops",
+    "fit_with_buttons",
     "force_console",
     "parse_report",
 ]

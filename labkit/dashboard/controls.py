@@ -22,7 +22,7 @@ stops a fit that way in a real kernel). ipykernel 6 (Colab's: 6.17.1) handles sh
 messages one at a time, so there a click waits for the cell even while it awaits (measured in a browser,
 tests/test_browser.py). One line works on both:
 
-    history = await fit_with_buttons(trainer)           # from labkit.dashboard.controls
+    history = await labkit.dashboard.fit_with_buttons(trainer)
 
 It runs the fit in a thread; on ipykernel 6 it also hands the widget messages that wait in the kernel's
 queue to the kernel every 50 ms (only those: the next cells' execute requests stay queued, in order),
