@@ -101,13 +101,14 @@ def test_gcs_roundtrip_corrupt_and_two_writers(gcs_bucket):
         m.save(s, _state(s))
     m.wait()
     names = sorted(b.name for b in gcs.client().list_blobs(gcs_bucket))
-    assert names == ["run/ckpt-00000002.pt", "run/ckpt-00000003.pt", "run/latest"]
+    # the lock object (taken before the first byte) stays while m is open
+    assert names == ["run/.writer.lock", "run/ckpt-00000002.pt", "run/ckpt-00000003.pt", "run/latest"]
     assert m.restore()["step"] == 3
-    # a second writer that read the pointer before the first moved it loses, with a clear error
+    # a second writer is refused, with a clear error naming the first
     other = CheckpointManager(root, keep=2, async_save=False)
     m.save(4, _state(4))
     m.wait()
-    with pytest.raises(RuntimeError, match="another writer"):
+    with pytest.raises(RuntimeError, match=rf"another checkpoint writer \(host .* pid {os.getpid()}\)"):
         other.save(5, _state(5))
     assert m.latest()["step"] == 4
     # corrupt the newest object: restore warns and falls back to step 3
@@ -150,9 +151,9 @@ def test_async_error_surfaces_on_next_save(tmp_path, monkeypatch):
     def disk_full(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(m.store, "put", disk_full)  # the upload fails in the background thread
+    monkeypatch.setattr(m.store, "put_if_absent", disk_full)  # the upload fails in the background thread
     m.save(1, _state(1))
-    m._thread.join()  # the failure happens in the background; let it happen before restoring put
+    m.writer.finished.wait()  # the failure happens in the background; let it happen before restoring put
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="earlier checkpoint save"):
         m.save(2, _state(2))
