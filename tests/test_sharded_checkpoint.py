@@ -342,3 +342,32 @@ def test_checkpoint_manager_finds_the_sharded_format_on_gcs(gcs_bucket):
     target = _state(0)
     assert again.restore(into=target) is target
     _equal(target, _state(7))
+
+
+def test_full_disk_leaves_no_partial_step_and_the_next_save_works(tmp_path, monkeypatch):
+    """A sharded save on a full disk used to leave its partial step folder behind (holding the space the
+    next save needs); now it is removed and the error names the folder and what is free."""
+    import errno
+    import re
+
+    import torch.distributed.checkpoint as dcp
+
+    ck = ShardedCheckpointManager(tmp_path, async_save=False)
+    ck.save(1, _state(1))
+    real_save = dcp.save
+
+    def onto_a_full_disk(state, storage_writer, **kw):  # DCP's data file lands on a device that is always full
+        os.makedirs(str(storage_writer.path), exist_ok=True)
+        os.symlink("/dev/full", os.path.join(str(storage_writer.path), "__0_0.distcp"))
+        return real_save(state, storage_writer=storage_writer, **kw)
+
+    monkeypatch.setattr(dcp, "save", onto_a_full_disk)
+    with pytest.raises(OSError, match=rf"no space left on {re.escape(str(tmp_path))} \(\d+ MB free\)") as e:
+        ck.save(2, _state(2))
+    assert e.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert sorted(n for n in os.listdir(tmp_path) if n != ".writer.lock") == [folder_name(1)]  # nothing partial
+    ck.save(2, _state(2))
+    target = _state(0)
+    assert ck.restore(into=target) is target and ck.restored["step"] == 2
+    _equal(target, _state(2))

@@ -160,12 +160,11 @@ class ShardedCheckpointManager:
             planner = _planner(kind, False, self._url(name))
             try:
                 dcp.save(cpu_state, storage_writer=dcp.FileSystemWriter(folder), planner=planner, no_dist=True)
-            except Exception as e:
-                full = no_space(e, self.store)
-                if full is not None:
-                    shutil.rmtree(folder, ignore_errors=True)  # first: the message then says what is free
-                    raise no_space(e, self.store) from e
-                raise
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                if no_space(e, self.store) is None:
+                    raise
+                shutil.rmtree(folder, ignore_errors=True)  # first: the message then says what is free
+                raise no_space(e, self.store) from e
             files = {}
             try:
                 for f in sorted(os.listdir(folder)):

@@ -120,12 +120,19 @@ class BackgroundWriter:
 
 def no_space(err: BaseException, store) -> OSError | None:
     """An OSError(ENOSPC) naming where the staging went and how much is free, when `err` comes from a
-    full disk (torch.save reports one as "[enforce fail at inline_container.cc] unexpected pos", with the
-    OSError only in its context); else None."""
-    e: BaseException | None = err
-    while e is not None:
+    full disk; else None. torch.save reports one as "[enforce fail at inline_container.cc] unexpected
+    pos" with the OSError only in its context; DCP as a CheckpointException holding it per rank."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             where, free_mb = store.space_left()
             return OSError(errno.ENOSPC, f"no space left on {where} ({free_mb} MB free) while writing a checkpoint")
-        e = e.__cause__ or e.__context__
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
     return None
