@@ -7,24 +7,27 @@
 Layout under root: `ckpt-00001200.pt` (torch.save of a CPU-only state, loadable with
 weights_only=True) and `latest`, a small JSON naming the newest verified object (name, step,
 crc32c, size, metrics, best). The pointer moves only after the object is uploaded and the
-server's crc32c matched ours, so a reader never sees half a checkpoint. On GCS the pointer is
-written with if_generation_match (the generation last read, 0 to create): of two writers only one
-wins, the other gets a clear error. Old objects (beyond the last `keep`, except the best) are deleted
-after the pointer moved. Uploads run in one background thread, at most one pending; their errors
-surface on the next save(), wait() or close(). The folder/GCS specifics live in labkit.cloud.store.
+server's crc32c matched ours, so a reader never sees half a checkpoint. Objects are written
+create-only; on GCS the pointer is written with if_generation_match (the generation last read, 0 to
+create). Old objects (beyond the last `keep`, except the best) are deleted after the pointer moved.
+Saves run in one background thread (labkit.checkpoint.writer), at most one pending; their errors
+surface on the next save(), wait() or close(). A full disk is an OSError(ENOSPC) naming the folder
+and the MB free, and leaves nothing behind. The folder/GCS specifics live in labkit.cloud.store.
 
 Every state restore() returns was verified, whichever object it came from (the pointer's, a
 fallback, an explicit step): the whole object against the crc32c the pointer recorded when it
 has one, and always every member of the torch zip against its own CRC-32 (torch.load alone
 reads a flipped byte as a changed weight). Cost: one crc pass over the bytes (~1 GB/s).
-One writer per root: local folders take a lock naming the holder (host, pid); on GCS the
-conditional pointer write refuses the second writer. keep must be >= 1.
+One writer per root, refused before its first byte: a local folder takes an flock, a gs:// prefix a
+lock object created create-only; both name the holder (host, pid). keep must be >= 1.
 
 format="auto" (the default): a state with any tensor split over devices (FSDP, tensor parallel
 under SPMD) is saved in the sharded format instead (labkit.checkpoint.sharded: DCP folders
 `step-00001200/` with a COMMITTED marker beside the files above; each host's shards written once,
-never gathered). restore() reads whichever format is newest; pass `into=state_dict` to fill live,
-sharded tensors in place (the Trainer does), otherwise it returns full CPU tensors. "file" forces
+never gathered). restore() reads whichever format is newest: restore(into=state_dict) fills live
+tensors in place where the format allows (sharded: yes, keeping their sharding; one file: returns the
+loaded CPU state) and returns the state to load; restore() returns full CPU tensors; both return None
+when nothing was saved (ShardedCheckpointManager.restore speaks the same protocol). "file" forces
 one file (the whole state gathered on the host), "sharded" forces the sharded format.
 """
 
@@ -242,7 +245,8 @@ class CheckpointManager:
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
     def restore(self, step: int | None = None, map_location="cpu", into: dict | None = None):
-        """The verified state dict of `latest` (or of `step`), or None when nothing was saved. A
+        """The verified state dict of `latest` (or of `step`), or None when nothing was saved (the pointer
+        or commit record of what was loaded: self.restored). A
         corrupt newest object warns and falls back to the previous verified one; a corrupt
         explicit `step` raises IOError.
 

@@ -5,23 +5,21 @@
     store.put_if_absent("ckpt-00000100.pt", tmp_path, crc32c_b64)   # create-only; FileExistsError if taken
     store.list("step-"), store.get(name), store.put("latest", b"...")  # put: overwrite, meant (the pointer)
 
-Both stores have the same methods: list(prefix) / get(name) / put_if_absent(name, path_or_bytes, crc) /
-put(name, path_or_bytes, crc) / delete(name) / url(name) / local_path(name), plus the writer lock
-(acquire_writer / release_writer), the `latest` pointer (read_pointer / write_pointer) and staging
-(temp_file / temp_dir / space_left). Names are relative, with "/" between folders.
+Both stores: list(prefix) / get(name) / put_if_absent(name, path_or_bytes, crc) / put(name, ...) /
+delete(name) / url(name) / local_path(name), the writer lock (acquire_writer / release_writer), the
+`latest` pointer (read_pointer / write_pointer) and staging (temp_file / temp_dir / space_left).
+Names are relative, "/" between folders. A path given to put* is moved in (local) or uploaded (gs://).
 
-One writer per root. A local folder takes an flock on ROOT/.writer.lock (the kernel drops it when the
-process dies). A gs:// prefix has no flock: the writer creates the object `.writer.lock` create-only
-(if_generation_match=0) before its first byte, and deletes it on close. A lock left by a writer on this
-host whose pid is gone (kill -9) is taken over; one from another host is refused with the command that
-removes it (nothing here can tell whether that machine still runs). Checkpoint objects are uploaded
-create-only too, which real GCS enforces on every upload; the loopback fake-gcs-server only on
-small (multipart) ones, hence the lock, taken before anything is written.
+One writer per root. A folder: an flock on ROOT/.writer.lock (dropped by the kernel when the process
+dies). A gs:// prefix: the object `.writer.lock`, created create-only (if_generation_match=0) before
+the first byte and deleted on close; one left by a dead pid on this host is taken over, one from
+another host is refused with the command that removes it (nothing here can tell if that machine
+still runs). Checkpoint objects are create-only too: real GCS enforces it on every upload, the
+loopback fake-gcs-server only on small (multipart) ones, hence the lock.
 
-Staging: a local store stages beside the target (same file system: a move is a rename), a GCS store
-in <tmp>/labkit-ckpt/. Temp names carry the writer's pid; they are swept only when their pid is gone
-(and, locally, only by the holder of the writer lock), so opening a store never breaks another
-process's save.
+Staging: a local store stages beside the target (a move is a rename), a GCS store in
+<tmp>/labkit-ckpt/. Temp names carry the writer's pid and are swept only when it is gone (locally,
+only by the lock holder), so opening a store never breaks another process's save.
 """
 
 from __future__ import annotations
