@@ -184,9 +184,12 @@ class ShardedCheckpointManager:
                         f"{self._url(name, MARKER)} already exists: another run committed this step"
                     ) from None
             except BaseException:
-                # an unfinished step would block the next save of this step: its stored files go (no marker)
-                if MARKER not in self._listing().get(step, ()):
-                    self._remove(step, files)
+                # an unfinished step holds space the next save needs: its stored files go (no marker)
+                try:
+                    if MARKER not in self._listing().get(step, ()):
+                        self._remove(step, files)
+                except Exception:  # best effort (a server that is down): the next save of the step removes them
+                    pass
                 raise
         finally:
             shutil.rmtree(folder, ignore_errors=True)

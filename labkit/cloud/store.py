@@ -153,10 +153,12 @@ class LocalStore(_Staging):
             os.close(fd)  # closing the descriptor drops the flock
 
     def _staged(self, name, src) -> str:
-        if isinstance(src, bytes):  # written to a temp file first: the same atomic move as a file
+        if isinstance(src, bytes):  # small (a marker, the pointer): a temp file first, the same atomic move
             path = self.temp_file(name)
             with open(path, "wb") as f:
                 f.write(src)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before its name appears: a crash never shows an empty marker
             return path
         return str(src)
 
@@ -165,14 +167,18 @@ class LocalStore(_Staging):
         dst, path = self.url(name), self._staged(name, src)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         try:
-            os.link(path, dst)  # create-only and atomic
-        except FileExistsError:
-            raise FileExistsError(f"{dst} already exists: another writer saved this name") from None
-        except OSError:  # a file system without hard links (some FUSE mounts): check, then rename
-            if os.path.exists(dst):
+            try:
+                os.link(path, dst)  # create-only and atomic
+            except FileExistsError:
                 raise FileExistsError(f"{dst} already exists: another writer saved this name") from None
-            os.replace(path, dst)
-        _remove(path)
+            except OSError:  # a file system without hard links (some FUSE mounts): check, then rename
+                if os.path.exists(dst):
+                    raise FileExistsError(f"{dst} already exists: another writer saved this name") from None
+                os.replace(path, dst)
+            _remove(path)  # moved in: the staged name goes
+        finally:
+            if isinstance(src, bytes):
+                _remove(path)
 
     def put(self, name, src, crc=None):
         dst = self.url(name)
