@@ -68,7 +68,7 @@ def main():
             os.sched_setaffinity(server.proc.pid, writer_cpus)
         ckpt = CheckpointManager("gs://bench-ckpt/run", keep=2, rt=rt, best_metric=None)
         writer_cpu_s = []
-        write = ckpt._write_guarded  # the upload thread's target: pin it and count its CPU time
+        write = ckpt._write  # what the background writer's thread runs: pin it and count its CPU time
 
         def pinned_write(*args, **kwargs):
             os.sched_setaffinity(0, writer_cpus)
@@ -78,7 +78,7 @@ def main():
             finally:
                 writer_cpu_s.append(time.thread_time() - t)
 
-        ckpt._write_guarded = pinned_write
+        ckpt._write = pinned_write
 
         class Probe:
             def __init__(self):
@@ -88,7 +88,7 @@ def main():
                 self.save_cpu_s = 0.0  # CPU time of the main thread inside save()
 
             def on_step_end(self, trainer, batch):
-                busy = ckpt._thread is not None and ckpt._thread.is_alive()
+                busy = ckpt.pending is not None
                 blocked = 0.0
                 if trainer.step in a.save_at:
                     if self.compiles is None:

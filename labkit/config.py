@@ -39,9 +39,6 @@ NON_CONFIG_ENV = frozenset(
         "LABKIT_HOST_ROOT",  # host-side data/cache root
         "LABKIT_CACHE",  # shard cache folder
         "LABKIT_PEAK_FLOPS",  # MFU denominator override
-        "LABKIT_CKPT_KILL_IN_UPLOAD",  # tests: kill the process inside a checkpoint upload
-        "LABKIT_CKPT_UPLOAD_DELAY",  # tests: hold a checkpoint upload open (STEP:SECONDS)
-        "LABKIT_CKPT_PENDING_MARKER",  # tests: file written when that held upload starts
     }
 )
 

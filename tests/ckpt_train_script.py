@@ -3,7 +3,8 @@
     python tests/ckpt_train_script.py ROOT OUT.pt --steps 12 --every 3 [--resume] [--kill-at N] [--sharded]
 
 --kill-at N: SIGKILL this process right after optimizer step N (no cleanup, like a lost VM).
-LABKIT_CKPT_KILL_IN_UPLOAD=STEP: the manager kills the process inside the save of STEP.
+CKPT_TEST_KILL=STEP / CKPT_TEST_HOLD=STEP:SECONDS: kill the process inside the save of STEP, or hold
+that save open (tests/ckpt_hooks.py installs the hook on the manager).
 The epoch order depends only on (seed, epoch), so a resumed run sees the same batches; the
 DataLoader gets its own generator because creating an iterator otherwise draws from torch's
 global RNG, which would shift the dropout draws of a run resumed mid-epoch.
@@ -14,6 +15,7 @@ import os
 import signal
 
 import torch
+from ckpt_hooks import install_from_env
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 import labkit
@@ -71,6 +73,7 @@ def main():
     # --sharded: the DCP format that CheckpointManager picks by itself for a state split over devices
     fmt = "sharded" if a.sharded else "auto"
     ckpt = CheckpointManager(a.root, keep=2, rt=rt, retry_deadline_s=5, format=fmt)
+    install_from_env(ckpt)
     cbs = []
     if a.kill_at:
 

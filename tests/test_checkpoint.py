@@ -101,13 +101,14 @@ def test_gcs_roundtrip_corrupt_and_two_writers(gcs_bucket):
         m.save(s, _state(s))
     m.wait()
     names = sorted(b.name for b in gcs.client().list_blobs(gcs_bucket))
-    assert names == ["run/ckpt-00000002.pt", "run/ckpt-00000003.pt", "run/latest"]
+    # the lock object (taken before the first byte) stays while m is open
+    assert names == ["run/.writer.lock", "run/ckpt-00000002.pt", "run/ckpt-00000003.pt", "run/latest"]
     assert m.restore()["step"] == 3
-    # a second writer that read the pointer before the first moved it loses, with a clear error
+    # a second writer is refused, with a clear error naming the first
     other = CheckpointManager(root, keep=2, async_save=False)
     m.save(4, _state(4))
     m.wait()
-    with pytest.raises(RuntimeError, match="another writer"):
+    with pytest.raises(RuntimeError, match=rf"another checkpoint writer \(host .* pid {os.getpid()}\)"):
         other.save(5, _state(5))
     assert m.latest()["step"] == 4
     # corrupt the newest object: restore warns and falls back to step 3
@@ -150,9 +151,9 @@ def test_async_error_surfaces_on_next_save(tmp_path, monkeypatch):
     def disk_full(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(m.store, "put", disk_full)  # the upload fails in the background thread
+    monkeypatch.setattr(m.store, "put_if_absent", disk_full)  # the upload fails in the background thread
     m.save(1, _state(1))
-    m._thread.join()  # the failure happens in the background; let it happen before restoring put
+    m.writer.finished.wait()  # the failure happens in the background; let it happen before restoring put
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="earlier checkpoint save"):
         m.save(2, _state(2))
@@ -273,3 +274,103 @@ def test_keep_below_one_is_refused(tmp_path):
     for keep in (0, -1):
         with pytest.raises(ValueError, match="keep"):
             CheckpointManager(tmp_path, keep=keep)
+
+
+# -- data loss: another process, a second writer, a full disk -------------------------------------------
+_HELD_SAVE = """
+import sys, torch
+from labkit.checkpoint import CheckpointManager
+m = CheckpointManager(sys.argv[1], async_save=False, rt=None, best_metric=None)
+def hold(step, path):  # the test hook: the bytes are staged, the parent opens the folder meanwhile
+    print("staged", flush=True)
+    sys.stdin.readline()
+m.writer.on_stage = hold
+m.save(1, {"w": torch.ones(2)})
+m.close()
+print("saved", flush=True)
+"""
+
+
+def test_opening_a_folder_does_not_break_another_process_save(tmp_path):
+    """A second process opening the folder (CheckpointManager(root).latest()) used to sweep the first
+    one's staged temp file, and the first one's save then failed."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HELD_SAVE, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, LABKIT_BACKEND="cpu"),
+    )
+    try:
+        assert child.stdout.readline().strip() == "staged"
+        staged = [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+        assert len(staged) == 1  # the child's checkpoint, written, not yet visible
+        assert CheckpointManager(tmp_path, rt=None).latest() is None
+        assert [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == staged  # its writer is alive: kept
+        out, err = child.communicate("\n", timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 0 and "saved" in out, err[-3000:]
+    assert CheckpointManager(tmp_path, rt=None).latest()["step"] == 1
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_second_writer_on_one_gcs_prefix_changes_nothing(gcs_bucket, fmt):
+    """Two managers on one gs:// prefix: the second is refused before its first byte, so the first one's
+    step 20 stays the first one's (checkpoint objects used to be overwritten before the refusal)."""
+    from labkit.cloud import gcs
+
+    def state(v):
+        return {"model": {"w": torch.full((4, 4), float(v))}, "step": 20}
+
+    def snapshot():
+        return {b.name: (b.generation, b.crc32c) for b in gcs.client().list_blobs(gcs_bucket)}
+
+    root = f"gs://{gcs_bucket}/run"
+    opts = dict(keep=2, rt=None, best_metric=None, format=fmt, retry_deadline_s=10)
+    first = CheckpointManager(root, **opts)
+    first.save(20, state(1.0))
+    first.wait()
+    before = snapshot()
+    second = CheckpointManager(root, async_save=False, **opts)
+    with pytest.raises(RuntimeError, match=rf"another checkpoint writer \(host .* pid {os.getpid()}\)"):
+        second.save(20, state(2.0))
+    assert snapshot() == before  # not one object written, replaced or deleted
+    assert torch.equal(CheckpointManager(root, rt=None).restore()["model"]["w"], state(1.0)["model"]["w"])
+    first.close()  # gives the lock back: now the second may write
+    assert ".writer.lock" not in {n.rpartition("/")[2] for n in snapshot()}
+    second.save(21, state(3.0))
+    second.close()
+    # a lock a run on another machine left (a preempted VM) is refused with the command that removes it
+    gcs.blob(f"{root}/.writer.lock").upload_from_string(json.dumps({"host": "elsewhere", "pid": 1, "id": "x"}))
+    with pytest.raises(RuntimeError, match=r"host elsewhere pid 1.*gcloud storage rm gs://.*/run/\.writer\.lock"):
+        CheckpointManager(root, async_save=False, **opts).save(22, state(4.0))
+
+
+def test_full_disk_says_so_and_the_next_save_works(tmp_path, monkeypatch):
+    """torch.save on a full disk says only "[enforce fail at inline_container.cc:664] . unexpected pos":
+    the manager now names the folder and what is free (OSError ENOSPC) and leaves nothing behind."""
+    import errno
+    import re
+
+    m = CheckpointManager(tmp_path, rt=None, best_metric=None, async_save=False)
+    m.save(1, _state(1))
+    real_save = torch.save
+
+    def onto_a_full_disk(obj, f):  # the staging write, sent to a device that is always full
+        with open("/dev/full", "wb") as full:
+            real_save(obj, full)
+
+    monkeypatch.setattr(torch, "save", onto_a_full_disk)
+    with pytest.raises(OSError, match=rf"no space left on {re.escape(str(tmp_path))} \(\d+ MB free\)") as e:
+        m.save(2, _state(2))
+    assert e.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == [".writer.lock", "ckpt-00000001.pt", "latest"]  # no partial file
+    m.save(2, _state(2))
+    assert m.restore()["step"] == 2

@@ -69,7 +69,7 @@ def test_kill_and_resume_bit_identical(tmp_path, backend):
 def test_kill_inside_upload(tmp_path, request, backend, where):
     root = f"gs://{request.getfixturevalue('gcs_bucket')}/run" if where == "gcs" else str(tmp_path / "run")
     _run(tmp_path / "ref", tmp_path / "ref.pt", backend)
-    _run(root, tmp_path / "x.pt", backend, env={"LABKIT_CKPT_KILL_IN_UPLOAD": "9"}, expect_kill=True)
+    _run(root, tmp_path / "x.pt", backend, env={"CKPT_TEST_KILL": "9"}, expect_kill=True)
     from labkit.checkpoint import CheckpointManager
 
     assert CheckpointManager(root).latest()["step"] == 6  # the half-done save of step 9 is invisible
@@ -85,7 +85,7 @@ def test_interrupt_during_a_pending_save_finishes_it(tmp_path, sig, backend):
     step 6 is still running: the upload finishes, `latest` names step 6, no temp file is left,
     and the interrupt still ends the run."""
     root, marker = tmp_path / "run", tmp_path / "pending"
-    env = dict(os.environ, LABKIT_CKPT_UPLOAD_DELAY="6:4", LABKIT_CKPT_PENDING_MARKER=str(marker), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, CKPT_TEST_HOLD="6:4", CKPT_TEST_MARKER=str(marker), PYTHONUNBUFFERED="1")
     p = subprocess.Popen(
         [
             sys.executable,
@@ -125,7 +125,7 @@ def test_killed_gcs_upload_leaves_no_temp_file(tmp_path, gcs_bucket):
     root, tmp = f"gs://{gcs_bucket}/run", tmp_path / "tmp"
     tmp.mkdir()
     env = {"TMPDIR": str(tmp)}
-    _run(root, tmp_path / "x.pt", "cpu", env={**env, "LABKIT_CKPT_KILL_IN_UPLOAD": "6"}, expect_kill=True)
+    _run(root, tmp_path / "x.pt", "cpu", env={**env, "CKPT_TEST_KILL": "6"}, expect_kill=True)
     _run(root, tmp_path / "resumed.pt", "cpu", "--resume", env=env)
     left = [str(p) for p in tmp.rglob("*") if p.is_file() and ".ckpt-" in p.name]
     assert left == [], left

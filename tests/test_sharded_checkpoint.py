@@ -53,13 +53,15 @@ def test_local_roundtrip_in_place_retention(tmp_path):
     assert ck.latest()["step"] == 3 and ck.latest()["metrics"] == {"loss": 1 / 3, "tag": "x"}
     target = _state(99)
     weight, moment = target["model"]["0.weight"], target["optim"]["state"][0]["exp_avg"]
-    rec = ShardedCheckpointManager(tmp_path).restore(target)
-    assert rec["step"] == 3 and target["epoch"] == 3
+    again = ShardedCheckpointManager(tmp_path)
+    assert again.restore(into=target) is target  # the restore protocol: filled in place, returned
+    assert again.restored["step"] == 3 and target["epoch"] == 3
     _equal(target, saved[3])
     # filled in place: a module's and an optimizer's own tensors (int-keyed state) are restored
     assert target["model"]["0.weight"] is weight and target["optim"]["state"][0]["exp_avg"] is moment
-    ShardedCheckpointManager(tmp_path).restore(target, step=2)
+    ShardedCheckpointManager(tmp_path).restore(target, step=2)  # `into` positionally: the same
     _equal(target, saved[2])
+    _equal(ShardedCheckpointManager(tmp_path).restore(step=3), saved[3])  # no template: new CPU tensors
 
 
 def test_empty_missing_and_bad_keep(tmp_path):
@@ -81,11 +83,12 @@ def test_uncommitted_and_corrupt_fall_back(tmp_path):
     raw[len(raw) // 2] ^= 0xFF  # step 2: one flipped byte in a committed shard file
     data.write_bytes(bytes(raw))
     target = _state(0)
+    again = ShardedCheckpointManager(tmp_path)
     with pytest.warns(UserWarning) as w:
-        rec = ShardedCheckpointManager(tmp_path).restore(target)
+        again.restore(into=target)
     text = " ".join(str(x.message) for x in w)
     assert "step-00000003: no COMMITTED marker" in text and "step-00000002/__0_0.distcp" in text
-    assert rec["step"] == 1 and target["epoch"] == 1
+    assert again.restored["step"] == 1 and target["epoch"] == 1
     assert ShardedCheckpointManager(tmp_path).latest()["step"] == 2  # latest() names committed steps only
     with pytest.raises(FileNotFoundError, match="no COMMITTED marker"):
         ShardedCheckpointManager(tmp_path).restore(target, step=3)
@@ -122,11 +125,12 @@ def test_gcs_roundtrip_and_uncommitted(gcs_bucket):
     names = sorted(b.name for b in gcs.client().list_blobs(gcs_bucket))
     assert names == [f"run/step-0000000{s}/{n}" for s in (2, 3) for n in (".metadata", MARKER, "__0_0.distcp")]
     target = _state(0)
-    assert ShardedCheckpointManager(root).restore(target)["step"] == 3
+    again = ShardedCheckpointManager(root)
+    assert again.restore(into=target) is target and again.restored["step"] == 3
     _equal(target, saved[3])
     gcs.blob(f"{root}/step-00000003/{MARKER}").delete()
     with pytest.warns(UserWarning, match="step-00000003: no COMMITTED marker"):
-        assert ShardedCheckpointManager(root).restore(target)["step"] == 2
+        assert again.restore(into=target) is target and again.restored["step"] == 2
     _equal(target, saved[2])
 
 
@@ -136,9 +140,11 @@ _KILLED_SAVE = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     from tests.test_sharded_checkpoint import _state
     from labkit.checkpoint.sharded import ShardedCheckpointManager
+    from tests.ckpt_hooks import install_from_env
     ck = ShardedCheckpointManager(sys.argv[1], retry_deadline_s=10)
+    install_from_env(ck)
     ck.save(1, _state(1)); ck.wait()
-    ck.save(2, _state(2)); ck.wait()   # LABKIT_CKPT_UPLOAD_DELAY holds this one open: the test kills us
+    ck.save(2, _state(2)); ck.wait()   # CKPT_TEST_HOLD holds this one open (tests/ckpt_hooks.py): the test kills us
     """
 )
 
@@ -149,8 +155,8 @@ def _kill_during_save(root, tmp_path, step, script, timeout=300):
     env = dict(
         os.environ,
         PYTHONPATH=str(REPO),
-        LABKIT_CKPT_UPLOAD_DELAY=f"{step}:600",
-        LABKIT_CKPT_PENDING_MARKER=str(marker),
+        CKPT_TEST_HOLD=f"{step}:600",
+        CKPT_TEST_MARKER=str(marker),
     )
     p = subprocess.Popen(script, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + timeout
@@ -175,7 +181,7 @@ def test_kill_9_before_the_marker_restores_previous_step(tmp_path, request, wher
     assert ck.latest()["step"] == 1
     target = _state(0)
     with pytest.warns(UserWarning, match="step-00000002: no COMMITTED marker"):
-        assert ck.restore(target)["step"] == 1
+        assert ck.restore(into=target) is target and ck.restored["step"] == 1
     _equal(target, _state(1))
 
 
@@ -336,3 +342,32 @@ def test_checkpoint_manager_finds_the_sharded_format_on_gcs(gcs_bucket):
     target = _state(0)
     assert again.restore(into=target) is target
     _equal(target, _state(7))
+
+
+def test_full_disk_leaves_no_partial_step_and_the_next_save_works(tmp_path, monkeypatch):
+    """A sharded save on a full disk used to leave its partial step folder behind (holding the space the
+    next save needs); now it is removed and the error names the folder and what is free."""
+    import errno
+    import re
+
+    import torch.distributed.checkpoint as dcp
+
+    ck = ShardedCheckpointManager(tmp_path, async_save=False)
+    ck.save(1, _state(1))
+    real_save = dcp.save
+
+    def onto_a_full_disk(state, storage_writer, **kw):  # DCP's data file lands on a device that is always full
+        os.makedirs(str(storage_writer.path), exist_ok=True)
+        os.symlink("/dev/full", os.path.join(str(storage_writer.path), "__0_0.distcp"))
+        return real_save(state, storage_writer=storage_writer, **kw)
+
+    monkeypatch.setattr(dcp, "save", onto_a_full_disk)
+    with pytest.raises(OSError, match=rf"no space left on {re.escape(str(tmp_path))} \(\d+ MB free\)") as e:
+        ck.save(2, _state(2))
+    assert e.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert sorted(n for n in os.listdir(tmp_path) if n != ".writer.lock") == [folder_name(1)]  # nothing partial
+    ck.save(2, _state(2))
+    target = _state(0)
+    assert ck.restore(into=target) is target and ck.restored["step"] == 2
+    _equal(target, _state(2))

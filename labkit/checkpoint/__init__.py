@@ -4,9 +4,13 @@
     labkit.Trainer(..., checkpoint=ckpt).fit()                    # saves; cfg.resume=True restores
 
 manager.py: CheckpointManager (one file per step, or the sharded format when the state is split over devices);
-sharded.py: the sharded format (torch.distributed.checkpoint with torch_xla's planners);
+sharded.py: the sharded format (torch.distributed.checkpoint folders with a COMMITTED marker);
+shards.py: what that format writes (is_sharded, the CPU copy of this host's shards, DCP's planners);
+writer.py: the one background writer both formats use (one save at a time, errors surface, test hook);
 state.py: what a checkpoint holds and how it is checked (to_cpu, verify, check_compatible).
-Where the bytes go (a local folder or a GCS prefix) is labkit.cloud.store, shared with data_tools.
+Where the bytes go (a local folder or a GCS prefix) is labkit.cloud.store: one interface for both.
+Both managers restore the same way: restore(into=state) fills live tensors where it can and returns
+the state; restore() returns CPU tensors; None when there is nothing.
 """
 
 from labkit.checkpoint.manager import CheckpointManager, object_name

@@ -3,7 +3,7 @@
     ckpt = ShardedCheckpointManager("gs://my-bucket/runs/fsdp", keep=2)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     ckpt.save(step, state, metrics)   # stages the local shards to the CPU, writes in a background thread
-    ckpt.restore(state)               # fills `state` in place (any mesh, or none); returns the commit record
+    ckpt.restore(into=state)          # fills `state` in place (any mesh, or none) and returns it
 
 Format: torch.distributed.checkpoint (DCP) with torch_xla's SPMDSavePlanner / SPMDLoadPlanner. A
 checkpoint is a folder `step-00001200/` holding DCP's files (`__0_0.distcp`, `.metadata`) and, written
@@ -28,10 +28,12 @@ mid-save looks like a checkpoint. DCP itself runs in one process with `no_dist=T
 
 Why not fsspec/gcsfs for gs://: gcsfs is not installed here (it would pull aiohttp and friends),
 stalls against the emulator without an environment switch, and fsspec's writer gives no commit
-point of its own. DCP writes into a local staging folder instead, and each file is then uploaded
-with labkit's GCS client (google-cloud-storage, bounded retries, the server's crc32c compared
-with ours); `COMMITTED` is uploaded create-only (if_generation_match=0) after every file is in.
-Cost: local disk for one checkpoint's shards of this host during the upload.
+point of its own. DCP writes into a local staging folder instead, and each file then goes through
+labkit.cloud.store (the same interface for a folder and a prefix): create-only, uploaded with
+bounded retries and the server's crc32c compared with ours (gs://), or moved in (a local root:
+a rename). `COMMITTED` is written create-only after every file is in. Cost: local disk for one
+checkpoint's shards of this host during the upload. A save that fails (a full disk: OSError
+ENOSPC naming the folder and the MB free) removes what it had stored, so the next save can run.
 
 Async: save() copies this host's shards to the CPU on the caller's thread (one batched transfer,
 what torch_xla's own manager does), then DCP's write, the crc32c pass and the uploads run in one
@@ -48,23 +50,18 @@ each write their own shards but need a process group for DCP to agree on one `.m
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import shutil
-import sys
 import tempfile
-import threading
 import time
 import warnings
 
-import torch
-
-from labkit.checkpoint import CheckpointManager
-from labkit.checkpoint.state import hold_for_tests
+from labkit.checkpoint.shards import _add_missing, _planner, _planner_kind, is_sharded, stage  # noqa: F401
+from labkit.checkpoint.writer import BackgroundWriter, no_space
 from labkit.cloud import gcs
-from labkit.cloud.store import GCSStore, LocalStore
+from labkit.cloud.store import open_store
 
 MARKER = "COMMITTED"
 _STEP = re.compile(r"^step-(\d{8,})$")
@@ -76,127 +73,45 @@ def folder_name(step: int) -> str:
     return f"step-{int(step):08d}"
 
 
-# -- sharded state ---------------------------------------------------------------------------------
-def _xla_loaded() -> bool:
-    return "torch_xla" in sys.modules
-
-
-def _sharded(t) -> bool:
-    """True for an XLA tensor split over several devices (not replicated, not single-device)."""
-    if not (torch.is_tensor(t) and t.device.type == "xla"):
-        return False
-    import torch_xla.distributed.spmd as xs
-    from torch_xla.experimental.distributed_checkpoint._helpers import _is_sharded_tensor
-
-    return _is_sharded_tensor(xs.wrap_if_sharded(t))
-
-
-def is_sharded(state) -> bool:
-    """Whether any tensor of a nested state is split over devices (then save it with this module)."""
-    from torch.utils._pytree import tree_leaves
-
-    return _xla_loaded() and any(_sharded(t) for t in tree_leaves(state))
-
-
-def stage(state):
-    """A copy of `state` on the CPU: sharded XLA tensors become torch_xla's CPU shards (this host's
-    pieces with their offsets, never the global tensor), other XLA tensors come over in one batched
-    transfer, CPU tensors are cloned (training keeps updating them while the write runs). The shard
-    copy is torch_xla 2.9's `_cpu_shards_from_tensors`, what its own CheckpointManager.save_async uses."""
-    from torch.utils._pytree import tree_flatten, tree_unflatten
-
-    flat, spec = tree_flatten(state)
-    sharded = [i for i, x in enumerate(flat) if _sharded(x)]
-    split = set(sharded)
-    on_xla = [i for i, x in enumerate(flat) if torch.is_tensor(x) and x.device.type == "xla" and i not in split]
-    out = [x.detach().clone() if torch.is_tensor(x) and x.device.type == "cpu" else x for x in flat]
-    if sharded or on_xla:
-        import torch_xla
-        from torch_xla.experimental.distributed_checkpoint._helpers import _cpu_shards_from_tensors
-
-        if sharded:
-            for i, s in zip(sharded, _cpu_shards_from_tensors([flat[i] for i in sharded])):
-                # a tile held by several devices (a 2-D mesh, replicated over one axis) is written once:
-                # with its copies in the plan the checkpoint does not load ("Missing key in checkpoint")
-                s.shards = [x for x in s.shards if x.replica_id == 0]
-                out[i] = s
-        if on_xla:
-            for i, c in zip(on_xla, torch_xla._XLAC._xla_get_cpu_tensors([flat[i] for i in on_xla])):
-                out[i] = c
-    for i, x in enumerate(out):
-        if torch.is_tensor(x) and x.device.type not in ("cpu", "xla"):
-            out[i] = x.detach().cpu()
-    return tree_unflatten(out, spec)
-
-
-def _planner_kind() -> str:
-    """Which DCP planners write: torch_xla's ("spmd") wherever it is installed, else DCP's ("default").
-    The two flatten plain values differently (the optimizer's param_groups: one item or one per
-    field), so a checkpoint must be read with the kind that wrote it: the commit record names it."""
-    return "spmd" if _xla_loaded() or importlib.util.find_spec("torch_xla") is not None else "default"
-
-
-def _planner(kind: str, load: bool, where: str):
-    if kind == "spmd":
-        try:
-            from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
-        except ImportError as e:
-            raise ImportError(f"{where} was written with torch_xla's SPMD planners; reading it needs torch_xla") from e
-        return SPMDLoadPlanner() if load else SPMDSavePlanner()
-    if kind != "default":
-        raise ValueError(f"{where}: unknown planner {kind!r} in the commit record")
-    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-
-    return DefaultLoadPlanner() if load else DefaultSavePlanner()
-
-
 # -- the manager ------------------------------------------------------------------------------------
 class ShardedCheckpointManager:
-    restores_in_place = True  # Trainer.fit passes its state_dict() to restore() as the template
+    restores_in_place = True  # restore(into=state) fills the live tensors (CheckpointManager's does too)
 
-    def __init__(self, root, keep: int = 3, async_save: bool = True, retry_deadline_s: float = 60, store=None):
+    def __init__(
+        self, root, keep: int = 3, async_save: bool = True, retry_deadline_s: float = 60, store=None, writer=None
+    ):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint (the newest)")
-        self.root, self.keep, self.async_save = str(root).rstrip("/"), keep, async_save
-        self.is_gcs = gcs.is_gcs(self.root)
-        # store: CheckpointManager passes its own, so both formats on one root share one writer lock
-        self.store = store or (GCSStore(self.root, retry_deadline_s) if self.is_gcs else LocalStore(self.root))
+        self.root, self.keep = str(root).rstrip("/"), keep
+        # store, writer: CheckpointManager passes its own, so both formats on one root share one writer
+        # lock and one pending save
+        self.store = store or open_store(self.root, retry_deadline_s)
+        self.writer = writer or BackgroundWriter("sharded checkpoint", self.root, async_save)
         self.pinned: set[int] = set()  # steps pruning keeps besides the newest `keep` (CheckpointManager's best)
-        self._thread: threading.Thread | None = None
-        self._done = threading.Event()  # waited on instead of Thread.join: see CheckpointManager
-        self._error: BaseException | None = None
-        self._pending_step: int | None = None
+        self.restored: dict | None = None  # the commit record of what restore() last loaded
 
     # -- listing ------------------------------------------------------------------------------------
     def _url(self, *parts) -> str:
-        return gcs.join(self.root, *parts) if self.is_gcs else os.path.join(self.root, *parts)
+        return self.store.url("/".join(parts))
 
     def _listing(self) -> dict[int, set[str]]:
         """step -> the file names under its folder."""
         out: dict[int, set[str]] = {}
-        if self.is_gcs:
-            bucket, prefix = gcs.parse_url(self.root + "/")
-            for b in gcs.client().list_blobs(bucket, prefix=prefix):
-                folder, _, name = b.name[len(prefix) :].partition("/")
-                m = _STEP.match(folder)
-                if m and name:
-                    out.setdefault(int(m.group(1)), set()).add(name)
-        else:
-            for folder in os.listdir(self.root):
-                m = _STEP.match(folder)
-                if m and os.path.isdir(self._url(folder)):
-                    out[int(m.group(1))] = set(os.listdir(self._url(folder)))
+        for n in self.store.list("step-"):
+            folder, _, name = n.partition("/")
+            m = _STEP.match(folder)
+            if m and name and "/" not in name:
+                out.setdefault(int(m.group(1)), set()).add(name)
         return out
+
+    def steps(self) -> list[int]:
+        """Every step with a folder, committed or not (restore warns about the latter)."""
+        return sorted(self._listing())
 
     def _read_marker(self, step: int) -> dict | None:
         url = self._url(folder_name(step), MARKER)
         try:
-            if self.is_gcs:
-                data = self.store.get(f"{folder_name(step)}/{MARKER}")
-            else:
-                with open(url, "rb") as f:
-                    data = f.read()
-            rec = json.loads(data)
+            rec = json.loads(self.store.get(f"{folder_name(step)}/{MARKER}"))
             if isinstance(rec, dict) and rec.get("step") == step and isinstance(rec.get("files"), dict):
                 return rec
             why = "not a commit record"
@@ -218,149 +133,120 @@ class ShardedCheckpointManager:
 
     @property
     def pending(self) -> int | None:
-        return self._pending_step if self._thread is not None and not self._done.is_set() else None
+        return self.writer.pending
 
     # -- saving -------------------------------------------------------------------------------------
     def save(self, step: int, state: dict, metrics: dict | None = None, force: bool = False, best=None) -> bool:
         """Save `state` (nested dicts/lists of tensors, sharded or not, and plain values) as `step`.
         Every call saves (the Trainer decides when; `force` is accepted for its sake). `best` (a small
         dict) goes into the commit record."""
-        self._raise_pending()
-        self.store.acquire_writer()  # local: a second writer on this folder fails here
+        self.writer.raise_error()
+        self.store.acquire_writer()  # a second writer on this root fails here, before any work
         cpu = stage(state)
-        self.wait()
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
-        self._pending_step = int(step)
-        if not self.async_save:
-            self._write(int(step), cpu, meta, best)
-            return True
-        self._done = threading.Event()
-        self._thread = threading.Thread(
-            target=self._write_guarded,
-            args=(self._done, int(step), cpu, meta, best),
-            name=f"labkit-dcp-{step}",
-            daemon=True,
-        )
-        self._thread.start()
+        self.writer.submit(step, self._write, int(step), cpu, meta, best)
         return True
-
-    def _write_guarded(self, done, *args):
-        try:
-            try:  # serialising and uploading take idle cycles, not the training's host threads
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-            except (AttributeError, OSError):
-                pass
-            self._write(*args)
-        except BaseException as e:  # surfaced on the next save()/wait()/close()
-            self._error = e
-        finally:
-            done.set()
 
     def _write(self, step: int, cpu_state, metrics: dict, best=None):
         import torch.distributed.checkpoint as dcp
 
         name = folder_name(step)
-        if self.is_gcs:
-            folder = tempfile.mkdtemp(prefix=f"labkit-dcp-{os.getpid()}-")
-        else:
-            folder = self._url(name)
-            shutil.rmtree(folder, ignore_errors=True)  # an uncommitted leftover of the same step
+        listing = self._listing()
+        if step in listing:  # our own earlier save of this step, or one a killed writer left: we hold the lock
+            self._remove(step, listing[step])
+        folder = self.store.temp_dir(name)  # DCP writes here; the store then uploads (gs://) or moves (local)
         try:
             kind = _planner_kind()
             planner = _planner(kind, False, self._url(name))
-            dcp.save(cpu_state, storage_writer=dcp.FileSystemWriter(folder), planner=planner, no_dist=True)
+            try:
+                dcp.save(cpu_state, storage_writer=dcp.FileSystemWriter(folder), planner=planner, no_dist=True)
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                if no_space(e, self.store) is None:
+                    raise
+                shutil.rmtree(folder, ignore_errors=True)  # first: the message then says what is free
+                raise no_space(e, self.store) from e
             files = {}
-            for f in sorted(os.listdir(folder)):
-                p = os.path.join(folder, f)
-                crc = gcs.crc32c_b64(p)
-                files[f] = {"crc32c": crc, "size": os.path.getsize(p)}
-                if self.is_gcs:
-                    self.store.put(p, f"{name}/{f}", crc)  # verified against the server's crc32c
-            hold_for_tests(step, folder)  # tests: hold the save open here, every file stored, no marker yet
-            record = {"step": step, "files": files, "planner": kind, "metrics": metrics, "time": time.time()}
-            if best:
-                record["best"] = best
-            self._commit(name, record)
+            try:
+                for f in sorted(os.listdir(folder)):
+                    p = os.path.join(folder, f)
+                    crc = gcs.crc32c_b64(p)
+                    files[f] = {"crc32c": crc, "size": os.path.getsize(p)}
+                    self.store.put_if_absent(f"{name}/{f}", p, crc)  # gs://: the server's crc32c checked
+                self.writer.staged(step, folder)  # every file stored, no marker yet: the commit point is next
+                record = {"step": step, "files": files, "planner": kind, "metrics": metrics, "time": time.time()}
+                if best:
+                    record["best"] = best
+                data = json.dumps(record).encode()
+                try:  # create-only: a second writer committing the same step fails instead of overwriting
+                    self.store.put_if_absent(f"{name}/{MARKER}", data, gcs.crc32c_b64(data))
+                except FileExistsError:
+                    raise RuntimeError(
+                        f"{self._url(name, MARKER)} already exists: another run committed this step"
+                    ) from None
+            except BaseException:
+                # an unfinished step holds space the next save needs: its stored files go (no marker)
+                try:
+                    if MARKER not in self._listing().get(step, ()):
+                        self._remove(step, files)
+                except Exception:  # best effort (a server that is down): the next save of the step removes them
+                    pass
+                raise
         finally:
-            if self.is_gcs:
-                shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
         self._prune(step)
 
-    def _commit(self, name: str, record: dict):
-        data = json.dumps(record)
-        if self.is_gcs:
-            from google.api_core import exceptions
-
-            try:  # create-only: a second writer committing the same step fails instead of overwriting
-                gcs.blob(self._url(name, MARKER)).upload_from_string(
-                    data, content_type="application/json", if_generation_match=0, retry=None
-                )
-            except exceptions.PreconditionFailed:
-                raise RuntimeError(
-                    f"{self._url(name, MARKER)} already exists: another run committed this step"
-                ) from None
-        else:
-            fd, tmp = tempfile.mkstemp(dir=self._url(name), prefix=".committed-")
-            with os.fdopen(fd, "w") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._url(name, MARKER))
+    def _remove(self, step: int, names):
+        """Delete a step's files, the marker first: a half-deleted folder is uncommitted."""
+        for n in sorted(names, key=lambda n: n != MARKER):
+            self.store.delete(f"{folder_name(step)}/{n}")
 
     def _prune(self, newest: int):
         """Keep the newest `keep` committed steps; drop older ones and uncommitted folders older than
-        `newest` (saves of a killed writer). The marker goes first: a half-deleted folder is uncommitted."""
+        `newest` (saves of a killed writer)."""
         listing = self._listing()
         committed = sorted(s for s, n in listing.items() if MARKER in n)
         keep = set(committed[-self.keep :]) | {newest} | self.pinned
         for step, names in listing.items():
             if step in keep or (MARKER not in names and step > newest):
                 continue
-            order = sorted(names, key=lambda n: n != MARKER)
-            if self.is_gcs:
-                for n in order:
-                    self.store.delete(f"{folder_name(step)}/{n}")
-            else:
-                for n in order:
-                    try:
-                        os.remove(self._url(folder_name(step), n))
-                    except FileNotFoundError:
-                        pass
-                shutil.rmtree(self._url(folder_name(step)), ignore_errors=True)
+            self._remove(step, names)
 
-    # one home for the pending-save bookkeeping (same _thread / _done / _error fields)
-    KIND = "sharded checkpoint"
-    _raise_pending = CheckpointManager._raise_pending
-    wait = CheckpointManager._wait_thread
+    def wait(self) -> None:
+        """Block until the pending save finished; re-raise its error."""
+        self.writer.wait()
 
     def close(self) -> None:
         """Finish the pending save, then give up the writer lock."""
         try:
-            self.wait()
+            self.writer.close()
         finally:
-            if self._thread is None:
+            if self.writer.pending is None:
                 self.store.release_writer()
 
     # -- reading ------------------------------------------------------------------------------------
     def _fetch(self, step: int, rec: dict) -> str:
         """A local folder holding the step's files, each checked against its recorded crc32c."""
         name = folder_name(step)
-        folder = tempfile.mkdtemp(prefix=f"labkit-dcp-read-{os.getpid()}-") if self.is_gcs else self._url(name)
+        local = self.store.local_path(name)  # a local root is read in place; gs:// files are downloaded
+        folder = local or tempfile.mkdtemp(prefix=f"labkit-dcp-read-{os.getpid()}-")
         for f, info in rec["files"].items():
             p = os.path.join(folder, f)
-            if self.is_gcs:
+            if local is None:
                 with open(p, "wb") as out:
                     out.write(self.store.get(f"{name}/{f}"))
             if not os.path.exists(p) or gcs.crc32c_b64(p) != info.get("crc32c"):
                 raise OSError(f"{self._url(name, f)} is missing or its crc32c does not match the commit record")
         return folder
 
-    def restore(self, state: dict, step: int | None = None) -> dict | None:
-        """Load the newest committed checkpoint (or `step`) into `state` in place: tensors keep their
-        device and sharding (any mesh, or a plain CPU/XLA tensor), plain values are replaced. Returns
-        the commit record, or None when nothing is committed. Uncommitted folders newer than the one
+    def restore(self, into: dict | None = None, step: int | None = None) -> dict | None:
+        """Load the newest committed checkpoint (or `step`) into `into` in place: tensors keep their
+        device and sharding (any mesh, or a plain CPU/XLA tensor), plain values are replaced; returns
+        `into`. Without `into`, returns new full CPU tensors. None when nothing is committed; the commit
+        record of what was loaded is then in self.restored. Uncommitted folders newer than the one
         restored, and committed ones whose files fail their crc32c, are skipped with a warning."""
         import torch.distributed.checkpoint as dcp
+
+        state = {} if into is None else into
 
         self.wait()
         listing = self._listing()
@@ -394,50 +280,8 @@ class ShardedCheckpointManager:
                 _add_missing(state, reader.read_metadata())
                 dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
             finally:
-                if self.is_gcs:
+                if folder != self.store.local_path(folder_name(s)):
                     shutil.rmtree(folder, ignore_errors=True)
-            return rec
+            self.restored = rec
+            return state
         return None
-
-
-_MISSING = object()
-
-
-def _key(container, k):
-    """The key of `container` that path element `k` names: DCP's paths keep keys as strings, an
-    optimizer's state is keyed by parameter index (int)."""
-    if isinstance(container, dict):
-        if k in container:
-            return k
-        alt = int(k) if isinstance(k, str) and k.isdigit() else k
-        return alt if alt in container else _MISSING
-    if isinstance(container, list) and str(k).isdigit() and int(k) < len(container):
-        return int(k)
-    return _MISSING
-
-
-def _add_missing(state: dict, metadata) -> None:
-    """DCP loads only into entries the template has. An optimizer whose state is created at its first
-    step (SGD's momentum, AdamW's moments) has none yet: add a CPU tensor of the saved shape for each
-    such entry (None for a plain value; a key of digits becomes an int), so the checkpoint's structure
-    loads whole. The optimizer's load_state_dict then moves those tensors to their parameter's
-    device, unsharded: create the state first (as parallel_gpt does for AdamW) to restore it sharded."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    paths = metadata.planner_data or {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        path = paths.get(fqn)
-        if not path:
-            continue
-        cur, depth = state, 0
-        while depth < len(path) and (key := _key(cur, path[depth])) is not _MISSING:
-            cur, depth = cur[key], depth + 1
-        if depth == len(path):
-            continue  # the template has it: DCP loads into it
-        if not isinstance(cur, dict):
-            continue  # a list too short or a value where a container was saved: DCP names the key
-        for k in path[depth:-1]:
-            cur = cur.setdefault(int(k) if isinstance(k, str) and k.isdigit() else k, {})
-        last = path[-1]
-        last = int(last) if isinstance(last, str) and last.isdigit() else last
-        cur[last] = torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None

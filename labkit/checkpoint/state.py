@@ -10,8 +10,6 @@ Used by labkit.checkpoint (the manager), labkit.loop (resume) and labkit.serve.e
 from __future__ import annotations
 
 import io
-import os
-import time
 import zipfile
 
 import numpy as np
@@ -98,17 +96,3 @@ def verify(data: bytes, where: str, expect_crc: str | None = None) -> None:
         raise OSError(f"{where} is not an intact torch checkpoint ({type(e).__name__}: {e})") from None
     if bad is not None:
         raise OSError(f"{where} is corrupt: the CRC-32 of its member {bad!r} does not match")
-
-
-# -- tests ------------------------------------------------------------------------------------------
-def hold_for_tests(step, tmp) -> None:
-    """Tests: LABKIT_CKPT_UPLOAD_DELAY=STEP:SECONDS holds the upload of STEP open (the temp file is
-    written) and, when LABKIT_CKPT_PENDING_MARKER names a file, writes it so a test process knows
-    when to send its signal."""
-    spec = os.environ.get("LABKIT_CKPT_UPLOAD_DELAY", "")
-    if spec.partition(":")[0] == str(step):
-        marker = os.environ.get("LABKIT_CKPT_PENDING_MARKER")
-        if marker:
-            with open(marker, "w") as f:
-                f.write(tmp)
-        time.sleep(float(spec.partition(":")[2] or 5))

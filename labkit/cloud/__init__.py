@@ -7,6 +7,6 @@ that checkpoints and data_tools share. The only part of labkit that data_tools i
 
 from labkit.cloud import gcs
 from labkit.cloud.emulator import LocalGCSServer
-from labkit.cloud.store import GCSStore, LocalStore
+from labkit.cloud.store import GCSStore, LocalStore, open_store
 
-__all__ = ["GCSStore", "LocalGCSServer", "LocalStore", "gcs"]
+__all__ = ["GCSStore", "LocalGCSServer", "LocalStore", "gcs", "open_store"]

@@ -1,13 +1,25 @@
-"""Where checkpoints live: a local folder or gs://bucket/prefix, behind one small interface
-(put a verified object, get, list, delete, read/write the `latest` pointer, one writer at a time).
+"""Where checkpoints live: a local folder or gs://bucket/prefix, behind one small interface.
 
-    store = GCSStore("gs://bucket/run", retry_deadline_s=60)   # or LocalStore("/tmp/run")
-    store.put(tmp_path, "ckpt-00000100.pt", crc32c_b64)         # raises IOError naming the object
+    store = open_store("gs://bucket/run")            # or open_store("/tmp/run"): LocalStore / GCSStore
+    store.acquire_writer()                           # one writer per root, before the first byte
+    store.put_if_absent("ckpt-00000100.pt", tmp_path, crc32c_b64)   # create-only; FileExistsError if taken
+    store.list("step-"), store.get(name), store.put("latest", b"...")  # put: overwrite, meant (the pointer)
 
-Used by labkit.checkpoint.CheckpointManager. Temp files: a local store writes them beside the
-target (same folder: the rename is atomic) and sweeps those of killed writers when opened; a GCS
-store writes them to <tmp>/labkit-ckpt/, named with the writer's pid, and sweeps those whose
-process is gone (a killed run otherwise leaks one checkpoint-sized file per kill).
+Both stores: list(prefix) / get(name) / put_if_absent(name, path_or_bytes, crc) / put(name, ...) /
+delete(name) / url(name) / local_path(name), the writer lock (acquire_writer / release_writer), the
+`latest` pointer (read_pointer / write_pointer) and staging (temp_file / temp_dir / space_left).
+Names are relative, "/" between folders. A path given to put* is moved in (local) or uploaded (gs://).
+
+One writer per root. A folder: an flock on ROOT/.writer.lock (dropped by the kernel when the process
+dies). A gs:// prefix: the object `.writer.lock`, created create-only (if_generation_match=0) before
+the first byte and deleted on close; one left by a dead pid on this host is taken over, one from
+another host is refused with the command that removes it (nothing here can tell if that machine
+still runs). Checkpoint objects are create-only too: real GCS enforces it on every upload, the
+loopback fake-gcs-server only on small (multipart) ones, hence the lock.
+
+Staging: a local store stages beside the target (a move is a rename), a GCS store in
+<tmp>/labkit-ckpt/. Temp names carry the writer's pid and are swept only when it is gone (locally,
+only by the lock holder), so opening a store never breaks another process's save.
 """
 
 from __future__ import annotations
@@ -15,14 +27,22 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import tempfile
+import uuid
 import warnings
 
 from labkit.cloud import gcs
 
 NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
 LOCK = ".writer.lock"
+_TEMP = re.compile(r"^\..+\.(\d+)\.[^./]*\.tmp$")  # `.NAME.PID.RANDOM.tmp`: a file or a staging folder
+
+
+def open_store(root, retry_deadline_s: float = 60):
+    """The store for `root`: GCSStore for gs://..., LocalStore for a folder."""
+    return GCSStore(str(root), retry_deadline_s) if gcs.is_gcs(str(root)) else LocalStore(root)
 
 
 def parse_pointer(data: bytes, where: str):
@@ -51,26 +71,59 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class LocalStore:
-    """A folder: os.replace makes both the object and the pointer appear atomically. One writer at
-    a time: the first save takes an exclusive lock on ROOT/.writer.lock (released by close(), or by
-    the kernel when the process dies), so a second run saving to the same folder fails at once,
-    naming the host and pid of the first, instead of pruning the other's checkpoints."""
+def _holder() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "id": uuid.uuid4().hex}
+
+
+def _sweep(folder: str) -> None:
+    """Remove the temp files and staging folders of writers whose process is gone."""
+    for n in os.listdir(folder):
+        m = _TEMP.match(n)
+        if m and not _pid_alive(int(m.group(1))):
+            p = os.path.join(folder, n)
+            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else _remove(p)
+
+
+def _remove(path):
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+class _Staging:
+    """Temp files and folders named `.NAME.PID.RANDOM.tmp` under self._tmp (what _sweep recognises)."""
+
+    _tmp: str
+
+    def temp_file(self, name: str) -> str:
+        fd, path = tempfile.mkstemp(prefix=f".{name.replace('/', '-')}.{os.getpid()}.", suffix=".tmp", dir=self._tmp)
+        os.close(fd)
+        return path
+
+    def temp_dir(self, name: str) -> str:
+        return tempfile.mkdtemp(prefix=f".{name.replace('/', '-')}.{os.getpid()}.", suffix=".tmp", dir=self._tmp)
+
+    def space_left(self) -> tuple[str, int]:
+        """(where the staging goes, MB free there): what a 'no space left' message names."""
+        return self._tmp, shutil.disk_usage(self._tmp).free >> 20
+
+
+class LocalStore(_Staging):
+    """A folder: a rename makes an object or the pointer appear atomically; os.link makes a
+    create-only one (it fails if the name exists)."""
 
     def __init__(self, root):
-        self.root = str(root)
+        self.root = self._tmp = str(root)
         os.makedirs(self.root, exist_ok=True)
         self.generation = None
         self._lock_fd = None
-        for n in os.listdir(self.root):  # temp files of a writer killed mid-save (never visible as checkpoints)
-            if (n.startswith(".ckpt-") and n.endswith(".tmp")) or n.startswith(".latest-"):
-                try:
-                    os.remove(os.path.join(self.root, n))
-                except FileNotFoundError:
-                    pass
 
     def url(self, name):
-        return os.path.join(self.root, name)
+        return os.path.join(self.root, *name.split("/"))
+
+    def local_path(self, name):
+        return self.url(name)
 
     def acquire_writer(self) -> None:
         if self._lock_fd is not None:
@@ -92,29 +145,70 @@ class LocalStore:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}".encode(), 0)
         self._lock_fd = fd
+        _sweep(self.root)  # the lock is ours: temp files of dead writers can go (of a live one: never)
 
     def release_writer(self) -> None:
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)  # closing the descriptor drops the flock
 
-    def put(self, tmp, name, crc):
-        # same folder: atomic rename. The crc was computed from this very file by the caller; a
-        # re-read here would checksum the page cache a second time, not the disk.
-        os.replace(tmp, self.url(name))
+    def _staged(self, name, src) -> str:
+        if isinstance(src, bytes):  # small (a marker, the pointer): a temp file first, the same atomic move
+            path = self.temp_file(name)
+            with open(path, "wb") as f:
+                f.write(src)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before its name appears: a crash never shows an empty marker
+            return path
+        return str(src)
+
+    def put_if_absent(self, name, src, crc=None):
+        # the crc was computed from this very file by the caller; a re-read would checksum the page cache
+        dst, path = self.url(name), self._staged(name, src)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        try:
+            try:
+                os.link(path, dst)  # create-only and atomic
+            except FileExistsError:
+                raise FileExistsError(f"{dst} already exists: another writer saved this name") from None
+            except OSError:  # a file system without hard links (some FUSE mounts): check, then rename
+                if os.path.exists(dst):
+                    raise FileExistsError(f"{dst} already exists: another writer saved this name") from None
+                os.replace(path, dst)
+            _remove(path)  # moved in: the staged name goes
+        finally:
+            if isinstance(src, bytes):
+                _remove(path)
+
+    def put(self, name, src, crc=None):
+        dst = self.url(name)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        os.replace(self._staged(name, src), dst)
 
     def get(self, name) -> bytes:
         with open(self.url(name), "rb") as f:
             return f.read()
 
-    def names(self):
-        return sorted(n for n in os.listdir(self.root) if NAME.match(n))
+    def list(self, prefix: str = "") -> list[str]:
+        out = []
+        for folder, dirs, files in os.walk(self.root):
+            dirs[:] = [d for d in dirs if not _TEMP.match(d)]  # staging folders are not checkpoints
+            rel = os.path.relpath(folder, self.root).replace(os.sep, "/")
+            for n in files:
+                name = n if rel == "." else f"{rel}/{n}"
+                if name != LOCK and not _TEMP.match(n) and name.startswith(prefix):
+                    out.append(name)
+        return sorted(out)
 
     def delete(self, name):
-        try:
-            os.remove(self.url(name))
-        except FileNotFoundError:
-            pass
+        _remove(self.url(name))
+        parent = os.path.dirname(self.url(name))
+        while os.path.abspath(parent) != os.path.abspath(self.root):  # an emptied folder goes too
+            try:
+                os.rmdir(parent)
+            except OSError:
+                break
+            parent = os.path.dirname(parent)
 
     def read_pointer(self):
         try:
@@ -124,18 +218,12 @@ class LocalStore:
         return parse_pointer(data, self.url("latest"))
 
     def write_pointer(self, data: dict):
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".latest-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, self.url("latest"))
-
-    def tmpdir(self):
-        return self.root
+        self.put("latest", json.dumps(data).encode())
 
 
-class GCSStore:
-    """gs://bucket/prefix: verified uploads with bounded retries; the pointer is a conditional write
-    (if_generation_match), which is what keeps two writers apart here."""
+class GCSStore(_Staging):
+    """gs://bucket/prefix: verified uploads with bounded retries, create-only objects, a lock object,
+    and a conditional pointer (if_generation_match: the generation last read, 0 to create)."""
 
     def __init__(self, root, retry_deadline_s):
         gcs.ensure_bucket(root)  # missing bucket: FileNotFoundError now, not at the first save
@@ -143,24 +231,16 @@ class GCSStore:
         self.bucket, self.prefix = gcs.parse_url(self.root + "/")
         self.retry_deadline_s = retry_deadline_s
         self.generation = None  # of `latest` as last read or written; 0: create only
+        self._lock: dict | None = None  # our lock object's body while we hold it
         self._tmp = os.path.join(tempfile.gettempdir(), "labkit-ckpt")
         os.makedirs(self._tmp, exist_ok=True)
-        for n in os.listdir(self._tmp):  # `.ckpt-00000009.pt.<pid>.<random>.tmp` of processes that died
-            m = re.match(r"^\.ckpt-\d+\.pt\.(\d+)\.", n)
-            if m and not _pid_alive(int(m.group(1))):
-                try:
-                    os.remove(os.path.join(self._tmp, n))
-                except FileNotFoundError:
-                    pass
+        _sweep(self._tmp)  # a killed run otherwise leaks one checkpoint-sized file per kill
 
     def url(self, name):
         return gcs.join(self.root, name)
 
-    def acquire_writer(self) -> None:  # the generation precondition on `latest` does this job
-        pass
-
-    def release_writer(self) -> None:
-        pass
+    def local_path(self, name):
+        return None
 
     def _retry(self):
         from google.api_core.retry import Retry
@@ -170,27 +250,82 @@ class GCSStore:
             predicate=DEFAULT_RETRY._predicate, initial=0.2, maximum=5.0, multiplier=2.0, timeout=self.retry_deadline_s
         )
 
-    def put(self, tmp, name, crc):
-        # One local crc32c (the caller's): the server computes its own and we compare the two. No
-        # client-side checksum pass on top (gcs.upload_file would add two).
+    # -- one writer ---------------------------------------------------------------------------------
+    def acquire_writer(self) -> None:
+        from google.api_core import exceptions
+
+        if self._lock is not None:
+            return
+        me, b = _holder(), gcs.blob(self.url(LOCK))
+        for _ in range(2):
+            try:  # create-only: a retry after our own lost success reads back our id below
+                b.upload_from_string(json.dumps(me), if_generation_match=0, retry=self._retry())
+                self._lock = me
+                return
+            except exceptions.PreconditionFailed:
+                pass
+            try:
+                held = json.loads(b.download_as_bytes(retry=self._retry()))
+            except exceptions.NotFound:
+                continue  # released meanwhile: try again
+            except ValueError:
+                held = {}
+            if held.get("id") == me["id"]:
+                self._lock = me
+                return
+            if held.get("host") == me["host"] and isinstance(held.get("pid"), int) and not _pid_alive(held["pid"]):
+                self.delete(LOCK)  # its writer died on this host (kill -9): take over
+                continue
+            raise RuntimeError(
+                f"{self.root} is being written by another checkpoint writer (host {held.get('host')} pid "
+                f"{held.get('pid')}); two runs saving to one prefix would overwrite each other's checkpoints. "
+                f"Use another prefix, or close() the other manager; if that run is gone (a preempted VM), "
+                f"remove its lock: gcloud storage rm {self.url(LOCK)}"
+            )
+        raise RuntimeError(f"could not take the writer lock {self.url(LOCK)}")
+
+    def release_writer(self) -> None:
+        if self._lock is not None:
+            self._lock = None
+            self.delete(LOCK)
+
+    # -- objects ------------------------------------------------------------------------------------
+    def _upload(self, name, src, crc, generation):
+        from google.api_core import exceptions
+
+        b = gcs.blob(self.url(name))
         try:
-            b = gcs.blob(self.url(name))
-            b.upload_from_filename(tmp, timeout=min(120, self.retry_deadline_s + 5), retry=self._retry(), checksum=None)
+            # one local crc32c (the caller's): the server computes its own and we compare the two
+            kw = dict(timeout=min(120, self.retry_deadline_s + 5), retry=self._retry(), checksum=None)
+            if isinstance(src, bytes):
+                b.upload_from_string(src, if_generation_match=generation, **kw)
+            else:
+                b.upload_from_filename(str(src), if_generation_match=generation, **kw)
+        except exceptions.PreconditionFailed:
+            b.reload(retry=self._retry())
+            if crc is not None and b.crc32c == crc:  # our own upload, retried after a lost reply
+                return
+            raise FileExistsError(f"{self.url(name)} already exists: another writer saved this name") from None
         except Exception as e:  # connection errors are OSErrors too: name the object either way
             raise OSError(
                 f"upload of checkpoint {self.url(name)} failed after retries "
                 f"(deadline {self.retry_deadline_s}s): {type(e).__name__}: {e}"
             ) from e
-        if b.crc32c != crc:
+        if crc is not None and b.crc32c != crc:
             raise OSError(f"crc32c mismatch for {self.url(name)}: local {crc}, server {b.crc32c}")
+
+    def put_if_absent(self, name, src, crc=None):
+        self._upload(name, src, crc, 0)  # if_generation_match=0: create only
+
+    def put(self, name, src, crc=None):
+        self._upload(name, src, crc, None)
 
     def get(self, name) -> bytes:
         return gcs.blob(self.url(name)).download_as_bytes(retry=self._retry())
 
-    def names(self):
-        blobs = gcs.client().list_blobs(self.bucket, prefix=self.prefix)
-        out = [b.name[len(self.prefix) :] for b in blobs]
-        return sorted(n for n in out if NAME.match(n))
+    def list(self, prefix: str = "") -> list[str]:
+        blobs = gcs.client().list_blobs(self.bucket, prefix=self.prefix + prefix, retry=self._retry())
+        return sorted(n for n in (b.name[len(self.prefix) :] for b in blobs) if n != LOCK)
 
     def delete(self, name):
         from google.api_core import exceptions
@@ -200,6 +335,7 @@ class GCSStore:
         except exceptions.NotFound:
             pass
 
+    # -- the pointer --------------------------------------------------------------------------------
     def read_pointer(self):
         from google.api_core import exceptions
 
@@ -229,6 +365,3 @@ class GCSStore:
                 f"{self.generation}); two runs are saving to the same prefix"
             ) from None
         self.generation = b.generation
-
-    def tmpdir(self):
-        return self._tmp
