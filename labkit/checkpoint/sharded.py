@@ -61,7 +61,7 @@ import warnings
 
 import torch
 
-from labkit.checkpoint import CheckpointManager
+from labkit.checkpoint import CheckpointManager, safe_load
 from labkit.checkpoint.state import hold_for_tests
 from labkit.cloud import gcs
 from labkit.cloud.store import GCSStore, LocalStore
@@ -345,14 +345,20 @@ class ShardedCheckpointManager:
     def _fetch(self, step: int, rec: dict) -> str:
         """A local folder holding the step's files, each checked against its recorded crc32c."""
         name = folder_name(step)
+        safe_load.check_names(rec["files"], self._url(name))  # each is joined to the temp folder below
         folder = tempfile.mkdtemp(prefix=f"labkit-dcp-read-{os.getpid()}-") if self.is_gcs else self._url(name)
-        for f, info in rec["files"].items():
-            p = os.path.join(folder, f)
+        try:
+            for f, info in rec["files"].items():
+                p = os.path.join(folder, f)
+                if self.is_gcs:
+                    with open(p, "wb") as out:
+                        out.write(self.store.get(f"{name}/{f}"))
+                if not os.path.exists(p) or gcs.crc32c_b64(p) != info.get("crc32c"):
+                    raise OSError(f"{self._url(name, f)} is missing or its crc32c does not match the commit record")
+        except BaseException:
             if self.is_gcs:
-                with open(p, "wb") as out:
-                    out.write(self.store.get(f"{name}/{f}"))
-            if not os.path.exists(p) or gcs.crc32c_b64(p) != info.get("crc32c"):
-                raise OSError(f"{self._url(name, f)} is missing or its crc32c does not match the commit record")
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
         return folder
 
     def restore(self, state: dict, step: int | None = None) -> dict | None:
@@ -360,8 +366,6 @@ class ShardedCheckpointManager:
         device and sharding (any mesh, or a plain CPU/XLA tensor), plain values are replaced. Returns
         the commit record, or None when nothing is committed. Uncommitted folders newer than the one
         restored, and committed ones whose files fail their crc32c, are skipped with a warning."""
-        import torch.distributed.checkpoint as dcp
-
         self.wait()
         listing = self._listing()
         if step is not None:
@@ -390,9 +394,14 @@ class ShardedCheckpointManager:
                 continue
             try:
                 planner = _planner(rec.get("planner", "spmd"), True, self._url(folder_name(s)))
-                reader = dcp.FileSystemReader(folder)
+                reader = safe_load.SafeReader(folder)  # unpickles data only: a planted file runs no code
                 _add_missing(state, reader.read_metadata())
-                dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+                safe_load.load(state, reader, planner, self._url(folder_name(s)))
+            except safe_load.CheckpointRefused as e:
+                if step is not None:
+                    raise
+                warnings.warn(f"{e}; falling back to the previous committed checkpoint", stacklevel=2)
+                continue
             finally:
                 if self.is_gcs:
                     shutil.rmtree(folder, ignore_errors=True)

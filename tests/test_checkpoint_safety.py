@@ -1,0 +1,149 @@
+"""Restoring a checkpoint runs no code and writes nowhere but its temp folder; a new run in an old run's
+folder is stopped before it mixes its checkpoints with the old ones. Real files, a real loopback GCS
+server, and planted payloads whose only effect is to create a folder (its existence proves code ran)."""
+
+import json
+import os
+import pickle
+import tempfile
+
+import pytest
+import torch
+
+from labkit.checkpoint import MARKER, CheckpointManager, ShardedCheckpointManager, folder_name
+from labkit.cloud import gcs
+from labkit.seeding import rng_state
+
+
+class _Payload:
+    """Unpickling it calls os.mkdir(proof): the folder appears only if a loader ran the pickle's code."""
+
+    def __init__(self, proof):
+        self.proof = str(proof)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.proof,))
+
+
+def _state(step):
+    torch.manual_seed(step)
+    m = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return {"model": m.state_dict(), "optim": opt.state_dict(), "step": step, "rng": rng_state()}
+
+
+def _same(a, b):
+    assert torch.equal(a["model"]["weight"], b["model"]["weight"]) and a["step"] == b["step"]
+
+
+def _recommit(folder):
+    """Rewrite a local step folder's COMMITTED so every file's crc32c matches what is there now."""
+    rec = json.loads((folder / MARKER).read_text())
+    rec["files"] = {
+        n: {"crc32c": gcs.crc32c_b64(str(folder / n)), "size": (folder / n).stat().st_size}
+        for n in sorted(os.listdir(folder))
+        if n != MARKER
+    }
+    (folder / MARKER).write_text(json.dumps(rec))
+
+
+# -- 1. no code runs on restore ----------------------------------------------------------------------
+def test_planted_sharded_metadata_runs_no_code_and_falls_back(tmp_path):
+    root, proof = tmp_path / "run", tmp_path / "code-ran"
+    ck = CheckpointManager(root, format="sharded", best_metric=None, async_save=False, rt=None)
+    for s in (1, 2):
+        ck.save(s, _state(s))
+    ck.close()
+    (root / folder_name(2) / ".metadata").write_bytes(pickle.dumps(_Payload(proof)))
+    _recommit(root / folder_name(2))  # the crc32c check passes: only the unpickler stands in the way
+    with pytest.warns(UserWarning, match=r"step-00000002/\.metadata refers to posix\.mkdir.*falling back"):
+        got = CheckpointManager(root, rt=None).restore()
+    assert not proof.exists()
+    _same(got, _state(1))
+    with pytest.raises(OSError, match=r"refers to posix\.mkdir"):  # an explicit step: refused, not skipped
+        ShardedCheckpointManager(root).restore(_state(0), step=2)
+    assert not proof.exists()
+
+
+def test_planted_bytes_entry_runs_no_code(tmp_path):
+    """DCP's own planner reads plain values with torch.load(weights_only=False); the reader refuses them first."""
+    import torch.distributed.checkpoint as dcp
+
+    root, proof = tmp_path / "run", tmp_path / "code-ran"
+    ck = ShardedCheckpointManager(root, async_save=False)
+    ck.save(1, {"w": torch.ones(2), "epoch": 1})
+    ck.close()
+    folder = root / folder_name(2)
+    state = {"w": torch.zeros(2), "epoch": _Payload(proof)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), planner=dcp.DefaultSavePlanner(), no_dist=True)
+    (folder / MARKER).write_text(json.dumps({"step": 2, "files": {}, "planner": "default", "metrics": {}}))
+    _recommit(folder)
+    target = {"w": torch.zeros(2), "epoch": 0}
+    with pytest.warns(UserWarning, match=r"step-00000002: the entry 'epoch' is not plain data .*posix\.mkdir"):
+        rec = ShardedCheckpointManager(root).restore(target)
+    assert not proof.exists()
+    assert rec["step"] == 1 and target["epoch"] == 1 and torch.equal(target["w"], torch.ones(2))
+
+
+def test_planted_single_file_payload_with_a_valid_crc_runs_no_code(tmp_path):
+    proof = tmp_path / "code-ran"
+    ck = CheckpointManager(tmp_path / "run", keep=5, best_metric=None, async_save=False, rt=None)
+    for s in (1, 2):
+        ck.save(s, _state(s))
+    ck.close()
+    bad = tmp_path / "run" / "ckpt-00000002.pt"
+    torch.save({"step": 2, "x": _Payload(proof)}, bad)  # an intact torch zip
+    ptr = json.loads((tmp_path / "run" / "latest").read_text())
+    ptr["crc32c"] = ptr["objects"][bad.name] = gcs.crc32c_b64(str(bad))  # and the crc the pointer records
+    (tmp_path / "run" / "latest").write_text(json.dumps(ptr))
+    with pytest.warns(UserWarning, match="ckpt-00000002.pt is unreadable") as w:
+        got = CheckpointManager(tmp_path / "run", rt=None).restore()
+    assert not proof.exists() and "posix.mkdir" in str(w[0].message)
+    _same(got, _state(1))
+
+
+# -- 2. a bucket writes nowhere but the temp folder ----------------------------------------------------
+def test_commit_record_names_outside_the_temp_folder_are_refused(gcs_bucket, tmp_path, monkeypatch):
+    root = f"gs://{gcs_bucket}/run"
+    ck = ShardedCheckpointManager(root, keep=5, async_save=False, retry_deadline_s=10)
+    for s in (1, 2, 3, 4):
+        ck.save(s, _state(s))
+    ck.close()
+    outside = tmp_path / "evil-abs"
+    for s, name in ((4, "../../evil"), (3, str(outside)), (2, "sub/evil")):
+        gcs.blob(f"{root}/{folder_name(s)}/{name}").upload_from_string(b"bucket content")
+        marker = gcs.blob(f"{root}/{folder_name(s)}/{MARKER}")
+        rec = json.loads(marker.download_as_bytes())
+        rec["files"] = {name: {"crc32c": gcs.crc32c_b64(b"bucket content"), "size": 14}, **rec["files"]}
+        marker.upload_from_string(json.dumps(rec))
+    tmp = tmp_path / "a" / "b"  # restore's temp folders go here: "../../evil" would land in tmp_path/a
+    tmp.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    target = _state(0)
+    with pytest.warns(UserWarning) as w:
+        rec = ShardedCheckpointManager(root, retry_deadline_s=10).restore(target)
+    assert not (tmp_path / "a" / "evil").exists() and not outside.exists()  # nothing written outside
+    text = "\n".join(str(x.message) for x in w)
+    assert f"{folder_name(4)}: its commit record names the file '../../evil'" in text
+    assert f"{folder_name(3)}: its commit record names the file {str(outside)!r}" in text
+    assert f"{folder_name(2)}: its commit record names the file 'sub/evil'" in text
+    assert rec["step"] == 1 and target["step"] == 1
+    assert [n for n in os.listdir(tmp) if n.startswith("labkit-dcp-read-")] == []  # none left behind
+
+
+def test_failed_gcs_fetch_leaves_no_temp_folder(gcs_bucket, tmp_path, monkeypatch):
+    root = f"gs://{gcs_bucket}/run"
+    ck = ShardedCheckpointManager(root, keep=5, async_save=False, retry_deadline_s=10)
+    for s in (1, 2):
+        ck.save(s, _state(s))
+    ck.close()
+    gcs.blob(f"{root}/{folder_name(2)}/.metadata").upload_from_string(b"not what was committed")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    target = _state(0)
+    with pytest.warns(UserWarning, match=r"step-00000002/\.metadata is missing or its crc32c does not match"):
+        assert ShardedCheckpointManager(root, retry_deadline_s=10).restore(target)["step"] == 1
+    with pytest.raises(OSError, match="crc32c does not match"):
+        ShardedCheckpointManager(root, retry_deadline_s=10).restore(target, step=2)
+    assert [n for n in os.listdir(tmp_path) if n.startswith("labkit-dcp-read-")] == []
