@@ -147,3 +147,56 @@ def test_failed_gcs_fetch_leaves_no_temp_folder(gcs_bucket, tmp_path, monkeypatc
     with pytest.raises(OSError, match="crc32c does not match"):
         ShardedCheckpointManager(root, retry_deadline_s=10).restore(target, step=2)
     assert [n for n in os.listdir(tmp_path) if n.startswith("labkit-dcp-read-")] == []
+
+
+# -- 3. a new run in an old run's folder ----------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_new_run_below_the_folders_newest_step_is_refused(tmp_path, fmt):
+    old = CheckpointManager(tmp_path, keep=2, best_metric="acc", format=fmt, async_save=False, rt=None)
+    for s, acc in ((1, 0.9), (2, 0.1), (3, 0.2)):
+        old.save(s, _state(s), {"acc": acc})
+    old.close()
+    new = CheckpointManager(tmp_path, keep=2, best_metric="acc", format=fmt, async_save=False, rt=None)
+    with pytest.raises(
+        RuntimeError, match=f"{tmp_path} already holds checkpoints up to step 3.*step 1 .*resume.*fresh"
+    ):
+        new.save(1, _state(1), {"acc": 0.5}, force=True)
+    _same(CheckpointManager(tmp_path, rt=None).restore(), _state(3))  # the old run's checkpoints are untouched
+    other = "sharded" if fmt == "file" else "file"  # the newest step counts whichever format holds it
+    with pytest.raises(RuntimeError, match="up to step 3"):
+        CheckpointManager(tmp_path, format=other, rt=None).save(2, _state(2), force=True)
+    resumed = CheckpointManager(tmp_path, keep=2, best_metric="acc", format=fmt, async_save=False, rt=None)
+    resumed.restore(step=2)
+    assert resumed.save(2, _state(2), {"acc": 0.3}, force=True)  # it restored: it continues the folder's run
+    resumed.close()
+    later = CheckpointManager(tmp_path, format=fmt, async_save=False, rt=None)
+    assert later.save(4, _state(4), force=True)  # above the newest: a run that goes on is not stopped
+    later.close()
+
+
+def test_sharded_manager_alone_refuses_an_older_step(tmp_path):
+    ck = ShardedCheckpointManager(tmp_path, async_save=False)
+    for s in (1, 2):
+        ck.save(s, _state(s))
+    ck.close()
+    with pytest.raises(RuntimeError, match="up to step 2.*step 1 below"):
+        ShardedCheckpointManager(tmp_path, async_save=False).save(1, _state(1))
+
+
+# -- 4. clear errors ------------------------------------------------------------------------------------
+def test_empty_root_is_named():
+    with pytest.raises(ValueError, match="root=''"):
+        CheckpointManager("", rt=None)
+    with pytest.raises(ValueError, match="root=''"):
+        ShardedCheckpointManager("")
+
+
+def test_dcp_failure_is_a_runtime_error_naming_the_step(tmp_path):
+    ck = ShardedCheckpointManager(tmp_path, async_save=False)
+    ck.save(1, {"w": torch.ones(2, 3)})
+    ck.close()
+    with pytest.raises(RuntimeError, match=r"loading .*step-00000001 failed: ValueError: Size mismatch .* for w") as e:
+        ShardedCheckpointManager(tmp_path).restore({"w": torch.zeros(4, 3)})
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    assert isinstance(e.value.__cause__, CheckpointException)  # chained: the whole report is still there

@@ -39,6 +39,7 @@ import warnings
 
 import torch
 
+from labkit.checkpoint import runs
 from labkit.checkpoint.state import check_compatible, hold_for_tests, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
 from labkit.cloud import gcs
 from labkit.cloud.store import NAME as _NAME
@@ -81,7 +82,7 @@ class CheckpointManager:
             raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint (the newest)")
         if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
             raise ValueError(f"save_every={save_every!r}: expected None or an integer >= 1")
-        self.root, self.keep, self.best_metric, self.mode = str(root), keep, best_metric, mode
+        self.root, self.keep, self.best_metric, self.mode = runs.check_root(root), keep, best_metric, mode
         self.async_save, self.save_every, self.format = async_save, save_every, format
         if rt is None:
             rt = current_runtime()
@@ -110,6 +111,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._abandon = threading.Event()
         self._pending_step: int | None = None
+        self._continues = False  # restored, or saved above the folder's newest step (labkit.checkpoint.runs)
 
     @property
     def _master(self) -> bool:
@@ -156,6 +158,10 @@ class CheckpointManager:
         periodic = self.save_every is None or step % self.save_every == 0
         if not (force or periodic or improved):
             return False
+        if not self._continues:  # a new run in an old run's folder: refused before it mixes the two
+            newest = max([_step_of(n) for n in self.store.names()] + self._sharded.committed_steps(), default=None)
+            runs.refuse_older_step(self.root, step, newest)
+            self._continues = self._sharded._continues = True
         if self._master:
             self.store.acquire_writer()  # a second writer on this root fails here, before any work
         if self._sharded_format(state):
@@ -320,6 +326,7 @@ class CheckpointManager:
         for) is read through DCP: into `into`, in place (its tensors keep their device and sharding:
         any mesh, or none) and `into` is returned; without `into`, into new full CPU tensors."""
         self.wait()
+        self._continues = self._sharded._continues = True  # a run that restored may save any step
         ptr, names = self.store.read_pointer(), self.store.names()
         sharded = sorted(self._sharded._listing())
         newest_file = max([_step_of(n) for n in names] + ([int(ptr["step"])] if ptr else []), default=-1)

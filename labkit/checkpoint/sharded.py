@@ -61,7 +61,7 @@ import warnings
 
 import torch
 
-from labkit.checkpoint import CheckpointManager, safe_load
+from labkit.checkpoint import CheckpointManager, runs, safe_load
 from labkit.checkpoint.state import hold_for_tests
 from labkit.cloud import gcs
 from labkit.cloud.store import GCSStore, LocalStore
@@ -157,7 +157,7 @@ class ShardedCheckpointManager:
     def __init__(self, root, keep: int = 3, async_save: bool = True, retry_deadline_s: float = 60, store=None):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint (the newest)")
-        self.root, self.keep, self.async_save = str(root).rstrip("/"), keep, async_save
+        self.root, self.keep, self.async_save = runs.check_root(root).rstrip("/"), keep, async_save
         self.is_gcs = gcs.is_gcs(self.root)
         # store: CheckpointManager passes its own, so both formats on one root share one writer lock
         self.store = store or (GCSStore(self.root, retry_deadline_s) if self.is_gcs else LocalStore(self.root))
@@ -166,6 +166,7 @@ class ShardedCheckpointManager:
         self._done = threading.Event()  # waited on instead of Thread.join: see CheckpointManager
         self._error: BaseException | None = None
         self._pending_step: int | None = None
+        self._continues = False  # restored, or saved above the folder's newest step (labkit.checkpoint.runs)
 
     # -- listing ------------------------------------------------------------------------------------
     def _url(self, *parts) -> str:
@@ -226,6 +227,9 @@ class ShardedCheckpointManager:
         Every call saves (the Trainer decides when; `force` is accepted for its sake). `best` (a small
         dict) goes into the commit record."""
         self._raise_pending()
+        if not self._continues:  # a new run in an old run's folder: refused before it mixes the two
+            runs.refuse_older_step(self.root, step, max(self.committed_steps(), default=None))
+            self._continues = True
         self.store.acquire_writer()  # local: a second writer on this folder fails here
         cpu = stage(state)
         self.wait()
@@ -367,6 +371,7 @@ class ShardedCheckpointManager:
         the commit record, or None when nothing is committed. Uncommitted folders newer than the one
         restored, and committed ones whose files fail their crc32c, are skipped with a warning."""
         self.wait()
+        self._continues = True  # a run that restored may save any step
         listing = self._listing()
         if step is not None:
             if step not in listing or MARKER not in listing[step]:
