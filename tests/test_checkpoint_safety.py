@@ -29,7 +29,8 @@ def _state(step):
     torch.manual_seed(step)
     m = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-    m(torch.randn(2, 4)).sum().backward()
+    for p in m.parameters():  # gradients set by hand: no backward here (the autograd engine, once started on
+        p.grad = torch.randn_like(p)  # the CPU before torch_xla is imported, has no queue for XLA devices)
     opt.step()
     return {"model": m.state_dict(), "optim": opt.state_dict(), "step": step, "rng": rng_state()}
 
@@ -47,6 +48,14 @@ def _recommit(folder):
         if n != MARKER
     }
     (folder / MARKER).write_text(json.dumps(rec))
+
+
+def _repoint(path):
+    """Record a one-file checkpoint's current crc32c in its folder's `latest` pointer."""
+    latest = path.parent / "latest"
+    ptr = json.loads(latest.read_text())
+    ptr["crc32c"] = ptr["objects"][path.name] = gcs.crc32c_b64(str(path))
+    latest.write_text(json.dumps(ptr))
 
 
 # -- 1. no code runs on restore ----------------------------------------------------------------------
@@ -95,9 +104,7 @@ def test_planted_single_file_payload_with_a_valid_crc_runs_no_code(tmp_path):
     ck.close()
     bad = tmp_path / "run" / "ckpt-00000002.pt"
     torch.save({"step": 2, "x": _Payload(proof)}, bad)  # an intact torch zip
-    ptr = json.loads((tmp_path / "run" / "latest").read_text())
-    ptr["crc32c"] = ptr["objects"][bad.name] = gcs.crc32c_b64(str(bad))  # and the crc the pointer records
-    (tmp_path / "run" / "latest").write_text(json.dumps(ptr))
+    _repoint(bad)  # and the crc the pointer records: only the loader stands in the way
     with pytest.warns(UserWarning, match="ckpt-00000002.pt is unreadable") as w:
         got = CheckpointManager(tmp_path / "run", rt=None).restore()
     assert not proof.exists() and "posix.mkdir" in str(w[0].message)
@@ -200,3 +207,28 @@ def test_dcp_failure_is_a_runtime_error_naming_the_step(tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
 
     assert isinstance(e.value.__cause__, CheckpointException)  # chained: the whole report is still there
+
+
+def test_a_checkpoint_from_a_newer_labkit_says_so(tmp_path):
+    """A newer labkit may save what this one cannot load (here a fractions.Fraction, which weights_only
+    refuses); the error names both versions instead of only the refused global."""
+    import fractions
+
+    from labkit.versions import __version__
+
+    ck = CheckpointManager(tmp_path, best_metric=None, async_save=False, rt=None)
+    ck.save(1, _state(1))
+    ck.close()
+    state = {**_state(1), "versions": {"labkit": "99.0.0", "torch": "9.0"}, "extra": fractions.Fraction(1, 3)}
+    torch.save(state, tmp_path / "ckpt-00000001.pt")
+    _repoint(tmp_path / "ckpt-00000001.pt")
+    with pytest.raises(
+        RuntimeError,
+        match=f"saved by labkit 99.0.0, newer than this labkit {__version__}.*refers to fractions.Fraction",
+    ):
+        CheckpointManager(tmp_path, rt=None).restore(step=1)
+    state["versions"]["labkit"] = __version__  # the same version: the loader's own error, unchanged
+    torch.save(state, tmp_path / "ckpt-00000001.pt")
+    _repoint(tmp_path / "ckpt-00000001.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Fraction"):
+        CheckpointManager(tmp_path, rt=None).restore(step=1)

@@ -30,7 +30,6 @@ one file (the whole state gathered on the host), "sharded" forces the sharded fo
 
 from __future__ import annotations
 
-import io
 import os
 import tempfile
 import threading
@@ -39,7 +38,7 @@ import warnings
 
 import torch
 
-from labkit.checkpoint import runs
+from labkit.checkpoint import runs, safe_load
 from labkit.checkpoint.state import check_compatible, hold_for_tests, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
 from labkit.cloud import gcs
 from labkit.cloud.store import NAME as _NAME
@@ -315,7 +314,7 @@ class CheckpointManager:
     def _load(self, name, expect_crc=None, map_location="cpu"):
         data = self.store.get(name)
         verify(data, self.store.url(name), expect_crc)
-        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        return safe_load.torch_load(data, self.store.url(name), map_location)  # weights_only: runs no code
 
     def restore(self, step: int | None = None, map_location="cpu", into: dict | None = None):
         """The verified state dict of `latest` (or of `step`), or None when nothing was saved. A

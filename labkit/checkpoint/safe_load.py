@@ -4,6 +4,7 @@
     _add_missing(state, reader.read_metadata())     # CheckpointRefused (an OSError) naming file and global
     load(state, reader, planner, "gs://b/run/step-00000100")   # DCP's errors as a RuntimeError naming the step
     check_names(rec["files"], "gs://b/run/step-00000100")      # file names of a commit record: plain names only
+    torch_load(data, "gs://b/run/ckpt-00000100.pt")            # weights_only; names a newer labkit if it fails
 
 Why: a pickle runs whatever its globals name (`os.system`, ...). torch.distributed.checkpoint (DCP)
 reads its `.metadata` with plain `pickle.load`, and with DCP's own ("default") planner every plain
@@ -21,9 +22,12 @@ back to the previous committed step.
 from __future__ import annotations
 
 import inspect
+import io
 import os
 import pickle
+import pickletools
 import re
+import zipfile
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -93,6 +97,13 @@ def read_metadata(path) -> object:
     return md
 
 
+def _why(e: Exception) -> str:
+    """The line that matters of a torch.load(weights_only=True) error (its text is ~10 lines of advice)."""
+    m = re.search(r"GLOBAL (\S+)", str(e))
+    lines = str(e).strip().splitlines()
+    return f"it refers to {m.group(1)}" if m else f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
 class _WeightsOnlyBytes:
     """The load planner, except that a byte entry must pass torch.load(weights_only=True) before the
     planner's own load_bytes (DCP's default planner unpickles it with weights_only=False)."""
@@ -107,10 +118,9 @@ class _WeightsOnlyBytes:
         try:
             torch.load(value, map_location="cpu", weights_only=True)
         except Exception as e:
-            m = re.search(r"GLOBAL (\S+)", str(e))
-            why = f"it refers to {m.group(1)}" if m else f"{type(e).__name__}: {str(e).splitlines()[0]}"
             raise CheckpointRefused(
-                f"{self._where}: the entry {read_item.dest_index.fqn!r} is not plain data ({why}); refusing to load it"
+                f"{self._where}: the entry {read_item.dest_index.fqn!r} is not plain data ({_why(e)}); "
+                "refusing to load it"
             ) from None
         value.seek(0)
         self._planner.load_bytes(read_item, value)
@@ -157,3 +167,44 @@ def check_names(names, where: str) -> None:
         plain = isinstance(n, str) and n not in ("", ".", "..") and "\0" not in n
         if not plain or "/" in n or "\\" in n or os.path.isabs(n) or os.path.basename(n) != n:
             raise CheckpointRefused(f"{where}: its commit record names the file {n!r}, which is not a plain file name")
+
+
+# -- a checkpoint from a newer labkit ---------------------------------------------------------------------
+def saved_labkit(data: bytes) -> str | None:
+    """The labkit version a one-file checkpoint records (state["versions"]["labkit"], what the Trainer
+    saves), read from the pickle's opcodes without unpickling anything; None when it records none."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            pkl = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+            ops = pickletools.genops(z.read(pkl)) if pkl else ()
+            prev = None
+            for op, arg, _ in ops:
+                if op.name in ("BINPUT", "LONG_BINPUT", "MEMOIZE", "PUT"):
+                    continue  # the memo entry between a key and its value
+                if prev == "labkit" and isinstance(arg, str) and re.match(r"\d+\.\d+", arg):
+                    return arg
+                prev = arg if isinstance(arg, str) else None
+    except Exception:  # not a zip, a broken pickle: no version to tell
+        return None
+    return None
+
+
+def _release(v: str) -> tuple:
+    return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
+
+
+def torch_load(data: bytes, where: str, map_location="cpu"):
+    """torch.load(weights_only=True) of a one-file checkpoint. When it fails and the checkpoint was
+    saved by a newer labkit than this one, the error says so (the likely cause: update labkit)."""
+    from labkit.versions import __version__
+
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except Exception as e:
+        saved = saved_labkit(data)
+        if saved is None or _release(saved) <= _release(__version__):
+            raise
+        raise RuntimeError(
+            f"{where} was saved by labkit {saved}, newer than this labkit {__version__}, and does not load here "
+            f"({_why(e)}). Update labkit to {saved} or newer"
+        ) from e
