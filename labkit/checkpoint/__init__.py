@@ -6,6 +6,8 @@
 manager.py: CheckpointManager (one file per step, or the sharded format when the state is split over devices);
 sharded.py: the sharded format (torch.distributed.checkpoint with torch_xla's planners);
 state.py: what a checkpoint holds and how it is checked (to_cpu, verify, check_compatible).
+safe_load.py: reading runs no code (DCP metadata through a restricted unpickler, plain values weights_only)
+and writes only into its temp folder; runs.py: a run that did not restore may not save below the folder's newest step.
 Where the bytes go (a local folder or a GCS prefix) is labkit.cloud.store, shared with data_tools.
 """
 

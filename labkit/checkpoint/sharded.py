@@ -369,7 +369,8 @@ class ShardedCheckpointManager:
         """Load the newest committed checkpoint (or `step`) into `state` in place: tensors keep their
         device and sharding (any mesh, or a plain CPU/XLA tensor), plain values are replaced. Returns
         the commit record, or None when nothing is committed. Uncommitted folders newer than the one
-        restored, and committed ones whose files fail their crc32c, are skipped with a warning."""
+        restored, and committed ones whose files fail their crc32c or hold more than data (labkit.checkpoint.
+        safe_load: a pickle that would run code, a file name outside the folder), are skipped with a warning."""
         self.wait()
         self._continues = True  # a run that restored may save any step
         listing = self._listing()
