@@ -232,3 +232,46 @@ def test_a_checkpoint_from_a_newer_labkit_says_so(tmp_path):
     _repoint(tmp_path / "ckpt-00000001.pt")
     with pytest.raises(pickle.UnpicklingError, match="Fraction"):
         CheckpointManager(tmp_path, rt=None).restore(step=1)
+
+
+_SPMD_NEW_RUN = """
+import os, sys
+os.environ["PJRT_DEVICE"] = "CPU"
+os.environ["CPU_NUM_DEVICES"] = "4"
+import torch, labkit
+from labkit.checkpoint import CheckpointManager, is_sharded
+from labkit.spmd.mesh import make_mesh
+labkit.setup("xla-cpu", spmd=True)
+import torch_xla, torch_xla.distributed.spmd as xs
+w = torch.randn(8, 4).to(torch_xla.device())
+xs.mark_sharding(w, make_mesh(None, ("fsdp",)), ("fsdp", None))
+state = {"w": w, "step": 0}
+assert is_sharded(state)
+old = CheckpointManager(sys.argv[1], best_metric=None, async_save=False)  # format "auto": sharded
+for s in (1, 2, 3):
+    old.save(s, state)
+old.close()
+try:
+    CheckpointManager(sys.argv[1], best_metric=None, async_save=False).save(1, state)
+except RuntimeError as e:
+    print("REFUSED", e, flush=True)
+"""
+
+
+def test_new_run_below_the_newest_step_is_refused_with_state_split_over_devices(tmp_path):
+    """The same with a state split over 4 XLA:CPU devices (SPMD, a child process): "auto" picks the sharded format."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    p = subprocess.run(
+        [sys.executable, "-c", _SPMD_NEW_RUN, str(tmp_path)],
+        env=dict(os.environ, PYTHONPATH=str(repo)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == [folder_name(s) for s in (1, 2, 3)]
+    assert f"REFUSED {tmp_path} already holds checkpoints up to step 3" in p.stdout, p.stdout + p.stderr[-3000:]
