@@ -179,7 +179,7 @@ def test_pip_spec_secrets_are_redacted_in_what_envsetup_prints(monkeypatch):
     monkeypatch.setenv("LABKIT_PIP_SPEC", spec)
     f = es.Facts("jupyter", (3, 11), es.Tpu(chips=0, evidence=[]), {"torch": "2.9.0"}, "missing", frozenset())
     d = es.plan(f)
-    line = es.explain(d)
+    line = es.decision_line(d)
     assert "github.com/me/labkit" in line and "ghp_SECRET123" not in line
     with pytest.raises(es.SetupError) as e:  # a failing install shows its command without the token
         es._pip(["install", "--no-deps", spec], shutil.which("false"))

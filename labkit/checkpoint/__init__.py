@@ -8,6 +8,8 @@ sharded.py: the sharded format (torch.distributed.checkpoint folders with a COMM
 shards.py: what that format writes (is_sharded, the CPU copy of this host's shards, DCP's planners);
 writer.py: the one background writer both formats use (one save at a time, errors surface, test hook);
 state.py: what a checkpoint holds and how it is checked (to_cpu, verify, check_compatible).
+safe_load.py: reading runs no code (DCP metadata through a restricted unpickler, plain values weights_only)
+and writes only into its temp folder; runs.py: a run that did not restore may not save below the folder's newest step.
 Where the bytes go (a local folder or a GCS prefix) is labkit.cloud.store: one interface for both.
 Both managers restore the same way: restore(into=state) fills live tensors where it can and returns
 the state; restore() returns CPU tensors; None when there is nothing.

@@ -33,13 +33,13 @@ one file (the whole state gathered on the host), "sharded" forces the sharded fo
 
 from __future__ import annotations
 
-import io
 import os
 import time
 import warnings
 
 import torch
 
+from labkit.checkpoint import runs, safe_load
 from labkit.checkpoint.sharded import ShardedCheckpointManager, folder_name, is_sharded
 from labkit.checkpoint.state import check_compatible, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
 from labkit.checkpoint.writer import BackgroundWriter, no_space
@@ -78,7 +78,7 @@ class CheckpointManager:
             raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint (the newest)")
         if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
             raise ValueError(f"save_every={save_every!r}: expected None or an integer >= 1")
-        self.root, self.keep, self.best_metric, self.mode = str(root), keep, best_metric, mode
+        self.root, self.keep, self.best_metric, self.mode = runs.check_root(root), keep, best_metric, mode
         self.async_save, self.save_every, self.format = async_save, save_every, format
         if rt is None:
             rt = current_runtime()
@@ -98,6 +98,7 @@ class CheckpointManager:
         rec = self._sharded.latest()  # a sharded run: its best lives in the commit record
         if rec and isinstance(rec.get("best"), dict) and (ptr is None or rec["step"] > ptr.get("step", -1)):
             self.best = rec["best"]
+        self._continues = False  # restored, or saved above the folder's newest step (labkit.checkpoint.runs)
 
     @property
     def _master(self) -> bool:
@@ -142,6 +143,10 @@ class CheckpointManager:
         periodic = self.save_every is None or step % self.save_every == 0
         if not (force or periodic or improved):
             return False
+        if not self._continues:  # a new run in an old run's folder: refused before it mixes the two
+            newest = max([_step_of(n) for n in self._names()] + self._sharded.committed_steps(), default=None)
+            runs.refuse_older_step(self.root, step, newest)
+            self._continues = self._sharded._continues = True
         if self._master:
             self.store.acquire_writer()  # a second writer on this root fails here, before any work
         if self._sharded_format(state):
@@ -242,7 +247,7 @@ class CheckpointManager:
     def _load(self, name, expect_crc=None, map_location="cpu"):
         data = self.store.get(name)
         verify(data, self.store.url(name), expect_crc)
-        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        return safe_load.torch_load(data, self.store.url(name), map_location)  # weights_only: runs no code
 
     def restore(self, step: int | None = None, map_location="cpu", into: dict | None = None):
         """The verified state dict of `latest` (or of `step`), or None when nothing was saved (the pointer
@@ -254,6 +259,7 @@ class CheckpointManager:
         for) is read through DCP: into `into`, in place (its tensors keep their device and sharding:
         any mesh, or none) and `into` is returned; without `into`, into new full CPU tensors."""
         self.wait()
+        self._continues = self._sharded._continues = True  # a run that restored may save any step
         ptr, names = self.store.read_pointer(), self._names()
         sharded = self._sharded.steps()
         newest_file = max([_step_of(n) for n in names] + ([int(ptr["step"])] if ptr else []), default=-1)

@@ -58,6 +58,7 @@ import tempfile
 import time
 import warnings
 
+from labkit.checkpoint import runs, safe_load
 from labkit.checkpoint.shards import _add_missing, _planner, _planner_kind, is_sharded, stage  # noqa: F401
 from labkit.checkpoint.writer import BackgroundWriter, no_space
 from labkit.cloud import gcs
@@ -82,13 +83,14 @@ class ShardedCheckpointManager:
     ):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint (the newest)")
-        self.root, self.keep = str(root).rstrip("/"), keep
+        self.root, self.keep = runs.check_root(root).rstrip("/"), keep
         # store, writer: CheckpointManager passes its own, so both formats on one root share one writer
         # lock and one pending save
         self.store = store or open_store(self.root, retry_deadline_s)
         self.writer = writer or BackgroundWriter("sharded checkpoint", self.root, async_save)
         self.pinned: set[int] = set()  # steps pruning keeps besides the newest `keep` (CheckpointManager's best)
         self.restored: dict | None = None  # the commit record of what restore() last loaded
+        self._continues = False  # restored, or saved above the folder's newest step (labkit.checkpoint.runs)
 
     # -- listing ------------------------------------------------------------------------------------
     def _url(self, *parts) -> str:
@@ -141,6 +143,9 @@ class ShardedCheckpointManager:
         Every call saves (the Trainer decides when; `force` is accepted for its sake). `best` (a small
         dict) goes into the commit record."""
         self.writer.raise_error()
+        if not self._continues:  # a new run in an old run's folder: refused before it mixes the two
+            runs.refuse_older_step(self.root, step, max(self.committed_steps(), default=None))
+            self._continues = True
         self.store.acquire_writer()  # a second writer on this root fails here, before any work
         cpu = stage(state)
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
@@ -227,15 +232,21 @@ class ShardedCheckpointManager:
     def _fetch(self, step: int, rec: dict) -> str:
         """A local folder holding the step's files, each checked against its recorded crc32c."""
         name = folder_name(step)
+        safe_load.check_names(rec["files"], self._url(name))  # each is joined to the temp folder below
         local = self.store.local_path(name)  # a local root is read in place; gs:// files are downloaded
         folder = local or tempfile.mkdtemp(prefix=f"labkit-dcp-read-{os.getpid()}-")
-        for f, info in rec["files"].items():
-            p = os.path.join(folder, f)
+        try:
+            for f, info in rec["files"].items():
+                p = os.path.join(folder, f)
+                if local is None:
+                    with open(p, "wb") as out:
+                        out.write(self.store.get(f"{name}/{f}"))
+                if not os.path.exists(p) or gcs.crc32c_b64(p) != info.get("crc32c"):
+                    raise OSError(f"{self._url(name, f)} is missing or its crc32c does not match the commit record")
+        except BaseException:
             if local is None:
-                with open(p, "wb") as out:
-                    out.write(self.store.get(f"{name}/{f}"))
-            if not os.path.exists(p) or gcs.crc32c_b64(p) != info.get("crc32c"):
-                raise OSError(f"{self._url(name, f)} is missing or its crc32c does not match the commit record")
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
         return folder
 
     def restore(self, into: dict | None = None, step: int | None = None) -> dict | None:
@@ -243,12 +254,14 @@ class ShardedCheckpointManager:
         device and sharding (any mesh, or a plain CPU/XLA tensor), plain values are replaced; returns
         `into`. Without `into`, returns new full CPU tensors. None when nothing is committed; the commit
         record of what was loaded is then in self.restored. Uncommitted folders newer than the one
-        restored, and committed ones whose files fail their crc32c, are skipped with a warning."""
-        import torch.distributed.checkpoint as dcp
+        restored, and committed ones whose files fail their crc32c or hold more than data
+        (labkit.checkpoint.safe_load: a pickle that would run code, a file name outside the folder), are
+        skipped with a warning."""
 
         state = {} if into is None else into
 
         self.wait()
+        self._continues = True  # a run that restored may save any step
         listing = self._listing()
         if step is not None:
             if step not in listing or MARKER not in listing[step]:
@@ -276,9 +289,14 @@ class ShardedCheckpointManager:
                 continue
             try:
                 planner = _planner(rec.get("planner", "spmd"), True, self._url(folder_name(s)))
-                reader = dcp.FileSystemReader(folder)
+                reader = safe_load.SafeReader(folder)  # unpickles data only: a planted file runs no code
                 _add_missing(state, reader.read_metadata())
-                dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+                safe_load.load(state, reader, planner, self._url(folder_name(s)))
+            except safe_load.CheckpointRefused as e:
+                if step is not None:
+                    raise
+                warnings.warn(f"{e}; falling back to the previous committed checkpoint", stacklevel=2)
+                continue
             finally:
                 if folder != self.store.local_path(folder_name(s)):
                     shutil.rmtree(folder, ignore_errors=True)
