@@ -108,7 +108,7 @@ def test_gcs_roundtrip_corrupt_and_two_writers(gcs_bucket):
     other = CheckpointManager(root, keep=2, async_save=False)
     m.save(4, _state(4))
     m.wait()
-    with pytest.raises(RuntimeError, match=rf"another checkpoint writer \(host .* pid {os.getpid()}\)"):
+    with pytest.raises(RuntimeError, match=rf"another checkpoint writer \(host .* pid {os.getpid()}, "):
         other.save(5, _state(5))
     assert m.latest()["step"] == 4
     # corrupt the newest object: restore warns and falls back to step 3
@@ -338,7 +338,7 @@ def test_a_second_writer_on_one_gcs_prefix_changes_nothing(gcs_bucket, fmt):
     first.wait()
     before = snapshot()
     second = CheckpointManager(root, async_save=False, **opts)
-    with pytest.raises(RuntimeError, match=rf"another checkpoint writer \(host .* pid {os.getpid()}\)"):
+    with pytest.raises(RuntimeError, match=rf"another checkpoint writer \(host .* pid {os.getpid()}, "):
         second.save(20, state(2.0))
     assert snapshot() == before  # not one object written, replaced or deleted
     assert torch.equal(CheckpointManager(root, rt=None).restore()["model"]["w"], state(1.0)["model"]["w"])
@@ -346,10 +346,41 @@ def test_a_second_writer_on_one_gcs_prefix_changes_nothing(gcs_bucket, fmt):
     assert ".writer.lock" not in {n.rpartition("/")[2] for n in snapshot()}
     second.save(21, state(3.0))
     second.close()
-    # a lock a run on another machine left (a preempted VM) is refused with the command that removes it
+    # a fresh lock of a run on another machine is refused, naming it and the ways out
     gcs.blob(f"{root}/.writer.lock").upload_from_string(json.dumps({"host": "elsewhere", "pid": 1, "id": "x"}))
-    with pytest.raises(RuntimeError, match=r"host elsewhere pid 1.*gcloud storage rm gs://.*/run/\.writer\.lock"):
+    with pytest.raises(RuntimeError, match=r"host elsewhere pid 1, lock renewed 0 min ago.*resume this run"):
         CheckpointManager(root, async_save=False, **opts).save(22, state(4.0))
+
+
+def test_a_resumed_run_takes_the_gcs_lock_over_and_the_old_writer_stops(gcs_bucket, monkeypatch):
+    """A preempted VM comes back with a new host name: its lock cannot be checked by pid. Resuming says the
+    old run is over (takeover, with a warning); so does a lock not renewed for LEASE_S. The writer whose
+    lock was taken fails at its next save instead of overwriting the new writer's checkpoints."""
+    from labkit.cloud import gcs, store
+
+    root = f"gs://{gcs_bucket}/run"
+    opts = dict(keep=3, rt=None, best_metric=None, retry_deadline_s=10, async_save=False)
+    old = CheckpointManager(root, **opts)
+    old.save(1, _state(1))
+    gcs.blob(f"{root}/.writer.lock").upload_from_string(json.dumps({"host": "gone-vm", "pid": 7, "id": "old"}))
+    new = CheckpointManager(root, **opts)
+    with pytest.raises(RuntimeError, match="another checkpoint writer"):
+        new.save(2, _state(2))  # it did not resume: refused
+    new = CheckpointManager(root, **opts)
+    assert new.restore()["step"] == 1
+    with pytest.warns(UserWarning, match=r"taking over the writer lock of host gone-vm pid 7 \(this run resumed it\)"):
+        new.save(2, _state(2))
+    assert json.loads(gcs.blob(f"{root}/.writer.lock").download_as_bytes())["id"] == new.store._lock["id"]
+    # the old writer renews before its next save and finds the lock gone to the new one
+    old.store._renewed -= 120
+    with pytest.raises(RuntimeError, match="taken over by another writer"):
+        old.save(3, _state(3))
+    assert CheckpointManager(root, rt=None).restore()["step"] == 2
+    # a lock nobody renewed for the lease is taken over by any writer
+    new.store._lock = None  # this process forgets it (as a killed one would)
+    monkeypatch.setattr(store, "LEASE_S", 0)
+    with pytest.warns(UserWarning, match="not renewed"):
+        CheckpointManager(root, **opts).save(4, _state(4))
 
 
 def test_full_disk_says_so_and_the_next_save_works(tmp_path, monkeypatch):

@@ -148,7 +148,7 @@ class CheckpointManager:
             runs.refuse_older_step(self.root, step, newest)
             self._continues = self._sharded._continues = True
         if self._master:
-            self.store.acquire_writer()  # a second writer on this root fails here, before any work
+            self.store.acquire_writer(takeover=self.restored is not None)  # a second writer fails here, before any work
         if self._sharded_format(state):
             return self._save_sharded(step, state, metrics, improved, value)
         if improved:

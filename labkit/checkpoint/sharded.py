@@ -146,7 +146,7 @@ class ShardedCheckpointManager:
         if not self._continues:  # a new run in an old run's folder: refused before it mixes the two
             runs.refuse_older_step(self.root, step, max(self.committed_steps(), default=None))
             self._continues = True
-        self.store.acquire_writer()  # a second writer on this root fails here, before any work
+        self.store.acquire_writer(takeover=self.restored is not None)  # a second writer fails here, before any work
         cpu = stage(state)
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
         self.writer.submit(step, self._write, int(step), cpu, meta, best)

@@ -30,6 +30,7 @@ import re
 import shutil
 import socket
 import tempfile
+import time
 import uuid
 import warnings
 
@@ -37,6 +38,10 @@ from labkit.cloud import gcs
 
 NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
 LOCK = ".writer.lock"
+# A gs:// lock not renewed for this long is taken over: its writer is gone (a preempted VM has a new host name,
+# so "is its pid alive" cannot be asked). The holder renews it at each save; a save that finds its lock
+# taken fails loudly instead of overwriting the new writer's checkpoints.
+LEASE_S = 15 * 60
 _TEMP = re.compile(r"^\..+\.(\d+)\.[^./]*\.tmp$")  # `.NAME.PID.RANDOM.tmp`: a file or a staging folder
 
 
@@ -125,7 +130,7 @@ class LocalStore(_Staging):
     def local_path(self, name):
         return self.url(name)
 
-    def acquire_writer(self) -> None:
+    def acquire_writer(self, takeover: bool = False) -> None:  # takeover: see GCSStore's
         if self._lock_fd is not None:
             return
         try:
@@ -251,38 +256,69 @@ class GCSStore(_Staging):
         )
 
     # -- one writer ---------------------------------------------------------------------------------
-    def acquire_writer(self) -> None:
+    def acquire_writer(self, takeover: bool = False) -> None:
+        """Take the lock object (create-only) before the first byte, or renew ours. takeover=True (a run
+        that resumed this root) replaces another holder's lock, with a warning: resuming says the old run
+        is over. A lock older than LEASE_S, or left by a dead pid on this host, is taken over too."""
         from google.api_core import exceptions
 
+        b = gcs.blob(self.url(LOCK))
         if self._lock is not None:
+            self._renew(b)
             return
-        me, b = _holder(), gcs.blob(self.url(LOCK))
-        for _ in range(2):
+        me = _holder()
+        for _ in range(3):
             try:  # create-only: a retry after our own lost success reads back our id below
                 b.upload_from_string(json.dumps(me), if_generation_match=0, retry=self._retry())
-                self._lock = me
+                self._lock, self._lock_gen, self._renewed = me, b.generation, time.monotonic()
                 return
             except exceptions.PreconditionFailed:
                 pass
             try:
-                held = json.loads(b.download_as_bytes(retry=self._retry()))
+                b.reload(retry=self._retry())  # generation and the server's time of the last write
+                held, age = json.loads(b.download_as_bytes(retry=self._retry())), time.time() - b.updated.timestamp()
             except exceptions.NotFound:
                 continue  # released meanwhile: try again
-            except ValueError:
-                held = {}
+            except (ValueError, AttributeError):
+                held, age = {}, LEASE_S
             if held.get("id") == me["id"]:
-                self._lock = me
+                self._lock, self._lock_gen, self._renewed = me, b.generation, time.monotonic()
                 return
-            if held.get("host") == me["host"] and isinstance(held.get("pid"), int) and not _pid_alive(held["pid"]):
-                self.delete(LOCK)  # its writer died on this host (kill -9): take over
+            dead = held.get("host") == me["host"] and isinstance(held.get("pid"), int) and not _pid_alive(held["pid"])
+            if dead or age >= LEASE_S or takeover:
+                if not dead:
+                    why = "this run resumed it" if takeover else f"not renewed for {age / 60:.0f} min"
+                    warnings.warn(
+                        f"{self.url(LOCK)}: taking over the writer lock of host {held.get('host')} pid "
+                        f"{held.get('pid')} ({why})",
+                        stacklevel=3,
+                    )
+                self.delete(LOCK)
                 continue
             raise RuntimeError(
                 f"{self.root} is being written by another checkpoint writer (host {held.get('host')} pid "
-                f"{held.get('pid')}); two runs saving to one prefix would overwrite each other's checkpoints. "
-                f"Use another prefix, or close() the other manager; if that run is gone (a preempted VM), "
-                f"remove its lock: gcloud storage rm {self.url(LOCK)}"
+                f"{held.get('pid')}, lock renewed {age / 60:.0f} min ago); two runs saving to one prefix would "
+                f"overwrite each other's checkpoints. Use another prefix, close() the other manager, or resume "
+                f"this run (TrainConfig.resume=True) to take over; a lock not renewed for {LEASE_S // 60} min is "
+                f"taken over by itself"
             )
         raise RuntimeError(f"could not take the writer lock {self.url(LOCK)}")
+
+    def _renew(self, b) -> None:
+        """Rewrite our lock (generation precondition) so its age says we are alive; at most once a minute."""
+        from google.api_core import exceptions
+
+        if time.monotonic() - self._renewed < 60:
+            return
+        try:
+            b.upload_from_string(json.dumps(self._lock), if_generation_match=self._lock_gen, retry=self._retry())
+        except (exceptions.PreconditionFailed, exceptions.NotFound):
+            self._lock = None
+            raise RuntimeError(
+                f"{self.url(LOCK)} was taken over by another writer (a resumed run, or this one was silent for "
+                f"{LEASE_S // 60} min): this run stops saving here rather than overwrite its checkpoints"
+            ) from None
+        self._lock_gen, self._renewed = b.generation, time.monotonic()
 
     def release_writer(self) -> None:
         if self._lock is not None:
