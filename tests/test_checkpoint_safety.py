@@ -91,7 +91,9 @@ def test_planted_bytes_entry_runs_no_code(tmp_path):
     _recommit(folder)
     target = {"w": torch.zeros(2), "epoch": 0}
     with pytest.warns(UserWarning, match=r"step-00000002: the entry 'epoch' is not plain data .*posix\.mkdir"):
-        rec = ShardedCheckpointManager(root).restore(target)
+        m = ShardedCheckpointManager(root)
+        assert m.restore(target) is target
+        rec = m.restored
     assert not proof.exists()
     assert rec["step"] == 1 and target["epoch"] == 1 and torch.equal(target["w"], torch.ones(2))
 
@@ -130,7 +132,9 @@ def test_commit_record_names_outside_the_temp_folder_are_refused(gcs_bucket, tmp
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     target = _state(0)
     with pytest.warns(UserWarning) as w:
-        rec = ShardedCheckpointManager(root, retry_deadline_s=10).restore(target)
+        m = ShardedCheckpointManager(root, retry_deadline_s=10)
+        assert m.restore(target) is target
+        rec = m.restored
     assert not (tmp_path / "a" / "evil").exists() and not outside.exists()  # nothing written outside
     text = "\n".join(str(x.message) for x in w)
     assert f"{folder_name(4)}: its commit record names the file '../../evil'" in text
