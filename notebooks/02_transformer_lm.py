@@ -100,8 +100,10 @@ def _labkit_dir():
 if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours (no dependencies yet)
     pip = [sys.executable, "-m", "pip", "-q"]
     subprocess.run(pip + ["uninstall", "-y", "labkit"], capture_output=True)
-    subprocess.run(pip + ["install", "--no-deps", os.environ.get("LABKIT_PIP_SPEC") or
-                          "labkit-xla @ git+https://github.com/labkit/labkit"], check=True)
+    r = subprocess.run(pip + ["install", "--no-deps", os.environ.get("LABKIT_PIP_SPEC") or
+                              "labkit-xla @ git+https://github.com/labkit/labkit"])
+    if r.returncode:  # not check=True: its message would print the spec, which may carry a token
+        raise SystemExit(f"installing labkit failed (pip exit {r.returncode}): pip's message is above")
     importlib.invalidate_caches()
     for m in [m for m in sys.modules if m == "labkit" or m.startswith("labkit.")]:
         del sys.modules[m]
