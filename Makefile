@@ -30,7 +30,7 @@ lint: venv
 	$(PY) -m ruff format --check .
 
 test: venv lint
-	PJRT_DEVICE=CPU LABKIT_FAST=1 MPLBACKEND=Agg LABKIT_CONSOLE=1 $(PY) -m pytest tests notebooks \
+	PJRT_DEVICE=CPU LABKIT_FAST=1 LABKIT_SOLUTIONS=1 MPLBACKEND=Agg LABKIT_CONSOLE=1 $(PY) -m pytest tests notebooks \
 		--nbval-lax --nbval-current-env --durations=15
 
 bench: venv
