@@ -252,7 +252,8 @@ print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f
 #   compiled at the first evaluation and reused after; the dashboard does not count them as recompilations.)
 # * Why validation can sit *below* training here: each training point averages an interval during which the
 #   model kept improving, and with the offline text the last 10 % (the reference's last sections) is simply
-#   easier to predict: the same model scores ~0.25 nats lower on it than on training windows (measured).
+#   easier to predict: the same model scored ~0.25 nats lower on it than on training windows (measured once
+#   on a longer run; not re-checked by this notebook).
 # * Throughput in tokens per second and MFU, with where the peak figure comes from. On a CPU the peak is what
 #   torch's own float32 matmul reaches on these cores, so MFU there says how close the whole compiled training
 #   step gets to one large matmul; it is not comparable with a TPU's MFU against the chip's rated bf16 peak.
