@@ -331,8 +331,8 @@ assert DELTA > -0.05, f"int8 lost {-DELTA:.1%} accuracy: calibrate on more image
 # AMX, oneDNN needs two instructions per int8 multiply-add instead of one, so the gain comes mostly from moving 4x
 # fewer bytes; with AVX-512 VNNI / AVX-VNNI one instruction does it, and with AMX int8 tiles do more still. Figures
 # of "2-4x float32 with VNNI" are vendors' (Intel's DL Boost and oneDNN material), **not verified here**; what this
-# machine did is printed below (on two machines that ran this notebook: about 2.1x on an AVX2-only AMD EPYC and
-# 3.1x on an AVX-512-VNNI Xeon, at batch 32). Small inputs (32×32 images, batch 1) leave little work per kernel,
+# machine did is printed below (machines that ran this notebook, batch 32: about 2.1x on an AVX2-only AMD EPYC,
+# 3.1x and 5.9x on two AVX-512-VNNI hosts; loaded 2-core machines, so take them as orders of magnitude). Small inputs (32×32 images, batch 1) leave little work per kernel,
 # so per-call overhead weighs more there than at batch 32. The chart: every measured throughput, one bar each.
 
 # %%
