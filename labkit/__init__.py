@@ -13,7 +13,7 @@ labkit.cloud, labkit.dashboard, labkit.lessons, labkit.models, labkit.profiling,
 
 import importlib
 
-from labkit import precision
+from labkit import compile_cache, precision
 from labkit.checkpoint import CheckpointManager
 from labkit.config import TrainConfig, fast_mode, from_env
 from labkit.dashboard import Dashboard, explain, force_console
@@ -49,6 +49,7 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "chance_accuracy",
+    "compile_cache",
     "count_params",
     "doctor",
     "explain",

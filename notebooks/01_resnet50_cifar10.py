@@ -30,7 +30,8 @@
 # 5. **What XLA did**: the metrics report in plain words.
 #
 # Offline (no internet, as in CI) the data are scikit-learn's bundled handwritten digits, upscaled to 32×32 RGB:
-# real images, 10 classes, the same code path. Every claim the text makes is checked by an `assert`.
+# real images, 10 classes, the same code path. What the text claims about this run is checked by an `assert`; what
+# it says about other hardware (a TPU's compile time, the cost of a CPU fallback there) is marked *not verified here*.
 #
 # On Colab: *Runtime → Change runtime type → TPU* (or a GPU), then *Run all*.
 
@@ -131,7 +132,7 @@ report = labkit.doctor(rt)
 assert labkit.setup() is rt       # a second call (or running this cell again) gives the same runtime
 PREC = labkit.precision.choose(rt, P.bf16)  # bf16 on TPU / CUDA >= 8.0, fp16 + GradScaler below, else fp32
 BF16 = PREC.name == "bf16"
-PLAN = labkit.spmd.mesh.batch_plan(rt, P.batch_size)   # SPMD: the host loads every chip's share, sharded on "data"
+PLAN = labkit.spmd.batch_plan(rt, P.batch_size)   # SPMD: the host loads every chip's share, sharded on "data"
 print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), precision {PREC}")
 print(PLAN.describe())
 
@@ -167,7 +168,7 @@ if not P.local_gcs and gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_p
 # %%
 from labkit.cloud import gcs
 from labkit.lessons import recipes
-from labkit.envsetup import online
+from labkit.cloud import online
 from data_tools import load_manifest
 
 SOURCE = P.source if P.source != "auto" else ("cifar10" if online() else "digits")
@@ -250,12 +251,11 @@ plt.show()
 # keeps torchvision's stem to stay within a few minutes on two CPU cores.
 
 # %%
-from labkit.loop import count_params
-from labkit.models.resnet import resnet50_cifar, resnet_flops_per_image
+from labkit.models import resnet50_cifar, resnet_flops_per_image
 
 probe = resnet50_cifar(num_classes=len(CLASSES), cifar_stem=P.cifar_stem)
 FLOPS_FWD = resnet_flops_per_image(probe)
-N_PARAMS = count_params(probe)
+N_PARAMS = labkit.count_params(probe)
 print(f"ResNet-50, {'CIFAR' if P.cifar_stem else 'ImageNet'} stem: {N_PARAMS / 1e6:.1f} M parameters, "
       f"{FLOPS_FWD / 1e9:.2f} GFLOPs per image forward (x3 for a training step: forward + backward)")
 del probe
@@ -280,7 +280,6 @@ del probe
 # %%
 import time
 from labkit.checkpoint import CheckpointManager, to_cpu
-from labkit.loop import chance_accuracy
 
 
 def build(seed):
@@ -301,6 +300,7 @@ RUN = time.strftime("run-%Y%m%d-%H%M%S")       # a fresh folder per run: nothing
 CKPT = (f"gs://labkit-local/checkpoints/{RUN}" if P.local_gcs else f"{P.checkpoint_dir}/{RUN}")
 ckpt = CheckpointManager(CKPT, keep=2, best_metric="val_acc", mode="max", rt=rt)
 dash = labkit.Dashboard(title=f"ResNet-50 on {SOURCE} ({rt.kind})", flops_per_step=3 * FLOPS_FWD * P.batch_size,
+                        chance=labkit.chance_accuracy(len(CLASSES)),             # a line on the accuracy panel
                         peak_flops=labkit.dashboard.flops.peak_flops(rt, PREC.name)[0])   # MFU against the dtype we run in
 trainer = labkit.Trainer(model, optimizer, rt, cfg, train_loader, val_loader, scheduler=scheduler,
                          callbacks=[dash], checkpoint=ckpt, precision=PREC)
@@ -311,8 +311,7 @@ final = trainer.evaluate() if not trainer.eval_history or trainer.eval_history[-
 ckpt.save(trainer.step, trainer.state_dict(), metrics=final, force=True)
 ckpt.wait()
 # a copy for serving (notebook 05 loads it on a CPU): $LABKIT_ARTIFACTS or ./checkpoints, outlives the GCS server
-from labkit.serve.export import save_for_serving
-SERVING = save_for_serving(trainer, final, next(iter(val_loader))[0], meta={"source": SOURCE, "val": manifests["val"],
+SERVING = labkit.serve.save_for_serving(trainer, final, next(iter(val_loader))[0], meta={"source": SOURCE, "val": manifests["val"],
                            "classes": CLASSES, "mean": train_loader.mean, "std": train_loader.std},
                            arch={"name": "resnet50_cifar", "num_classes": len(CLASSES), "cifar_stem": P.cifar_stem})
 print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f}, val accuracy {final['val_acc']:.1%}")
@@ -330,13 +329,13 @@ losses = [r["loss"] for r in history]
 first, last = losses[0], float(np.mean(losses[-3:]))
 print(f"train loss {first:.3f} -> {last:.3f} over {len(losses)} log intervals")
 assert last < first - 0.3, f"training loss did not fall enough: {first:.3f} -> {last:.3f}"
-chance = chance_accuracy(len(CLASSES))
+chance = labkit.chance_accuracy(len(CLASSES))
 assert final["val_acc"] > chance + 0.15, f"val accuracy {final['val_acc']:.1%} is not clearly above chance ({chance:.0%})"
 if rt.is_xla:
     recompiles = dash.health.events
     print("recompilations after warm-up:", len(recompiles), [e["reason"] for e in recompiles])
     assert not recompiles, f"XLA recompiled after warm-up: {recompiles}"
-rates = labkit.spmd.mesh.throughput(float(np.median([r["examples_per_s"] for r in history[1:]])), PLAN)
+rates = labkit.spmd.throughput(float(np.median([r["examples_per_s"] for r in history[1:]])), PLAN)
 print(f"throughput: {rates['total']:.0f} examples/s in total, {rates['per_chip']:.0f} per chip over {PLAN.total_chips} "
       f"chip(s) (median over intervals after the first); MFU per chip is on the dashboard")
 
@@ -344,7 +343,9 @@ print(f"throughput: {rates['total']:.0f} examples/s in total, {rates['per_chip']
 SAVED = dash.save_artifacts("resnet50")            # headless runs ($LABKIT_ARTIFACTS) keep the figure and the curves
 if SAVED:
     print("saved", *SAVED)
-dash.figure()
+from IPython.display import Image, display
+
+display(Image(dash.png_bytes(dpi=90)))   # the Figure is not pyplot's: drawn to PNG, it shows in any front end
 
 # %% [markdown]
 # ## 6. Evaluate: accuracy per class
@@ -368,6 +369,20 @@ conf = conf.cpu()[:-1].view(C, C)               # the one device->host transfer
 per_class = conf.diag().float() / conf.sum(1).clamp(min=1)
 for name, acc in zip(CLASSES, per_class.tolist()):
     print(f"  {name:>12s} {acc:6.1%}")
+fig, ax = plt.subplots(figsize=(5.5, 4.6))
+shares = conf.float() / conf.sum(1, keepdim=True).clamp(min=1)   # each row: where that class's images went
+im = ax.imshow(shares.numpy(), cmap="Blues", vmin=0, vmax=1)
+for i in range(C):
+    for j in range(C):
+        if conf[i, j]:
+            ax.text(j, i, int(conf[i, j]), ha="center", va="center", fontsize=7,
+                    color="white" if shares[i, j] > 0.5 else "black")
+ax.set_xticks(range(C), CLASSES, rotation=45, ha="right", fontsize=8)
+ax.set_yticks(range(C), CLASSES, fontsize=8)
+ax.set(xlabel="predicted", ylabel="true class", title="confusion matrix (counts; colour: share of the row)")
+fig.colorbar(im, ax=ax, fraction=0.046)
+fig.tight_layout()
+plt.show()
 overall = conf.diag().sum().item() / conf.sum().item()
 assert conf.sum().item() == sum(s["samples"] for s in load_manifest(manifests["val"])["shards"])
 assert abs(overall - final["val_acc"]) < 1e-6, (overall, final["val_acc"])
@@ -409,6 +424,68 @@ assert resumed.step == trainer.step + P.resume_steps
 assert hist2[0]["loss"] < first - 0.3, "the resumed run did not start from the trained weights"
 
 # %% [markdown]
+# ## Your turn
+# Three exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
+# check cell. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`).
+#
+# **1. Static shapes.** Write `batches_per_epoch(samples, replicas, batch)`: how many batches *each* replica trains
+# on per epoch, so that every batch is full (one graph) and every replica does the same number (section 3).
+
+# %%
+from labkit.lessons import exercises as ex
+from labkit.lessons.exercises import nb01
+
+
+def batches_per_epoch(samples, replicas, batch):
+    ...   # your code
+
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+if ex.solutions_on():
+    def batches_per_epoch(samples, replicas, batch):
+        return samples // (replicas * batch)
+
+# %%
+ex.check("01.static_shapes", lambda: nb01.check_batches_per_epoch(batches_per_epoch))
+ex.check("01.static_shapes_here", lambda: nb01.require(
+    batches_per_epoch(n_train, PLAN.hosts, PLAN.host_batch) == len(train_loader), "it must match this run's loader"))
+
+# %% [markdown]
+# **2. Padded evaluation.** The last validation batch is short. Write `pad_labels(y, batch)`: the labels padded to
+# `batch` entries so that the padded rows change neither the shapes nor the loss (section 3).
+
+# %%
+def pad_labels(y, batch):
+    ...   # your code
+
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+if ex.solutions_on():
+    def pad_labels(y, batch):
+        return torch.cat([y, torch.full((batch - len(y),), -100, dtype=y.dtype)])
+
+# %%
+ex.check("01.pad_eval", lambda: nb01.check_pad_labels(pad_labels))
+
+# %% [markdown]
+# **3. Resume where it stopped.** A checkpoint saved after `step` optimizer steps must say where the next batch
+# comes from. Write `resume_position(step, batches_per_epoch)` -> `(epoch, batch index)` so that a resumed run
+# neither skips nor repeats a batch.
+
+# %%
+def resume_position(step, batches_per_epoch):
+    ...   # your code
+
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+if ex.solutions_on():
+    def resume_position(step, batches_per_epoch):
+        return divmod(step, batches_per_epoch)
+
+# %%
+ex.check("01.resume", lambda: nb01.check_resume_position(resume_position))
+
+# %% [markdown]
 # ## 8. What did XLA do?
 # `labkit.explain(dash)` reads torch_xla's metrics report and says, in plain words, where the time went: compiling
 # vs executing graphs, recompilations and their causes, `aten::` ops that fell back to the CPU, and device→host
@@ -419,13 +496,15 @@ info = labkit.explain(dash)
 
 # %% [markdown]
 # **The lessons in those numbers**
-# * *Compile time vs execute time*: a ResNet-50 training graph takes tens of seconds to compile on a CPU host
-#   and about a minute on a TPU host; it is paid once if shapes never change. Most of a short run's time is
+# * *Compile time vs execute time*: a ResNet-50 training graph took tens of seconds to compile on this CPU host
+#   (the dashboard's compile time above); on a TPU host expect the same order of magnitude (not verified here: no
+#   TPU in CI). It is paid once if shapes never change. Most of a short run's time is
 #   compilation; a long run amortises it.
 # * *Recompilations*: each is another full compile. Causes: a batch of another size, a Python number that
 #   changes every step baked into the graph, data-dependent control flow.
-# * *CPU fallbacks* (`aten::` counters): the op ran on the host, with a transfer each way. One per step can
-#   halve TPU throughput.
+# * *CPU fallbacks* (`aten::` counters): the op ran on the host, with a transfer each way and the graph cut in
+#   two. How much one per step costs on a TPU depends on the model and was not verified here; PyTorch/XLA's
+#   troubleshooting guide explains why they are slow and how to find them.
 # * *Transfers*: the loop reads its metrics once per log interval; anything more is a `.item()`, a `print(tensor)`
 #   or a `.cpu()` somewhere in the step.
 #

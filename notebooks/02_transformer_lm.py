@@ -30,7 +30,8 @@
 # 5. **Sampling text** without recompiling XLA for every new token.
 # 6. **What XLA did**, in plain words.
 #
-# Every claim the text makes is checked by an `assert`. On Colab: *Runtime → Change runtime type → TPU*, then *Run all*.
+# What the text claims about this run is checked by an `assert`; what it says about TPUs it cannot measure here is
+# marked *not verified here*. On Colab: *Runtime → Change runtime type → TPU*, then *Run all*.
 
 # %% [markdown]
 # ## Parameters
@@ -118,7 +119,9 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 # %% [markdown]
 # ## 1. Find the device
 # TPU first, then a CUDA GPU, then torch_xla on the CPU (how CI runs this notebook), then plain PyTorch.
-# bfloat16 autocast is on by default only on a TPU, whose matrix units work in bf16 natively.
+# bfloat16 autocast is on by default where the chip has matrix units for it: a TPU (its MXUs work in bf16 natively)
+# and a CUDA GPU of compute capability 8.0 or newer (Ampere and later); an older GPU gets float16 with a gradient
+# scaler, a CPU float32 (`labkit.precision.choose`, printed below).
 
 # %%
 import math, time
@@ -131,7 +134,7 @@ report = labkit.doctor(rt)
 assert labkit.setup() is rt
 PREC = labkit.precision.choose(rt, P.bf16)  # bf16 on TPU / CUDA >= 8.0, fp16 + GradScaler below, else fp32
 BF16 = PREC.name == "bf16"
-PLAN = labkit.spmd.mesh.batch_plan(rt, P.batch_size)   # SPMD: the host loads every chip's share, sharded on "data"
+PLAN = labkit.spmd.batch_plan(rt, P.batch_size)   # SPMD: the host loads every chip's share, sharded on "data"
 print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), precision {PREC}")
 print(PLAN.describe())
 
@@ -190,8 +193,7 @@ print("one batch:", tuple(x.shape), x.dtype, "| targets are the inputs shifted b
 # per weight forward, two backward; the second term is attention's score and mixing products).
 
 # %%
-from labkit.models.gpt import GPT, GPTConfig, bits_per_byte
-from labkit.lm import LMTrainer
+from labkit.models import GPT, GPTConfig, bits_per_byte
 from labkit.dashboard import flops
 
 gcfg = GPTConfig(block_size=P.block_size, n_layer=P.n_layer, n_head=P.n_head, n_embd=P.n_embd, dropout=P.dropout)
@@ -231,15 +233,16 @@ model, optimizer, scheduler = recipes.build_gpt(gcfg, P.lr, P.weight_decay, P.ma
 cfg = labkit.TrainConfig(epochs=P.evals, max_steps=P.max_steps, bf16=BF16, clip_norm=1.0, log_every=P.log_every,
                          eval_every=1)
 dash = labkit.Dashboard(title=f"GPT {P.n_layer}x{P.n_embd} on {SOURCE} ({rt.kind})", tokens_per_step=TOKENS_PER_STEP * PLAN.chips,
-                        flops_per_step=FLOPS_PER_TOKEN * TOKENS_PER_STEP, peak_flops=PEAK)
-trainer = LMTrainer(model, optimizer, rt, cfg, train_batches, val_batches, scheduler=scheduler, callbacks=[dash],
+                        flops_per_step=FLOPS_PER_TOKEN * TOKENS_PER_STEP, peak_flops=PEAK,
+                        chance=1 / 256)   # next-byte accuracy of guessing uniformly
+trainer = labkit.LMTrainer(model, optimizer, rt, cfg, train_batches, val_batches, scheduler=scheduler, callbacks=[dash],
                     precision=PREC)
 t0 = time.perf_counter()
 history = trainer.fit()
 TRAIN_S = time.perf_counter() - t0
 final = trainer.eval_history[-1]
-from labkit.serve.export import save_for_serving    # a CPU copy for notebook 05 ($LABKIT_ARTIFACTS or ./checkpoints)
-save_for_serving(trainer, final, x[:4], arch={"name": "gpt", **dataclasses.asdict(gcfg)}, meta={"source": SOURCE})
+# a CPU copy for notebook 05 ($LABKIT_ARTIFACTS or ./checkpoints)
+labkit.serve.save_for_serving(trainer, final, x[:4], arch={"name": "gpt", **dataclasses.asdict(gcfg)}, meta={"source": SOURCE})
 print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f} nats = "
       f"{bits_per_byte(final['val_loss']):.2f} bits per byte, next-byte accuracy {final['val_acc']:.1%}")
 
@@ -251,12 +254,14 @@ print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f
 #   compiled at the first evaluation and reused after; the dashboard does not count them as recompilations.)
 # * Why validation can sit *below* training here: each training point averages an interval during which the
 #   model kept improving, and with the offline text the last 10 % (the reference's last sections) is simply
-#   easier to predict: the same model scores ~0.25 nats lower on it than on training windows (measured).
+#   easier to predict: the same model scored ~0.25 nats lower on it than on training windows (measured once
+#   on a longer run; not re-checked by this notebook).
 # * Throughput in tokens per second and MFU, with where the peak figure comes from. On a CPU the peak is what
 #   torch's own float32 matmul reaches on these cores, so MFU there says how close the whole compiled training
 #   step gets to one large matmul; it is not comparable with a TPU's MFU against the chip's rated bf16 peak.
-#   On a TPU, small matrices leave the 128×128 matrix units partly idle: the defaults (384 channels, 256-byte
-#   context, batch 64) are about the smallest that keep them reasonably busy.
+#   On a TPU, small matrices leave the matrix units (MXUs: 128×128 on v2-v5, 256×256 on v6e Trillium) partly
+#   idle. How busy the defaults (384 channels, 256-byte context, batch 64) keep them was not measured here (no TPU
+#   in CI): the MFU the dashboard prints on a TPU is the answer.
 
 # %%
 losses = [r["loss"] for r in history]
@@ -270,7 +275,7 @@ if rt.is_xla:
     assert not dash.health.events, f"XLA recompiled after warm-up: {dash.health.events}"
 steady = [r for r in dash.history[1:] if r.get("tokens_per_s")] or dash.history[-1:]   # the first interval includes compiling
 TOK_S = float(np.median([r["tokens_per_s"] for r in steady]))
-RATE = labkit.spmd.mesh.throughput(TOK_S, PLAN)             # tokens/s in total and per chip
+RATE = labkit.spmd.throughput(TOK_S, PLAN)             # tokens/s in total and per chip
 MFU = flops.mfu(FLOPS_PER_TOKEN * TOKENS_PER_STEP, TOKENS_PER_STEP / RATE["per_chip"], PEAK)   # per chip
 print(f"throughput {RATE['total']:,.0f} tokens/s in total, {RATE['per_chip']:,.0f} per chip over {PLAN.total_chips} chip(s); "
       f"{FLOPS_PER_TOKEN * RATE['per_chip'] / 1e12:.4f} TFLOP/s per chip, {FLOPS_PER_TOKEN * RATE['total'] / 1e12:.4f} in total")
@@ -280,7 +285,9 @@ print(f"MFU {MFU:.2%} per chip (the same for all of them together) of {PEAK_SOUR
 SAVED = dash.save_artifacts("gpt")            # headless runs ($LABKIT_ARTIFACTS) keep the figure and the curves
 if SAVED:
     print("saved", *SAVED)
-dash.figure()
+from IPython.display import Image, display
+
+display(Image(dash.png_bytes(dpi=90)))   # the Figure is not pyplot's: drawn to PNG, it shows in any front end
 
 # %% [markdown]
 # ## 5. Generate text without recompiling for every byte
@@ -300,7 +307,7 @@ dash.figure()
 # the start, then none, checked with torch_xla's counter; a second call compiles nothing at all.
 
 # %%
-from labkit.dashboard.health import compile_count
+from labkit.dashboard import compile_count
 
 PROMPT = "ROMEO:\n" if SOURCE == "shakespeare" else "The "
 prompt = text.encode(PROMPT)[None].to(rt.device)
@@ -319,6 +326,66 @@ assert out.shape == (1, P.gen_tokens)
 if rt.is_xla:
     assert compiles <= 6, f"generate compiled {compiles} graphs for {P.gen_tokens} bytes: once per byte?"
     assert compiles_again == 0, "the second call should reuse every graph"
+
+# %% [markdown]
+# ## Your turn
+# Three exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
+# check cell. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`).
+#
+# **1. Bucketing.** A server gets prompts of every length from 1 to `block_size`; on XLA each length would be a
+# graph to compile. Write `bucket(n)`: the length to pad a prompt of n bytes to, a multiple of 32 (no more than 31
+# bytes of padding, never past the window), so all lengths share a handful of graphs.
+
+# %%
+from labkit.lessons import exercises as ex
+from labkit.lessons.exercises import nb02
+
+
+def bucket(n):
+    ...   # your code
+
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+if ex.solutions_on():
+    def bucket(n):
+        return min(P.block_size, 32 * math.ceil(n / 32))
+
+# %%
+ex.check("02.bucket", lambda: nb02.check_bucket(bucket, P.block_size) if P.block_size % 32 == 0 else "block_size not a multiple of 32")
+
+# %% [markdown]
+# **2. Bits per byte.** The loss is in nats per byte. Write `bpb(nats)`, the same in bits.
+
+# %%
+def bpb(nats):
+    ...   # your code
+
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+if ex.solutions_on():
+    def bpb(nats):
+        return nats / math.log(2)
+
+# %%
+ex.check("02.bpb", lambda: nb02.check_bits_per_byte(bpb))
+
+# %% [markdown]
+# **3. FLOPs per token.** Write `flops(N, L, T, d)`: the training FLOPs per token of a GPT with N parameters
+# (without the position table), L blocks, context T and width d, as section 3 explains. It is checked against
+# the model's own count, which MFU divides by.
+
+# %%
+def flops(N, L, T, d):
+    ...   # your code
+
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+if ex.solutions_on():
+    def flops(N, L, T, d):
+        return 6 * N + 12 * L * T * d
+
+# %%
+ex.check("02.flops", lambda: nb02.check_flops_per_token(flops, probe))
 
 # %% [markdown]
 # ### Use your own bucket
@@ -350,7 +417,8 @@ info = labkit.explain(dash)
 # %% [markdown]
 # **Where to go from here**
 # * On a Colab TPU the defaults train a 10.7 M-parameter model on 256-byte windows; watch MFU on the dashboard and
-#   try a larger `batch_size` or `n_embd` (multiples of 128 fill the TPU's 128×128 matrix units better).
+#   try a larger `batch_size` or `n_embd` (multiples of 128 fit the 128×128 MXUs of TPU v2-v5; v6e's are 256×256,
+#   so there multiples of 256).
 # * `LABKIT_SOURCE=/path/to/any.txt` trains on your own text.
 # * `python -m labkit.train gpt --max-steps 5000` trains the same model from a terminal (the same recipes, these
 #   parameters as flags), also on a pod slice or under `torchrun` (README: *Scale out*).

@@ -105,7 +105,10 @@ import warnings
 import torch
 import torch.nn as nn
 
-from labkit.lessons.capture_modes import dynamo_graphs, measure, table, xla_graphs
+from labkit.lessons import capture_modes
+
+dynamo_graphs, measure, table, xla_graphs = (capture_modes.dynamo_graphs, capture_modes.measure, capture_modes.table,
+                                             capture_modes.xla_graphs)
 
 rt = labkit.setup()
 XLA = rt.is_xla
@@ -185,7 +188,7 @@ if XLA:
 # %%
 import tempfile
 
-from labkit import compile_cache
+compile_cache = labkit.compile_cache
 
 if XLA:
     folder = os.path.join(tempfile.mkdtemp(), "xla-cache")
@@ -292,8 +295,7 @@ for k, v in findings.items():
 # watching, names the line that compiled. (The `Dashboard` does both on its own; here the loop is hand-written.)
 
 # %%
-from labkit.dashboard.syncs import SyncFinder
-from labkit.dashboard.health import HealthMonitor
+from labkit.dashboard import HealthMonitor, SyncFinder
 
 lengths = [16, 16, 12, 16, 9, 12, 16, 9][:P.steps]
 emb = nn.Linear(8, 8).to(rt.device)
@@ -369,6 +371,81 @@ if XLA:
             assert sum(counts.values()) == 1, counts  # only the final read
 
 # %% [markdown]
+# ## Your turn
+# Three exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
+# check cell. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`). The
+# checks run your code on the XLA device and count what it did.
+#
+# **1. A CPU fallback.** `pred[y >= 0].mean()` keeps the real samples of a padded batch, but the boolean index has a
+# data-dependent size: `aten::nonzero` runs on the CPU, a round trip every call. Run it once and count the fallbacks
+# (`labkit.explain` lists them by name), then write `masked_mean(pred, y)` with fixed shapes only.
+
+# %%
+from labkit.lessons import exercises as ex
+from labkit.lessons.exercises import nb04
+
+if XLA:
+    import torch_xla.debug.metrics as met
+
+    def fallbacks():
+        return sum(met.counter_value(n) or 0 for n in met.counter_names() if n.startswith("aten::"))
+
+    pred_d, y_d = torch.arange(8.0, device=rt.device), torch.tensor([3, 1, 0, 2, 5, -100, -100, -100], device=rt.device)
+    f0 = fallbacks()
+    pred_d[y_d >= 0].mean().cpu()
+    print(f"pred[y >= 0].mean(): {fallbacks() - f0} CPU fallback(s)")
+
+
+def masked_mean(pred, y):
+    ...   # your code
+
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+if ex.solutions_on():
+    def masked_mean(pred, y):
+        keep = (y >= 0).to(pred.dtype)
+        return (pred * keep).sum() / keep.sum()
+
+# %%
+ex.check("04.fallback", lambda: nb04.check_masked_mean(masked_mean, rt))
+
+# %% [markdown]
+# **2. Bucketing.** Section 3's batches came in lengths `lengths`; every new length recompiled. Choose `pad_to`, the
+# one length to pad every batch to so that `run(lengths, pad_to=...)` never recompiles, with the least padding.
+
+# %%
+pad_to = ...   # your answer
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+if ex.solutions_on():
+    pad_to = max(lengths)
+
+# %%
+ex.check("04.bucket", lambda: nb04.check_bucket_recompiles(pad_to, run, lengths) if XLA else "not on XLA")
+
+# %% [markdown]
+# **3. One read.** Write `loop_mean(steps)`: the mean of `(w @ w).tanh().mean()` over `steps` steps (with
+# `rt.sync()` after each), returned as a Python float, reading the device once.
+
+# %%
+def loop_mean(steps):
+    ...   # your code
+
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+if ex.solutions_on():
+    def loop_mean(steps):
+        total = torch.zeros((), device=rt.device)
+        for _ in range(steps):
+            total = total + (w @ w).tanh().mean()
+            rt.sync()
+        return total.item() / steps
+
+# %%
+ex.check("04.syncs", lambda: nb04.check_one_read(loop_mean, (w @ w).tanh().mean().item(), P.steps) if XLA
+         else "not on XLA")
+
+# %% [markdown]
 # ## 5. Profile a live run
 # A profile answers "where does a step's time go?". `trainer.request_profile(steps)` asks a running `fit()` to
 # capture its next few steps; nothing in the training code changes, and until a request arrives the loop pays
@@ -408,7 +485,9 @@ class ProfileAt:
 
 
 torch.manual_seed(0)
-data = torch.utils.data.TensorDataset(torch.randn(16 * P.batch, 64), torch.randint(0, 10, (16 * P.batch,)))
+xs = torch.randn(16 * P.batch, 64)
+ys = (xs @ torch.randn(64, 10)).argmax(1)   # labels a linear layer can learn (random labels: a loss that never falls)
+data = torch.utils.data.TensorDataset(xs, ys)
 model = nn.Sequential(nn.Linear(64, P.width), nn.GELU(), nn.Linear(P.width, 10))
 trainer = labkit.Trainer(
     model,
@@ -416,12 +495,13 @@ trainer = labkit.Trainer(
     rt,
     labkit.TrainConfig(max_steps=10, log_every=5),
     torch.utils.data.DataLoader(data, batch_size=P.batch, shuffle=True),
-    callbacks=[labkit.Dashboard(title="profiled MLP"), ProfileAt(step=3, steps=4)],
+    callbacks=[labkit.Dashboard(title="profiled MLP", chance=0.1), ProfileAt(step=3, steps=4)],
 )
 trainer.fit()
 prof = trainer.profiles[-1]
 print(prof.table(n_ops=5))
-display(Image(filename=str(prof.folder / "timeline.png")))
+display(Image(filename=str(prof.folder / "timeline.png")))   # every captured step, each labelled with its length
+steady = prof.steps[1:]                      # the first captured step may still compile: compare the rest
 print("trace files:", *[str(p.relative_to(prof.folder)) for p in labkit.profiling.trace_files(prof.folder)])
 assert [s["step"] for s in prof.steps] == [4, 5, 6, 7]
 assert prof.has_op(), "the profile should contain the MLP's matmuls (aten::addmm / HLO dot)"

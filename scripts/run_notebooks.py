@@ -3,7 +3,8 @@
     python scripts/run_notebooks.py notebooks/01_resnet50_cifar10.ipynb [more.ipynb] [--out artifacts]
 
 Each notebook runs in a fresh kernel of this Python (the project venv), with its folder as the
-working directory. Executed copies go to OUT/<name>.ipynb; every image/png output is written
+working directory. All notebooks of one invocation share one artifacts folder, OUT/shared
+($LABKIT_ARTIFACTS: checkpoints, saved curves), so 01 -> 05 chain as a learner would run them. Executed copies go to OUT/<name>.ipynb; every image/png output is written
 to OUT/<name>/figure-<cell>-<n>.png so a person can look at them. What the cells printed (loss,
 accuracy, the XLA summary) is echoed with the cell number unless --quiet. Exits non-zero if a cell fails.
 """
@@ -24,7 +25,6 @@ from nbclient.exceptions import CellExecutionError
 
 def run(path: Path, out: Path, timeout: int, quiet: bool = False) -> float:
     nb = nbformat.read(path, as_version=4)
-    os.environ["LABKIT_ARTIFACTS"] = str((out / path.stem).resolve())
     # the kernel's own inline backend renders figures into the executed copy without a display;
     # MPLBACKEND=Agg (right for pytest) would make plt.show() and returned figures draw nothing
     os.environ.pop("MPLBACKEND", None)
@@ -60,6 +60,10 @@ def main() -> int:
     ap.add_argument("--quiet", action="store_true", help="do not echo what the cells printed")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    # ONE artifacts folder for every notebook of this run, so they chain: notebook 01's and 02's checkpoints
+    # are what 05 exports and quantizes (with a folder per notebook 05 never found them and trained a stand-in)
+    os.environ["LABKIT_ARTIFACTS"] = str((args.out / "shared").resolve())
+    print(f"[run_notebooks] LABKIT_ARTIFACTS={os.environ['LABKIT_ARTIFACTS']} (shared by all notebooks)", flush=True)
     failed = 0
     for nb in args.notebooks:
         try:

@@ -270,3 +270,45 @@ def test_figure_renders_in_a_real_kernel(tmp_path):
     )
     saved = png_path.read_bytes()
     assert saved[:8] == b"\x89PNG\r\n\x1a\n" and len(saved) > 20_000 and not _blank(saved)
+
+
+def _view_data(tokens: bool, recompiles=(), chance=None):
+    rows = [
+        {"step": s, "loss": 2.0 / s, "rate": 10.0, "global_rate": 9.0, "examples_per_s": 10.0, "xla_compiles": c}
+        for s, c in ((10, 2), (20, 0))
+    ]
+    if tokens:
+        for r in rows:
+            r["tokens_per_s"] = 640.0  # 64 tokens per example
+    frame = {
+        "title": "t", "step": 20, "total": 20, "epoch": 0, "elapsed_s": 5.0, "eta_s": 0.0, "loss": 0.1,
+        "val_loss": 0.2, "acc": None, "val_acc": 0.4, "lr": 1e-3, "rate": 10.0, "global_rate": 9.0,
+        "rate_per_replica": 10.0, "global_rate_per_replica": 9.0, "world_size": 1,
+        "tokens_per_s": 640.0 if tokens else None, "mfu": None,
+        "health": {"xla": True, "compiles": 0, "compile_s": 0.0, "graphs_total": 2, "recompiles": len(recompiles),
+                   "transfers": 1},
+        "recompiles": list(recompiles), "warnings": [],
+    }  # fmt: skip
+    evals = [{"step": 10, "val_loss": 0.3, "val_acc": 0.35}, {"step": 20, "val_loss": 0.2, "val_acc": 0.4}]
+    return {"title": "t", "history": rows, "evals": evals, "world_size": 1, "frame": frame, "chance": chance}
+
+
+def test_figure_says_only_what_it_draws():
+    from labkit.dashboard.view import render
+
+    fig = render(_view_data(tokens=False, chance=0.1))
+    loss, acc, rate, xla, text = fig.axes
+    val = [ln for ln in acc.lines if ln.get_label() == "val"][0]
+    assert val.get_marker() == "s" and len(val.get_xdata()) == 2  # two evaluations: markers joined by a line
+    assert any(ln.get_label().startswith("chance") and ln.get_ydata()[0] == 0.1 for ln in acc.lines)
+    assert acc.get_ylim() == (0, 1)
+    assert rate.get_title() == "examples/s" and "since epoch start" in [t.get_text() for t in rate.get_legend().texts]
+    assert xla.get_title() == "XLA per interval" and xla.get_ylabel()
+    assert "recompile" not in [t.get_text() for t in xla.get_legend().texts]  # a clean run draws no recompile line
+    assert not any("tokens/s" in t.get_text() for t in text.texts)  # a CNN: no tokens line at all
+
+    lm = render(_view_data(tokens=True, recompiles=[{"step": 20, "reason": "shape", "changes": []}]))
+    rate, xla = lm.axes[2], lm.axes[3]
+    assert rate.get_title() == "tokens/s" and max(rate.lines[0].get_ydata()) == 640.0
+    assert "recompile" in [t.get_text() for t in xla.get_legend().texts]
+    assert not any(ln.get_label().startswith("chance") for ln in lm.axes[1].lines)

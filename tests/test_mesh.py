@@ -96,9 +96,19 @@ def test_split_qkv_computes_the_same_function():
     assert torch.allclose(a(x)[0], b(x)[0], atol=1e-6)
 
 
-def test_data_parallel_prediction_matches_the_counts_measured_on_8_devices():
-    # figures read from the optimized HLO of a 2-layer, 64-wide GPT, batch 16 x 32, 8 virtual devices
+def test_data_parallel_prediction_is_the_parameter_bytes_and_explains_what_xla_added():
+    # first principles: one all-reduce per gradient, of the parameter's bytes
     from labkit.models.gpt import GPTConfig as Cfg
 
-    pred = sharding.predict_data_parallel(Cfg(block_size=32, n_layer=2, n_head=4, n_embd=64), 16)
-    assert pred == {"all-reduce": {"count": 32, "bytes": 539660}, "all-gather": {"count": 10, "bytes": 1310720}}
+    cfg = Cfg(block_size=32, n_layer=2, n_head=4, n_embd=64)
+    params = list(GPT(cfg).parameters())
+    pred = sharding.predict_data_parallel(cfg, 16)
+    assert pred == {"all-reduce": {"count": len(params), "bytes": sum(p.numel() * 4 for p in params)}}
+    # read from the optimized HLO of this GPT, batch 16 x 32, 8 virtual devices (torch_xla 2.9, XLA:CPU)
+    measured = {"all-reduce": {"count": 32, "bytes": 539660}, "all-gather": {"count": 10, "bytes": 1310720}}
+    extra = sharding.extra_collectives(pred, measured)
+    # the extra, explained: the tied token table's two gradients (lookup, output layer) reduced separately,
+    # three scalars of the mean loss, and two all-gathers of the (B, T, C) activations per LayerNorm (2L + 1)
+    table = cfg.vocab_size * cfg.n_embd * 4
+    assert extra["all-reduce"] == {"count": 1 + 3, "bytes": table + 3 * 4}
+    assert extra["all-gather"] == {"count": 2 * 5, "bytes": 2 * 5 * 16 * 32 * 64 * 4}

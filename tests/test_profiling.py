@@ -194,3 +194,20 @@ def test_a_capture_from_the_first_xla_step_shows_the_compile(tmp_path):
     first, *rest = a.steps
     assert first["step"] == 1 and first["compile_s"] > 0 and all(s["compile_s"] == 0 for s in rest), a.table()
     assert first["compile_s"] > 10 * first["device_s"]  # compiling takes far longer than running this graph
+
+
+def test_timeline_shows_every_captured_step_and_labels_a_compiling_one(tmp_path):
+    from labkit.profiling import Analysis
+
+    zero = {f"{c}_s": 0.0 for c in CATEGORIES}
+    steps = [
+        {"step": 4, "total_s": 0.7, **zero, "compile_s": 0.65, "device_s": 0.05},
+        *({"step": n, "total_s": 0.05, **zero, "device_s": 0.05} for n in (5, 6, 7)),
+    ]
+    edges = [0.0, 0.7, 0.75, 0.8, 0.85]
+    a = Analysis(tmp_path, "xla-cpu", steps, {"compile": [(0.0, 0.65)], "device": [(0.65, 0.85)]}, edges)
+    ax = a.timeline().axes[0]
+    assert ax.get_title() == "xla-cpu: all 4 profiled steps"
+    labels = [t.get_text() for t in ax.texts]
+    assert labels[0] == "step 4: 700 ms\n(650 ms compiling)" and labels[1:] == [f"step {n}: 50 ms" for n in (5, 6, 7)]
+    assert a.timeline(2).axes[0].get_title() == "xla-cpu: 2 of 4 profiled steps"

@@ -2,6 +2,7 @@
 real optimized HLO (torch_xla 2.9, XLA:CPU, 8 virtual devices), tile parsing, collective listing, the
 layout picture, and the practice-devices switch (in a fresh process: it must run before torch_xla)."""
 
+import math
 import os
 import subprocess
 import sys
@@ -17,16 +18,31 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    "L, C, T, want",
-    [  # measured: 2 x 4 data x model mesh, global batch 16 (parallel_gpt.train, "tensor")
+    "L, C, T, measured",
+    [  # read from the optimized HLO: 2 x 4 data x model mesh, global batch 16 (parallel_gpt.train, "tensor")
         (1, 32, 16, {"all-reduce": {"count": 30, "bytes": 142796}, "all-gather": {"count": 10, "bytes": 229376}}),
         (1, 48, 8, {"all-reduce": {"count": 30, "bytes": 194220}, "all-gather": {"count": 10, "bytes": 172032}}),
         (2, 48, 8, {"all-reduce": {"count": 52, "bytes": 288204}, "all-gather": {"count": 18, "bytes": 294912}}),
     ],
 )
-def test_tensor_parallel_prediction_matches_measured_hlo(L, C, T, want):
+def test_tensor_parallel_prediction_from_first_principles_and_what_xla_added(L, C, T, measured):
     cfg = GPTConfig(block_size=T, n_layer=L, n_head=4, n_embd=C)
-    assert sharding.predict_tensor_parallel(cfg, 16, data=4, model=2) == want
+    pred = sharding.predict_tensor_parallel(cfg, 16, data=4, model=2)
+    act = (16 // 4) * T * C * 4  # one data slice's activations
+    n_params = len(list(GPT(cfg).parameters())) + 4 * L  # q, k, v as three weights and three biases (split_qkv)
+    assert pred["all-reduce"]["count"] == n_params + 4 * L  # gradients over "data" + Megatron's 4 per block
+    # gradient bytes one device holds: the split matrices (q, k, v, attention proj, MLP fc and proj) and the
+    # column-split biases (q, k, v, fc) at 1/2
+    full = sum(math.prod(s) for s in sharding.gpt_param_shapes(cfg)) * 4
+    split = L * (3 * C * C + 3 * C + C * C + 8 * C * C + 4 * C) * 4
+    assert pred["all-reduce"]["bytes"] == full - split // 2 + 4 * L * act
+    extra = sharding.extra_collectives(pred, measured)
+    # explained: the tied table's two gradients, three loss scalars, q/k/v's input gradients reduced one by
+    # one (2 more than Megatron's single all-reduce), LayerNorm's two all-gathers of the whole batch's
+    # activations (2L + 1 LayerNorms), and four all-gathers per block of one data slice's heads around attention
+    table = cfg.vocab_size * C * 4
+    assert extra["all-reduce"] == {"count": 1 + 3 + 2 * L, "bytes": table + 3 * 4 + 2 * L * act}
+    assert extra["all-gather"] == {"count": 2 * (2 * L + 1) + 4 * L, "bytes": 2 * (2 * L + 1) * 4 * act + 4 * L * act}
 
 
 def test_tensor_parallel_prediction_scales_with_the_mesh():
@@ -35,7 +51,8 @@ def test_tensor_parallel_prediction_scales_with_the_mesh():
     four = sharding.predict_tensor_parallel(cfg, 16, data=2, model=4)
     # a wider model axis: smaller weight shards to reduce, but each data slice's activations are larger
     assert four["all-reduce"]["count"] == two["all-reduce"]["count"]
-    assert four["all-gather"]["bytes"] > two["all-gather"]["bytes"]
+    act_two, act_four = 4 * 16 * 32 * 4, 8 * 16 * 32 * 4
+    assert four["all-reduce"]["bytes"] - 4 * act_four < two["all-reduce"]["bytes"] - 4 * act_two
 
 
 def test_tensor_parallel_prediction_names_what_does_not_divide():
@@ -158,3 +175,41 @@ def test_practice_devices_sets_the_cpu_mesh_and_the_dump_before_torch_xla(tmp_pa
     assert "8 virtual XLA:CPU devices" in lines[0] and str(tmp_path) in lines[0]
     assert lines[1] == f"CPU 8 --xla_cpu_enable_fast_math=false --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
     assert lines[2].startswith("torch_xla already imported")
+
+
+@pytest.mark.parametrize(
+    "need, chips, started_on_tpu, want",
+    [
+        (2, 0, False, "cpu"),  # a laptop, a GPU runtime: virtual XLA:CPU devices
+        (2, 1, False, "cpu"),  # Colab's v5e-1: one chip is not a mesh
+        (2, 1, True, "restart"),  # ... and torch_xla already imported for that chip: only a fresh kernel helps
+        (2, 8, False, "tpu"),  # a v5e-8
+        (2, 4, True, "tpu"),  # a v4-8 (4 chips), torch_xla already running: fine
+        (8, 4, False, "cpu"),  # a lesson that needs 8 on 4 chips
+    ],
+)
+def test_practice_choice(need, chips, started_on_tpu, want):
+    from labkit.spmd import practice_choice
+
+    assert practice_choice(need, chips, started_on_tpu) == want
+
+
+def test_practice_devices_on_a_one_chip_tpu_host_uses_virtual_cpu_devices(tmp_path):
+    """Colab's v5e-1 simulated (TPU_ACCELERATOR_TYPE with PJRT_DEVICE=CPU): labkit sees a TPU with one
+    chip, which cannot hold a mesh, so the lesson must still get 8 virtual XLA:CPU devices and say why."""
+    code = (
+        "import os; from labkit.spmd import mesh; from labkit import envsetup; "
+        "print(envsetup.detect_tpu().chips); "
+        f"print(mesh.practice_devices(8, {str(tmp_path)!r})); "
+        "print(os.environ['PJRT_DEVICE'], os.environ.get('CPU_NUM_DEVICES'), os.environ['TF_CPP_MIN_LOG_LEVEL']); "
+        "import torch_xla.runtime as xr; print(xr.global_runtime_device_count())"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("CPU_NUM_DEVICES", "XLA_FLAGS", "TF_CPP_MIN_LOG_LEVEL")}
+    env.update(PYTHONPATH=str(ROOT), TPU_ACCELERATOR_TYPE="v5litepod-1", PJRT_DEVICE="CPU")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert lines[0] == "1", "the simulated host must look like a one-chip TPU"
+    assert "1 chip(s), fewer than the 2" in lines[1] and "8 virtual XLA:CPU devices" in lines[1], lines[1]
+    assert lines[2] == "CPU 8 2"
+    assert lines[3] == "8"

@@ -8,5 +8,6 @@ that checkpoints and data_tools share. The only part of labkit that data_tools i
 from labkit.cloud import gcs
 from labkit.cloud.emulator import LocalGCSServer
 from labkit.cloud.store import GCSStore, LocalStore, open_store
+from labkit.envsetup import online  # can this machine reach the internet (datasets download or not)
 
-__all__ = ["GCSStore", "LocalGCSServer", "LocalStore", "gcs", "open_store"]
+__all__ = ["GCSStore", "LocalGCSServer", "LocalStore", "gcs", "online", "open_store"]

@@ -60,6 +60,7 @@ class Dashboard:
         smoothing=0.6,
         find_syncs=True,
         controls=True,
+        chance=None,
     ):
         self.total_steps, self._total_given, self.title = total_steps, total_steps, title
         self.flops_per_step, self.tokens_per_step, self.peak_flops = flops_per_step, tokens_per_step, peak_flops
@@ -76,6 +77,7 @@ class Dashboard:
         self._last_draw, self._pending, self._tb, self._final_drawn = 0.0, False, None, False
         self.world_size, self.rt = 1, None
         self.controls = controls
+        self.chance = chance  # accuracy of guessing (1 / classes): drawn as a line on the accuracy panel
 
     # -- Trainer callbacks -----------------------------------------------------------------
     def on_train_begin(self, trainer) -> None:
@@ -238,6 +240,8 @@ class Dashboard:
             "history": list(self.history),
             "evals": list(self.evals),
             "world_size": self.world_size,
+            "chance": self.chance,
+            "tokens_per_step": self.tokens_per_step,
             "frame": self.frame() if self.history else None,
         }
 

@@ -103,33 +103,42 @@ def _series(ax, records: list, key: str, label: str, style: str, **kw) -> None:
 def render(data: dict):
     """Loss, accuracy, throughput, XLA compiles/transfers, and a text panel (progress, health).
 
-    data: Dashboard.view_data() - {"title", "history", "evals", "world_size", "frame"}."""
+    data: Dashboard.view_data() - {"title", "history", "evals", "world_size", "frame", and optionally "chance"
+    (accuracy of guessing, drawn as a line); rows with "tokens_per_s" make the throughput panel tokens/s}."""
     from matplotlib.figure import Figure
 
     rows, evals, f = data["history"], data["evals"], data["frame"]
     fig = Figure(figsize=(13, 6.5))
-    fig.subplots_adjust(left=0.05, right=0.98, top=0.9, bottom=0.08, hspace=0.35, wspace=0.2)
+    fig.subplots_adjust(left=0.05, right=0.98, top=0.9, bottom=0.08, hspace=0.35, wspace=0.25)
     gs = fig.add_gridspec(2, 3)
     steps = [r["step"] for r in rows]
     ax = fig.add_subplot(gs[0, 0])
     _series(ax, rows, "loss", "train", "o-", ms=3)
-    _series(ax, evals, "val_loss", "val", "s--", ms=4, color="C1")
+    _series(ax, evals, "val_loss", "val", "s--", ms=6, color="C1")  # few evaluations: big markers, joined
     ax.set(title="loss", xlabel="step")
     ax.legend(fontsize=8)
     ax = fig.add_subplot(gs[0, 1])
     _series(ax, rows, "acc", "train", "o-", ms=3, color="C0")
-    _series(ax, evals, "val_acc", "val", "s--", ms=4, color="C1")
+    _series(ax, evals, "val_acc", "val", "s--", ms=6, color="C1")
     if ax.lines:
+        chance = data.get("chance")
+        if chance:
+            ax.axhline(chance, color="gray", ls=":", lw=1, label=f"chance ({chance:.3g})")
+        ax.set_ylim(0, 1)  # an accuracy is a share: a zoomed axis makes 0.37 -> 0.39 look like a leap
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no accuracy yet", ha="center", va="center", transform=ax.transAxes, color="gray")
     ax.set(title="accuracy", xlabel="step")
     ax = fig.add_subplot(gs[0, 2])
-    ax.plot(steps, [r["rate"] for r in rows], "o-", ms=3, label="Rate (moving avg)")
-    ax.plot(steps, [r["global_rate"] for r in rows], "--", label="GlobalRate (epoch)")
+    # a language model's examples are sequences: show tokens/s when the dashboard knows the tokens per step
+    # (tokens per example = tokens_per_s / examples_per_s of the same interval)
+    per = [r["tokens_per_s"] / r["examples_per_s"] for r in rows if r.get("tokens_per_s") and r.get("examples_per_s")]
+    scale, unit = (per[-1], "tokens/s") if per else (1, "examples/s")
+    ax.plot(steps, [r["rate"] * scale for r in rows], "o-", ms=3, label="moving average")
+    ax.plot(steps, [r["global_rate"] * scale for r in rows], "--", label="since epoch start")
     if data["world_size"] > 1:
-        ax.plot(steps, [r["rate_per_replica"] for r in rows], ":", label="Rate per replica")
-    ax.set(title="examples/s", xlabel="step")
+        ax.plot(steps, [r["rate_per_replica"] * scale for r in rows], ":", label="moving average per replica")
+    ax.set(title=unit, xlabel="step", ylabel=unit)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     ax = fig.add_subplot(gs[1, 0])
@@ -142,10 +151,10 @@ def render(data: dict):
             color="tab:red",
         )
         ax.plot(steps, [r.get("xla_transfers", 0) for r in rows], "k.-", label="device->host transfers")
-        for ev in f["recompiles"]:
-            ax.axvline(ev["step"], color="tab:orange", lw=0.8, ls=":")
+        for i, ev in enumerate(f["recompiles"]):
+            ax.axvline(ev["step"], color="tab:orange", lw=0.8, ls=":", label="recompile" if i == 0 else None)
         ax.legend(fontsize=8)
-        ax.set(title="XLA per interval (dotted: recompiles)", xlabel="step")
+        ax.set(title="XLA per interval", xlabel="step", ylabel="count per log interval")
     else:
         ax.text(0.5, 0.5, "not running on XLA", ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set(title="XLA", xticks=[], yticks=[])
@@ -160,14 +169,18 @@ def render(data: dict):
         + (f"   acc {f['acc']:.3f}" if f["acc"] is not None else "")
         + (f"   val acc {f['val_acc']:.3f}" if f["val_acc"] is not None else "")
         + f"   lr {f['lr']:.3g}",
-        f"Rate {_fmt_n(f['rate'])}/s   GlobalRate {_fmt_n(f['global_rate'])}/s   per replica "
+        f"Rate {_fmt_n(f['rate'])}/s   since epoch start {_fmt_n(f['global_rate'])}/s   per replica "
         f"{_fmt_n(f['rate_per_replica'])}/s, {_fmt_n(f['global_rate_per_replica'])}/s (x{f['world_size']})",
     ]
-    if f["tokens_per_s"] is not None or f["mfu"] is not None:
-        lines.append(
-            f"tokens/s {_fmt_n(f['tokens_per_s'])}   MFU "
-            + (f"{100 * f['mfu']:.1f}%" if f["mfu"] is not None else "- (peak unknown)")
-        )
+    speed = []  # only what was given: a CNN has no tokens, a run without FLOPs per step no MFU
+    if f["tokens_per_s"] is not None:
+        speed.append(f"tokens/s {_fmt_n(f['tokens_per_s'])}")
+    if f["mfu"] is not None:
+        speed.append(f"MFU {100 * f['mfu']:.1f}%")
+    elif data.get("tokens_per_step") or f["tokens_per_s"] is not None:
+        speed.append("MFU - (peak unknown)")
+    if speed:
+        lines.append("   ".join(speed))
     h = f["health"]
     lines += [textwrap.shorten(ln, 140) for ln in health_lines(f)]
     if h.get("memory"):

@@ -141,26 +141,36 @@ class Analysis:
             "top_host_ops": [list(o) for o in self.host_ops[:20]],
         }
 
-    def timeline(self, steps: int = 3):
-        """A matplotlib Figure: one row per category over the first `steps` steps (not attached to pyplot)."""
+    def timeline(self, steps: int | None = None):
+        """A matplotlib Figure: one row per category over the first `steps` captured steps (default: all of
+        them; not attached to pyplot). Each step is labelled with its number and length, and a step that
+        spent most of its time compiling says so: one compile can be ten times a steady step."""
         from matplotlib.figure import Figure
 
-        end = self.step_edges[min(steps, len(self.step_edges) - 1)] if self.step_edges else 0.0
-        fig = Figure(figsize=(10, 2.8))
-        fig.subplots_adjust(left=0.1, right=0.98, bottom=0.18, top=0.9)  # tight_layout costs ~0.5 s here
+        shown = len(self.steps) if steps is None else min(steps, len(self.steps))
+        end = self.step_edges[min(shown, len(self.step_edges) - 1)] if self.step_edges else 0.0
+        fig = Figure(figsize=(10, 3.0))
+        fig.subplots_adjust(left=0.1, right=0.98, bottom=0.18, top=0.84)  # tight_layout costs ~0.5 s here
         ax = fig.add_subplot()
         for row, cat in enumerate(reversed(CATEGORIES)):
             bars = [(1e3 * a, 1e3 * (b - a)) for a, b in _clip(self.intervals.get(cat, []), 0.0, end)]
             ax.broken_barh(bars, (row - 0.4, 0.8), color=COLORS[cat])
-        for x in self.step_edges[: steps + 1]:
+        for x in self.step_edges[: shown + 1]:
             ax.axvline(1e3 * x, color="k", lw=0.6, ls=":")
+        for s, a, b in zip(self.steps[:shown], self.step_edges, self.step_edges[1:]):
+            label = f"step {s['step']}: {1e3 * (b - a):.0f} ms"
+            if s.get("compile_s", 0) > 0.5 * max(b - a, 1e-9):
+                label += f"\n({1e3 * s['compile_s']:.0f} ms compiling)"
+            ax.text(1e3 * (a + b) / 2, len(CATEGORIES) - 0.4, label, ha="center", va="bottom", fontsize=7)
         ax.set_yticks(range(len(CATEGORIES)), [c.replace("_", " ") for c in reversed(CATEGORIES)])
+        ax.set_ylim(-0.6, len(CATEGORIES) + 0.4)
         ax.set_xlim(0, 1e3 * end if end > 0 else 1)
         ax.set_xlabel("ms since the first captured step began (dotted: step boundaries)")
-        ax.set_title(f"{self.backend}: {min(steps, len(self.steps))} profiled steps")
+        of = f"{shown} of {len(self.steps)}" if shown < len(self.steps) else f"all {shown}"
+        ax.set_title(f"{self.backend}: {of} profiled steps", pad=4)
         return fig
 
-    def save_png(self, path, steps: int = 3, dpi: int = 80) -> str:
+    def save_png(self, path, steps: int | None = None, dpi: int = 80) -> str:
         self.timeline(steps).savefig(path, format="png", dpi=dpi)
         return str(path)
 

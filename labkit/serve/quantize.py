@@ -19,9 +19,11 @@ moved to torchao (torchao.quantization.pt2e). `pt2e_api` takes torchao's copy wh
 and torch's otherwise, so the same code runs on the pinned torch 2.9 with or without torchao.
 
 What to expect: int8 pays off on CPUs with VNNI (AVX512-VNNI, AVX-VNNI: 4 int8 multiply-adds per lane in
-one instruction) or AMX (Sapphire Rapids and later: int8 tile matmuls); on AVX2-only CPUs oneDNN emulates
-the int8 dot products with several instructions and the gain is small or negative. `cpu_flags` reads
-/proc/cpuinfo so a notebook can say which case it ran in.
+one instruction) or AMX (Sapphire Rapids and later: int8 tile matmuls); on AVX2-only CPUs oneDNN needs two
+instructions per int8 dot product and the gain comes mostly from moving 4x fewer bytes. How much each case buys
+is for the notebook to measure (ResNet-50, batch 32, int8 / fp32 compiled: 2.1x on an AVX2-only EPYC, 3.1x and
+5.9x on AVX-512-VNNI hosts, all loaded 2-core machines). `cpu_flags` reads /proc/cpuinfo so a notebook can say
+which case it ran in.
 """
 
 from __future__ import annotations
@@ -55,14 +57,17 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> dict:
 def int8_outlook(flags: dict) -> str:
     """One sentence: what int8 can be expected to buy on a CPU with these flags."""
     if flags.get("amx_int8"):
-        return "AMX int8 tiles: int8 convs/matmuls run several times faster than fp32 (the best case)"
+        return "AMX int8 tiles: the fastest int8 path on a CPU (how much faster than fp32: measured below)"
     if flags.get("avx512_vnni") or flags.get("avx_vnni"):
-        return "VNNI: one instruction per 4 int8 multiply-adds; expect roughly 2-4x over fp32 on conv-heavy models"
+        return (
+            "VNNI: one instruction per 4 int8 multiply-adds, so int8 gains faster arithmetic on top of 4x fewer "
+            "bytes (vendors quote 2-4x over fp32 on conv-heavy models; not verified here: measured below)"
+        )
     if flags.get("avx2"):
         return (
             "AVX2 without VNNI: an int8 multiply-add takes two instructions (vpmaddubsw + vpmaddwd) instead of "
-            "one, so int8 wins here mostly by moving 4x fewer bytes (measured on a 2-core AVX2 EPYC: ResNet-50 "
-            "at batch 32, int8 2.1x fp32 compiled); a VNNI or AMX CPU adds the faster arithmetic on top"
+            "one, so int8 wins here mostly by moving 4x fewer bytes (how much: measured below); a VNNI or AMX CPU "
+            "adds the faster arithmetic on top"
         )
     return "no AVX2: oneDNN falls back to reference int8 kernels; expect int8 to be slow"
 

@@ -7,14 +7,25 @@ from XLA's optimized HLO, and pictures of layouts. torch_xla-specific; the ideas
 """
 
 from labkit.spmd import sharding
-from labkit.spmd.mesh import BatchPlan, batch_plan, make_mesh, practice_devices, throughput, virtual_cpu_devices
+from labkit.spmd.mesh import (
+    BatchPlan,
+    addressable_devices,
+    batch_plan,
+    make_mesh,
+    practice_choice,
+    practice_devices,
+    throughput,
+    virtual_cpu_devices,
+)
 from labkit.spmd.view import draw_layouts
 
 __all__ = [
     "BatchPlan",
+    "addressable_devices",
     "batch_plan",
     "draw_layouts",
     "make_mesh",
+    "practice_choice",
     "practice_devices",
     "sharding",
     "throughput",

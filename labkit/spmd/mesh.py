@@ -95,31 +95,68 @@ def throughput(rate_total: float, plan: BatchPlan) -> dict:
     return {"total": rate_total, "per_chip": rate_total / max(1, plan.total_chips)}
 
 
-def virtual_cpu_devices(n: int) -> bool:
-    """On a CPU (no TPU), ask XLA:CPU for n virtual devices. Must run before torch_xla starts its
-    runtime; returns False (and changes nothing) on a TPU host or when CPU_NUM_DEVICES is already set."""
-    if envsetup.detect_tpu() or "CPU_NUM_DEVICES" in os.environ:
+def virtual_cpu_devices(n: int, *, even_on_tpu: bool = False) -> bool:
+    """Ask XLA:CPU for n virtual devices. Must run before torch_xla starts its runtime; returns False
+    (and changes nothing) when CPU_NUM_DEVICES is already set, or on a TPU host unless even_on_tpu."""
+    if (envsetup.detect_tpu() and not even_on_tpu) or "CPU_NUM_DEVICES" in os.environ:
         return False
     os.environ["CPU_NUM_DEVICES"] = str(int(n))
     return True
 
 
-def practice_devices(n: int = 8, dump_dir: str | None = None) -> str:
-    """Call before torch_xla starts. On a host without a TPU: n virtual XLA:CPU devices
-    (PJRT_DEVICE=CPU, CPU_NUM_DEVICES=n; torch_xla 2.9 has no GPU backend, so a GPU host practises
-    on its CPU too). Anywhere: XLA's optimized HLO dumped as text to dump_dir (XLA_FLAGS), where
-    the collectives the partitioner inserted can be read. Returns what it did, in words."""
+def practice_choice(need: int, tpu_chips: int, started_on_tpu: bool) -> str:
+    """Where a lesson that needs `need` devices runs: "tpu" (the host's chips are enough), "cpu" (virtual
+    XLA:CPU devices: no TPU, or fewer chips than the lesson needs, e.g. Colab's one-chip v5e-1), or
+    "restart" (too few chips and torch_xla has already been imported for the TPU: a process cannot switch its
+    PJRT device, so only a fresh kernel can practise on the CPU). Pure: the tests call it with a
+    simulated host."""
+    if tpu_chips >= need:
+        return "tpu"
+    if tpu_chips and started_on_tpu:
+        return "restart"
+    return "cpu"
+
+
+def practice_devices(n: int = 8, dump_dir: str | None = None, need: int = 2) -> str:
+    """Call before torch_xla starts. Where the host has at least `need` TPU chips: SPMD over them. Else
+    (no TPU, a GPU host: torch_xla 2.9 has no GPU backend; or a TPU host with fewer chips than the lesson
+    needs, like Colab's one-chip v5e-1) n virtual XLA:CPU devices (PJRT_DEVICE=CPU, CPU_NUM_DEVICES=n).
+    Anywhere: XLA's optimized HLO dumped as text to dump_dir (XLA_FLAGS), where the collectives the
+    partitioner inserted can be read. Returns what it did, in words (print it: it is the lesson's record
+    of where it ran)."""
     import sys
 
-    if "torch_xla" in sys.modules:
+    tpu = envsetup.detect_tpu()
+    started = "torch_xla" in sys.modules
+    on_cpu = os.environ.get("PJRT_DEVICE", "").upper() == "CPU"
+    choice = practice_choice(need, tpu.chips, started and not on_cpu)
+    if choice == "restart":
+        return (
+            f"this TPU host has {tpu.chips} chip(s), fewer than the {need} this lesson needs, and torch_xla has "
+            f"already started on the TPU: restart the runtime (kernel) and run the parameters cell first; it then "
+            f"practises on {n} virtual XLA:CPU devices"
+        )
+    if started:
         return "torch_xla already imported: devices and XLA_FLAGS left as they are (restart the kernel to change them)"
+    # XLA 2.9 logs "GSPMD sharding propagation is going to be deprecated ... migrate to Shardy" (a C++ WARNING,
+    # sharding_propagation.cc) once per partitioned compile: dozens of identical lines that bury the lesson's
+    # output. Python's warnings filters cannot reach XLA's C++ log; its level can, and only before torch_xla
+    # starts. Level 2 keeps XLA's errors and drops its warnings and info (torch_xla's default is 1). A value
+    # the user set is kept. labkit's own messages are Python prints and are not affected.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     said = []
-    if envsetup.detect_tpu():
-        said.append("TPU host: SPMD over its chips")
+    if choice == "tpu":
+        said.append(f"TPU host with {tpu.chips} chips: SPMD over its chips")
     else:
         os.environ["PJRT_DEVICE"] = "CPU"
-        virtual_cpu_devices(n)
-        said.append(f"no TPU: {os.environ['CPU_NUM_DEVICES']} virtual XLA:CPU devices (PJRT_DEVICE=CPU)")
+        virtual_cpu_devices(n, even_on_tpu=True)
+        why = (
+            f"this TPU host has {tpu.chips} chip(s), fewer than the {need} this lesson needs, so it runs on the CPU"
+            if tpu.chips
+            else "no TPU"
+        )
+        said.append(f"{why}: {os.environ['CPU_NUM_DEVICES']} virtual XLA:CPU devices (PJRT_DEVICE=CPU)")
+    said.append("XLA's C++ warnings hidden (TF_CPP_MIN_LOG_LEVEL=" + os.environ["TF_CPP_MIN_LOG_LEVEL"] + ")")
     if dump_dir:
         flags = f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
         if flags not in os.environ.get("XLA_FLAGS", ""):

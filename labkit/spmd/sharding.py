@@ -11,6 +11,9 @@ Three strategies, one vocabulary (the same ideas as DTensor's Shard/Replicate pl
 - tensor parallel (Megatron): in each block the first matmul is split by output features (column
   parallel: attention heads, MLP hidden units), the second by input features (row parallel), so
   each block needs one all-reduce of activations forward and one backward per split pair.
+
+The predict_* functions work the communication out from first principles; the optimized HLO says what
+XLA actually did; extra_collectives() is the difference, which the notebook explains in words.
 - FSDP (ZeRO-3): every weight split over all devices; gathered for use, gradients reduce-scattered.
 
 The collective counts come from XLA's optimized HLO (XLA_FLAGS=--xla_dump_to=DIR
@@ -275,25 +278,20 @@ def shard_batch(batch, mesh, axis: str = "data"):
 
 
 def predict_data_parallel(cfg, global_batch: int, bytes_per: int = 4) -> dict:
-    """Collectives of one data-parallel GPT training step, worked out on paper (float32).
+    """Collectives of one data-parallel training step, from first principles (float32).
 
-    all-reduce: one per weight gradient (the tied token table twice: its embedding-lookup gradient
-    and its output-layer gradient are reduced separately), plus three scalars for the mean loss.
-    all-gather: two per LayerNorm (2 per block + the final one) of the (B, T, C) activations, in
-    LayerNorm's backward. Nobody asked for those: they are how GSPMD partitions the backward that
-    torch_xla lowers, read from the optimized HLO (torch_xla 2.9, XLA:CPU, 8 devices)."""
-    C, L, T, V = cfg.n_embd, cfg.n_layer, cfg.block_size, cfg.vocab_size
-    per_block = [3 * C * C, 3 * C, C * C, C, 4 * C * C, 4 * C, 4 * C * C, C] + [C] * 4  # qkv, proj, fc, proj, 2 LN
-    n_bias = cfg.bias
-    if not n_bias:
+    Every device holds all the weights and computes the gradient of its slice of the batch; the step
+    needs the sum over devices of every gradient: one all-reduce per parameter tensor, of the
+    parameter's bytes. In all: the parameter bytes, whatever the batch (`global_batch` is accepted for
+    symmetry with the other predictions; activations never travel). Nothing else is needed.
+
+    What a compiler adds on top is not predicted here: compare with count_collectives() of the
+    optimized HLO and explain the difference (see extra_collectives)."""
+    del global_batch  # activations stay on their device: the batch size does not enter
+    if not cfg.bias:
         raise ValueError("predict_data_parallel assumes GPTConfig(bias=True)")
-    weights = [V * C, T * C] + per_block * L + [C, C]
-    grads = weights + [V * C]  # the tied table's second reduction
-    layernorms = 2 * L + 1
-    return {
-        "all-reduce": {"count": len(grads) + 3, "bytes": (sum(grads) + 3) * bytes_per},
-        "all-gather": {"count": 2 * layernorms, "bytes": 2 * layernorms * global_batch * T * C * bytes_per},
-    }
+    shapes = gpt_param_shapes(cfg)
+    return {"all-reduce": {"count": len(shapes), "bytes": sum(math.prod(s) for s in shapes) * bytes_per}}
 
 
 def _split(n: int, ways: int, what: str) -> int:
@@ -303,38 +301,43 @@ def _split(n: int, ways: int, what: str) -> int:
 
 
 def predict_tensor_parallel(cfg, global_batch: int, data: int, model: int, bytes_per: int = 4) -> dict:
-    """Collectives of one tensor-parallel step (split_qkv GPT, gpt_tensor_parallel_specs on a
-    data x model mesh), worked out on paper (float32).
+    """Collectives of one Megatron tensor-parallel step on a data x model mesh, from first principles
+    (float32; split_qkv GPT, gpt_tensor_parallel_specs).
 
-    Megatron's own: per block, the two row-parallel outputs (attention projection, MLP projection)
-    are partial sums, all-reduced over the `model` group forward; backward, the input gradient of
-    each column-parallel layer is a partial sum too: q, k and v are reduced one by one (XLA does not
-    add them first), then the MLP's fc, so 2 + 4 all-reduces of one data shard's (B/data, T, C).
-    Data parallelism's: each weight gradient all-reduced over the `data` group, at the size one
-    device holds (the split ones at 1/model), as in predict_data_parallel.
-    XLA's extras (torch_xla 2.9, XLA:CPU): the LayerNorm all-gathers of data parallelism, and per
-    block four all-gathers over the model group of a (B/data, heads, T, head dim) tensor: the
-    partitioner gathers the heads around scaled_dot_product_attention rather than keep them split."""
-    C, L, T, V, H = cfg.n_embd, cfg.n_layer, cfg.block_size, cfg.vocab_size, cfg.n_head
+    Megatron (Shoeybi et al. 2019, section 3): per block, forward, the two row-parallel outputs
+    (attention projection, MLP projection) are partial sums: 2 all-reduces over the model group of one
+    data slice's activations (B/data, T, C); backward, the input gradients of the two column-parallel
+    layers (q/k/v, MLP fc) are partial sums: 2 more. So 4 per block, each B/data x T x C.
+    Data parallelism over the `data` axis: each gradient all-reduced once, at the size one device holds
+    (split matrices at 1/model).
+
+    What a compiler adds on top is not predicted here: compare with the optimized HLO."""
+    C, L, T, H = cfg.n_embd, cfg.n_layer, cfg.block_size, cfg.n_head
     if not cfg.bias:
         raise ValueError("predict_tensor_parallel assumes GPTConfig(bias=True)")
     Cm = _split(C, model, "n_embd")
     _split(H, model, "n_head")  # whole heads per device
     b = _split(global_batch, data, "global_batch")
-    act = b * T * C  # one data shard's activations
-    per_block = [Cm * C] * 3 + [Cm] * 3 + [C * Cm, C] + [4 * Cm * C, 4 * Cm, C * 4 * Cm, C] + [C] * 4
-    grads = [V * C, T * C] + per_block * L + [C, C] + [V * C]  # the tied table reduced twice
-    layernorms = 2 * L + 1
-    return {
-        "all-reduce": {
-            "count": len(grads) + 3 + 6 * L,
-            "bytes": (sum(grads) + 3 + 6 * L * act) * bytes_per,
-        },
-        "all-gather": {
-            "count": 2 * layernorms + 4 * L,
-            "bytes": (2 * layernorms * global_batch * T * C + 4 * L * act) * bytes_per,
-        },
-    }
+    act = b * T * C  # one data slice's activations
+    V = cfg.vocab_size
+    # per block as one device holds it: 2 LayerNorms, q/k/v (rows split) + biases, attention proj (columns
+    # split) + bias, MLP fc (rows split) + bias, MLP proj (columns split) + bias
+    per_block = [C] * 4 + [Cm * C] * 3 + [Cm] * 3 + [C * Cm, C] + [4 * Cm * C, 4 * Cm, C * 4 * Cm, C]
+    grads = [V * C, T * C] + per_block * L + [C, C]
+    return {"all-reduce": {"count": len(grads) + 4 * L, "bytes": (sum(grads) + 4 * L * act) * bytes_per}}
+
+
+def extra_collectives(predicted: dict, measured: dict) -> dict:
+    """What the compiled step moved beyond a prediction, per kind: {kind: {"count": n, "bytes": b}}
+    (negative where it moved less). The numbers to explain in words."""
+    out = {}
+    for kind in sorted(set(predicted) | set(measured)):
+        p = predicted.get(kind, {"count": 0, "bytes": 0})
+        m = measured.get(kind, {"count": 0, "bytes": 0})
+        d = {"count": m["count"] - p["count"], "bytes": m["bytes"] - p["bytes"]}
+        if d["count"] or d["bytes"]:
+            out[kind] = d
+    return out
 
 
 def gpt_param_shapes(cfg) -> list[tuple[int, ...]]:
