@@ -85,8 +85,13 @@ def test_notebooks_use_the_public_api_only():
     attr = re.compile(r"\blabkit\.(\w+)\.(\w+)\.\w+")
     for src in sorted(ROOT.glob("notebooks/[0-9]*.py")):
         for i, line in enumerate(src.read_text().splitlines(), 1):
-            if deep.search(line):
-                bad.append(f"{src.name}:{i}: {line.strip()}")
+            if line.lstrip().startswith("#"):
+                continue  # prose may name the file a learner opens (labkit/models/gpt.py)
+            m = deep.search(line)
+            if m:
+                wing, name = m.group(1) or m.group(3), m.group(2) or m.group(4)
+                if not (wing in WINGS and name in getattr(labkit, wing).__all__):  # a namespace the wing offers
+                    bad.append(f"{src.name}:{i}: {line.strip()}")
                 continue
             for m in attr.finditer(line):
                 wing, name = m.group(1), m.group(2)

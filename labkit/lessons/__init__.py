@@ -5,7 +5,7 @@ four ways over a mesh. Library code never imports this wing.
     data = labkit.lessons.recipes.image_shards(...)
 """
 
-from labkit.lessons import capture_modes, parallel_gpt, recipes
+from labkit.lessons import capture_modes, exercises, parallel_gpt, recipes
 from labkit.lessons.compile_cache_demo import first_step_in_child
 
-__all__ = ["capture_modes", "first_step_in_child", "parallel_gpt", "recipes"]
+__all__ = ["capture_modes", "exercises", "first_step_in_child", "parallel_gpt", "recipes"]
