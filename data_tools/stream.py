@@ -45,26 +45,22 @@ a later pass counts again); a streamed sha256 mismatch is then a warning.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import itertools
 import math
 import multiprocessing as mp
 import os
 import random
-import warnings
 
 import numpy as np
 import torch
 import webdataset as wds
-from webdataset.tariterators import group_by_keys
 
-from .manifest import GROUP_PREFIX, HashingReader, ShardError, check_digest, load_manifest
+from .manifest import ShardError, load_manifest
 from .plan import allocate, expand_urls, resolve_replica, split_round_robin
+from .shard_reader import read_shard
 from .sources import HFLIP
-from .tario import MAX_MEMBER, TarFormatError, TarGroupError, iter_tar
 from .transforms import augment, decode_image, scale_stats, to_batch
-from .urls import DEFAULT_TIMEOUT, is_not_found, open_url, redact, register_webdataset, sibling
+from .urls import DEFAULT_TIMEOUT, redact, register_webdataset, sibling
 
 PAD_LABEL = -100  # F.cross_entropy's default ignore_index
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -212,75 +208,17 @@ class ShardStream(torch.utils.data.IterableDataset):
         with self._skipped.get_lock():
             self._skipped.value += n
 
-    def _open(self, url: str, entry):
-        """The shard's byte stream, checked as self.verify asks; returns (stream, hasher or None)."""
-        stream = open_url(url, self.timeout)
-        if not entry or not self.verify:
-            return stream, None
-        if self.verify == "stream":
-            stream = HashingReader(stream)
-            return stream, stream
-        with stream:
-            data = stream.read()
-        check_digest(len(data), hashlib.sha256(data).hexdigest(), url, entry)
-        return io.BytesIO(data), None
-
     def _read_tar(self, idx: int):
-        """Samples of one shard. Only a broken tar or wrong count is corruption (skippable)."""
-        url, entry = self.urls[idx], self.entries[idx]
-        shown = redact(url)  # the URL as messages show it: no password, no token
-        limit = entry["bytes"] if entry else MAX_MEMBER  # no member is larger than its shard
-        group = GROUP_PREFIX + self.generation if (entry and self.generation) else None
-        n, key = 0, None
-        try:
-            stream, hasher = self._open(url, entry)
-            with stream:
-                members = (
-                    {"fname": name, "data": data, "__url__": url} for name, data in iter_tar(stream, group, limit)
-                )
-                for sample in group_by_keys(members):
-                    n, key = n + 1, sample["__key__"]
-                    yield sample
-                if hasher is not None:
-                    hasher.finish(url, entry)
-        except TarGroupError as e:
-            raise ShardError(
-                f"shard {shown} is not from the write that manifest.json describes (generation "
-                f"{self.generation}; {e}): the folder is being rewritten or a rewrite was "
-                "interrupted - write it again"
-            ) from None
-        except ShardError as e:  # sha256 or size differs: the shard's samples were already yielded
-            if not self.skip_corrupt:
-                raise
-            warnings.warn(str(e), stacklevel=2)
-            return
-        except (TarFormatError, EOFError) as e:
-            msg = f"shard {shown}: corrupt or truncated tar after {n} sample(s) (last key {key!r}): {e}"
-            if not self.skip_corrupt:
-                raise ShardError(msg) from e
-            self._count_skip(max(1, (entry["samples"] - n) if entry else 1))
-            return
-        except ValueError as e:  # webdataset's group_by_keys: two members of one sample with one name
-            if "duplicate file name" not in str(e):
-                raise
-            msg = f"shard {shown}: duplicate member after {n} sample(s) (last key {key!r}): {e}"
-            if not self.skip_corrupt:
-                raise ShardError(msg) from None
-            self._count_skip()
-            return
-        except OSError as e:  # the network or the disk failed: never a corrupt sample, never skipped
-            if is_not_found(e):
-                raise FileNotFoundError(f"shard not found: {shown}") from None
-            raise type(e)(f"shard {shown}: read failed after {n} sample(s): {e}") from e
-        except Exception as e:
-            if is_not_found(e):  # google-cloud-storage's NotFound is no OSError
-                raise FileNotFoundError(f"shard not found: {shown}") from None
-            raise
-        if entry and n != entry["samples"]:
-            msg = f"shard {shown}: {n} samples, manifest says {entry['samples']} (truncated or replaced)"
-            if not self.skip_corrupt:
-                raise ShardError(msg)
-            self._count_skip(max(0, entry["samples"] - n))
+        """Samples of one shard, checked against its manifest entry (data_tools.shard_reader)."""
+        return read_shard(
+            self.urls[idx],
+            self.entries[idx],
+            generation=self.generation,
+            verify=self.verify,
+            timeout=self.timeout,
+            skip_corrupt=self.skip_corrupt,
+            count_skip=self._count_skip,
+        )
 
     def _samples(self, worker: int):
         """Raw samples of this worker: training cycles its shards until its batch quota is met."""

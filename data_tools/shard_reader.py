@@ -1,0 +1,92 @@
+"""One shard, read and checked: the samples of a tar stream, its sha256 and sample count checked against
+the manifest, and every failure named (a corrupt shard may be skipped; a network error never is).
+
+    from data_tools.shard_reader import read_shard
+    for sample in read_shard(url, entry, generation=gen, verify="stream", timeout=60, skip_corrupt=False):
+        ...
+
+data_tools.stream.ShardStream deals shards to workers and calls this for each one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import warnings
+
+from webdataset.tariterators import group_by_keys
+
+from .manifest import GROUP_PREFIX, HashingReader, ShardError, check_digest
+from .tario import MAX_MEMBER, TarFormatError, TarGroupError, iter_tar
+from .urls import is_not_found, open_url, redact
+
+
+def open_shard(url: str, entry, verify, timeout):
+    """The shard's byte stream, checked as `verify` asks ("stream": sha256 as the bytes pass, True: read
+    whole and check first, False: unchecked); returns (stream, hasher or None)."""
+    stream = open_url(url, timeout)
+    if not entry or not verify:
+        return stream, None
+    if verify == "stream":
+        stream = HashingReader(stream)
+        return stream, stream
+    with stream:
+        data = stream.read()
+    check_digest(len(data), hashlib.sha256(data).hexdigest(), url, entry)
+    return io.BytesIO(data), None
+
+
+def read_shard(url: str, entry, *, generation, verify, timeout, skip_corrupt: bool, count_skip=lambda n: None):
+    """Samples of one shard. Only a broken tar or wrong count is corruption (skippable: count_skip(n) is
+    told how many samples were lost); a missing object or a network failure always raises."""
+    shown = redact(url)  # the URL as messages show it: no password, no token
+    limit = entry["bytes"] if entry else MAX_MEMBER  # no member is larger than its shard
+    group = GROUP_PREFIX + generation if (entry and generation) else None
+    n, key = 0, None
+    try:
+        stream, hasher = open_shard(url, entry, verify, timeout)
+        with stream:
+            members = ({"fname": name, "data": data, "__url__": url} for name, data in iter_tar(stream, group, limit))
+            for sample in group_by_keys(members):
+                n, key = n + 1, sample["__key__"]
+                yield sample
+            if hasher is not None:
+                hasher.finish(url, entry)
+    except TarGroupError as e:
+        raise ShardError(
+            f"shard {shown} is not from the write that manifest.json describes (generation "
+            f"{generation}; {e}): the folder is being rewritten or a rewrite was "
+            "interrupted - write it again"
+        ) from None
+    except ShardError as e:  # sha256 or size differs: the shard's samples were already yielded
+        if not skip_corrupt:
+            raise
+        warnings.warn(str(e), stacklevel=2)
+        return
+    except (TarFormatError, EOFError) as e:
+        msg = f"shard {shown}: corrupt or truncated tar after {n} sample(s) (last key {key!r}): {e}"
+        if not skip_corrupt:
+            raise ShardError(msg) from e
+        count_skip(max(1, (entry["samples"] - n) if entry else 1))
+        return
+    except ValueError as e:  # webdataset's group_by_keys: two members of one sample with one name
+        if "duplicate file name" not in str(e):
+            raise
+        msg = f"shard {shown}: duplicate member after {n} sample(s) (last key {key!r}): {e}"
+        if not skip_corrupt:
+            raise ShardError(msg) from None
+        count_skip()
+        return
+    except OSError as e:  # the network or the disk failed: never a corrupt sample, never skipped
+        if is_not_found(e):
+            raise FileNotFoundError(f"shard not found: {shown}") from None
+        raise type(e)(f"shard {shown}: read failed after {n} sample(s): {e}") from e
+    except Exception as e:
+        if is_not_found(e):  # google-cloud-storage's NotFound is no OSError
+            raise FileNotFoundError(f"shard not found: {shown}") from None
+        raise
+    if entry and n != entry["samples"]:
+        msg = f"shard {shown}: {n} samples, manifest says {entry['samples']} (truncated or replaced)"
+        if not skip_corrupt:
+            raise ShardError(msg)
+        count_skip(max(0, entry["samples"] - n))
