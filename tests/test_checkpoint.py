@@ -356,7 +356,7 @@ def test_a_resumed_run_takes_the_gcs_lock_over_and_the_old_writer_stops(gcs_buck
     """A preempted VM comes back with a new host name: its lock cannot be checked by pid. Resuming says the
     old run is over (takeover, with a warning); so does a lock not renewed for LEASE_S. The writer whose
     lock was taken fails at its next save instead of overwriting the new writer's checkpoints."""
-    from labkit.cloud import gcs, store
+    from labkit.cloud import gcs, gcs_store
 
     root = f"gs://{gcs_bucket}/run"
     opts = dict(keep=3, rt=None, best_metric=None, retry_deadline_s=10, async_save=False)
@@ -378,7 +378,7 @@ def test_a_resumed_run_takes_the_gcs_lock_over_and_the_old_writer_stops(gcs_buck
     assert CheckpointManager(root, rt=None).restore()["step"] == 2
     # a lock nobody renewed for the lease is taken over by any writer
     new.store._lock = None  # this process forgets it (as a killed one would)
-    monkeypatch.setattr(store, "LEASE_S", 0)
+    monkeypatch.setattr(gcs_store, "LEASE_S", 0)
     with pytest.warns(UserWarning, match="not renewed"):
         CheckpointManager(root, **opts).save(4, _state(4))
 

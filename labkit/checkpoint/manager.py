@@ -43,9 +43,8 @@ from labkit.checkpoint import runs, safe_load
 from labkit.checkpoint.sharded import ShardedCheckpointManager, folder_name, is_sharded
 from labkit.checkpoint.state import check_compatible, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
 from labkit.checkpoint.writer import BackgroundWriter, no_space
-from labkit.cloud import gcs
+from labkit.cloud import gcs, open_store
 from labkit.cloud.store import NAME as _NAME
-from labkit.cloud.store import open_store
 from labkit.device import current_runtime
 
 # "auto": one file, or DCP shards (labkit.checkpoint.sharded) when any tensor of the state is split over devices

@@ -61,8 +61,7 @@ import warnings
 from labkit.checkpoint import runs, safe_load
 from labkit.checkpoint.shards import _add_missing, _planner, _planner_kind, is_sharded, stage  # noqa: F401
 from labkit.checkpoint.writer import BackgroundWriter, no_space
-from labkit.cloud import gcs
-from labkit.cloud.store import open_store
+from labkit.cloud import gcs, open_store
 
 MARKER = "COMMITTED"
 _STEP = re.compile(r"^step-(\d{8,})$")

@@ -7,7 +7,14 @@ that checkpoints and data_tools share. The only part of labkit that data_tools i
 
 from labkit.cloud import gcs
 from labkit.cloud.emulator import LocalGCSServer
-from labkit.cloud.store import GCSStore, LocalStore, open_store
+from labkit.cloud.gcs_store import GCSStore
+from labkit.cloud.store import LocalStore
 from labkit.envsetup import online  # can this machine reach the internet (datasets download or not)
+
+
+def open_store(root, retry_deadline_s: float = 60):
+    """The store for `root`: GCSStore for gs://..., LocalStore for a folder (labkit.cloud.store's interface)."""
+    return GCSStore(str(root), retry_deadline_s) if gcs.is_gcs(str(root)) else LocalStore(root)
+
 
 __all__ = ["GCSStore", "LocalGCSServer", "LocalStore", "gcs", "online", "open_store"]
