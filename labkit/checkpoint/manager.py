@@ -43,7 +43,6 @@ from labkit.checkpoint.state import check_compatible, hold_for_tests, to_cpu, ve
 from labkit.cloud import gcs
 from labkit.cloud.store import NAME as _NAME
 from labkit.cloud.store import GCSStore, LocalStore
-from labkit.device import current_runtime
 
 # "auto": one file, or DCP shards (labkit.checkpoint.sharded) when any tensor of the state is split over devices
 FORMATS = ("auto", "file", "sharded")
@@ -83,8 +82,6 @@ class CheckpointManager:
             raise ValueError(f"save_every={save_every!r}: expected None or an integer >= 1")
         self.root, self.keep, self.best_metric, self.mode = str(root), keep, best_metric, mode
         self.async_save, self.save_every, self.format = async_save, save_every, format
-        if rt is None:
-            rt = current_runtime()
         self.rt = rt
         self.store = GCSStore(self.root, retry_deadline_s) if gcs.is_gcs(self.root) else LocalStore(self.root)
         from labkit.checkpoint.sharded import ShardedCheckpointManager  # (it imports this module)
