@@ -47,7 +47,8 @@ class StepLog:
         extra = {}
         if isinstance(loss, dict):
             extra, loss = {k: v for k, v in loss.items() if k != "loss"}, loss["loss"]
-        if self.scaler is not None:  # the scale after this step, a device tensor (updated in place: copy it)
+        if self.scaler is not None:  # the scale after this step, a device tensor (updated in place: copy it);
+            # get_scale() would .item() it: a host sync per step. _get_scale_async is torch's (checked on 2.9)
             extra["_scale"] = self.scaler._get_scale_async().detach().clone()
         self._acc.add(loss=loss.detach(), **extra)
         self.last_rows = rows

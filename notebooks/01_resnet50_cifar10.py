@@ -267,7 +267,7 @@ del probe
 #   sums losses on the device and reads them once every `log_every` steps inside a step closure.
 # * **Static shapes** (above): the graph compiles at steps 0 and 1 (the optimizer's momentum buffers appear at
 #   step 1), then every step reuses it.
-# * **Background input.** `labkit.ParallelLoader` (torch_xla's `MpDeviceLoader` on TPU) copies the next
+# * **Background input.** `labkit.DeviceLoader` (torch_xla's `MpDeviceLoader` on TPU) copies the next
 #   batches to the device while the current step runs.
 #
 # The dashboard below updates in place: curves, examples/s, MFU, and XLA's health panel (compiles per

@@ -60,7 +60,7 @@ def fit(kind, model, data, callbacks=(), steps=8, batch=16, sleep_s=None):
     rt = labkit.setup(kind)
     loader = torch.utils.data.DataLoader(data, batch_size=batch)
     if sleep_s is not None:  # a slow loader, and a short prefetch queue so that the wait is not hidden
-        loader = labkit.ParallelLoader(SlowLoader(loader, sleep_s), rt, device_prefetch=1, loader_prefetch=1)
+        loader = labkit.DeviceLoader(SlowLoader(loader, sleep_s), rt, device_prefetch=1, loader_prefetch=1)
     tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), rt, TrainConfig(max_steps=steps, log_every=4),
                  loader, callbacks=list(callbacks))  # fmt: skip
     tr.fit()
