@@ -60,7 +60,8 @@ def parse_bool(value, name: str) -> bool:
 
 BF16_REMOVED = (
     "mixed precision is chosen by labkit.precision: pass "
-    'precision=labkit.precision.choose(rt, "bf16") to the Trainer (or "auto" / "fp16" / "fp32")'
+    'precision=labkit.precision.choose(rt, "bf16") to the Trainer (or "auto" / "fp16" / "fp32"); '
+    "the notebooks and labkit.train read LABKIT_PRECISION / --precision"
 )
 
 
