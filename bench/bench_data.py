@@ -125,7 +125,7 @@ def alternate(name_a, make_a, name_b, make_b, trials):
 
 def resnet_consumption(steps: int = 6, bs: int = 8) -> float:
     import torch.nn.functional as F
-    import torch_xla
+    import torch_xla.core.xla_model as xm
 
     import labkit
     from labkit.models.resnet import resnet50_cifar
@@ -147,11 +147,11 @@ def resnet_consumption(steps: int = 6, bs: int = 8) -> float:
 
     for _ in range(2):  # compiles: the graph, then with the momentum buffers
         step()
-    torch_xla._XLAC._xla_wait_device_ops([])  # wait for the warm-up to finish before timing
+    xm.wait_device_ops()  # wait for the warm-up to finish before timing
     t = time.perf_counter()
     for _ in range(steps):
         step()
-    torch_xla._XLAC._xla_wait_device_ops([])
+    xm.wait_device_ops()
     return steps * bs / (time.perf_counter() - t)
 
 

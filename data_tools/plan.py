@@ -12,24 +12,29 @@ torch_xla.runtime (global_ordinal, world_size) or the SPMD process index/count.
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import braceexpand
 import torch
 
-from labkit.device import current_runtime
 
-
-def resolve_replica(rank=None, world_size=None) -> tuple[int, int]:
-    """(rank, world_size): explicit args, else the labkit runtime, else torch.distributed, else (0, 1)."""
+def resolve_replica(rank=None, world_size=None, rt=None) -> tuple[int, int]:
+    """(rank, world_size): explicit args, else `rt` (labkit's Runtime), else torch_xla's runtime when this
+    process uses XLA, else torch.distributed, else (0, 1)."""
     if rank is not None or world_size is not None:
         if rank is None or world_size is None:
             raise ValueError(f"pass both rank and world_size (got rank={rank}, world_size={world_size})")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
         return int(rank), int(world_size)
-    rt = current_runtime()
     if rt is not None:
         return rt.ordinal, rt.world_size
+    if "torch_xla.runtime" in sys.modules and os.environ.get("PJRT_DEVICE"):  # xmp.spawn sets no RANK
+        xr = sys.modules["torch_xla.runtime"]
+        if xr.is_spmd():  # one process drives every local chip: hosts are the replicas
+            return xr.process_index(), xr.process_count()
+        return xr.global_ordinal(), xr.world_size()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1

@@ -44,9 +44,9 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if not tensors:
         return []
     if tensors[0].device.type == "xla":
-        import torch_xla.core.xla_model as xm
+        from labkit import _xla
 
-        return xm._maybe_convert_to_cpu(list(tensors))  # batched: one transfer for all
+        return _xla.to_cpu(tensors)  # batched: one transfer for all
     return [t.detach().cpu() for t in tensors]  # CUDA: the first copy waits, the rest are cheap
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 
+from labkit import _xla
 from labkit.config import FALSE, TRUE, parse_bool
 
 ENV = "LABKIT_COMPILE_CACHE"
@@ -78,11 +79,10 @@ def enable(folder: str, readonly: bool = False) -> tuple[str | None, str]:
     """Point torch_xla at `folder` (created if missing). Must run before the process's first XLA
     computation; afterwards it is too late unless the cache already uses this folder. Returns the folder
     in use (or None) and a note."""
-    import torch_xla
     import torch_xla.runtime as xr
 
     current = os.environ.get("XLA_PERSISTENT_CACHE_PATH")
-    if torch_xla._XLAC._xla_computation_cache_is_initialized():
+    if _xla.computation_cache_started():
         if current and os.path.abspath(current) == folder:
             return folder, "on"
         return None, (

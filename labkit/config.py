@@ -56,6 +56,13 @@ def parse_bool(value, name: str) -> bool:
     raise ValueError(f"{name}={value!r} is not a boolean (use one of {', '.join(TRUE)} / {', '.join(FALSE[:-1])})")
 
 
+BF16_REMOVED = (
+    "mixed precision is chosen by labkit.precision: pass "
+    'precision=labkit.precision.choose(rt, "bf16") to the Trainer (or "auto" / "fp16" / "fp32"); '
+    "the notebooks and labkit.train read LABKIT_PRECISION / --precision"
+)
+
+
 def fast_mode() -> bool:
     """True when LABKIT_FAST asks for a CI-sized run."""
     return parse_bool(os.environ.get("LABKIT_FAST", "0"), "LABKIT_FAST")
@@ -105,6 +112,8 @@ def from_env(cls, fast: dict | None = None, prefix: str = "LABKIT_", **overrides
     if unknown:
         raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}; fields: {sorted(names)}")
     _check_env_names(cls, names, prefix)
+    if "bf16" not in names and os.environ.get(prefix + "BF16") is not None:
+        raise ValueError(f"environment variable {prefix}BF16 is no longer read: {BF16_REMOVED}")
     values: dict = {}
     if fast_mode():
         values.update(fast if fast is not None else getattr(cls, "FAST", {}))
@@ -115,7 +124,29 @@ def from_env(cls, fast: dict | None = None, prefix: str = "LABKIT_", **overrides
         if raw is not None and f.name != "fast":
             values[f.name] = _parse(f.name, raw, hints[f.name], var)
     values.update(overrides)
-    return cls(**values)
+    obj = cls(**values)
+    check_ranges(obj)
+    return obj
+
+
+# settings that must be > 0 whatever dataclass holds them (a notebook's Params, a script's)
+POSITIVE = ("batch_size", "lr")
+
+
+def check_ranges(obj) -> None:
+    """Numbers in a settings dataclass: finite and >= 0 (a count, a rate, a size), and > 0 for the
+    POSITIVE names. A dataclass lists the fields that may go below 0 in a ClassVar SIGNED.
+    Raises ValueError naming the setting: batch 0, epochs -1 or lr -0.1 never reach a training run."""
+    signed = set(getattr(obj, "SIGNED", ()))
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if f.name in signed or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        where = f"{type(obj).__name__}.{f.name}={v!r}"
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{where}: expected a finite number >= 0")
+        if f.name in POSITIVE and v <= 0:
+            raise ValueError(f"{where}: expected a number > 0")
 
 
 @dataclass
@@ -126,7 +157,6 @@ class TrainConfig:
     epochs: int = 1
     max_steps: int = 0  # 0: no cap; otherwise stop after this many optimizer steps
     clip_norm: float = 0.0  # 0: no clipping
-    bf16: bool = False  # autocast to bfloat16 on XLA/CUDA
     log_every: int = 20  # read metrics every N steps (one device->host transfer each)
     log_seconds: float = 0.0  # ... or every T seconds of host time, whichever comes first (0: off)
     eval_every: int = 1  # evaluate every N epochs (0: never)
@@ -136,11 +166,26 @@ class TrainConfig:
     # a NaN/inf loss (seen at log time, where the loss is read anyway: no extra host sync) stops the
     # run with the step number; True only warns and trains on
     continue_on_nonfinite: bool = False
+    # fp16 + GradScaler: this many skipped steps in a row (inf/NaN gradients under a finite loss) stop the
+    # run like a NaN loss does (continue_on_nonfinite=True only warns); 0: never
+    max_skipped_steps: int = 10
+    # removed: mixed precision is labkit.precision's alone (Trainer(..., precision=choose(rt, "bf16")))
+    bf16: dataclasses.InitVar[None] = None
 
     FAST: typing.ClassVar[dict] = {"epochs": 1, "max_steps": 30, "log_every": 5}
 
-    def __post_init__(self):
-        for name in ("epochs", "max_steps", "log_every", "eval_every", "warmup_steps", "checkpoint_every"):
+    def __post_init__(self, bf16=None):
+        if bf16 is not None:
+            raise TypeError(f"TrainConfig(bf16={bf16!r}): {BF16_REMOVED}")
+        for name in (
+            "epochs",
+            "max_steps",
+            "log_every",
+            "eval_every",
+            "warmup_steps",
+            "checkpoint_every",
+            "max_skipped_steps",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"TrainConfig.{name}={v!r}: expected an integer >= 0")
@@ -148,7 +193,7 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"TrainConfig.{name}={v!r}: expected a finite number >= 0")
-        for name in ("bf16", "resume", "continue_on_nonfinite"):
+        for name in ("resume", "continue_on_nonfinite"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: expected True or False")
 

@@ -12,22 +12,20 @@ On TPU it also turns on torch_xla's persistent compile cache (labkit.compile_cac
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
-import re
 from dataclasses import dataclass, field
 
 import torch
 
 from labkit import compile_cache as _cc
-from labkit import envsetup
+from labkit import envsetup, torchrun
 from labkit.config import parse_bool
 from labkit.seeding import manual_seed as _seed  # the one home for seeding and RNG capture
+from labkit.torchrun import torchrun_world
 
 BACKENDS = ("tpu", "cuda", "xla-cpu", "cpu")
 _runtimes: dict[str, Runtime] = {}
-_current: Runtime | None = None
 _xla_kind: str | None = None  # the PJRT device this process committed to (cannot change later)
 
 
@@ -234,32 +232,8 @@ class Runtime:
             torch.distributed.all_reduce(out)
         return out / self.world_size if op == "mean" else out
 
-    def autocast(self, enabled: bool = True):
-        """bf16 autocast on XLA and CUDA. On plain CPU a no-op (bf16 matmuls there are slow
-        and gain nothing for learning purposes); it says so once."""
-        if not enabled:
-            return contextlib.nullcontext()
-        if self.is_xla:
-            return torch.autocast("xla", dtype=torch.bfloat16)
-        if self.kind == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        if not self.info.get("_bf16_note"):
-            self.info["_bf16_note"] = True
-            self.master_print("[labkit] bf16 requested on plain CPU: running in float32 (autocast is off here)")
-        return contextlib.nullcontext()
-
     def manual_seed(self, seed: int) -> None:
         _seed(seed, self)
-
-    def mesh(self, axis_names=("data",)):
-        """A 1-D SPMD mesh over all devices (data parallel). Needs setup(spmd=True)."""
-        if not self.spmd:
-            raise BackendError("rt.mesh() needs SPMD: call labkit.setup(spmd=True) before any XLA tensor exists")
-        import numpy as np
-        import torch_xla.distributed.spmd as xs
-
-        n = self.local_device_count
-        return xs.Mesh(np.arange(n), (n,) + (1,) * (len(axis_names) - 1), axis_names)
 
     def __repr__(self) -> str:
         extra = ", spmd" if self.spmd else ""
@@ -294,6 +268,8 @@ def _setup_xla(kind: str, spmd, cache: str | None = None) -> Runtime:
     try:
         device = torch_xla.device()  # the PJRT client starts here (libtpu opens the chips)
     except RuntimeError as e:
+        from labkit.doctor import tpu_error_advice
+
         raise BackendError(tpu_error_advice(str(e)) or f"PJRT could not start {want} devices: {e}") from e
     _xla_kind = kind
     is_spmd = xr.is_spmd()
@@ -325,69 +301,6 @@ def _turn_on_cache(rt: Runtime, folder: str) -> None:
         warnings.warn(f"labkit.setup(): compile cache {folder}: {note}", stacklevel=3)
 
 
-def tpu_error_advice(message: str, root: str | None = None) -> str | None:
-    """Plain words for libtpu's 'TPU in use' failures (naming the process that holds the chips), else None.
-
-    libtpu lets one process own a host's chips. A second kernel (another notebook, a stale training
-    script) gets "The TPU is already in use by process with pid N" or "open(/dev/vfio/0): Device or
-    resource busy" from deep inside PJRT's client creation."""
-    m = re.search(r"in use by process with pid (\d+)", message)
-    busy = re.search(r"(/dev/(?:accel|vfio/)\d+)\)?: Device or resource busy", message)
-    if not m and not busy:
-        return None
-    holders = [(int(m.group(1)), envsetup.process_command(int(m.group(1)), root))] if m else envsetup.tpu_holders(root)
-    who = ", ".join(f"process {pid} ({cmd})" for pid, cmd in holders) or "another process"
-    pids = " ".join(str(pid) for pid, _ in holders) or "PID"
-    return (
-        f"the TPU is already in use by {who}: only one process can use a host's TPU chips. Stop it "
-        f"(finish or restart that notebook's runtime, or `kill {pids}`), then restart this runtime"
-        + (f" [{busy.group(1)} busy]" if busy else "")
-    )
-
-
-def torchrun_world() -> int:
-    """WORLD_SIZE as torchrun (torch.distributed.run) sets it in every process it launches; 1 without it."""
-    raw = os.environ.get("WORLD_SIZE", "1")
-    try:
-        return int(raw)
-    except ValueError:
-        raise BackendError(f"environment variable WORLD_SIZE={raw!r} is not an integer (torchrun sets it)") from None
-
-
-def _setup_cpu() -> Runtime:
-    """Plain PyTorch on the CPU; under torchrun one process per rank, joined over gloo (the CPU
-    collective backend), so DistributedDataParallel averages gradients across processes."""
-    import torch.distributed as dist
-
-    world = torchrun_world()
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")  # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    return Runtime("cpu", torch.device("cpu"), world, rank, local, 1, False, {"dist": "gloo" if world > 1 else None})
-
-
-def _setup_cuda() -> Runtime:
-    import torch.distributed as dist
-
-    world = torchrun_world()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl")  # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR
-    torch.cuda.set_device(local)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return Runtime(
-        "cuda",
-        torch.device("cuda", local),
-        world,
-        rank,
-        local,
-        torch.cuda.device_count(),
-        False,
-        {"name": torch.cuda.get_device_name(local)},
-    )
-
-
 def setup(
     backend: str | None = None, *, spmd: bool | str = False, compile_cache=None, verbose: bool = False
 ) -> Runtime:
@@ -399,7 +312,6 @@ def setup(
     compile_cache: torch_xla's persistent compile cache. None reads LABKIT_COMPILE_CACHE, else "auto":
     on for TPU (in ~/.cache/labkit/xla-cache), off elsewhere; True/False/yes/no, or a folder. XLA:CPU
     writes the cache but cannot load it (see labkit.compile_cache). rt.compile_cache: the folder or None."""
-    global _current
     spmd = parse_spmd(spmd)
     kind = resolve_backend(backend)
     cache, cache_note = _cc.resolve(compile_cache, kind)
@@ -410,21 +322,15 @@ def setup(
         if kind in ("tpu", "xla-cpu"):
             rt = _setup_xla(kind, spmd, cache)
         elif kind == "cuda":
-            rt = _setup_cuda()
+            rt = torchrun.setup_cuda()
         else:
             if spmd:
                 raise BackendError("spmd=True needs an XLA backend (tpu or xla-cpu)")
-            rt = _setup_cpu()
+            rt = torchrun.setup_cpu()
         _runtimes[kind] = rt
     elif cache and rt.compile_cache != cache:  # asked for again (or for another folder): possible until XLA ran
         _turn_on_cache(rt, cache)
     rt.info.setdefault("compile_cache", cache_note if cache is None else "on")
-    _current = rt
     if verbose:
         rt.master_print(f"[labkit] {rt}")
     return rt
-
-
-def current_runtime() -> Runtime | None:
-    """The Runtime most recently returned by setup(), or None."""
-    return _current

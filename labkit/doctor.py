@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 
 from labkit import device as _device
 from labkit import envsetup
@@ -20,7 +21,7 @@ from labkit import envsetup
 # variable -> what to do instead
 DEPRECATED_ENV = {
     "XLA_USE_BF16": "deprecated since torch_xla 2.4: use torch.autocast('xla', dtype=torch.bfloat16) "
-    "(labkit: TrainConfig.bf16=True) or cast the model with .to(torch.bfloat16)",
+    "(labkit: precision=labkit.precision.choose(rt, 'bf16')) or cast the model with .to(torch.bfloat16)",
     "XLA_DOWNCAST_BF16": "deprecated: use autocast or explicit bfloat16 dtypes",
     "XLA_USE_FP16": "deprecated: use autocast or explicit dtypes",
     "XRT_TPU_CONFIG": "XRT was removed in torch_xla 2.1: use PJRT (PJRT_DEVICE=TPU)",
@@ -31,6 +32,26 @@ DEPRECATED_ENV = {
 
 
 version_of = envsetup.version_of
+
+
+def tpu_error_advice(message: str, root: str | None = None) -> str | None:
+    """Plain words for libtpu's 'TPU in use' failures (naming the process that holds the chips), else None.
+
+    libtpu lets one process own a host's chips. A second kernel (another notebook, a stale training
+    script) gets "The TPU is already in use by process with pid N" or "open(/dev/vfio/0): Device or
+    resource busy" from deep inside PJRT's client creation."""
+    m = re.search(r"in use by process with pid (\d+)", message)
+    busy = re.search(r"(/dev/(?:accel|vfio/)\d+)\)?: Device or resource busy", message)
+    if not m and not busy:
+        return None
+    holders = [(int(m.group(1)), envsetup.process_command(int(m.group(1)), root))] if m else envsetup.tpu_holders(root)
+    who = ", ".join(f"process {pid} ({cmd})" for pid, cmd in holders) or "another process"
+    pids = " ".join(str(pid) for pid, _ in holders) or "PID"
+    return (
+        f"the TPU is already in use by {who}: only one process can use a host's TPU chips. Stop it "
+        f"(finish or restart that notebook's runtime, or `kill {pids}`), then restart this runtime"
+        + (f" [{busy.group(1)} busy]" if busy else "")
+    )
 
 
 def check_versions(torch_version: str | None, xla_version: str | None) -> list[str]:
@@ -88,8 +109,8 @@ def _devices(rt) -> list[str]:
 
 
 def doctor(rt=None, *, quiet: bool = False) -> dict:
-    """Collect versions, platform, devices and warnings; print them unless quiet."""
-    rt = rt or _device.current_runtime()
+    """Collect versions, platform, devices and warnings; print them unless quiet.
+    rt: the Runtime labkit.setup() returned (None: before setup(), the backend it would pick)."""
     versions = {
         "python": platform.python_version(),
         "torch": version_of("torch"),

@@ -10,8 +10,9 @@
 - CPU: pass-through.
 
 Static shapes matter on XLA: a smaller last batch is a new graph, i.e. a recompilation (tens
-of seconds for ResNet-50). So batches whose size differs from the first one are dropped by
-default (`drop_partial=True`) and counted in `.dropped`.
+of seconds for ResNet-50). So a short LAST batch is dropped by default (`drop_partial=True`) and
+counted in `.dropped`; any other change of size (a sampler with varying batch sizes) is an error
+naming the batch and both sizes, never a silent drop of most of the epoch.
 
 Errors are never swallowed: torch_xla's loader thread catches nothing and closes its queue in a
 `finally`, so an exception raised by the host loader (a truncated shard, a bad sample) would
@@ -46,21 +47,29 @@ class _HostSide:
 
     def __iter__(self):
         o = self.owner
-        size = None
+        size = short = None  # rows of the first batch; (index, rows) of a short batch held back
         skip, o.skip_batches = o.skip_batches, 0
         try:
             for i, batch in enumerate(o.loader):
                 if i < skip:  # resuming mid-epoch: skipped on the host, never copied to the device
                     continue
                 n = _leading_dim(batch)
-                if size is None:
-                    size = n
-                if o.drop_partial and n is not None and n != size:
-                    o.dropped += 1
+                size = n if size is None else size
+                if o.drop_partial and (short is not None or (n is not None and n > size)):
+                    j, rows = short if short is not None else (i, n)
+                    raise ValueError(
+                        f"batch {j} has {rows} rows, batch {skip} had {size}: on XLA every batch but a short "
+                        "last one must have the same size (each new size is a new graph); fix the sampler, or "
+                        "pass drop_partial=False to accept the recompilations"
+                    )
+                if o.drop_partial and n is not None and n < size:
+                    short = (i, n)  # dropped if it is the last batch, an error if another follows
                     continue
                 with o._lock:
                     o.fetched += 1
                 yield batch
+            if short is not None:
+                o.dropped += 1
         except GeneratorExit:  # the consumer stopped early (break, max_steps): not an error
             raise
         except BaseException as e:  # in torch_xla's loader thread: hand it to the consumer
@@ -75,7 +84,7 @@ class DeviceLoader:
 
     Attributes for the curious: `fetched` (host batches pulled so far, including the ones
     waiting in the prefetch queue), `yielded` (batches handed to the training loop),
-    `dropped` (partial batches skipped)."""
+    `dropped` (1 when a short last batch was skipped)."""
 
     def __init__(
         self,
@@ -140,7 +149,9 @@ class DeviceLoader:
         )
         sharding = self.input_sharding
         if sharding is None and self.rt.spmd:
-            sharding = BatchSharding(self.rt.mesh())
+            from labkit.spmd.mesh import make_mesh
+
+            sharding = BatchSharding(make_mesh())  # 1-D over every device: the batch split along "data"
         if sharding is not None:
             kwargs["input_sharding"] = sharding
         loader = pl.ParallelLoader(host, [self.rt.device], **kwargs)

@@ -7,9 +7,10 @@
   gradients, then steps.
 - XLA SPMD or one device, CUDA (DDP already reduced the gradients in backward), CPU: a plain
   `optimizer.step()`.
-- Optional gradient clipping by global norm, computed on the device with no `.item()`: the
-  scale factor is a tensor, so nothing waits for the device (on XLA an `.item()` here would
-  force an execution and a device->host transfer every step).
+- Optional gradient clipping by global norm: torch.nn.utils.clip_grad_norm_, which computes the
+  norm and the scale factor as tensors on the device with no `.item()`, so nothing waits for the
+  device (on XLA an `.item()` here would force an execution and a device->host transfer every step;
+  tests/test_loop.py proves none happens).
 """
 
 from __future__ import annotations
@@ -19,21 +20,36 @@ import math
 import torch
 
 
-def _grads(optimizer):
-    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+def _params(optimizer):
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
-def clip_grad_norm(optimizer, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
-    """Scale all gradients so their global L2 norm is at most max_norm. Returns the norm
-    before clipping, as a device tensor (read it in a step closure if you want to show it)."""
-    grads = _grads(optimizer)
-    if not grads:
-        return torch.zeros(())
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), 2) for g in grads]), 2)
-    scale = torch.clamp(max_norm / (norm + eps), max=1.0)  # a tensor: no host sync
-    for g in grads:
-        g.detach().mul_(scale.to(g.dtype))
-    return norm
+def check_lr(optimizer) -> None:
+    """Every param group's lr a finite number >= 0 (ValueError naming the group)."""
+    for i, g in enumerate(optimizer.param_groups):
+        lr = g.get("lr")
+        if isinstance(lr, (int, float)) and not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"optimizer param group {i} has lr={lr!r}: expected a finite number >= 0")
+
+
+def move_model(model, optimizer, device):
+    """Move the model to the device; if that replaced the Parameter objects (CPU -> XLA does),
+    point the optimizer at the new ones so an optimizer built before the move still trains."""
+    before = list(model.parameters())
+    model = model.to(device)
+    after = list(model.parameters())
+    remap = {id(a): b for a, b in zip(before, after) if a is not b}
+    if remap and optimizer is not None:
+        for group in optimizer.param_groups:
+            group["params"] = [remap.get(id(p), p) for p in group["params"]]
+        moved = {}
+        for p, st in optimizer.state.items():
+            moved[remap.get(id(p), p)] = {
+                k: v.to(device) if torch.is_tensor(v) and v.dim() else v for k, v in st.items()
+            }
+        optimizer.state.clear()
+        optimizer.state.update(moved)
+    return model
 
 
 def reduce_gradients(optimizer, rt) -> None:
@@ -62,7 +78,9 @@ def optimizer_step(optimizer, rt, *, clip_norm: float | None = None, scaler=None
     reduce_gradients(optimizer, rt)
     if scaler is not None:
         scaler.unscale_(optimizer)
-    norm = clip_grad_norm(optimizer, clip_norm)
+    # torch's own: the scale factor stays a tensor (clamp(max_norm / norm, max=1)), so no .item() and no
+    # host sync as long as error_if_nonfinite stays False (its default)
+    norm = torch.nn.utils.clip_grad_norm_(_params(optimizer), clip_norm)
     _step(optimizer, scaler)
     return norm
 

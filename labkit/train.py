@@ -48,7 +48,7 @@ class ResNetParams:
     optimizer: str = "sgd"
     lr: float = 0.1
     cifar_stem: bool = True
-    bf16: str = "auto"
+    precision: str = "auto"  # labkit.precision.choose: auto | bf16 | fp16 | fp32 | true | false
     log_every: int = 20
     num_workers: int = 2
     checkpoint_dir: str = "checkpoints/resnet50"
@@ -89,7 +89,7 @@ class GPTParams:
     eval_batches: int = 20
     lr: float = 1e-3
     weight_decay: float = 0.1
-    bf16: str = "auto"
+    precision: str = "auto"  # labkit.precision.choose: auto | bf16 | fp16 | fp32 | true | false
     log_every: int = 100
     gen_tokens: int = 600
     temperature: float = 0.8
@@ -172,7 +172,7 @@ def _runtime(P, backend):
     import labkit
 
     rt = labkit.setup(backend, spmd=P.spmd)
-    prec = labkit.precision.choose(rt, P.bf16)
+    prec = labkit.precision.choose(rt, P.precision)
     plan = labkit.spmd.mesh.batch_plan(rt, P.batch_size)
     rt.master_print(f"[labkit.train] {rt}; precision {prec}\n[labkit.train] {plan.describe()}")
     return rt, prec, plan
@@ -210,7 +210,6 @@ def run_resnet(P: ResNetParams, backend=None) -> dict:
     cfg = labkit.TrainConfig(
         epochs=P.epochs,
         max_steps=P.max_steps,
-        bf16=prec.name == "bf16",
         log_every=P.log_every,
         checkpoint_every=P.checkpoint_every or len(train),
     )
@@ -263,7 +262,6 @@ def run_gpt(P: GPTParams, backend=None) -> dict:
     cfg = labkit.TrainConfig(
         epochs=P.evals,
         max_steps=P.max_steps,
-        bf16=prec.name == "bf16",
         clip_norm=1.0,
         log_every=P.log_every,
         eval_every=1,

@@ -58,7 +58,7 @@ class Params:
     optimizer: str = "sgd"        # sgd (Nesterov momentum, the classic CIFAR recipe) | adamw
     lr: float = 0.1               # peak learning rate (linear warm-up, then cosine decay)
     cifar_stem: bool = True       # 3x3 stride-1 first conv and no max-pool (see "The model")
-    bf16: str = "auto"            # auto (on for TPU) | true | false: autocast matmuls/convs to bfloat16
+    precision: str = "auto"       # auto (bf16 on TPU) | bf16 | fp16 | fp32 | true | false: labkit.precision.choose
     log_every: int = 20           # read metrics every N steps (one device->host transfer each)
     num_workers: int = 2          # DataLoader worker processes per replica
     checkpoint_dir: str = "checkpoints/resnet50"   # local folder or gs://bucket/prefix
@@ -130,8 +130,7 @@ import torch
 rt = labkit.setup(spmd=P.spmd)
 report = labkit.doctor(rt)
 assert labkit.setup() is rt       # a second call (or running this cell again) gives the same runtime
-PREC = labkit.precision.choose(rt, P.bf16)  # bf16 on TPU / CUDA >= 8.0, fp16 + GradScaler below, else fp32
-BF16 = PREC.name == "bf16"
+PREC = labkit.precision.choose(rt, P.precision)  # bf16 on TPU / CUDA >= 8.0, fp16 + GradScaler below, else fp32
 PLAN = labkit.spmd.batch_plan(rt, P.batch_size)   # SPMD: the host loads every chip's share, sharded on "data"
 print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), precision {PREC}")
 print(PLAN.describe())
@@ -288,7 +287,7 @@ def build(seed):
     return recipes.build_resnet(len(CLASSES), P.cifar_stem, P.optimizer, P.lr, seed, rt)
 
 
-cfg = labkit.TrainConfig(epochs=P.epochs, max_steps=P.max_steps, bf16=BF16, log_every=P.log_every,
+cfg = labkit.TrainConfig(epochs=P.epochs, max_steps=P.max_steps, log_every=P.log_every,
                          checkpoint_every=P.checkpoint_every or len(train_loader))
 TOTAL = min(cfg.epochs * len(train_loader), cfg.max_steps or 10**12)
 model, optimizer = build(P.seed)

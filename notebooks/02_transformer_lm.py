@@ -59,7 +59,7 @@ class Params:
     eval_batches: int = 20        # validation batches per evaluation (the same windows every time)
     lr: float = 1e-3              # AdamW peak learning rate (linear warm-up, then cosine decay to 10%)
     weight_decay: float = 0.1
-    bf16: str = "auto"            # auto (on for TPU) | true | false: autocast matmuls to bfloat16
+    precision: str = "auto"       # auto (bf16 on TPU) | bf16 | fp16 | fp32 | true | false: labkit.precision.choose
     log_every: int = 100          # read metrics every N steps (one device->host transfer each)
     gen_tokens: int = 600         # bytes to sample at the end
     temperature: float = 0.8
@@ -132,8 +132,7 @@ import torch
 rt = labkit.setup(spmd=P.spmd)
 report = labkit.doctor(rt)
 assert labkit.setup() is rt
-PREC = labkit.precision.choose(rt, P.bf16)  # bf16 on TPU / CUDA >= 8.0, fp16 + GradScaler below, else fp32
-BF16 = PREC.name == "bf16"
+PREC = labkit.precision.choose(rt, P.precision)  # bf16 on TPU / CUDA >= 8.0, fp16 + GradScaler below, else fp32
 PLAN = labkit.spmd.batch_plan(rt, P.batch_size)   # SPMD: the host loads every chip's share, sharded on "data"
 print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), precision {PREC}")
 print(PLAN.describe())
@@ -230,7 +229,7 @@ print("peak for MFU:", PEAK_SOURCE)
 # GPT(gcfg) seeded on host and device; labkit.models.gpt.adamw (decay on matrices only, capturable on XLA);
 # warm-up over 5% of the steps, then cosine to 10%
 model, optimizer, scheduler = recipes.build_gpt(gcfg, P.lr, P.weight_decay, P.max_steps, P.seed, rt)
-cfg = labkit.TrainConfig(epochs=P.evals, max_steps=P.max_steps, bf16=BF16, clip_norm=1.0, log_every=P.log_every,
+cfg = labkit.TrainConfig(epochs=P.evals, max_steps=P.max_steps, clip_norm=1.0, log_every=P.log_every,
                          eval_every=1)
 dash = labkit.Dashboard(title=f"GPT {P.n_layer}x{P.n_embd} on {SOURCE} ({rt.kind})", tokens_per_step=TOKENS_PER_STEP * PLAN.chips,
                         flops_per_step=FLOPS_PER_TOKEN * TOKENS_PER_STEP, peak_flops=PEAK,

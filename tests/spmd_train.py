@@ -10,6 +10,7 @@ os.environ["CPU_NUM_DEVICES"] = "4"
 import torch  # noqa: E402
 
 import labkit  # noqa: E402
+from labkit import _xla  # noqa: E402
 from tests.helpers import blobs, mlp  # noqa: E402
 
 rt = labkit.setup("xla-cpu", spmd=True)
@@ -20,9 +21,7 @@ cfg = labkit.TrainConfig(epochs=3, log_every=8, eval_every=0)
 tr = labkit.Trainer(model, opt, rt, cfg, torch.utils.data.DataLoader(blobs(), batch_size=32, shuffle=True))
 first = None
 for batch in tr.train_loader:
-    import torch_xla
-
-    spec = torch_xla._XLAC._get_xla_sharding_spec(batch[0])
+    spec = _xla.sharding_spec(batch[0])
     first = spec
     break
 hist = tr.fit()

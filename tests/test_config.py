@@ -1,4 +1,5 @@
 import dataclasses
+import re
 
 import pytest
 
@@ -14,10 +15,10 @@ def test_defaults_are_literal(monkeypatch):
 def test_fast_overlay_env_and_overrides(monkeypatch):
     monkeypatch.setenv("LABKIT_FAST", "1")
     monkeypatch.setenv("LABKIT_CLIP_NORM", "0.05")
-    monkeypatch.setenv("LABKIT_BF16", "true")
+    monkeypatch.setenv("LABKIT_RESUME", "true")
     cfg = TrainConfig.from_env(log_every=2)
     assert cfg.max_steps == TrainConfig.FAST["max_steps"] and cfg.epochs == TrainConfig.FAST["epochs"]
-    assert cfg.clip_norm == 0.05 and cfg.bf16 is True and cfg.log_every == 2
+    assert cfg.clip_norm == 0.05 and cfg.resume is True and cfg.log_every == 2
     assert cfg.to_dict()["clip_norm"] == 0.05
 
 
@@ -83,7 +84,7 @@ def test_invalid_booleans_are_errors(monkeypatch):
         {"clip_norm": float("nan")},
         {"log_seconds": float("inf")},
         {"checkpoint_every": 1.5},
-        {"bf16": "yes"},
+        {"resume": "yes"},
     ],
 )
 def test_out_of_range_values_are_refused(kwargs):
@@ -96,3 +97,43 @@ def test_nan_from_the_environment_is_refused(monkeypatch):
     monkeypatch.setenv("LABKIT_CLIP_NORM", "nan")
     with pytest.raises(ValueError, match="LABKIT_CLIP_NORM='nan' is not a valid finite float"):
         TrainConfig.from_env()
+
+
+def test_bf16_is_gone_and_says_what_replaces_it(monkeypatch):
+    with pytest.raises(
+        TypeError, match=r"TrainConfig\(bf16=True\).*precision=labkit\.precision\.choose\(rt, \"bf16\"\)"
+    ):
+        TrainConfig(bf16=True)
+    monkeypatch.setenv("LABKIT_BF16", "1")
+    with pytest.raises(ValueError, match=r"LABKIT_BF16 is no longer read.*labkit\.precision\.choose"):
+        TrainConfig.from_env()
+    assert "bf16" not in TrainConfig().to_dict()
+
+
+@pytest.mark.parametrize(
+    "env, culprit",
+    [
+        ({"LABKIT_BATCH_SIZE": "0"}, "Params.batch_size=0"),
+        ({"LABKIT_EPOCHS": "-1"}, "Params.epochs=-1"),
+        ({"LABKIT_LR": "-0.1"}, "Params.lr=-0.1"),
+        ({"LABKIT_LR": "0"}, "Params.lr=0.0"),
+    ],
+)
+def test_notebook_params_out_of_range_name_the_setting(monkeypatch, env, culprit):
+    """A notebook's Params (batch, epochs, lr) read by from_env: before, batch 0, epochs -1 and lr -0.1
+    went through to the training run."""
+
+    @dataclasses.dataclass
+    class Params:
+        batch_size: int = 32
+        epochs: int = 2
+        lr: float = 0.1
+        seed: int = 0
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=re.escape(culprit)):
+        from_env(Params)
+    for k in env:
+        monkeypatch.delenv(k)
+    assert from_env(Params) == Params()

@@ -151,7 +151,7 @@ def test_cpu_fallback_warning_names_the_op(capsys):
     assert "aten::nonzero falls back to CPU every step (5 times in the last 5 steps)" in text
     assert "xfers 6" in text  # each fallback copies to the host: 5 + the loop's own read
     assert "device->host transfers" not in text  # ... which the fallback warning already explains
-    info = labkit.explain(verbose=False)
+    info = labkit.explain(verbose=False, rt=rt)
     assert info["fallbacks"]["aten::nonzero"] >= 10
     assert any("aten::nonzero" in a and "mask" in a for a in info["advice"])
 
@@ -174,7 +174,7 @@ def test_console_twin_exports_and_plain_cpu(tmp_path):
     data = json.loads(open(dash.to_json(tmp_path / "h.json") and tmp_path / "h.json").read())
     assert [r["step"] for r in data["history"]] == [4, 8, 12] and data["recompiles"] == []
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
-    info = labkit.explain(verbose=False)
+    info = labkit.explain(verbose=False, rt=rt)
     assert info["xla"] is False and "not running on XLA" in info["text"]
     # what headless notebook runs keep: nothing without a folder, the figure and the curves with one
     os.environ.pop("LABKIT_ARTIFACTS", None)

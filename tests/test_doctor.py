@@ -66,7 +66,6 @@ def test_doctor_before_setup_reports_a_bad_pjrt_device(monkeypatch, tmp_path):
     monkeypatch.setenv("LABKIT_HOST_ROOT", str(tmp_path))
     monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
-    monkeypatch.setattr(labkit.device, "_current", None)  # as in a fresh kernel: setup() not called yet
     r = doctor(None, quiet=True)
     assert any("PJRT_DEVICE=TPU is set but this machine has no TPU" in w for w in r["warnings"])
 

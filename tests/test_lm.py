@@ -39,7 +39,7 @@ def test_trainer_lowers_loss_on_xla_without_recompiles(bf16):
         def on_step_end(self, trainer, batch):
             compiles.append(compile_count())
 
-    tc = labkit.TrainConfig(max_steps=40, log_every=10, bf16=bf16)
+    tc = labkit.TrainConfig(max_steps=40, log_every=10)
     tr = LMTrainer(
         model,
         opt,
@@ -48,6 +48,7 @@ def test_trainer_lowers_loss_on_xla_without_recompiles(bf16):
         text.TextBatches(train, 8, 32, 40),
         text.TextBatches(val, 8, 32, 2, fixed=True),
         callbacks=[Count()],
+        precision=labkit.precision.choose(rt, "bf16" if bf16 else "fp32"),
     )
     hist = tr.fit()
     losses = [h["loss"] for h in hist]
@@ -68,9 +69,10 @@ def test_checkpoint_trained_on_xla_with_bf16_serves_on_a_cpu_without_xla(tmp_pat
         model,
         gpt.adamw(model, 1e-2, rt=rt),
         rt,
-        labkit.TrainConfig(max_steps=20, log_every=10, bf16=True),
+        labkit.TrainConfig(max_steps=20, log_every=10),
         text.TextBatches(train, 8, 32, 20),
         text.TextBatches(val, 8, 32, 2, fixed=True),
+        precision=labkit.precision.choose(rt, "bf16"),
     )
     tr.fit()
     final = tr.evaluate()

@@ -105,3 +105,40 @@ def test_loader_error_stops_fit_with_its_traceback(kind):
         tr.fit()
     assert any(e.name == "__getitem__" for e in info.traceback), "the traceback lost the loader's frame"
     assert tr.step <= 4 and tr.epoch == 0  # batch 4 (samples 32-39) failed: nothing after it trained
+
+
+def test_batches_of_varying_size_are_an_error_naming_the_batch():
+    """14 batches of 8..21 rows (a bucketing sampler): before, every batch whose size differed from the
+    first was dropped on XLA and fit() ended after one step without a word. Only a short LAST batch may
+    be dropped; here batch 1 (9 rows after 8) names itself."""
+    rt = labkit.setup("xla-cpu")
+    ds = blobs(n=sum(range(8, 22)))
+    sizes = list(range(8, 22))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    sampler = [list(range(s, s + n)) for s, n in zip(starts, sizes)]
+    model = mlp()
+    tr = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        rt,
+        TrainConfig(epochs=1, log_every=1, eval_every=0),
+        torch.utils.data.DataLoader(ds, batch_sampler=sampler),
+    )
+    with pytest.raises(ValueError, match=r"batch 1 has 9 rows, batch 0 had 8"):
+        tr.fit()
+    assert tr.step <= 1
+
+
+def test_only_a_short_last_batch_is_dropped():
+    rt = labkit.setup("xla-cpu")
+    ds = blobs(n=40)
+    shrink = [list(range(0, 16)), list(range(16, 24)), list(range(24, 40))]  # 16, 8, 16: the 8 is not last
+    with pytest.raises(ValueError, match=r"batch 1 has 8 rows, batch 0 had 16"):
+        list(DeviceLoader(torch.utils.data.DataLoader(ds, batch_sampler=shrink), rt))
+    grow = [list(range(0, 8)), list(range(8, 24))]  # a batch larger than the first: an error too
+    with pytest.raises(ValueError, match=r"batch 1 has 16 rows, batch 0 had 8"):
+        list(DeviceLoader(torch.utils.data.DataLoader(ds, batch_sampler=grow), rt))
+    last = DeviceLoader(torch.utils.data.DataLoader(ds, batch_size=16), rt)  # 16, 16, 8
+    assert len(list(last)) == 2 and last.dropped == 1
+    free = DeviceLoader(torch.utils.data.DataLoader(ds, batch_sampler=shrink), rt, drop_partial=False)
+    assert [b[0].shape[0] for b in free] == [16, 8, 16]

@@ -83,6 +83,47 @@ def test_fp16_with_grad_scaler_in_the_trainer():
     assert choose(rt, "auto").grad_scaler() is None  # fp32 needs none
 
 
+class InfGrads(labkit.Trainer):
+    """A finite loss whose gradients overflow: what fp16 does when the loss scale is too high for them."""
+
+    def train_step(self, batch):
+        loss = super().train_step(batch)
+        next(self.model.parameters()).grad.fill_(float("inf"))
+        return loss
+
+
+def _fp16_trainer(cls, **cfg):
+    labkit.setup("xla-cpu")  # before any backward: autograd sizes its per-device queues at its first one
+    torch.manual_seed(0)
+    rt = labkit.setup("cpu")
+    x = torch.randn(256, 8)
+    loader = [(x[i : i + 16], (x[i : i + 16, 0] > 0).long()) for i in range(0, 256, 16)]
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    return cls(
+        model, opt, rt, labkit.TrainConfig(log_every=4, **cfg), loader, precision=Precision("fp16", "cpu", "test")
+    )
+
+
+def test_fp16_steps_the_grad_scaler_skips_are_counted_and_stop_the_run():
+    """Before: with inf gradients under a finite loss the GradScaler skipped every step, the weights never
+    changed, and fit() ended as if it had trained. Now each record counts skipped_steps (read from the
+    per-step loss scale in the log closure: no host sync per step) and 10 in a row stop the run."""
+    tr = _fp16_trainer(InfGrads, epochs=1)
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    with pytest.raises(FloatingPointError, match=r"skipped 10 steps in a row up to step 10 .*log of step 12"):
+        tr.fit()  # seen where the scales are read anyway: at the log of step 12
+    assert [h["skipped_steps"] for h in tr.history] == [4, 4, 4] and tr.step == 12
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, tr.model.parameters()))  # truly never stepped
+    on = _fp16_trainer(InfGrads, epochs=1, continue_on_nonfinite=True)
+    with pytest.warns(RuntimeWarning, match="skipped 10 steps in a row"):
+        on.fit()
+    assert on.step == 16 and sum(h["skipped_steps"] for h in on.history) == 16
+    healthy = _fp16_trainer(labkit.Trainer, epochs=2)
+    healthy.fit()
+    assert sum(h["skipped_steps"] for h in healthy.history) < 3  # at most the first scale's back-off
+
+
 def test_peaks_per_dtype_and_mfu(fake_gpu):
     t4 = fake_gpu("Tesla T4", (7, 5))
     assert flops.peak_flops(t4, "fp32")[0] == 8.1e12

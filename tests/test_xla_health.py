@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import labkit
+from labkit import _xla
 from labkit.dashboard import health as xla_health
 from labkit.dashboard.explain import explain, parse_report
 from labkit.dashboard.health import HealthMonitor, describe_change, shape_signature
@@ -50,7 +51,7 @@ def test_reading_the_metrics_never_touches_the_device():
     after = _counts()
     assert after == before, f"(executions, transfers, compiles) went {before} -> {after}"  # none of them may move
     assert info["xla"] and info["transfers"] == 0 and info["memory"] is None  # XLA:CPU has no allocator stats
-    assert "aten::sum" in torch_xla._XLAC._get_xla_tensors_text([pending])  # still an unexecuted graph
+    assert "aten::sum" in _xla.pending_graph_text([pending])  # still an unexecuted graph
     pending.cpu()
     deadline = time.monotonic() + 10  # its ExecuteTime sample may be recorded just after .cpu() returned
     while _counts()[0] <= before[0] and time.monotonic() < deadline:

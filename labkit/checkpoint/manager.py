@@ -45,7 +45,6 @@ from labkit.checkpoint.state import check_compatible, to_cpu, verify  # noqa: F4
 from labkit.checkpoint.writer import BackgroundWriter, no_space
 from labkit.cloud import gcs, open_store
 from labkit.cloud.store import NAME as _NAME
-from labkit.device import current_runtime
 
 # "auto": one file, or DCP shards (labkit.checkpoint.sharded) when any tensor of the state is split over devices
 FORMATS = ("auto", "file", "sharded")
@@ -79,8 +78,6 @@ class CheckpointManager:
             raise ValueError(f"save_every={save_every!r}: expected None or an integer >= 1")
         self.root, self.keep, self.best_metric, self.mode = runs.check_root(root), keep, best_metric, mode
         self.async_save, self.save_every, self.format = async_save, save_every, format
-        if rt is None:
-            rt = current_runtime()
         self.rt = rt
         self.store = open_store(self.root, retry_deadline_s)
         # one background writer for both formats: one pending save, one place its error surfaces

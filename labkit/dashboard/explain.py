@@ -16,7 +16,6 @@ import re
 
 from labkit.dashboard import health as xla_health
 from labkit.dashboard.rules import counts_from, findings
-from labkit.device import current_runtime
 
 _TIME = re.compile(r"(\d+(?:\.\d+)?)(ns|us|ms|s|m|h|d)")
 _UNIT = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -71,19 +70,21 @@ def _events_of(source) -> tuple[list[dict], dict]:
     return list(getattr(health, "events", [])), (dict(finder.total) if finder is not None else {})
 
 
-def explain(source=None, verbose: bool = True, report: str | None = None) -> dict:
+def explain(source=None, verbose: bool = True, report: str | None = None, rt=None) -> dict:
     """Summarise the XLA metrics of this process (or of `report`, a metrics_report() text).
 
     source: the Dashboard (or its HealthMonitor) that watched the run: then each recompilation
     comes with what changed and the line that compiled it, and the read warning names the lines
-    that read from the device. (A metrics_report() text may also be passed first, as before.)"""
+    that read from the device. (A metrics_report() text may also be passed first, as before.)
+    rt: the Runtime labkit.setup() returned, when no Dashboard is passed."""
     if isinstance(source, str):
         source, report = None, source
     events, syncs = _events_of(source)
     if report is not None:
         d = _from_report(report)
     else:
-        rt = current_runtime()
+        if rt is None:  # the run's own Runtime: the Dashboard's (or HealthMonitor's) when given one
+            rt = getattr(getattr(source, "health", source), "rt", None)
         snap = xla_health.snapshot(rt)
         if snap is None:
             where = rt.kind if rt is not None else "no labkit runtime set up"

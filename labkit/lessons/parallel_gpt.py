@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from labkit import _xla
 from labkit.models.gpt import GPT, GPTConfig
 from labkit.spmd import sharding as S
 from labkit.spmd.mesh import make_mesh
@@ -78,7 +79,7 @@ def _init_adamw_state(opt):
             spec = S.sharding_of(p)
             if spec and "replicated" not in spec:
                 for k in ("exp_avg", "exp_avg_sq"):
-                    torch_xla._XLAC._xla_mark_sharding(st[k], torch_xla._XLAC._get_xla_op_sharding(p))
+                    _xla.copy_sharding(st[k], p)
     torch_xla.sync()
 
 

@@ -39,6 +39,7 @@ import time
 import warnings
 from pathlib import Path
 
+from labkit import _xla
 from labkit.profiling.analysis import STEP_SPAN, Analysis, analyze
 
 SIGNAL = "SIGUSR1"
@@ -111,6 +112,37 @@ class StepProfiler:
             warnings.warn(f"profile trigger {path} holds {text!r}: expected a step count or nothing", stacklevel=3)
 
     # -- called by the Trainer -----------------------------------------------------------------------
+    def timed(self, batches):
+        """Yields the batches; inside a capture window it also times the wait for each one (the data
+        part of the step's split). Outside one: one attribute test per batch."""
+        it = iter(batches)
+        while True:
+            if self.capturing:
+                self.before_batch()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            if self.capturing:
+                self.after_batch()
+            yield batch
+
+    def sync(self, rt, step: int) -> None:
+        """rt.sync(), the end of every step. A captured step also waits for the device afterwards, so
+        its work stays inside its own step (free-running steps overlap host and device)."""
+        if not self.capturing:
+            rt.sync()
+            return
+        self.before_sync()
+        rt.sync()
+        self.after_sync(step)
+
+    def boundary(self, trainer) -> list[Analysis]:
+        """step_boundary(), returning the analyses that finished there (the Trainer announces them)."""
+        n = len(self.results)
+        self.step_boundary(trainer)
+        return self.results[n:]
+
     def step_boundary(self, trainer) -> None:
         """After each step (callbacks and saves done) and at fit() start: close a captured step,
         poll the trigger file, start a requested capture."""
@@ -152,11 +184,10 @@ class StepProfiler:
         self.remaining, self.timers, self._t = steps, [], {}
         self.kind = self.rt.kind
         if self.rt.is_xla:
-            import torch_xla
             import torch_xla.debug.profiler as xp
 
             xp.start_trace(str(self.folder))
-            self._span = lambda: torch_xla._XLAC.profiler.TraceMe(STEP_SPAN)
+            self._span = lambda: _xla.trace_span(STEP_SPAN)
         else:
             import torch
             import torch.profiler as tp
@@ -197,6 +228,24 @@ class StepProfiler:
             torch.cuda.synchronize()
         t["t4"] = time.perf_counter()
         t["step"] = step
+
+    def finish_quietly(self) -> list[Analysis]:
+        """finish() at the end of fit(), returning what it added; a failure warns (it must not hide
+        how fit() ended)."""
+        n = len(self.results)
+        try:
+            self.finish()
+        except Exception as e:
+            warnings.warn(f"profile capture could not be finished: {type(e).__name__}: {e}", stacklevel=3)
+        return self.results[n:]
+
+    @staticmethod
+    def describe(a: Analysis) -> str:
+        """One line: where the capture went and how its steps split (data, host, device, ...)."""
+        m = a.mean()
+        total = max(m["total_s"], 1e-12)
+        split = " ".join(f"{k[:-2]} {100 * v / total:.0f}%" for k, v in m.items() if k != "total_s")
+        return f"profiled {len(a.steps)} steps -> {a.folder} ({split})"
 
     def finish(self) -> Analysis | None:
         """Stop the capture (also when fit() ends early), write the files, analyse them."""

@@ -18,6 +18,7 @@ the training notebooks and notebook 05 look.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -48,16 +49,14 @@ def build_model(arch: dict) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def device_logits(model, x: torch.Tensor, rt=None, bf16: bool = False) -> torch.Tensor:
-    """model(x) on the model's own device, under the run's autocast, as float32 CPU logits."""
+def device_logits(model, x: torch.Tensor, precision=None) -> torch.Tensor:
+    """model(x) on the model's own device, under the run's autocast (a labkit.precision.Precision;
+    None: none), as float32 CPU logits."""
     dev = next(model.parameters()).device
     was = model.training
     model.eval()
     try:
-        if rt is not None:
-            with rt.autocast(bf16):
-                out = model(x.to(dev))
-        else:
+        with precision.autocast() if precision is not None else contextlib.nullcontext():
             out = model(x.to(dev))
         out = out[0] if isinstance(out, tuple) else out
         return out.float().cpu()  # one device->host transfer
@@ -79,7 +78,8 @@ def save_for_serving(
     from labkit.checkpoint.state import to_cpu
 
     module = getattr(trainer, "module", trainer)
-    rt, bf16 = getattr(trainer, "rt", None), bool(getattr(getattr(trainer, "cfg", None), "bf16", False))
+    rt, precision = getattr(trainer, "rt", None), getattr(trainer, "precision", None)
+    bf16 = getattr(precision, "name", "fp32") == "bf16"  # the reference's tolerance depends on it
     path = Path(path or artifacts_dir() / f"{arch.get('name', 'model')}.pt")
     state = {
         "format": FORMAT,
@@ -89,7 +89,7 @@ def save_for_serving(
         "meta": to_cpu(dict(meta or {})),
         "reference": {
             "x": example.detach().cpu(),
-            "logits": device_logits(module, example, rt, bf16),
+            "logits": device_logits(module, example, precision),
             "device": str(getattr(rt, "device", "cpu")),
             "bf16": bf16,
         },

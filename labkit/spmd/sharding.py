@@ -179,9 +179,9 @@ def tile_devices(ndim: int, spec: str) -> dict[tuple[int, ...], list[int]]:
 def sharding_of(t: torch.Tensor) -> str:
     if t.device.type != "xla":
         return ""
-    import torch_xla
+    from labkit import _xla
 
-    return torch_xla._XLAC._get_xla_sharding_spec(t)
+    return _xla.sharding_spec(t)
 
 
 def device_bytes(tensors) -> int:

@@ -1,0 +1,69 @@
+"""Ctrl-C and SIGTERM during fit(): let the pending checkpoint upload finish, then stop.
+
+    with sigterm_raises():          # SIGTERM (a preempted TPU VM, a stopped container) -> Preempted
+        ...train...
+    finish_pending_save(manager, rt, step, interrupt=e)
+
+A preempted TPU VM or a stopped Colab runtime gets SIGTERM, whose default action ends the process at
+once: an upload still in flight would be lost. Turned into an exception (Preempted, a
+KeyboardInterrupt), it unwinds like Ctrl-C, and the Trainer waits for the upload before re-raising.
+A second interrupt during that wait abandons the upload cleanly (no pointer move, temp file removed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import warnings
+
+
+class Preempted(KeyboardInterrupt):
+    """SIGTERM arrived during fit() (a preempted TPU VM, a stopped container). A KeyboardInterrupt,
+    so `except Exception` in user code does not swallow it."""
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """During fit, SIGTERM raises Preempted in the main thread (its default action kills the
+    process on the spot, losing the pending upload). Elsewhere (a worker thread) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Preempted(f"SIGTERM (signal {signum}) during training")
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+        # Python's own Ctrl-C handler, re-installed: a native library may have replaced it at the C level
+        old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    except (ValueError, OSError):  # not allowed here (embedded interpreters): leave it alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
+
+
+def finish_pending_save(ck, rt, step: int, interrupt=None, raise_errors: bool = False) -> None:
+    """The last upload finishes (or raises) before fit returns. Interrupted: say so, wait for it
+    (a second interrupt abandons it cleanly: no pointer move, temp file removed)."""
+    if ck is None:
+        return
+    if interrupt is not None and getattr(ck, "pending", None):
+        what = "SIGTERM" if isinstance(interrupt, Preempted) else "interrupt"
+        rt.master_print(
+            f"[labkit] {what} at step {step}: finishing the pending checkpoint upload (interrupt again to abandon it)"
+        )
+    try:
+        if hasattr(ck, "close"):
+            ck.close()
+        elif hasattr(ck, "wait"):
+            ck.wait()
+    except Exception as e:
+        if raise_errors:
+            raise
+        warnings.warn(f"the pending checkpoint save failed too: {type(e).__name__}: {e}", stacklevel=3)

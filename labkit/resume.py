@@ -1,0 +1,74 @@
+"""Resuming with another batch size, chip count or optimizer: continue at the same sample, or say why not.
+
+    state = trainer.checkpoint.restore(into=trainer.state_dict())
+    trainer.load_state_dict(state)      # calls the three functions below
+
+A checkpoint records where the epoch stopped in SAMPLES (batches done x global batch, the global batch
+being the loader's batch x world size), not in batches: a run resumed with batch 32 after batch 16, or
+on 4 chips after 1 (SPMD makes the per-step batch 4x larger), skips exactly the samples already
+trained. Counted in batches, 6 batches of 16 would skip 6 batches of 32, and 96 samples of the epoch
+would never be trained; counted in steps, the 1-chip run's step 12 would be past the 4-chip run's last
+step, and nothing would train, without a word.
+
+What cannot continue exactly is refused by name: a position that is not a whole number of the new
+batches, an optimizer of another class (Adam's state loaded into SGD fails later, inside SGD.step, with
+KeyError: 'momentum'). A learning rate that differs from the checkpoint's warns: the checkpoint's wins
+(optimizer and scheduler states hold it).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+
+def optimizer_class(optimizer) -> str:
+    t = type(optimizer)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def position(trainer) -> dict:
+    """What a checkpoint records beside step/epoch/batch_in_epoch (0 where unknown)."""
+    gb = trainer.global_batch() or 0
+    return {
+        "samples_in_epoch": trainer.batch_in_epoch * gb,
+        "global_batch": gb,
+        "world_size": trainer.rt.world_size,
+        "optimizer_class": optimizer_class(trainer.optimizer),
+    }
+
+
+def check_optimizer(state: dict, optimizer) -> None:
+    """Refuse another optimizer class; warn when the learning rate given now loses to the checkpoint's."""
+    saved, mine = state.get("optimizer_class"), optimizer_class(optimizer)
+    if saved and saved != mine:
+        raise ValueError(
+            f"the checkpoint was trained with {saved}, this run's optimizer is {mine}: their states do not "
+            "carry over; build the same optimizer class to resume, or start a new run (resume=False)"
+        )
+    groups = state.get("optimizer", {}).get("param_groups", [])
+    for i, (old, new) in enumerate(zip(groups, optimizer.param_groups)):
+        key = "initial_lr" if "initial_lr" in old and "initial_lr" in new else "lr"  # a scheduler's base
+        if key in old and key in new and old[key] != new[key]:
+            warnings.warn(
+                f"resume: param group {i} was given lr={new[key]!r} but the checkpoint's lr={old[key]!r} is "
+                "restored with the optimizer (and scheduler) state; set the new one after resuming to change it",
+                stacklevel=3,
+            )
+
+
+def batches_done(state: dict, global_batch: int | None) -> int:
+    """The checkpoint's position in this run's batches: samples done // this run's global batch."""
+    batches = int(state["batch_in_epoch"])
+    old = int(state.get("global_batch") or 0)
+    if not old or not global_batch or old == global_batch or not batches:
+        return batches
+    samples = int(state.get("samples_in_epoch") or batches * old)
+    world = f"world size {state.get('world_size', '?')}"
+    if samples % global_batch:
+        raise ValueError(
+            f"the checkpoint stopped {samples} samples into epoch {state['epoch']} ({batches} batches of "
+            f"{old}, {world}); this run's global batch is {global_batch} (batch x world size), which does "
+            f"not divide {samples}: resume with a global batch that divides {samples}, or from a checkpoint "
+            "saved at an epoch end (checkpoint_every=0)"
+        )
+    return samples // global_batch

@@ -1,0 +1,122 @@
+"""The Trainer's records: losses summed on the device each step, read once per log interval in a closure.
+
+    log = StepLog(rt, cfg, scaler)
+    log.add(loss, rows=batch_rows * rt.world_size)       # every step: device tensors only, no host sync
+    if log.due(step, total):
+        log.close(step, epoch, optimizer, on_record)      # on_record(dict of Python numbers) after the step ran
+    log.raise_problem(step)                                # a NaN loss, a run of skipped fp16 steps: raises
+
+Reading a device value forces the graph to run and the host to wait (on XLA, an execution and a
+device->host transfer). So nothing is read per step: `close` hands the interval's per-step tensors to
+rt.add_step_closure, which runs after rt.sync() executed the step, and reads them all in ONE transfer.
+The checks that need the values ride on that same transfer:
+- a NaN/inf loss: which step (a second transfer, only then);
+- fp16 with a GradScaler: a step it skipped (inf/NaN gradients) halves its loss scale, so the per-step
+  scale, recorded as a device tensor, tells how many steps were skipped (`skipped_steps` in the record);
+  cfg.max_skipped_steps in a row means the weights stopped changing: a problem like a NaN loss.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+
+from labkit.accumulate import DeviceAccumulator, read, to_host
+
+
+class StepLog:
+    def __init__(self, rt, cfg, scaler=None):
+        self.rt, self.cfg, self.scaler = rt, cfg, scaler
+        self._acc = DeviceAccumulator(rt)
+        self.last_rows = None  # the last step's rows over all replicas
+        self.begin_fit()
+        self.begin_epoch()
+
+    def begin_fit(self) -> None:
+        self.t0 = self._last_emit_t = self._last_log_t = time.perf_counter()
+        self._problem, self._skips_in_a_row = None, 0
+        # the scale before the first step: one read per fit() (a sync on CUDA), never per step
+        self._last_scale = self.scaler.get_scale() if self.scaler is not None else None
+
+    def begin_epoch(self) -> None:
+        self._epoch_t0, self.epoch_examples, self._interval_examples = time.perf_counter(), 0, 0
+
+    def add(self, loss, rows: int) -> None:
+        """One step's loss (a tensor, or {"loss": t, "acc": t, ...}: extras are averaged too)."""
+        extra = {}
+        if isinstance(loss, dict):
+            extra, loss = {k: v for k, v in loss.items() if k != "loss"}, loss["loss"]
+        if self.scaler is not None:  # the scale after this step, a device tensor (updated in place: copy it);
+            # get_scale() would .item() it: a host sync per step. _get_scale_async is torch's (checked on 2.9)
+            extra["_scale"] = self.scaler._get_scale_async().detach().clone()
+        self._acc.add(loss=loss.detach(), **extra)
+        self.last_rows = rows
+        self.epoch_examples += rows
+        self._interval_examples += rows
+
+    def due(self, step: int, total: int) -> bool:
+        c = self.cfg
+        if (c.log_every and step % c.log_every == 0) or step >= total:
+            return True
+        return bool(c.log_seconds) and time.perf_counter() - self._last_log_t >= c.log_seconds
+
+    def close(self, step: int, epoch: int, optimizer, on_record) -> None:
+        """End the interval: its sums are read in a closure after this step's sync (master only)."""
+        sums, self._last_log_t = self._acc.take(), time.perf_counter()
+        meta = {"step": step, "epoch": epoch, "examples": self._interval_examples}
+        meta["epoch_examples"], self._interval_examples = self.epoch_examples, 0
+        if self.rt.is_master:  # only the master reads and draws
+            self.rt.add_step_closure(self._emit, args=(sums, meta, optimizer, on_record))
+
+    def raise_problem(self, step: int) -> None:
+        """After the step's sync: a problem the closure found raises FloatingPointError naming the step
+        (cfg.continue_on_nonfinite=True: a RuntimeWarning, and training goes on)."""
+        problem, self._problem = self._problem, None
+        if problem is None:
+            return
+        msg = f"{problem} (seen at the log of step {step}): lower the learning rate, add clip_norm, or check the data"
+        if self.cfg.continue_on_nonfinite:
+            warnings.warn(msg + "; training on (continue_on_nonfinite=True)", RuntimeWarning, stacklevel=4)
+            return
+        raise FloatingPointError(msg + " (TrainConfig.continue_on_nonfinite=True trains on)")
+
+    def _emit(self, sums: dict, meta: dict, optimizer, on_record) -> None:
+        losses, scales = sums.pop("loss", []), sums.pop("_scale", [])
+        vals = read({"loss": losses, **sums, **{("_scale", i): t for i, t in enumerate(scales)}})  # one transfer
+        scales = [vals.pop(("_scale", i)) for i in range(len(scales))]
+        steps, now = max(vals.pop("_steps"), 1), time.perf_counter()
+        dt, self._last_emit_t = now - self._last_emit_t, now
+        rec = {
+            "step": meta["step"],
+            "epoch": meta["epoch"],
+            "loss": vals.pop("loss") / steps,
+            "examples": meta["examples"],
+            "examples_per_s": meta["examples"] / dt if dt > 0 else float("nan"),
+            "global_rate": meta["epoch_examples"] / max(now - self._epoch_t0, 1e-9),
+            "elapsed_s": now - self.t0,
+            "lr": optimizer.param_groups[0]["lr"],
+        }
+        rec.update({k: v / steps for k, v in vals.items()})
+        first_step = meta["step"] - len(losses) + 1
+        if not math.isfinite(rec["loss"]) and self._problem is None:  # which step: read them one by one
+            per_step = [float(t) for t in to_host(list(losses))]
+            i = next((i for i, v in enumerate(per_step) if not math.isfinite(v)), 0)
+            self._problem = f"loss became {per_step[i]} at step {first_step + i}"
+        if scales:
+            rec["skipped_steps"] = self._count_skips(scales, first_step)
+        on_record(rec)
+
+    def _count_skips(self, scales: list[float], first_step: int) -> int:
+        skipped, limit = 0, self.cfg.max_skipped_steps
+        for i, scale in enumerate(scales):
+            skip = scale < self._last_scale
+            skipped += skip
+            self._skips_in_a_row = self._skips_in_a_row + 1 if skip else 0
+            self._last_scale = scale
+            if limit and self._skips_in_a_row >= limit and self._problem is None:
+                self._problem = (
+                    f"the GradScaler skipped {self._skips_in_a_row} steps in a row up to step {first_step + i} "
+                    f"(inf/NaN gradients under a finite loss; loss scale now {scale:g}): the weights stopped changing"
+                )
+        return skipped

@@ -1,0 +1,81 @@
+"""torchrun's world: one process per GPU (nccl) or per CPU rank (gloo), as labkit.setup() builds it.
+
+    torchrun --nproc_per_node=2 -m labkit.train gpt --steps 20    # labkit.setup() picks cpu + gloo here
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in every process it starts;
+torch.distributed reads them in init_process_group. DistributedDataParallel (labkit.Trainer wraps the
+model in it when world_size > 1) then averages gradients during backward.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from labkit.device import Runtime
+
+
+def torchrun_world() -> int:
+    """WORLD_SIZE as torchrun (torch.distributed.run) sets it in every process it launches; 1 without it."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(raw)
+    except ValueError:
+        from labkit.device import BackendError
+
+        raise BackendError(f"environment variable WORLD_SIZE={raw!r} is not an integer (torchrun sets it)") from None
+
+
+def setup_cpu() -> Runtime:
+    """Plain PyTorch on the CPU; under torchrun one process per rank, joined over gloo (the CPU
+    collective backend), so DistributedDataParallel averages gradients across processes."""
+    import torch.distributed as dist
+
+    from labkit.device import Runtime
+
+    world = torchrun_world()
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")  # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return Runtime("cpu", torch.device("cpu"), world, rank, local, 1, False, {"dist": "gloo" if world > 1 else None})
+
+
+def setup_cuda() -> Runtime:
+    """CUDA (torch's own backend); under torchrun one process per GPU, joined over nccl."""
+    import torch.distributed as dist
+
+    from labkit.device import Runtime
+
+    world = torchrun_world()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl")  # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR
+    torch.cuda.set_device(local)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Runtime(
+        "cuda",
+        torch.device("cuda", local),
+        world,
+        rank,
+        local,
+        torch.cuda.device_count(),
+        False,
+        {"name": torch.cuda.get_device_name(local)},
+    )
+
+
+def wrap_ddp(model, rt):
+    """The model in DistributedDataParallel under torchrun (world_size > 1 on cuda or cpu), else as is.
+    DDP all-reduces (averages) gradients during backward, so the optimizer step needs no reduction."""
+    if (
+        rt.kind not in ("cuda", "cpu")
+        or rt.world_size <= 1
+        or isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    ):
+        return model
+    ids = [rt.device.index] if rt.kind == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
