@@ -22,7 +22,8 @@ from labkit.doctor import doctor
 from labkit.envsetup import VERSION as __version__  # the one home of the version (kept equal to pyproject by tests)
 from labkit.lm import LMTrainer
 from labkit.loader import DeviceLoader
-from labkit.loop import Trainer, chance_accuracy, count_params
+from labkit.loop import Trainer
+from labkit.models.sizes import chance_accuracy, count_params
 from labkit.optim import optimizer_step, warmup_cosine
 from labkit.precision import Precision
 from labkit.seeding import manual_seed

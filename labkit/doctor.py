@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 
 from labkit import device as _device
 from labkit import envsetup
@@ -32,26 +31,7 @@ DEPRECATED_ENV = {
 
 
 version_of = envsetup.version_of
-
-
-def tpu_error_advice(message: str, root: str | None = None) -> str | None:
-    """Plain words for libtpu's 'TPU in use' failures (naming the process that holds the chips), else None.
-
-    libtpu lets one process own a host's chips. A second kernel (another notebook, a stale training
-    script) gets "The TPU is already in use by process with pid N" or "open(/dev/vfio/0): Device or
-    resource busy" from deep inside PJRT's client creation."""
-    m = re.search(r"in use by process with pid (\d+)", message)
-    busy = re.search(r"(/dev/(?:accel|vfio/)\d+)\)?: Device or resource busy", message)
-    if not m and not busy:
-        return None
-    holders = [(int(m.group(1)), envsetup.process_command(int(m.group(1)), root))] if m else envsetup.tpu_holders(root)
-    who = ", ".join(f"process {pid} ({cmd})" for pid, cmd in holders) or "another process"
-    pids = " ".join(str(pid) for pid, _ in holders) or "PID"
-    return (
-        f"the TPU is already in use by {who}: only one process can use a host's TPU chips. Stop it "
-        f"(finish or restart that notebook's runtime, or `kill {pids}`), then restart this runtime"
-        + (f" [{busy.group(1)} busy]" if busy else "")
-    )
+tpu_error_advice = envsetup.tpu_error_advice  # stdlib only: setup() needs it before the doctor
 
 
 def check_versions(torch_version: str | None, xla_version: str | None) -> list[str]:

@@ -51,7 +51,7 @@ from labkit.steplog import StepLog
 from labkit.torchrun import wrap_ddp
 from labkit.versions import versions
 
-__all__ = ["Preempted", "Trainer", "chance_accuracy", "count_params"]
+__all__ = ["Preempted", "Trainer"]
 
 
 class Trainer:
@@ -356,15 +356,3 @@ class Trainer:
         if "rng" in state:  # dropout/augmentation draws continue exactly where they stopped
             set_rng_state(state["rng"], self.rt)
         self.rt.master_print(f"[labkit] resumed at step {self.step} (epoch {self.epoch}, batch {self.batch_in_epoch})")
-
-
-def count_params(model) -> int:
-    """Number of scalars in the model's parameters (shared parameters counted once)."""
-    return sum(p.numel() for p in model.parameters())
-
-
-def chance_accuracy(num_classes: int) -> float:
-    """Accuracy of guessing uniformly: what a trained classifier must clearly beat."""
-    if num_classes < 1:
-        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-    return 1.0 / num_classes

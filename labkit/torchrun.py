@@ -10,12 +10,10 @@ model in it when world_size > 1) then averages gradients during backward.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from labkit.device import Runtime
+from labkit.runtime import BackendError, Runtime
 
 
 def torchrun_world() -> int:
@@ -24,8 +22,6 @@ def torchrun_world() -> int:
     try:
         return int(raw)
     except ValueError:
-        from labkit.device import BackendError
-
         raise BackendError(f"environment variable WORLD_SIZE={raw!r} is not an integer (torchrun sets it)") from None
 
 
@@ -33,8 +29,6 @@ def setup_cpu() -> Runtime:
     """Plain PyTorch on the CPU; under torchrun one process per rank, joined over gloo (the CPU
     collective backend), so DistributedDataParallel averages gradients across processes."""
     import torch.distributed as dist
-
-    from labkit.device import Runtime
 
     world = torchrun_world()
     if world > 1 and not dist.is_initialized():
@@ -47,8 +41,6 @@ def setup_cpu() -> Runtime:
 def setup_cuda() -> Runtime:
     """CUDA (torch's own backend); under torchrun one process per GPU, joined over nccl."""
     import torch.distributed as dist
-
-    from labkit.device import Runtime
 
     world = torchrun_world()
     local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -7,5 +7,16 @@ key/value cache (nanoGPT's shape).
 
 from labkit.models.gpt import GPT, GPTConfig, adamw, bits_per_byte
 from labkit.models.resnet import image_optimizer, resnet50_cifar, resnet_flops_per_image
+from labkit.models.sizes import chance_accuracy, count_params
 
-__all__ = ["GPT", "GPTConfig", "adamw", "bits_per_byte", "image_optimizer", "resnet50_cifar", "resnet_flops_per_image"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "adamw",
+    "bits_per_byte",
+    "chance_accuracy",
+    "count_params",
+    "image_optimizer",
+    "resnet50_cifar",
+    "resnet_flops_per_image",
+]
