@@ -15,9 +15,10 @@ upgrade breaks one, this file is the one to fix (and the table says what to re-c
 | copy_sharding(dst, like)      | torch_xla._XLAC._xla_mark_sharding + _get_xla_op_sharding | torch_xla 2.8,2.9| gives `dst` the very OpSharding of `like` (xs.mark_sharding needs a mesh and a partition spec)
 | trace_span(name)              | torch_xla._XLAC.profiler.TraceMe                     | torch_xla 2.8,2.9| a named span in the XLA profiler's host trace (xp.Trace adds Python overhead per call)
 | pending_graph_text(tensors)   | torch_xla._XLAC._get_xla_tensors_text                | torch_xla 2.8,2.9| the IR of tensors not executed yet (tests use it to prove a graph is still pending)
-
-labkit/checkpoint/sharded.py still imports torch_xla.experimental.distributed_checkpoint._helpers and
-torch_xla._XLAC._xla_get_cpu_tensors itself (checked on 2.9).
+| split_over_devices(t)         | torch_xla.experimental.distributed_checkpoint._helpers._is_sharded_tensor | torch_xla 2.9 | True for a tensor split over devices (not replicated): the sharded checkpoint format's test
+| cpu_shards(tensors)           | ..._helpers._cpu_shards_from_tensors                 | torch_xla 2.9    | this host's pieces of split tensors, with their offsets (what torch_xla's own async save stages)
+| cpu_tensors(tensors)          | torch_xla._XLAC._xla_get_cpu_tensors                 | torch_xla 2.9    | unsplit XLA tensors copied to new CPU tensors in one transfer
+| quiet_jax_notice()            | (a logging filter on torch_xla._internal.jax_workarounds' notice) | torch_xla 2.8 | drops "You are trying to use a feature that requires jax/pallas", logged at every traced op where jax is absent
 """
 
 from __future__ import annotations
@@ -58,3 +59,39 @@ def pending_graph_text(tensors: list) -> str:
     import torch_xla
 
     return torch_xla._XLAC._get_xla_tensors_text(list(tensors))
+
+
+def split_over_devices(t) -> bool:
+    import torch_xla.distributed.spmd as xs
+    from torch_xla.experimental.distributed_checkpoint._helpers import _is_sharded_tensor
+
+    return _is_sharded_tensor(xs.wrap_if_sharded(t))
+
+
+def cpu_shards(tensors: list) -> list:
+    from torch_xla.experimental.distributed_checkpoint._helpers import _cpu_shards_from_tensors
+
+    return _cpu_shards_from_tensors(list(tensors))
+
+
+def cpu_tensors(tensors: list) -> list:
+    import torch_xla
+
+    return torch_xla._XLAC._xla_get_cpu_tensors(list(tensors))
+
+
+class _JaxNotice:
+    """torch_xla 2.8's maybe_get_jax() logs this warning on the root logger at every call, and its graph
+    builder calls it per traced op when jax is not installed: hundreds of identical lines per notebook
+    (Kaggle's image), none of which concerns labkit, which uses no jax/pallas feature."""
+
+    def filter(self, record) -> bool:
+        return "requires jax/pallas" not in str(record.msg)
+
+
+def quiet_jax_notice() -> None:
+    import logging
+
+    root = logging.getLogger()
+    if not any(isinstance(f, _JaxNotice) for f in root.filters):
+        root.addFilter(_JaxNotice())

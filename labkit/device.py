@@ -17,8 +17,8 @@ import os
 
 import torch
 
+from labkit import _xla, envsetup, torchrun
 from labkit import compile_cache as _cc
-from labkit import envsetup, torchrun
 from labkit.config import parse_bool
 from labkit.runtime import BackendError, Runtime  # noqa: F401  (labkit.device.Runtime, as before)
 from labkit.torchrun import torchrun_world
@@ -169,6 +169,7 @@ def _setup_xla(kind: str, spmd, cache: str | None = None) -> Runtime:
         xr.use_spmd()  # must happen before any XLA tensor is created
     try:
         device = torch_xla.device()  # the PJRT client starts here (libtpu opens the chips)
+        _xla.quiet_jax_notice()  # torch_xla 2.8's per-op 'requires jax/pallas' log line: see labkit._xla
     except RuntimeError as e:
         raise BackendError(envsetup.tpu_error_advice(str(e)) or f"PJRT could not start {want} devices: {e}") from e
     _xla_kind = kind

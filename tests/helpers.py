@@ -23,3 +23,20 @@ def xla_counts():
     c = met.metric_data("CompileTime")
     t = met.metric_data("TransferFromDeviceTime")
     return (c[0] if c else 0), (t[0] if t else 0)
+
+
+def small_trainer(rt, data=None, *, batch_size=32, lr=0.1, model=None, eval_data=None, trainer_cls=None, **kwargs):
+    """The small Trainer most loop, dashboard and checkpoint tests need: an MLP (or `model`), SGD at `lr`,
+    DataLoaders over `data` (default blobs()) and `eval_data`. TrainConfig fields go in kwargs (epochs=2,
+    log_every=4, ...); the rest (callbacks, checkpoint, precision, ...) go to the Trainer."""
+    import dataclasses
+
+    import labkit
+
+    fields = {f.name for f in dataclasses.fields(labkit.TrainConfig)}
+    cfg = labkit.TrainConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in fields})
+    model = model if model is not None else mlp()
+    loader = torch.utils.data.DataLoader(data if data is not None else blobs(), batch_size=batch_size)
+    evals = torch.utils.data.DataLoader(eval_data, batch_size=batch_size) if eval_data is not None else None
+    cls = trainer_cls or labkit.Trainer
+    return cls(model, torch.optim.SGD(model.parameters(), lr=lr), rt, cfg, loader, evals, **kwargs)

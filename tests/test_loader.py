@@ -7,7 +7,7 @@ import torch
 
 import labkit
 from labkit import DeviceLoader, TrainConfig, Trainer
-from tests.helpers import blobs, mlp, xla_counts
+from tests.helpers import blobs, mlp, small_trainer, xla_counts
 
 
 def test_xla_loader_yields_device_tensors_and_prefetches():
@@ -93,14 +93,7 @@ def test_loader_error_stops_fit_with_its_traceback(kind):
     from data_tools.stream import ShardError
 
     rt = labkit.setup(kind)
-    model = mlp()
-    tr = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        rt,
-        TrainConfig(epochs=2, log_every=2, eval_every=0),
-        torch.utils.data.DataLoader(_TruncatedShards(), batch_size=8),
-    )
+    tr = small_trainer(rt, _TruncatedShards(), batch_size=8, epochs=2, log_every=2, eval_every=0)
     with pytest.raises(ShardError, match="train-000003.tar") as info:
         tr.fit()
     assert any(e.name == "__getitem__" for e in info.traceback), "the traceback lost the loader's frame"

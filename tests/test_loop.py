@@ -9,7 +9,7 @@ import torch
 import labkit
 from labkit import TrainConfig, Trainer
 from labkit.optim import optimizer_step
-from tests.helpers import blobs, mlp, xla_counts
+from tests.helpers import blobs, mlp, small_trainer, xla_counts
 
 
 @pytest.mark.parametrize("kind", ["xla-cpu", "cpu"])
@@ -44,14 +44,7 @@ def test_tiny_model_trains(kind):
 
 def test_max_steps_stops_mid_epoch_and_keeps_position():
     rt = labkit.setup("cpu")
-    model = mlp()
-    tr = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        rt,
-        TrainConfig(epochs=3, max_steps=11, log_every=5),
-        torch.utils.data.DataLoader(blobs(), batch_size=32),
-    )
+    tr = small_trainer(rt, blobs(), batch_size=32, epochs=3, max_steps=11, log_every=5)
     hist = tr.fit()
     assert tr.step == 11 and tr.epoch == 1 and tr.batch_in_epoch == 3
     assert [h["step"] for h in hist] == [5, 10, 11]  # the final partial interval is logged too
@@ -115,14 +108,7 @@ def test_clip_matches_torch_and_never_syncs():
 def test_loop_reads_loss_once_per_interval_on_xla():
     """Transfers from the device: one batched read per log interval, nothing per step."""
     rt = labkit.setup("xla-cpu")
-    model = mlp()
-    tr = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        rt,
-        TrainConfig(epochs=1, log_every=4),
-        torch.utils.data.DataLoader(blobs(n=512), batch_size=32),
-    )
+    tr = small_trainer(rt, blobs(n=512), batch_size=32, epochs=1, log_every=4)
     _, t0 = xla_counts()
     tr.fit()
     assert tr.step == 16 and len(tr.history) == 4
@@ -165,14 +151,7 @@ class _NaNAt(torch.utils.data.Dataset):
 @pytest.mark.parametrize("kind", ["xla-cpu", "cpu"])
 def test_nonfinite_loss_stops_with_the_step(kind):
     rt = labkit.setup(kind)
-    model = mlp()
-    tr = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        rt,
-        TrainConfig(epochs=1, log_every=4, eval_every=0),
-        torch.utils.data.DataLoader(_NaNAt(bad_batch=5), batch_size=16),
-    )
+    tr = small_trainer(rt, _NaNAt(bad_batch=5), batch_size=16, epochs=1, log_every=4, eval_every=0)
     _, t0 = xla_counts() if kind == "xla-cpu" else (0, 0)
     with pytest.raises(FloatingPointError, match="at step 6 "):
         tr.fit()
@@ -180,13 +159,8 @@ def test_nonfinite_loss_stops_with_the_step(kind):
     if kind == "xla-cpu":
         # the log reads + the one per-step read that locates the step: no per-step host sync
         assert xla_counts()[1] - t0 <= 3
-    model = mlp()
-    tr = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        rt,
-        TrainConfig(epochs=1, log_every=4, eval_every=0, continue_on_nonfinite=True),
-        torch.utils.data.DataLoader(_NaNAt(bad_batch=5), batch_size=16),
+    tr = small_trainer(
+        rt, _NaNAt(bad_batch=5), batch_size=16, epochs=1, log_every=4, eval_every=0, continue_on_nonfinite=True
     )
     with pytest.warns(RuntimeWarning, match="at step 6"):
         tr.fit()

@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from labkit import _xla
+
 
 # -- sharded state ---------------------------------------------------------------------------------
 def _xla_loaded() -> bool:
@@ -23,10 +25,7 @@ def _sharded(t) -> bool:
     """True for an XLA tensor split over several devices (not replicated, not single-device)."""
     if not (torch.is_tensor(t) and t.device.type == "xla"):
         return False
-    import torch_xla.distributed.spmd as xs
-    from torch_xla.experimental.distributed_checkpoint._helpers import _is_sharded_tensor
-
-    return _is_sharded_tensor(xs.wrap_if_sharded(t))
+    return _xla.split_over_devices(t)
 
 
 def is_sharded(state) -> bool:
@@ -49,17 +48,14 @@ def stage(state):
     on_xla = [i for i, x in enumerate(flat) if torch.is_tensor(x) and x.device.type == "xla" and i not in split]
     out = [x.detach().clone() if torch.is_tensor(x) and x.device.type == "cpu" else x for x in flat]
     if sharded or on_xla:
-        import torch_xla
-        from torch_xla.experimental.distributed_checkpoint._helpers import _cpu_shards_from_tensors
-
         if sharded:
-            for i, s in zip(sharded, _cpu_shards_from_tensors([flat[i] for i in sharded])):
+            for i, s in zip(sharded, _xla.cpu_shards([flat[i] for i in sharded])):
                 # a tile held by several devices (a 2-D mesh, replicated over one axis) is written once:
                 # with its copies in the plan the checkpoint does not load ("Missing key in checkpoint")
                 s.shards = [x for x in s.shards if x.replica_id == 0]
                 out[i] = s
         if on_xla:
-            for i, c in zip(on_xla, torch_xla._XLAC._xla_get_cpu_tensors([flat[i] for i in on_xla])):
+            for i, c in zip(on_xla, _xla.cpu_tensors([flat[i] for i in on_xla])):
                 out[i] = c
     for i, x in enumerate(out):
         if torch.is_tensor(x) and x.device.type not in ("cpu", "xla"):
