@@ -30,6 +30,9 @@ def _pins(lines):
 LOCK = _pins((ROOT / "requirements.txt").read_text().splitlines())
 CORE = [Requirement(r) for r in PROJECT["dependencies"]]
 EXTRAS = {name: [Requirement(r) for r in reqs] for name, reqs in PROJECT["optional-dependencies"].items()}
+# `bench`: the frameworks bench/bench_peers.py compares labkit with; they live in a venv of their own,
+# never in the project's lock (labkit must not depend on them, even by accident)
+LOCKED_EXTRAS = {name: reqs for name, reqs in EXTRAS.items() if name != "bench"}
 
 
 def _unsatisfied(reqs, pins, *, missing_ok=False):
@@ -64,9 +67,15 @@ def test_distribution_name_is_free_and_import_name_is_labkit():
 
 
 def test_lock_satisfies_the_ranges():
-    bad = _unsatisfied(CORE + [r for reqs in EXTRAS.values() for r in reqs], LOCK)
+    bad = _unsatisfied(CORE + [r for reqs in LOCKED_EXTRAS.values() for r in reqs], LOCK)
     assert not bad, f"requirements.txt does not satisfy pyproject.toml: {bad}"
     assert "uv" in LOCK, "uv (image venvs, the 3.13 suite) must be in the lock"
+
+
+def test_bench_peers_stay_out_of_the_lock():
+    peers = {_norm(r.name) for r in EXTRAS["bench"]}
+    assert peers == {"lightning-fabric", "accelerate"}
+    assert not peers & set(LOCK), f"requirements.txt locks {sorted(peers & set(LOCK))}: a peer became a dependency"
 
 
 def test_range_check_can_fail():
@@ -79,7 +88,7 @@ def test_environment_yml_names_the_lock_versions():
     env = _pins(line.strip()[2:] for line in text.splitlines() if line.strip().startswith("- "))
     wrong = {k: (v, LOCK.get(k)) for k, v in env.items() if LOCK.get(k) != v}
     assert not wrong, f"environment.yml disagrees with requirements.txt: {wrong}"
-    named = {_norm(r.name) for r in CORE + [r for reqs in EXTRAS.values() for r in reqs]}
+    named = {_norm(r.name) for r in CORE + [r for reqs in LOCKED_EXTRAS.values() for r in reqs]}
     assert not named - set(env), f"environment.yml lacks {sorted(named - set(env))}"
     assert "python=3.11" in text
 

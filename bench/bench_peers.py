@@ -1,0 +1,414 @@
+"""labkit beside what a user would pick instead: a hand-written torch_xla loop, Lightning Fabric, HF Accelerate.
+
+    PJRT_DEVICE=CPU .venv/bin/python bench/bench_peers.py [--models mlp,resnet18] [--trials 5] [--no-data]
+    pip install -e ".[bench]"    # the peers (lightning-fabric, accelerate); a missing one is skipped
+
+1. Training. The same run through each framework: same model init (seed 0), same batches in the same
+   order (an in-memory dataset, no shuffle), SGD + momentum, loss read every 20 steps in a step closure.
+   Each framework runs in its OWN process (PJRT_DEVICE=CPU): one framework's compiled graphs, threads
+   and patches never touch another's. After each process's warm-up (its compiles, not timed) the
+   trials are interleaved (hand, labkit, fabric, accel, hand, ...), so slow drifts of this shared
+   machine hit all of them; step times are medians with the spread (min-max) of the trials, ratios
+   the median of per-round ratios (the load of a shared machine shifts between rounds).
+   Two models: an overhead-bound MLP (batch 64: host work per step dominates) and a compute-bound
+   ResNet-18 (torchvision, batch 16, 32x32). Also printed: how many graphs each compiled
+   (torch_xla.debug.metrics CompileTime count) and whether the final losses agree.
+   Fabric on XLA:CPU: `accelerator="tpu"` refuses to start without TPU chips, so its check
+   (XLAAccelerator.is_available / auto_device_count) is patched in the child; Accelerate picks xla:0
+   by itself.
+2. Data (--no-data skips it): labkit's shard stream (data_tools.make_loader) / webdataset's own
+   `wds.WebDataset(urls).shuffle().decode().map().batched()` on the same shards, same PNG decode,
+   same crop+flip, same batch, same number of DataLoader workers (samples/s, interleaved trials).
+Prints RATIO lines (goal: labkit <= every peer and <= 1.01 x hand-written).
+
+What explains the gaps (measured here, 2026-11-24, cProfile in the child): on the MLP most of a step is
+`_xla_step_marker`. The hand loop (and Accelerate's) call zero_grad() at the top of the step, so at the
+sync the gradients are live tensors and become outputs of the graph; labkit zeroes them (set to None)
+right after the optimizer step, before the sync: 12-13 vs 28-35 ms per MLP step for the same hand loop
+with zero_grad moved. Fabric's single-device XLA strategy copies each batch in the main thread (no
+MpDeviceLoader) and cuts the graph inside its optimizer step (barrier=True). On ResNet-18 labkit's own
+Python per step (loop, accumulator, hooks) is ~1-2 ms of a ~450 ms step; the rest is the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+FRAMEWORKS = ("hand", "labkit", "fabric", "accel")
+# the module each framework needs, and the line that installs it (pins: pyproject.toml's `bench` extra)
+NEEDS = {"fabric": ("lightning_fabric", "lightning-fabric==2.6.6"), "accel": ("accelerate", "accelerate==1.15.0")}
+MODELS = {"mlp": 64, "resnet18": 16}  # model -> batch size
+LOG_EVERY = 20
+MARK = "@@ "  # protocol lines from a child start with this; its other output (banners, logs) is dropped
+
+
+# -- one framework, in a child process ---------------------------------------------------------------
+def make_model(name):
+    import torch
+
+    torch.manual_seed(0)
+    if name == "mlp":
+        return torch.nn.Sequential(
+            torch.nn.Flatten(),
+            torch.nn.Linear(3 * 32 * 32, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 10),
+        )
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=10)
+
+
+def make_data(batch, batches):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    n = batch * batches
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
+    return torch.utils.data.DataLoader(ds, batch_size=batch, drop_last=True)
+
+
+def make_optimizer(model):
+    import torch
+
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+class Loop:
+    """run(n): n steps from the start of the data (every framework sees the same batches)."""
+
+    losses: list
+
+    def note_loss(self, i, loss):
+        import torch_xla.core.xla_model as xm
+
+        if (i + 1) % LOG_EVERY == 0:
+            xm.add_step_closure(lambda v: self.losses.append(v.item()), args=(loss,))
+
+    def final_loss(self) -> float:
+        return self.last.item()  # a device->host transfer, once, after the timing
+
+
+class Hand(Loop):
+    """What a careful torch_xla user writes by hand (pytorch/xla examples style)."""
+
+    def __init__(self, model, data):
+        import torch_xla
+        import torch_xla.distributed.parallel_loader as pl
+
+        dev = torch_xla.device()
+        self.model = make_model(model).to(dev)
+        self.opt = make_optimizer(self.model)
+        self.loader = pl.MpDeviceLoader(data, dev)
+        self.losses = []
+
+    def run(self, n):
+        import torch.nn.functional as F
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        for i, (x, y) in zip(range(n), self.loader):
+            self.opt.zero_grad()
+            loss = F.cross_entropy(self.model(x), y)
+            loss.backward()
+            xm.optimizer_step(self.opt)
+            self.note_loss(i, loss)
+            torch_xla.sync()
+        self.last = loss
+
+
+class Labkit(Loop):
+    def __init__(self, model, data):
+        import labkit
+
+        rt = labkit.setup("xla-cpu")
+        m = make_model(model)
+        cfg = labkit.TrainConfig(epochs=10**6, log_every=LOG_EVERY, eval_every=0)
+
+        class Trainer(labkit.Trainer):  # keeps the last step's loss (the log has interval means)
+            def train_step(self, batch):
+                self.last = super().train_step(batch)
+                return self.last
+
+        self.tr = Trainer(m, make_optimizer(m), rt, cfg, data)
+
+    def run(self, n):
+        self.tr.cfg.max_steps = self.tr.step + n
+        self.tr.batch_in_epoch = 0  # start the epoch afresh, like the others
+        self.tr.fit()
+
+    @property
+    def last(self):
+        return self.tr.last
+
+
+class Fabric(Loop):
+    def __init__(self, model, data):
+        from lightning_fabric import Fabric as F_
+        from lightning_fabric.accelerators.xla import XLAAccelerator
+
+        # no TPU chips on XLA:CPU: Fabric's own check would refuse accelerator="tpu"
+        XLAAccelerator.is_available = staticmethod(lambda: True)
+        XLAAccelerator.auto_device_count = staticmethod(lambda: 1)
+        self.fabric = F_(accelerator="tpu", devices=1, precision="32-true")
+        # on XLA the model goes to the device BEFORE its optimizer is made (Fabric's TPU guide):
+        # fabric.setup(model, optimizer) would leave the optimizer stepping the old CPU parameters
+        self.model = self.fabric.setup_module(make_model(model))
+        self.opt = self.fabric.setup_optimizers(make_optimizer(self.model))
+        self.loader = self.fabric.setup_dataloaders(data)
+        self.losses = []
+
+    def run(self, n):
+        import torch.nn.functional as F
+
+        for i, (x, y) in zip(range(n), self.loader):
+            self.opt.zero_grad()
+            loss = F.cross_entropy(self.model(x), y)
+            self.fabric.backward(loss)
+            self.opt.step()
+            self.note_loss(i, loss)
+        self.last = loss
+
+
+class Accel(Loop):
+    def __init__(self, model, data):
+        from accelerate import Accelerator
+
+        self.acc = Accelerator()  # picks xla:0 by itself under PJRT_DEVICE
+        m = make_model(model)
+        self.model, self.opt, self.loader = self.acc.prepare(m, make_optimizer(m), data)
+        self.losses = []
+
+    def run(self, n):
+        import torch.nn.functional as F
+
+        for i, (x, y) in zip(range(n), self.loader):
+            self.opt.zero_grad()
+            loss = F.cross_entropy(self.model(x), y)
+            self.acc.backward(loss)
+            self.opt.step()
+            self.note_loss(i, loss)
+        self.last = loss
+
+
+def child(fw, model, batch, batches):
+    """Serve `run N` lines from the parent on stdin; answer with MARK + JSON on stdout."""
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    def say(**kw):
+        print(MARK + json.dumps(kw), flush=True)
+
+    loop = {"hand": Hand, "labkit": Labkit, "fabric": Fabric, "accel": Accel}[fw](model, make_data(batch, batches))
+    for line in sys.stdin:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "run":
+            t = time.perf_counter()
+            loop.run(int(arg))
+            xm.wait_device_ops()
+            say(seconds=time.perf_counter() - t)
+        elif cmd == "done":
+            compiles = met.metric_data("CompileTime")
+            say(graphs=compiles[0] if compiles else 0, loss=loop.final_loss())
+            return
+
+
+# -- the parent: start the children, interleave their trials --------------------------------------------
+class Child:
+    def __init__(self, fw, model, batch, batches):
+        env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", fw, "--models", model]
+        cmd += ["--batch", str(batch), "--batches", str(batches)]
+        self.fw = fw
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def ask(self, line) -> dict:
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+        for out in self.p.stdout:
+            if out.startswith(MARK):
+                return json.loads(out[len(MARK) :])
+        raise RuntimeError(f"{self.fw}: child exited with {self.p.wait()} (its error is printed above)")
+
+    def close(self):
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait()
+
+
+def missing(fw) -> str | None:
+    if fw in NEEDS and importlib.util.find_spec(NEEDS[fw][0]) is None:
+        return NEEDS[fw][1]
+    return None
+
+
+def bench_model(model, a, frameworks):
+    batch = MODELS[model]
+    steps = a.steps if a.steps else (200 if model == "mlp" else 15)
+    print(f"== {model}, batch {batch}: {a.warmup} warm-up steps, then {a.trials} trials x {steps} steps", flush=True)
+    kids = {}
+    try:
+        for fw in frameworks:
+            kids[fw] = Child(fw, model, batch, max(steps, a.warmup))
+        times = {fw: [] for fw in kids}
+        for fw, k in list(kids.items()):  # warm-up one after another: compiles, not timed
+            try:
+                r = k.ask(f"run {a.warmup}")
+                print(f"  warm-up {fw}: {r['seconds']:.1f} s", flush=True)
+            except (RuntimeError, BrokenPipeError) as e:
+                print(f"  {fw} FAILED: {e}", flush=True)
+                kids.pop(fw).close()
+                times.pop(fw)
+        for trial in range(a.trials):
+            order = list(kids) if trial % 2 == 0 else list(reversed(kids))
+            for fw in order:
+                times[fw].append(kids[fw].ask(f"run {steps}")["seconds"] / steps)
+            print(f"  trial {trial}: " + ", ".join(f"{fw} {v[-1] * 1e3:.1f}" for fw, v in times.items()) + " ms/step")
+        ends = {fw: k.ask("done") for fw, k in kids.items()}
+    finally:
+        for k in kids.values():
+            k.close()
+    med = {fw: statistics.median(v) for fw, v in times.items()}
+    base = med.get("hand")
+    # ratios are medians of per-trial pairs (each trial's time / the hand loop's in the same round): on a
+    # shared machine the load shifts between rounds, and a ratio of two separate medians mixes rounds
+    paired = {fw: statistics.median(t / h for t, h in zip(v, times["hand"])) for fw, v in times.items()} if base else {}
+    for fw, v in times.items():
+        ratio = f"{paired[fw]:6.3f}x hand" if base else ""
+        print(
+            f"  {fw:<7} {med[fw] * 1e3:8.1f} ms/step (trials {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f})  {ratio}  "
+            f"graphs compiled {ends[fw]['graphs']:3d}  final loss {ends[fw]['loss']:.5f}"
+        )
+    losses = [e["loss"] for e in ends.values()]
+    agree = max(losses) - min(losses) <= 1e-3 * max(1.0, abs(losses[0]))
+    print(f"  final losses {'agree' if agree else 'DIFFER'} (spread {max(losses) - min(losses):.2e})")
+    for fw in med:
+        if fw != "hand" and base:
+            print(
+                f"RATIO {model} {fw}/hand-written step time = {paired[fw]:.3f}"
+                + (" (goal <= 1.01)" if fw == "labkit" else "")
+            )
+    if "labkit" in med:
+        for fw in ("fabric", "accel"):
+            if fw in med:
+                pair = statistics.median(a / b for a, b in zip(times["labkit"], times[fw]))
+                print(f"RATIO {model} labkit/{fw} step time = {pair:.3f} (goal <= 1)")
+
+
+# -- the data path ------------------------------------------------------------------------------------------
+def bench_data(a):
+    import tempfile
+
+    import numpy as np
+    import torch
+    import webdataset as wds
+
+    from data_tools import load_manifest, load_source, make_loader, write_shards
+    from data_tools.transforms import augment, decode_image, scale_stats, to_batch
+
+    x, y, names = load_source("digits", "train")
+    reps = -(-a.images // len(x))  # digits repeated to --images: an epoch long enough to time
+    x, y = np.concatenate([x] * reps)[: a.images], np.concatenate([y] * reps)[: a.images]
+    tmp = tempfile.mkdtemp(prefix="bench-peers-")
+    m = write_shards(x, y, os.path.join(tmp, "shards"), class_names=names, samples_per_shard=250)
+    man = os.path.join(tmp, "shards", "manifest.json")
+    urls = load_manifest(man)["urls"]
+    mean, std = scale_stats(m["mean"], m["std"])
+    bs, workers = 64, a.workers
+
+    def png(key, data):  # the same PIL decode as the stream's; None: not ours, webdataset tries the next
+        return decode_image(data) if key.endswith(".png") else None
+
+    def crop_flip(sample):
+        img, label = sample
+        return augment(img, np.random.default_rng(), 4), int(label)
+
+    def collate(items):
+        return to_batch([i for i, _ in items], [c for _, c in items], mean, std)
+
+    def webdataset_loader():
+        ds = (
+            wds.WebDataset(
+                urls, shardshuffle=len(urls), nodesplitter=wds.single_node_only, workersplitter=wds.split_by_worker
+            )
+            .shuffle(1000)
+            .decode(png)
+            .to_tuple("png", "cls")
+            .map(crop_flip)
+            .batched(bs, collation_fn=collate, partial=False)
+        )
+        return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+
+    def labkit_loader():
+        return make_loader(man, bs, train=True, num_workers=workers, shuffle_buffer=1000)
+
+    def rate(make):
+        t, n = time.perf_counter(), 0
+        for xb, _ in make():
+            n += xb.shape[0]
+        return n / (time.perf_counter() - t)
+
+    print(
+        f"== data: {len(x)} digits PNG 32x32 in {len(urls)} shards, batch {bs}, {workers} DataLoader workers, crop+flip"
+    )
+    rate(labkit_loader), rate(webdataset_loader)  # warm: page cache, imports
+    ra, rb = [], []
+    for trial in range(a.trials):
+        pair = ((labkit_loader, ra), (webdataset_loader, rb))
+        for make, out in pair if trial % 2 == 0 else reversed(pair):
+            out.append(rate(make))
+    la, wb = statistics.median(ra), statistics.median(rb)
+    print(f"  labkit shard stream   {la:8.0f} samples/s (trials {min(ra):.0f}-{max(ra):.0f})")
+    print(f"  webdataset pipeline   {wb:8.0f} samples/s (trials {min(rb):.0f}-{max(rb):.0f})")
+    print(f"RATIO data labkit/webdataset samples/s = {la / wb:.3f} (goal >= 1, sha256 checked while streaming)")
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="mlp,resnet18", help="comma-separated: mlp, resnet18")
+    p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma-separated: " + ", ".join(FRAMEWORKS))
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--steps", type=int, default=0, help="timed steps per trial (0: 200 for the MLP, 15 for ResNet-18)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (the compiles)")
+    p.add_argument(
+        "--data", action=argparse.BooleanOptionalAction, default=True, help="compare the data path with webdataset's"
+    )
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers for --data")
+    p.add_argument("--images", type=int, default=6000, help="images in the shards for --data")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--batches", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        return child(a.child, a.models, a.batch, a.batches)
+    frameworks = []
+    for fw in a.frameworks.split(","):
+        pip = missing(fw)
+        if pip:
+            print(f"skipped {fw}: not installed (pip install {pip}, or pip install -e '.[bench]')")
+        else:
+            frameworks.append(fw)
+    t = time.perf_counter()
+    for model in [m for m in a.models.split(",") if m]:  # --models "": the data path alone
+        bench_model(model, a, frameworks)
+    if a.data:
+        bench_data(a)
+    print(f"total {time.perf_counter() - t:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
