@@ -439,7 +439,8 @@ def batches_per_epoch(samples, replicas, batch):
     ...   # your code
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     def batches_per_epoch(samples, replicas, batch):
         return samples // (replicas * batch)
@@ -458,7 +459,8 @@ def pad_labels(y, batch):
     ...   # your code
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     def pad_labels(y, batch):
         return torch.cat([y, torch.full((batch - len(y),), -100, dtype=y.dtype)])
@@ -476,7 +478,8 @@ def resume_position(step, batches_per_epoch):
     ...   # your code
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     def resume_position(step, batches_per_epoch):
         return divmod(step, batches_per_epoch)

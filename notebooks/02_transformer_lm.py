@@ -344,7 +344,8 @@ def bucket(n):
     ...   # your code
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     def bucket(n):
         return min(P.block_size, 32 * math.ceil(n / 32))
@@ -360,7 +361,8 @@ def bpb(nats):
     ...   # your code
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     def bpb(nats):
         return nats / math.log(2)
@@ -378,7 +380,8 @@ def flops(N, L, T, d):
     ...   # your code
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     def flops(N, L, T, d):
         return 6 * N + 12 * L * T * d

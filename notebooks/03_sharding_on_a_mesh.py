@@ -272,7 +272,8 @@ from labkit.lessons.exercises import nb03
 
 dp_bytes = ...   # your answer: an int, from probe's parameters
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     dp_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
 
@@ -290,7 +291,8 @@ def fsdp_bytes(shape, devices, bytes_per=4):
     ...   # your code
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     import math
 
@@ -314,7 +316,8 @@ def megatron_bytes(B, T, C, L, data):
     ...   # your code
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     def megatron_bytes(B, T, C, L, data):
         return 4 * L * (B // data) * T * C * 4   # 2 forward + 2 backward per block, one data slice each

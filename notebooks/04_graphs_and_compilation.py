@@ -400,7 +400,8 @@ def masked_mean(pred, y):
     ...   # your code
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     def masked_mean(pred, y):
         keep = (y >= 0).to(pred.dtype)
@@ -416,7 +417,8 @@ ex.check("04.fallback", lambda: nb04.check_masked_mean(masked_mean, rt))
 # %%
 pad_to = ...   # your answer
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     pad_to = max(lengths)
 
@@ -432,7 +434,8 @@ def loop_mean(steps):
     ...   # your code
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     def loop_mean(steps):
         total = torch.zeros((), device=rt.device)

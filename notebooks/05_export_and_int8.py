@@ -495,7 +495,8 @@ from labkit.lessons.exercises import nb05
 
 int8_bytes = ...   # your answer, from model.named_parameters()
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     int8_bytes = sum(p.numel() * (1 if p.dim() > 1 else 4) for _, p in model.named_parameters())
 
@@ -514,7 +515,8 @@ else:
 # %%
 serve = ...   # your answer
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     serve = export.load_exported(path).module()   # exported with a dynamic batch dimension in section 3
 
@@ -530,7 +532,8 @@ def ratio(T, t):
     ...   # your code
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
     def ratio(T, t):
         return T   # the window: all T positions every time; the cache: the new one
