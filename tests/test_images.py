@@ -1,7 +1,7 @@
 """The notebooks run in each learner image (Colab TPU, Colab GPU, Kaggle TPU) and change none of its packages.
 
 Each image is a venv, .venvs/<image>/, with the image's Python and pins (images/<image>.txt, built or
-reused by scripts/image_venv.py). The driver (nbclient) runs in a child process (tests/image_job.py,
+reused by scripts/image_venv.py). The driver (nbclient) runs in a child process (tests/children/image_job.py,
 started in the background when collection ends: tests/background.py); the kernel is the image venv's
 Python, with the image's environment markers, a stand-in google.colab in the Colab images, no PYTHONPATH,
 and LABKIT_PIP_SPEC pointing at this checkout so the real set-up cell installs labkit from it. Training
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests import background
-from tests.image_job import ROOT, field_of, load_image_venv
+from tests.children.image_job import ROOT, field_of, load_image_venv
 
 image_venv = load_image_venv()
 pytestmark = pytest.mark.images
@@ -29,7 +29,7 @@ EXPECTED_S = {"colab-tpu": 1000, "kaggle-tpu": 720, "colab-gpu": 260}
 
 def _job(name: str) -> background.Job:
     out = Path(background.job_dir()) / f"{name}.json"
-    argv = [sys.executable, str(ROOT / "tests" / "image_job.py"), name, str(out)]
+    argv = [sys.executable, str(ROOT / "tests" / "children" / "image_job.py"), name, str(out)]
     return background.Job(id=f"image-{name}", argv=argv, cwd=str(ROOT), expected_s=EXPECTED_S.get(name, 300))
 
 

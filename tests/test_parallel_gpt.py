@@ -16,7 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_strategies_agree_and_cost_what_the_paper_says():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
     p = subprocess.run(
-        [sys.executable, "-m", "tests.parallel_gpt_run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "tests.children.parallel_gpt_run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     checks = [ln for ln in p.stdout.splitlines() if ln.startswith("CHECK")]
     assert p.returncode == 0 and len(checks) == 9 and all(" OK " in c for c in checks), (

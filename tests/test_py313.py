@@ -3,7 +3,7 @@
 .venvs/py3.13/ holds requirements.txt, the 3.11 lock, installed with Python 3.13 from wheels only
 (scripts/image_venv.py; it shares the uv cache with the image venvs). Every pin of the lock has a cp313
 wheel, so no version moves. The run leaves out the image runs (`images`, this file included) and the
-`heavy` tests, which the 3.11 run covers. It runs in the background (tests/image_job.py py3.13, started
+`heavy` tests, which the 3.11 run covers. It runs in the background (tests/children/image_job.py py3.13, started
 when collection ends: tests/background.py) while the rest of the suite runs.
 """
 
@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from tests import background
-from tests.image_job import ROOT
+from tests.children.image_job import ROOT
 
 pytestmark = pytest.mark.images
 
 
 def _job() -> background.Job:
     out = Path(background.job_dir()) / "py3.13.json"
-    argv = [sys.executable, str(ROOT / "tests" / "image_job.py"), "py3.13", str(out)]
+    argv = [sys.executable, str(ROOT / "tests" / "children" / "image_job.py"), "py3.13", str(out)]
     return background.Job(id="py3.13", argv=argv, cwd=str(ROOT), expected_s=240)
 
 

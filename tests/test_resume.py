@@ -15,7 +15,7 @@ import torch
 # heavy: minutes of XLA:CPU compiles or real child processes; the Python 3.13 run leaves them to the 3.11 run
 pytestmark = pytest.mark.heavy
 
-SCRIPT = Path(__file__).with_name("ckpt_train_script.py")
+SCRIPT = Path(__file__).parent / "children" / "ckpt_train_script.py"
 STEPS, EVERY = 12, 3
 
 

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from labkit.checkpoint.sharded import MARKER, ShardedCheckpointManager, folder_name, is_sharded
 from labkit.cloud import gcs
 
-RUN = Path(__file__).with_name("sharded_ckpt_run.py")
+RUN = Path(__file__).parent / "children" / "sharded_ckpt_run.py"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -140,11 +140,11 @@ _KILLED_SAVE = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     from tests.test_sharded_checkpoint import _state
     from labkit.checkpoint.sharded import ShardedCheckpointManager
-    from tests.ckpt_hooks import install_from_env
+    from tests.children.ckpt_hooks import install_from_env
     ck = ShardedCheckpointManager(sys.argv[1], retry_deadline_s=10)
     install_from_env(ck)
     ck.save(1, _state(1)); ck.wait()
-    ck.save(2, _state(2)); ck.wait()   # CKPT_TEST_HOLD holds this one open (tests/ckpt_hooks.py): the test kills us
+    ck.save(2, _state(2)); ck.wait()   # CKPT_TEST_HOLD holds this one open (tests/children/ckpt_hooks.py): the test kills us
     """
 )
 
@@ -210,7 +210,7 @@ def test_2d_mesh_with_replicated_tiles_restores_onto_1d_layouts():
     """Tiles replicated over one mesh axis are written once (with their copies the checkpoint does not
     load), padded tiles lose their padding, and a 2x4 layout restores onto three 1-D ones."""
     p = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("sharded_ckpt_mesh2d.py"))],
+        [sys.executable, str(Path(__file__).parent / "children" / "sharded_ckpt_mesh2d.py")],
         env=dict(os.environ, PYTHONPATH=str(REPO)),
         capture_output=True,
         text=True,
@@ -223,7 +223,7 @@ def test_2d_mesh_with_replicated_tiles_restores_onto_1d_layouts():
 def test_trainer_killed_and_resumed_from_sharded_checkpoints_is_exact(tmp_path):
     """Trainer(checkpoint=CheckpointManager(format="sharded")): SIGKILL after step 8, resume from the newest
     commit, end bit-identical to an uninterrupted run (weights, momentum, scheduler, RNG, data order)."""
-    script = Path(__file__).with_name("ckpt_train_script.py")
+    script = Path(__file__).parent / "children" / "ckpt_train_script.py"
     env = dict(os.environ, PYTHONPATH=str(REPO))
 
     def run(root, out, *extra):

@@ -22,7 +22,12 @@ def _env(**extra):
 
 def test_spmd_data_parallel_trains_with_sharded_inputs():
     p = subprocess.run(
-        [sys.executable, "-m", "tests.spmd_train"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "tests.children.spmd_train"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     out = p.stdout + p.stderr[-3000:]
     assert p.returncode == 0, out

@@ -1,10 +1,10 @@
 """Train a tiny MLP with checkpoints; run as a subprocess by tests/test_resume.py.
 
-    python tests/ckpt_train_script.py ROOT OUT.pt --steps 12 --every 3 [--resume] [--kill-at N] [--sharded]
+    python tests/children/ckpt_train_script.py ROOT OUT.pt --steps 12 --every 3 [--resume] [--kill-at N] [--sharded]
 
 --kill-at N: SIGKILL this process right after optimizer step N (no cleanup, like a lost VM).
 CKPT_TEST_KILL=STEP / CKPT_TEST_HOLD=STEP:SECONDS: kill the process inside the save of STEP, or hold
-that save open (tests/ckpt_hooks.py installs the hook on the manager).
+that save open (tests/children/ckpt_hooks.py installs the hook on the manager).
 The epoch order depends only on (seed, epoch), so a resumed run sees the same batches; the
 DataLoader gets its own generator because creating an iterator otherwise draws from torch's
 global RNG, which would shift the dropout draws of a run resumed mid-epoch.

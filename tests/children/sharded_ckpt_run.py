@@ -1,7 +1,7 @@
 """Run in a subprocess (CPU_NUM_DEVICES and SPMD are fixed per process) for tests/test_sharded_checkpoint.py.
 
-    python tests/sharded_ckpt_run.py save 8 ROOT REF      # FSDP GPT over 8 devices: train, save steps 1 and 2
-    python tests/sharded_ckpt_run.py restore 4 ROOT REF   # FSDP over 4 devices (1: one device, no SPMD)
+    python tests/children/sharded_ckpt_run.py save 8 ROOT REF      # FSDP GPT over 8 devices: train, save steps 1 and 2
+    python tests/children/sharded_ckpt_run.py restore 4 ROOT REF   # FSDP over 4 devices (1: one device, no SPMD)
 
 The saves go through CheckpointManager (format "auto": the state is sharded, so DCP shards); the
 4-device restore reads them through CheckpointManager too, the 1-device one through ShardedCheckpointManager.
@@ -61,7 +61,7 @@ def state_of(inner, opt):
 model, inner, opt = build(seed=0 if MODE == "save" else 1)
 if MODE == "save":
     ckpt = CheckpointManager(ROOT, keep=3)
-    install_from_env(ckpt)  # the kill test holds the save of step 2 open (tests/ckpt_hooks.py)
+    install_from_env(ckpt)  # the kill test holds the save of step 2 open (tests/children/ckpt_hooks.py)
     g = torch.Generator().manual_seed(0)
     refs = {}
     for step in (1, 2):

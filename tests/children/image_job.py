@@ -1,7 +1,7 @@
 """Child process of tests/test_images.py and tests/test_py313.py (run in the background, tests/background.py).
 
-    python tests/image_job.py IMAGE OUT.json      # the image's notebooks (its '# notebooks:' line) in .venvs/IMAGE
-    python tests/image_job.py py3.13 OUT.json     # the unit suite on Python 3.13 (the lock)
+    python tests/children/image_job.py IMAGE OUT.json      # the image's notebooks (its '# notebooks:' line) in .venvs/IMAGE
+    python tests/children/image_job.py py3.13 OUT.json     # the unit suite on Python 3.13 (the lock)
 
 Writes what the test asserts on to OUT.json; the test prints and checks it.
 """
@@ -23,7 +23,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def notebooks_of(img) -> list[Path]:
