@@ -142,7 +142,8 @@ class Trainer:
             self.step, self.batch_in_epoch = self.step + 1, self.batch_in_epoch + 1
             if self.log.due(self.step, total):  # read after the step ran, in a closure: one transfer
                 self.log.close(self.step, self.epoch, self.optimizer, self._record)
-            self.profiler.sync(self.rt, self.step)  # rt.sync(): the step's graph is cut and launched
+            with self.profiler.around_sync(self.step):  # a captured step also waits for the device
+                self.rt.sync()  # the step ends: its graph is cut, compiled (first time only) and launched
             self._after_step(batch)  # NaN check, callbacks, checkpoint, profiler boundary
             if self.step >= total or self._stop:
                 break

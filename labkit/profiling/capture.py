@@ -31,6 +31,7 @@ The split itself (categories, top ops, timeline) is labkit.profiling.analysis.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -127,14 +128,15 @@ class StepProfiler:
                 self.after_batch()
             yield batch
 
-    def sync(self, rt, step: int) -> None:
-        """rt.sync(), the end of every step. A captured step also waits for the device afterwards, so
+    @contextlib.contextmanager
+    def around_sync(self, step: int):
+        """Wraps rt.sync(), the end of every step. A captured step also waits for the device afterwards, so
         its work stays inside its own step (free-running steps overlap host and device)."""
         if not self.capturing:
-            rt.sync()
+            yield
             return
         self.before_sync()
-        rt.sync()
+        yield
         self.after_sync(step)
 
     def boundary(self, trainer) -> list[Analysis]:
