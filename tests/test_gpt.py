@@ -252,3 +252,25 @@ def test_adamw_keeps_one_graph_past_the_bias_correction_rounding(capturable):
         counts.append(compile_count())
     extra = counts[-1] - counts[3]
     assert extra == (0 if capturable else 1), (extra, [i for i in range(1, 340) if counts[i] != counts[i - 1]])
+
+
+def test_generate_cached_takes_a_step_that_has_no_truth_value():
+    """torch 2.11's compiled module raises on len() (so on bool()): the step argument is tested against None."""
+    from labkit.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)).eval()
+
+    class NoTruth:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __len__(self):
+            raise TypeError("GraphModule does not support len()")
+
+        def __call__(self, *a, **k):
+            return self.fn(*a, **k)
+
+    prompt = torch.tensor([[1, 2, 3]])
+    want = gpt.generate_cached(prompt, 4, temperature=0)
+    assert torch.equal(gpt.generate_cached(prompt, 4, temperature=0, step=NoTruth(gpt.forward_cached)), want)

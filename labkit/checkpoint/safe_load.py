@@ -41,6 +41,7 @@ ADMITTED = {
     ("torch", "Size"),  # the global shape of each tensor and of each chunk
     ("torch.serialization", "_get_layout"),  # TensorProperties.layout (torch.strided), from its name
     ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id: the folder DCP wrote to
+    ("pathlib._local", "PosixPath"),  # the same class as Python 3.13 pickles it (pathlib became a package)
     # plain containers a metadata file may hold when pickled with an older protocol; they build no code
     ("collections", "OrderedDict"),
     ("builtins", "set"),

@@ -206,7 +206,7 @@ class GPT(nn.Module):
             raise ValueError(f"top_k={top_k} must be between 1 and vocab_size={self.cfg.vocab_size}")
         if idx.shape[1] == 0:
             raise ValueError("generate_cached needs a prompt of at least one token")
-        step = step or self.forward_cached
+        step = step if step is not None else self.forward_cached  # `or` would call len() on a compiled module
         T, dev = self.cfg.block_size, idx.device
         dtype = next(self.parameters()).dtype
         was_training = self.training
