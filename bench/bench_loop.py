@@ -3,7 +3,7 @@
     PJRT_DEVICE=CPU .venv/bin/python bench/bench_loop.py [--model resnet50] [--steps 12] [--trials 3]
 
 Both loops: torchvision model (10 classes), SGD+momentum, batches of 8x3x32x32 from an in-memory
-dataset through torch_xla's DeviceLoader, loss read every 20 steps in a step closure. Trials
+dataset through a background device loader (torch_xla's MpDeviceLoader by hand, labkit.DeviceLoader), loss read every 20 steps in a step closure. Trials
 alternate (hand, labkit, hand, labkit, ...) after each loop's own warm-up (its compiles), so slow
 drifts of this noisy machine hit both. Prints per-trial times and the ratio labkit / hand-written
 (goal <= 1.01).
