@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -29,20 +28,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.kernels import COLAB_KERNEL, colab_kernel
+
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 HOW = (
     "run `make venv` as root (scripts/bootstrap.sh installs Debian's chromium and chromium-driver with apt-get), "
     "or `sudo apt-get install chromium chromium-driver`, then `make test`"
 )
-COLAB_KERNEL = ROOT / ".venvs" / "colab-kernel"
-COLAB_KERNEL_PACKAGES = ["ipykernel", "ipywidgets"]  # at Colab's versions: images/colab-tpu.txt is the constraint
-# The front end's widget manager for ipywidgets 7 kernels. JupyterLab 4 with jupyterlab_widgets 3.0.17 (the
-# lock's, for ipywidgets 8) cannot draw them: "Module @jupyter-widgets/controls, version ^1.5.0 is not
-# registered, however, 2.0.0 is" (measured). jupyterlab_widgets 1.1.11 (the last of the 1.x line, made for
-# ipywidgets 7, declares JupyterLab "^3 || ^4") draws them in JupyterLab 4.6. Colab draws them with its own
-# front end; 1.1.11 goes into the kernel venv and that server is pointed at it with JUPYTER_PATH.
-WIDGETS7_FRONT_END = "jupyterlab_widgets==1.1.11"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -91,13 +84,15 @@ def live_notebook(kernel: str, run_line: str = RUN_LINE) -> dict:
             "torch.manual_seed(0)\n"
             "model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))\n"
             "\n"
-            "class Pace:  # ~35 ms a step: epochs of ~1.5 s, long enough to watch and to click in\n"
+            "# ~35 ms a step: epochs of ~1.5 s, long enough to watch and to click in. The click ends the run;\n"
+            "# 30 epochs leave time for a front end slow to draw the button.\n"
+            "class Pace:\n"
             "    def on_step_end(self, trainer, batch):\n"
             "        time.sleep(0.035)\n"
             "\n"
             "dash = labkit.Dashboard(title='live', every=0.5)\n"
             "trainer = labkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt,\n"
-            "                         labkit.TrainConfig(epochs=8, log_every=4), data, callbacks=[dash, Pace()])"
+            "                         labkit.TrainConfig(epochs=30, log_every=4), data, callbacks=[dash, Pace()])"
         ),
         nbformat.v4.new_code_cell(run_line),
         nbformat.v4.new_code_cell(
@@ -111,41 +106,6 @@ def live_notebook(kernel: str, run_line: str = RUN_LINE) -> dict:
 
 
 # -- the kernels and the server ---------------------------------------------------------------------------
-
-
-def site_dirs() -> list[str]:
-    """The site-packages of the interpreter running the tests (torch, torch_xla, labkit's dependencies)."""
-    return [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
-
-
-def colab_kernel() -> Path:
-    """A venv with Colab's kernel and widget pins (uv, the shared cache of scripts/image_venv.py); everything
-    else (torch, torch_xla, numpy, ...) comes from the project venv through a .pth file placed after it."""
-    uv = shutil.which("uv", path=f"{Path(sys.executable).parent}:{ROOT / '.venv' / 'bin'}")
-    if uv is None:
-        pytest.skip("uv is not installed (it is in requirements.txt): run `make venv`")
-    pins = (ROOT / "images" / "colab-tpu.txt").read_text()
-    what = pins + repr(COLAB_KERNEL_PACKAGES) + WIDGETS7_FRONT_END + repr(site_dirs())
-    stamp_want = hashlib.sha256(what.encode()).hexdigest()
-    stamp = COLAB_KERNEL / ".labkit-stamp"
-    py = COLAB_KERNEL / "bin" / "python"
-    if stamp.exists() and stamp.read_text() == stamp_want and py.exists():
-        return py
-    env = dict(os.environ, UV_CACHE_DIR=os.environ.get("LABKIT_UV_CACHE") or str(Path.home() / ".cache" / "labkit-uv"))
-    shutil.rmtree(COLAB_KERNEL, ignore_errors=True)
-    base = os.path.realpath(sys.executable)
-    subprocess.run([uv, "venv", "-q", "--python", base, str(COLAB_KERNEL)], check=True, env=env)
-    cmd = [uv, "pip", "install", "-q", "--python", str(py), "-c", str(ROOT / "images" / "colab-tpu.txt")]
-    done = subprocess.run(cmd + COLAB_KERNEL_PACKAGES, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, f"building {COLAB_KERNEL} with Colab's kernel pins failed:\n{done.stderr}"
-    done = subprocess.run(
-        cmd[:4] + ["--python", str(py), "--no-deps", WIDGETS7_FRONT_END], env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, f"installing {WIDGETS7_FRONT_END} into {COLAB_KERNEL} failed:\n{done.stderr}"
-    purelib = subprocess.check_output([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
-    Path(purelib.decode().strip(), "zz_labkit_project.pth").write_text("\n".join(site_dirs()) + "\n")
-    stamp.write_text(stamp_want)
-    return py
 
 
 class JupyterLab:
@@ -280,7 +240,6 @@ def run_all(driver, lab: JupyterLab, name: str, kernel: str) -> None:
 
 def watch_and_stop(driver, lab: JupyterLab, stack: str, run_line: str = RUN_LINE) -> dict:
     """Run All, sample the page until the FINAL line appears (clicking Stop once an epoch has passed)."""
-    from selenium.webdriver.common.by import By
 
     name = f"live-{stack}.ipynb"
     kernel = "labkit-ipykernel7" if stack.startswith("ipykernel7") else "labkit-colab"
@@ -309,8 +268,7 @@ def watch_and_stop(driver, lab: JupyterLab, stack: str, run_line: str = RUN_LINE
             driver.execute_script("document.querySelector('.jp-OutputArea-output img')?.scrollIntoView(false)")
             driver.save_screenshot(str(shots / f"{stack}-1-running.png"))
         if out["clicked_at"] is None and epoch >= 1:
-            btn = driver.find_element(By.XPATH, "//button[normalize-space()='Stop after this epoch']")
-            btn.click()
+            stop_button(driver, shots, stack).click()
             out["clicked_at"] = (step, epoch)
             out["t"]["click"] = time.monotonic() - t0
             time.sleep(0.5)
@@ -322,6 +280,31 @@ def watch_and_stop(driver, lab: JupyterLab, stack: str, run_line: str = RUN_LINE
     (shots / f"{stack}-page.txt").write_text(driver.execute_script(SAMPLE_JS)["text"])
     assert "final" in out, f"the notebook did not finish in 240 s; seen steps {out['steps']}; page text in {shots}"
     return out
+
+
+def stop_button(driver, shots: Path, stack: str):
+    """The "Stop after this epoch" button, waited for (the front end draws a widget a moment after its
+    model arrives); when it never shows, the page as it was is saved and its text goes into the failure."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    xpath = "//button[normalize-space()='Stop after this epoch']"
+    try:
+        return WebDriverWait(driver, 30, poll_frequency=0.1).until(lambda d: d.find_element(By.XPATH, xpath))
+    except TimeoutException:
+        driver.save_screenshot(str(shots / f"{stack}-no-button.png"))
+        text = driver.execute_script(SAMPLE_JS)["text"]
+        (shots / f"{stack}-no-button.txt").write_text(text)
+        widgets = driver.execute_script(
+            "return [...document.querySelectorAll('.jp-OutputArea-output')].map(e => e.className + ': ' + "
+            "e.innerHTML.slice(0, 300))"
+        )
+        raise AssertionError(
+            f"no 'Stop after this epoch' button 30 s after an epoch ended ({stack}); the outputs:\n"
+            + "\n".join(widgets)
+            + f"\npage text:\n{text[-2000:]}"
+        ) from None
 
 
 @pytest.mark.parametrize("stack", ["ipykernel7", "colab"])

@@ -244,3 +244,104 @@ def _collect(kc, mid, timeout):
         elif m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
             return "".join(out), "".join(err)
     raise TimeoutError(f"execution {mid} did not finish in {timeout} s")
+
+
+IPYKERNEL6_SETUP = """
+import os, time, asyncio, ipykernel, ipywidgets
+os.environ.pop('LABKIT_CONSOLE', None)
+import torch, labkit
+from labkit.dashboard import NotebookSink
+from labkit.dashboard.controls import fit_with_buttons
+from tests.helpers import blobs, mlp
+
+class Talk:  # prints every step: output the fit thread sends while widget messages are being handled
+    def on_step_end(self, trainer, batch):
+        print(f'talk {trainer.step}', flush=True)
+        time.sleep(0.01)
+
+rt = labkit.setup('cpu')
+model = mlp()
+dash = labkit.Dashboard(title='steer', sink=NotebookSink())
+tr = labkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt, labkit.TrainConfig(epochs=500, log_every=8),
+    torch.utils.data.DataLoader(blobs(), batch_size=32), callbacks=[dash, Talk()])
+dash.sink.begin(tr, dash)
+slow = ipywidgets.Button(description='slow')  # a handler that takes its time, like a real one might
+slow.on_click(lambda _b: time.sleep(0.8))
+print(ipykernel.__version__, ipywidgets.__version__, slow.model_id, dash.sink.controls.buttons['stop'].model_id)
+"""
+
+
+@pytest.mark.heavy  # builds .venvs/colab-kernel (the 3.13 run leaves it to the 3.11 run, which shares it)
+@pytest.mark.timeout(300)
+def test_clicks_in_ipykernel_6_leave_the_cells_output_in_the_cell(tmp_path):
+    """Colab's ipykernel 6.17.1: `await fit_with_buttons(tr)` handles widget messages mid-run (a slow
+    handler, the front end's comm_info_request, the Stop click), and everything the fit thread prints
+    meanwhile still belongs to the cell: a front end shows only output whose parent is the cell's request."""
+    import json
+
+    from jupyter_client import KernelManager
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    from tests.kernels import colab_kernel
+
+    python = colab_kernel()
+    spec = tmp_path / "kernels" / "labkit-colab"
+    spec.mkdir(parents=True)
+    argv = [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "colab", "language": "python"}))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    km = KernelManager(
+        kernel_name="labkit-colab", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)])
+    )
+    km.start_kernel(cwd=root, env={**os.environ, "PYTHONPATH": root, "MPLBACKEND": "Agg"})
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=120)
+        out, err = _collect(kc, kc.execute(IPYKERNEL6_SETUP), 180)
+        assert not err, err
+        kernel_v, widgets_v, slow_id, stop_id = out.strip().splitlines()[-1].split()
+        assert kernel_v == "6.17.1" and widgets_v == "7.7.1", out
+        cell = kc.execute("h = await fit_with_buttons(tr)")
+        time.sleep(4)  # the fit is running (500 epochs would take minutes)
+        sent = {}
+        for what, msg_type, content in [
+            ("slow", "comm_msg", {"comm_id": slow_id, "data": {"method": "custom", "content": {"event": "click"}}}),
+            ("info", "comm_info_request", {"target_name": "jupyter.widget"}),
+            ("stop", "comm_msg", {"comm_id": stop_id, "data": {"method": "custom", "content": {"event": "click"}}}),
+        ]:
+            msg = kc.session.msg(msg_type, content)
+            kc.shell_channel.send(msg)
+            sent[msg["header"]["msg_id"]] = what
+            time.sleep(0.3)
+        talk_in_cell, talk_elsewhere, idle_for = [], [], set()
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            m = kc.get_iopub_msg(timeout=180)
+            parent = m["parent_header"].get("msg_id")
+            if m["msg_type"] == "stream" and "talk " in m["content"]["text"]:
+                (talk_in_cell if parent == cell else talk_elsewhere).append(m["content"]["text"])
+            elif m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+                if parent == cell:
+                    break
+                idle_for.add(sent.get(parent))
+        else:
+            raise TimeoutError("the fit did not stop in 180 s")
+        replies = []
+        while kc.shell_channel.msg_ready():
+            replies.append(kc.get_shell_msg(timeout=1))
+        info = [r for r in replies if r["msg_type"] == "comm_info_reply"]
+        assert not talk_elsewhere, f"the fit thread's output went to a widget message: {talk_elsewhere[:3]}"
+        assert len(talk_in_cell) >= 2, talk_in_cell
+        # each widget message was answered while the cell ran: busy/idle for it (a front end's request
+        # resolves on those), and the comm_info_request's reply
+        assert idle_for >= {"slow", "info", "stop"}, idle_for
+        assert info and info[0]["parent_header"]["msg_id"] in sent and info[0]["content"]["status"] == "ok", replies
+        out, err = _collect(kc, kc.execute("print(tr.step, tr.epoch, repr(dash.sink.controls.status.value))"), 60)
+        assert not err, err
+        step, epoch, status = out.split(maxsplit=2)
+        assert 0 < int(epoch) < 500 and int(step) == 8 * int(epoch), out
+        assert status.startswith("'stopping after epoch"), out
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

@@ -26,7 +26,7 @@ tests/test_browser.py). One line works on both:
 
 It runs the fit in a thread; on ipykernel 6 it also hands the widget messages that wait in the kernel's
 queue to the kernel every 50 ms (only those: the next cells' execute requests stay queued, in order),
-with the cell's parent message put back after each, so the cell's output stays where it belongs. In a
+leaving the running cell as the kernel's parent message, so the cell's output stays where it belongs. In a
 thread, Ctrl-C / "interrupt" stops the await but not the fit: use "Stop after this epoch", or call
 trainer.request_stop().
 
@@ -38,6 +38,7 @@ without a front end) there are no buttons and the run goes on.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 
@@ -178,9 +179,8 @@ def _kernel_with_queue():
 
 
 async def serve_widget_messages(kernel) -> int:
-    """ipykernel 6: dispatch the widget messages (clicks) waiting in the kernel's shell queue while a cell
-    runs; everything else (the next cells' execute requests) goes back to the queue, in order. The
-    cell's parent message is restored after each, so its output keeps going to the cell. Returns the
+    """ipykernel 6: handle the widget messages (clicks) waiting in the kernel's shell queue while a cell
+    runs; everything else (the next cells' execute requests) goes back to the queue, in order. Returns the
     number of messages handled. Reads the kernel's own queue, so it is tied to ipykernel 6's layout
     (msg_queue items are (order, dispatch, (raw frames,))); ipykernel 7 needs none of it."""
     kernel.shell_stream.flush()  # move what zmq has received into msg_queue
@@ -195,16 +195,30 @@ async def serve_widget_messages(kernel) -> int:
         (widget if _msg_type(kernel, item) in WIDGET_MESSAGES else other).append(item)
     for item in other:  # back before any await: nothing can slip in between
         kernel.msg_queue.put_nowait(item)
-    if not widget:
-        return 0
-    ident, parent = kernel._parent_ident.get("shell"), kernel.get_parent("shell")
-    try:
-        for _order, dispatch, args in widget:
-            await dispatch(*args)
-    finally:
-        kernel.set_parent(ident, parent, "shell")  # the cell's output goes to the cell again
+    for _order, _dispatch, args in widget:
+        await _handle(kernel, args[0])
+    if widget:
         kernel._publish_status("busy", "shell")  # the cell is still running
     return len(widget)
+
+
+async def _handle(kernel, frames) -> None:
+    """One widget message, handled as ipykernel 6's dispatch_shell handles it but for one thing: the kernel's
+    parent message stays the running cell's. dispatch_shell makes the message the parent while it handles
+    it, and whatever the fit thread prints or displays in that moment is sent as a reply to that message,
+    which the front end drops (measured: the buttons' own row, displayed as the fit starts, went missing
+    when the front end's comm_info_request came in at the same moment)."""
+    idents, msg = kernel.session.feed_identities(list(frames), copy=False)
+    msg = kernel.session.deserialize(msg, content=True, copy=False)
+    kernel._publish_status("busy", "shell", parent=msg)
+    try:
+        result = kernel.shell_handlers[msg["header"]["msg_type"]](kernel.shell_stream, idents, msg)
+        if inspect.isawaitable(result):
+            await result
+    except Exception:  # as dispatch_shell does: the kernel's log, and the cell goes on
+        kernel.log.error("Exception in widget message handler", exc_info=True)
+    finally:
+        kernel._publish_status("idle", "shell", parent=msg)
 
 
 def _msg_type(kernel, item) -> str | None:
