@@ -275,6 +275,14 @@ del probe
 # The dashboard below updates in place: curves, examples/s, MFU, and XLA's health panel (compiles per
 # interval, recompilations after warm-up with what changed, ops that fell back to the CPU, transfers).
 # A checkpoint is written every `checkpoint_every` steps in a background thread; training does not wait for it.
+#
+# The buttons above the figure (profile the next N steps, stop after this epoch, save a checkpoint now) reach
+# the run only when the kernel is free to read a click. This cell calls `trainer.fit()`, which keeps the kernel
+# busy, so a click waits for the cell to end, and the label beside the buttons says so. To steer the run mid-way,
+# write the line as `history = await labkit.dashboard.fit_with_buttons(trainer)`: the fit runs in a thread while the
+# kernel reads the clicks, and the kernel's stop button still stops it after the current step. This notebook keeps
+# the plain call because in a thread the fit cannot catch SIGTERM (a stopped runtime) to finish its pending
+# checkpoint upload first. This is a Jupyter lesson, not a torch_xla one: it holds for any backend.
 
 # %%
 import time

@@ -223,7 +223,9 @@ print("peak for MFU:", PEAK_SOURCE)
 # which keeps the step count on the device and computes the correction there: one graph for the whole run.
 # (The learning rate is a Python number too: the schedule below never reaches exactly 0 for the same reason.) The dashboard gets the work per step, so it reports tokens per second and
 # MFU = achieved FLOP/s ÷ peak FLOP/s of one chip. On a CPU there is no meaningful vendor peak, so labkit
-# measures one: a float32 matrix multiply timed for a second.
+# measures one: a float32 matrix multiply timed for a second. (The buttons act mid-run only when the cell runs
+# `history = await labkit.dashboard.fit_with_buttons(trainer)`; with the plain call below a click waits for the
+# cell to end, as notebook 01 explains.)
 
 # %%
 # GPT(gcfg) seeded on host and device; labkit.models.gpt.adamw (decay on matrices only, capturable on XLA);

@@ -59,3 +59,28 @@ def colab_kernel() -> Path:
     Path(purelib.decode().strip(), "zz_labkit_project.pth").write_text("\n".join(site_dirs()) + "\n")
     stamp.write_text(stamp_want)
     return py
+
+
+def start_kernel(python: Path, home: Path):
+    """A kernel of `python` (its own ipykernel), started by jupyter_client from a kernel spec written under
+    `home`, in the project root with the project on PYTHONPATH. Returns (manager, client), channels ready."""
+    import json
+
+    from jupyter_client import KernelManager
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = home / "kernels" / "labkit-test"
+    spec.mkdir(parents=True)
+    argv = [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "test", "language": "python"}))
+    km = KernelManager(kernel_name="labkit-test", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
+    km.start_kernel(cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"})
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=120)
+    except Exception:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        raise
+    return km, kc

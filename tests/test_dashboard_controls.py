@@ -3,6 +3,7 @@ and a real small run on XLA:CPU and CPU then stops after the epoch and saves the
 
 import io
 import os
+import re
 import sys
 import time
 
@@ -60,6 +61,22 @@ def test_buttons_call_the_trainer():
     c.unbind()  # the fit ended: a click now would be lost at the next fit(), so it is refused and said
     c.buttons["stop"].click()
     assert c.trainer.calls == [] and "await fit_with_buttons(trainer)" in c.status.value
+
+
+def test_a_fit_in_the_main_thread_is_told_that_clicks_wait():
+    """`trainer.fit()` in a cell runs in the kernel's main thread, where no click arrives before the cell ends:
+    the label says so as the fit begins. A fit in a thread (fit_with_buttons) gets a clean label."""
+    import threading
+
+    c = Controls()
+    c.widget()
+    c.bind(FakeTrainer())
+    assert "a click waits for this cell to end" in c.status.value
+    assert "await labkit.dashboard.fit_with_buttons(trainer)" in c.status.value
+    t = threading.Thread(target=c.bind, args=(FakeTrainer(),))
+    t.start()
+    t.join()
+    assert c.status.value == ""
 
 
 def test_without_ipywidgets_there_are_no_buttons(monkeypatch):
@@ -277,27 +294,10 @@ def test_clicks_in_ipykernel_6_leave_the_cells_output_in_the_cell(tmp_path):
     """Colab's ipykernel 6.17.1: `await fit_with_buttons(tr)` handles widget messages mid-run (a slow
     handler, the front end's comm_info_request, the Stop click), and everything the fit thread prints
     meanwhile still belongs to the cell: a front end shows only output whose parent is the cell's request."""
-    import json
+    from tests.kernels import colab_kernel, start_kernel
 
-    from jupyter_client import KernelManager
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    from tests.kernels import colab_kernel
-
-    python = colab_kernel()
-    spec = tmp_path / "kernels" / "labkit-colab"
-    spec.mkdir(parents=True)
-    argv = [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-    (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "colab", "language": "python"}))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    km = KernelManager(
-        kernel_name="labkit-colab", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)])
-    )
-    km.start_kernel(cwd=root, env={**os.environ, "PYTHONPATH": root, "MPLBACKEND": "Agg"})
-    kc = km.client()
-    kc.start_channels()
+    km, kc = start_kernel(colab_kernel(), tmp_path)
     try:
-        kc.wait_for_ready(timeout=120)
         out, err = _collect(kc, kc.execute(IPYKERNEL6_SETUP), 180)
         assert not err, err
         kernel_v, widgets_v, slow_id, stop_id = out.strip().splitlines()[-1].split()
@@ -342,6 +342,41 @@ def test_clicks_in_ipykernel_6_leave_the_cells_output_in_the_cell(tmp_path):
         step, epoch, status = out.split(maxsplit=2)
         assert 0 < int(epoch) < 500 and int(step) == 8 * int(epoch), out
         assert status.startswith("'stopping after epoch"), out
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+@pytest.mark.heavy  # the ipykernel 6 case builds .venvs/colab-kernel
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stack", ["ipykernel7", "colab"])
+def test_interrupting_the_kernel_stops_the_fit_in_its_thread(stack, tmp_path):
+    """The kernel's interrupt (the notebook's stop button) cancels `await fit_with_buttons(tr)`; the fit in
+    its thread stops after its step, before the cell ends, and stays stopped (before, it trained on)."""
+    import sys
+
+    from tests.kernels import colab_kernel, start_kernel
+
+    km, kc = start_kernel(colab_kernel() if stack == "colab" else sys.executable, tmp_path)
+    try:
+        out, err = _collect(kc, kc.execute(IPYKERNEL6_SETUP.replace("print(f'talk", "0 and print(f'talk")), 180)
+        assert not err, err
+        cell = kc.execute("h = await fit_with_buttons(tr)")
+        time.sleep(4)  # mid-run (500 epochs would take minutes)
+        km.interrupt_kernel()
+        out, err = _collect(kc, cell, 120)
+        assert "CancelledError" in err, err[-2000:]
+        said = re.search(r"interrupted at step (\d+).*the fit stopped at step (\d+)", out, re.S)
+        assert said, out
+        at, stopped = (int(v) for v in said.groups())
+        assert 0 < at <= stopped <= at + 1, out
+        steps = []
+        for _ in range(2):
+            o, e = _collect(kc, kc.execute("print(tr.step)"), 60)
+            assert not e, e
+            steps.append(o.split())
+            time.sleep(1.0)
+        assert steps[0] == steps[1] == [str(stopped)], (steps, out)
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

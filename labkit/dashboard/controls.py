@@ -26,9 +26,8 @@ tests/test_browser.py). One line works on both:
 
 It runs the fit in a thread; on ipykernel 6 it also hands the widget messages that wait in the kernel's
 queue to the kernel every 50 ms (only those: the next cells' execute requests stay queued, in order),
-leaving the running cell as the kernel's parent message, so the cell's output stays where it belongs. In a
-thread, Ctrl-C / "interrupt" stops the await but not the fit: use "Stop after this epoch", or call
-trainer.request_stop().
+leaving the running cell as the kernel's parent message, so the cell's output stays where it belongs.
+Interrupting the kernel stops the fit after its current step, as it stops `trainer.fit()`.
 
 Only APIs that ipywidgets 7.7.1 (Colab) and 8.x share are used: Button(description=, tooltip=), on_click,
 IntText(value=, description=), Label(value=), HBox, Layout(width="auto"); nothing from `style`. Without ipywidgets (or
@@ -41,10 +40,12 @@ import asyncio
 import inspect
 import json
 import os
+import threading
 
 PROFILE_SIGNAL = "SIGUSR1"  # what labkit.profiling listens to during fit()
 PROFILE_TRIGGER = os.path.join("profiles", "PROFILE")  # its trigger file when labkit.profiling is absent
 PROFILE_STEPS = 5
+FIT_LINE = "history = await labkit.dashboard.fit_with_buttons(trainer)"  # the cell whose clicks act mid-run
 
 
 def profile_trigger() -> str:
@@ -77,8 +78,13 @@ class Controls:
         self._profile_steps = profile_steps
 
     def bind(self, trainer) -> None:
-        """A fit() of `trainer` begins: clicks go to it."""
+        """A fit() of `trainer` begins: clicks go to it. A fit in the kernel's main thread (a plain
+        `trainer.fit()` in a cell) gets no click before the cell ends, and the label says so from the start."""
         self.trainer, self.running = trainer, True
+        if threading.current_thread() is threading.main_thread():
+            self._say(f"a click waits for this cell to end; to steer the run mid-way: {FIT_LINE}")
+        else:
+            self._say("")
 
     def unbind(self) -> None:
         """That fit() ended: a click now would be dropped by the next fit(), so it is refused (and said)."""
@@ -153,13 +159,29 @@ WIDGET_MESSAGES = ("comm_open", "comm_msg", "comm_close", "comm_info_request")
 async def fit_with_buttons(trainer, poll_s: float = 0.05):
     """`await` this in a notebook cell instead of calling trainer.fit(): the fit runs in a thread and the
     kernel handles the buttons' clicks while it runs (ipykernel 7 by itself; ipykernel 6 through
-    serve_widget_messages). Returns what fit() returns; its exception, if it raises."""
+    serve_widget_messages). Returns what fit() returns; its exception, if it raises.
+
+    Interrupting the kernel (the stop button, Ctrl-C) cancels the await, not the thread: the trainer is
+    asked to stop after the step it is in, the await waits for that, and the cell then ends cancelled, as
+    `trainer.fit()` ends with KeyboardInterrupt, its position kept for a resume. Without that, the fit
+    went on in the background, still training the model the next cells use (measured, ipykernel 6 and 7)."""
     fit = asyncio.ensure_future(asyncio.to_thread(trainer.fit))
     kernel = _kernel_with_queue()
-    while not fit.done():
-        await asyncio.wait({fit}, timeout=poll_s)
-        if kernel is not None:
-            await serve_widget_messages(kernel)
+    try:
+        while not fit.done():
+            await asyncio.wait({fit}, timeout=poll_s)
+            if kernel is not None:
+                await serve_widget_messages(kernel)
+    except asyncio.CancelledError:
+        trainer.request_stop()
+        print(
+            f"[labkit] interrupted at step {trainer.step}: the fit stops after this step (interrupt again to not wait)"
+        )
+        await asyncio.wait({fit})
+        if fit.exception() is not None:
+            print(f"[labkit] the fit ended with {type(fit.exception()).__name__}: {fit.exception()}")
+        print(f"[labkit] the fit stopped at step {trainer.step}")
+        raise
     return fit.result()
 
 
