@@ -65,7 +65,9 @@ class StepLog:
         """End the interval: its sums are read in a closure after this step's sync (master only)."""
         sums, self._last_log_t = self._acc.take(), time.perf_counter()
         meta = {"step": step, "epoch": epoch, "examples": self._interval_examples}
-        meta["epoch_examples"], self._interval_examples = self.epoch_examples, 0
+        # the epoch's count and start, taken now: on XLA the closure runs at the next sync, which can come
+        # after the next epoch began (its start then made the last interval's rate since epoch start spike)
+        meta["epoch_examples"], meta["epoch_t0"], self._interval_examples = self.epoch_examples, self._epoch_t0, 0
         if self.rt.is_master:  # only the master reads and draws
             self.rt.add_step_closure(self._emit, args=(sums, meta, optimizer, on_record))
 
@@ -93,7 +95,7 @@ class StepLog:
             "loss": vals.pop("loss") / steps,
             "examples": meta["examples"],
             "examples_per_s": meta["examples"] / dt if dt > 0 else float("nan"),
-            "global_rate": meta["epoch_examples"] / max(now - self._epoch_t0, 1e-9),
+            "global_rate": meta["epoch_examples"] / max(now - meta["epoch_t0"], 1e-9),
             "elapsed_s": now - self.t0,
             "lr": optimizer.param_groups[0]["lr"],
         }

@@ -250,3 +250,28 @@ def test_bad_learning_rate_and_empty_loader_are_named():
     )
     with pytest.raises(ValueError, match="no batches"):
         tr.fit()
+
+
+def test_rate_since_epoch_start_when_the_closure_runs_in_the_next_epoch():
+    """On XLA the interval's closure runs at the next sync; when the loop began the next epoch first, the
+    rate since epoch start is still the finished epoch's (it once divided by the new epoch's few microseconds)."""
+    import time
+
+    from labkit.steplog import StepLog
+
+    rt = labkit.setup("xla-cpu")
+    model = mlp().to(rt.device)
+    x = torch.randn(64, 16).to(rt.device)
+    model(x).sum().cpu()  # compiled now, so that the sync below is quick
+    t0 = time.perf_counter()
+    log = StepLog(rt, TrainConfig(log_every=1))
+    time.sleep(0.5)  # the epoch's work
+    log.add(model(x).sum(), rows=64)
+    records = []
+    log.close(1, 0, torch.optim.SGD(model.parameters(), lr=0.1), records.append)
+    assert records == []  # not read yet: XLA runs the closure after the step's graph
+    log.begin_epoch()
+    rt.sync()
+    assert len(records) == 1
+    spent = time.perf_counter() - t0
+    assert 64 / spent <= records[0]["global_rate"] <= 64 / 0.5, (records[0], spent)
