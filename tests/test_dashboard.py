@@ -312,3 +312,22 @@ def test_figure_says_only_what_it_draws():
     assert rate.get_title() == "tokens/s" and max(rate.lines[0].get_ydata()) == 640.0
     assert "recompile" in [t.get_text() for t in xla.get_legend().texts]
     assert not any(ln.get_label().startswith("chance") for ln in lm.axes[1].lines)
+
+
+def test_the_last_line_says_finished_or_stopped_not_an_eta():
+    """A fit that ends says so in its last line; one stopped early says where (an ETA there misled)."""
+
+    class StopAt:
+        def on_step_end(self, trainer, batch):
+            if trainer.step == 30:
+                trainer.request_stop()
+
+    rt = labkit.setup("cpu")
+    lines = {}
+    for name, extra in (("whole", []), ("stopped", [StopAt()])):
+        out = io.StringIO()
+        _run(rt, dim=16, callbacks=[Dashboard(title=name, sink=ConsoleSink(out)), *extra], log_every=10)
+        lines[name] = [ln for ln in out.getvalue().splitlines() if ln.startswith(f"[{name}] step")]
+    assert lines["whole"][-1].endswith("| finished") and "ETA" in lines["whole"][0], lines["whole"]
+    assert lines["stopped"][-1].endswith("| stopped at 30/60"), lines["stopped"]
+    assert all("ETA" not in ln for ln in (lines["whole"][-1], lines["stopped"][-1]))

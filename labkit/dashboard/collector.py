@@ -169,12 +169,9 @@ class Dashboard:
                 self._maybe_draw()
 
     def on_train_end(self, trainer) -> None:
-        # the figure must end on the last numbers (an evaluation may have come after the last draw)
-        if (
-            self._active
-            and self.history
-            and (self._pending or (not self._final_drawn and isinstance(self.sink, NotebookSink)))
-        ):
+        # the view must end on the last numbers (an evaluation may have come after the last draw) and say that
+        # the run ended: a fit stopped early otherwise ended on an ETA
+        if self._active and self.history and (self._pending or not self._final_drawn):
             self._draw(final=True)
         if self.finder is not None:
             self.finder.stop()

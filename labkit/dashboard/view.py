@@ -30,6 +30,13 @@ def _fmt_t(s) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
+def _eta(f: dict) -> str:
+    """What is left: an estimate while the run goes, and what became of it in the fit's last frame."""
+    if f.get("final"):
+        return "finished" if not f.get("total") or f["step"] >= f["total"] else f"stopped at {f['step']}/{f['total']}"
+    return f"ETA {_fmt_t(f.get('eta_s'))}"
+
+
 def summary_line(f: dict) -> str:
     """The compact one-line form of a frame (the console twin prints it)."""
     tot = f"/{f['total']}" if f.get("total") else ""
@@ -56,7 +63,7 @@ def summary_line(f: dict) -> str:
     if h.get("memory"):
         m = h["memory"]
         parts.append(f"mem {_fmt_n(m['used'], 'B')}" + (f"/{_fmt_n(m['limit'], 'B')}" if m.get("limit") else ""))
-    parts.append(f"ETA {_fmt_t(f.get('eta_s'))}")
+    parts.append(_eta(f))
     return " | ".join(parts)
 
 
@@ -163,7 +170,7 @@ def render(data: dict):
     lines = [
         f"{f['title']}   step {f['step']}"
         + (f"/{f['total']} ({100 * f['step'] / f['total']:.0f}%)" if f["total"] else "")
-        + f"   epoch {f['epoch']}   elapsed {_fmt_t(f['elapsed_s'])}   ETA {_fmt_t(f['eta_s'])}",
+        + f"   epoch {f['epoch']}   elapsed {_fmt_t(f['elapsed_s'])}   {_eta(f)}",
         f"loss {f['loss']:.4f}"
         + (f"   val {f['val_loss']:.4f}" if f["val_loss"] is not None else "")
         + (f"   acc {f['acc']:.3f}" if f["acc"] is not None else "")
