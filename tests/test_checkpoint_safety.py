@@ -238,6 +238,27 @@ def test_a_checkpoint_from_a_newer_labkit_says_so(tmp_path):
         CheckpointManager(tmp_path, rt=None).restore(step=1)
 
 
+def test_a_sharded_checkpoint_from_a_newer_labkit_says_so(tmp_path):
+    """The sharded format's commit record names the labkit that wrote it; when a newer one wrote what this
+    one cannot read (here a planner it does not know), the error names both versions."""
+    import json
+
+    from labkit.versions import __version__
+
+    ck = ShardedCheckpointManager(tmp_path, async_save=False)
+    ck.save(1, {"w": torch.ones(2, 3)})
+    ck.close()
+    marker = tmp_path / "step-00000001" / "COMMITTED"
+    rec = json.loads(marker.read_text())
+    assert rec["labkit"] == __version__
+    marker.write_text(json.dumps({**rec, "labkit": "99.0.0", "planner": "tiles-v2"}))
+    with pytest.raises(RuntimeError, match=f"saved by labkit 99.0.0, newer than this labkit {__version__}.*tiles-v2"):
+        ShardedCheckpointManager(tmp_path).restore({"w": torch.zeros(2, 3)})
+    marker.write_text(json.dumps({**rec, "planner": "tiles-v2"}))  # this labkit's own record: its own error
+    with pytest.raises(ValueError, match="unknown planner 'tiles-v2'"):
+        ShardedCheckpointManager(tmp_path).restore({"w": torch.zeros(2, 3)})
+
+
 _SPMD_NEW_RUN = """
 import os, sys
 os.environ["PJRT_DEVICE"] = "CPU"

@@ -194,18 +194,26 @@ def _release(v: str) -> tuple:
     return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
 
 
+def newer_labkit(saved: str | None, where: str, error: BaseException) -> RuntimeError | None:
+    """When a checkpoint that failed to load was saved by a newer labkit than this one: the error that says
+    so (the likely cause: update labkit), to raise from `error`. None otherwise (raise `error` itself)."""
+    from labkit.versions import __version__
+
+    if not isinstance(saved, str) or not re.match(r"\d+\.\d+", saved) or _release(saved) <= _release(__version__):
+        return None
+    return RuntimeError(
+        f"{where} was saved by labkit {saved}, newer than this labkit {__version__}, and does not load here "
+        f"({_why(error)}). Update labkit to {saved} or newer"
+    )
+
+
 def torch_load(data: bytes, where: str, map_location="cpu"):
     """torch.load(weights_only=True) of a one-file checkpoint. When it fails and the checkpoint was
     saved by a newer labkit than this one, the error says so (the likely cause: update labkit)."""
-    from labkit.versions import __version__
-
     try:
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as e:
-        saved = saved_labkit(data)
-        if saved is None or _release(saved) <= _release(__version__):
+        newer = newer_labkit(saved_labkit(data), where, e)
+        if newer is None:
             raise
-        raise RuntimeError(
-            f"{where} was saved by labkit {saved}, newer than this labkit {__version__}, and does not load here "
-            f"({_why(e)}). Update labkit to {saved} or newer"
-        ) from e
+        raise newer from e

@@ -7,8 +7,8 @@
 
 Format: torch.distributed.checkpoint (DCP) with torch_xla's SPMDSavePlanner / SPMDLoadPlanner. A
 checkpoint is a folder `step-00001200/` holding DCP's files (`__0_0.distcp`, `.metadata`) and, written
-last, `COMMITTED`: a small JSON with the step, the metrics and the crc32c and size of every other
-file. A folder without it is a save that did not finish (a crash, a kill -9): restore ignores it
+last, `COMMITTED`: a small JSON with the step, the metrics, the labkit that wrote it (an older one that
+cannot read it says so) and the crc32c and size of every other file. A folder without it is a save that did not finish (a crash, a kill -9): restore ignores it
 with a warning and takes the newest committed step; a committed one whose files no longer match
 their crc32c warns and falls back too. DCP stores each shard's piece of the global tensor with its
 offsets, so a state saved over 8 devices restores onto 4 devices or onto one (the load planner
@@ -62,6 +62,7 @@ from labkit.checkpoint import runs, safe_load
 from labkit.checkpoint.shards import _add_missing, _planner, _planner_kind, is_sharded, stage  # noqa: F401
 from labkit.checkpoint.writer import BackgroundWriter, no_space
 from labkit.cloud import gcs, open_store
+from labkit.versions import __version__
 
 MARKER = "COMMITTED"
 _STEP = re.compile(r"^step-(\d{8,})$")
@@ -178,6 +179,7 @@ class ShardedCheckpointManager:
                     self.store.put_if_absent(f"{name}/{f}", p, crc)  # gs://: the server's crc32c checked
                 self.writer.staged(step, folder)  # every file stored, no marker yet: the commit point is next
                 record = {"step": step, "files": files, "planner": kind, "metrics": metrics, "time": time.time()}
+                record["labkit"] = __version__  # a labkit too old to read it can then say so
                 if best:
                     record["best"] = best
                 data = json.dumps(record).encode()
@@ -296,6 +298,11 @@ class ShardedCheckpointManager:
                     raise
                 warnings.warn(f"{e}; falling back to the previous committed checkpoint", stacklevel=2)
                 continue
+            except Exception as e:
+                newer = safe_load.newer_labkit(rec.get("labkit"), self._url(folder_name(s)), e)
+                if newer is None:
+                    raise
+                raise newer from e
             finally:
                 if folder != self.store.local_path(folder_name(s)):
                     shutil.rmtree(folder, ignore_errors=True)
