@@ -146,6 +146,26 @@ def resolve_backend(backend: str | None = None) -> str:
     return name
 
 
+def _autograd_knows_xla(device) -> None:
+    """PyTorch's autograd engine makes its per-device queues once, at the process's first backward, for the
+    devices it can count then. A backward run before the XLA devices started (before torch_xla was imported,
+    or imported but before its first device) leaves them out, and every XLA backward after it fails with
+    "INTERNAL ASSERT FAILED ... device_ready_queues_ ... please report a bug to PyTorch" (measured, torch 2.9
+    and torch_xla 2.9 on XLA:CPU). One backward of a one-element tensor here (traced, never run: nothing
+    compiles or executes) turns that into a clear error at setup."""
+    x = torch.zeros(1, device=device, requires_grad=True)
+    try:
+        (x * 2).sum().backward()
+    except RuntimeError as e:
+        if "device_ready_queues_" not in str(e):
+            raise
+        raise BackendError(
+            "a backward pass ran in this process before the XLA devices started, so PyTorch's autograd engine "
+            "has no queue for them and every backward on them would fail: restart the runtime (Colab: "
+            "Runtime > Restart session) and call labkit.setup() before any training, even a CPU one"
+        ) from e
+
+
 def _setup_xla(kind: str, spmd, cache: str | None = None) -> Runtime:
     global _xla_kind
     want = "TPU" if kind == "tpu" else "CPU"
@@ -172,6 +192,7 @@ def _setup_xla(kind: str, spmd, cache: str | None = None) -> Runtime:
         _xla.quiet_jax_notice()  # torch_xla 2.8's per-op 'requires jax/pallas' log line: see labkit._xla
     except RuntimeError as e:
         raise BackendError(envsetup.tpu_error_advice(str(e)) or f"PJRT could not start {want} devices: {e}") from e
+    _autograd_knows_xla(device)
     _xla_kind = kind
     is_spmd = xr.is_spmd()
     if is_spmd:

@@ -121,3 +121,22 @@ def test_tpu_in_use_names_the_process(tmp_path):
     busy = tpu_error_advice("TPU initialization failed: open(/dev/accel0): Device or resource busy", root=str(tmp_path))
     assert "process 99" in busy and "/dev/accel0 busy" in busy
     assert tpu_error_advice("some other failure", root=str(tmp_path)) is None
+
+
+def test_a_backward_before_torch_xla_is_named_at_setup():
+    """A backward run before the XLA devices start leaves them out of PyTorch's autograd engine, and every
+    XLA backward after it fails with an internal assert; setup says what happened and what to do."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "PJRT_DEVICE": "CPU"}
+    done = subprocess.run(
+        [sys.executable, str(root / "tests" / "children" / "backward_before_xla.py")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "REFUSED: a backward pass ran in this process before the XLA devices started" in done.stdout, done.stdout
+    assert "Restart session" in done.stdout and "labkit.setup() before any training" in done.stdout
