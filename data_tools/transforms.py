@@ -8,6 +8,7 @@ x, y = to_batch([img], [3], *scale_stats(mean, std))   # float32 NCHW normalised
 from __future__ import annotations
 
 import io
+import warnings
 
 import numpy as np
 import torch
@@ -25,7 +26,12 @@ def decode_image(data: bytes, size: tuple[int, int] | None = None) -> np.ndarray
     Pillow's convert("RGB") would clip it to {0, 255}. Float images (mode F) are refused."""
     from PIL import Image
 
-    im = Image.open(io.BytesIO(data))
+    with warnings.catch_warnings():  # Pillow's own limit (89 M pixels: a warning, 179 M: an error) comes first
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # in Image.open: ours is the one said
+        try:
+            im = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as e:
+            raise ValueError(f"image claims more pixels than MAX_PIXELS ({MAX_PIXELS}): {e}") from None
     w, h = im.size
     if size is not None and (h, w) != tuple(size):
         raise ValueError(f"image is {w}x{h}, expected {size[1]}x{size[0]}")

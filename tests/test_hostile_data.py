@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import warnings
 import zlib
 
 import numpy as np
@@ -400,8 +401,12 @@ def test_png_claiming_gigapixels_is_refused_before_decoding(tmp_path):
     with pytest.raises(ShardError, match=r"sample 'k1' cannot be decoded: image is 13000x13000, expected 32x32"):
         for _ in make_loader(str(p), 1, train=False):
             pass
-    with pytest.raises(ValueError, match="13000x13000 pixels, more than MAX_PIXELS"):
-        decode_image(_bomb_png())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Pillow's DecompressionBombWarning (over 89 M pixels) is not said first
+        with pytest.raises(ValueError, match="13000x13000 pixels, more than MAX_PIXELS"):
+            decode_image(_bomb_png())
+        with pytest.raises(ValueError, match=r"more pixels than MAX_PIXELS \(16777216\).*400000000 pixels"):
+            decode_image(_bomb_png(20000, 20000))  # over Pillow's error limit: the same kind of error
 
 
 def test_gs_paths_with_empty_or_dot_segments_are_refused(gcs_bucket):
