@@ -91,9 +91,10 @@ def course_anchor(readme: Path) -> str:
 
 def index_page(entries: list[dict], readme: Path) -> str:
     rows = []
-    for i, e in enumerate(entries, 1):
+    for e in entries:
         t = f"{e['minutes']:.1f} min" if e["minutes"] is not None else "not executed"
-        rows.append(f"| {i} | [{e['title']}]({e['src'].name}) | {e['objective']} | {t} |")
+        num = e["src"].name.split("_")[0]  # the notebook's own number (00 is the first), as the README names it
+        rows.append(f"| {num} | [{e['title']}]({e['src'].name}) | {e['objective']} | {t} |")
     total = sum(e["minutes"] or 0 for e in entries)
     return "\n".join(
         [

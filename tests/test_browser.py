@@ -398,8 +398,9 @@ def test_book_pages_figures_and_links(browser, tmp_path):
             seen_links |= {u.split("#")[0] for u in got["links"] if u.startswith(base)}
             if page == "index.html":
                 browser.save_screenshot(str(artifacts() / "book-index.png"))
-                for e in entries:
-                    assert e["title"] in got["text"], f"the index does not list {e['title']}"
+                for e in entries:  # each under its own number, as the README names it (00 first)
+                    num = e["src"].name.split("_")[0]
+                    assert f"{num}\t{e['title']}" in got["text"], f"the index does not list {num} {e['title']}"
             if page == "99_figure_check.html":
                 browser.save_screenshot(str(artifacts() / "book-figure-page.png"))
         assert not broken, f"images that did not load: {broken}"
