@@ -65,8 +65,8 @@ class StepLog:
         """End the interval: its sums are read in a closure after this step's sync (master only)."""
         sums, self._last_log_t = self._acc.take(), time.perf_counter()
         meta = {"step": step, "epoch": epoch, "examples": self._interval_examples}
-        # the epoch's count and start, taken now: on XLA the closure runs at the next sync, which can come
-        # after the next epoch began (its start then made the last interval's rate since epoch start spike)
+        # the epoch's count and start, taken now: on XLA the closure runs at the next sync. The loop syncs right
+        # after close(), but a loop that began the next epoch first would divide by the new epoch's few us
         meta["epoch_examples"], meta["epoch_t0"], self._interval_examples = self.epoch_examples, self._epoch_t0, 0
         if self.rt.is_master:  # only the master reads and draws
             self.rt.add_step_closure(self._emit, args=(sums, meta, optimizer, on_record))

@@ -326,8 +326,14 @@ def test_the_last_line_says_finished_or_stopped_not_an_eta():
     lines = {}
     for name, extra in (("whole", []), ("stopped", [StopAt()])):
         out = io.StringIO()
-        _run(rt, dim=16, callbacks=[Dashboard(title=name, sink=ConsoleSink(out)), *extra], log_every=10)
+        dash = Dashboard(title=name, sink=ConsoleSink(out))
+        _run(rt, dim=16, callbacks=[dash, *extra], log_every=10)
         lines[name] = [ln for ln in out.getvalue().splitlines() if ln.startswith(f"[{name}] step")]
     assert lines["whole"][-1].endswith("| finished") and "ETA" in lines["whole"][0], lines["whole"]
     assert lines["stopped"][-1].endswith("| stopped at 30/60"), lines["stopped"]
     assert all("ETA" not in ln for ln in (lines["whole"][-1], lines["stopped"][-1]))
+    assert dash.frame()["final"] and "stopped at 30/60" in _figure_text(dash)  # the figure's text panel too
+
+
+def _figure_text(dash) -> str:
+    return "\n".join(t.get_text() for ax in dash.figure().axes for t in ax.texts)

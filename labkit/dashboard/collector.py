@@ -82,7 +82,7 @@ class Dashboard:
     # -- Trainer callbacks -----------------------------------------------------------------
     def on_train_begin(self, trainer) -> None:
         self.rt = rt = trainer.rt
-        self._active = rt.is_master
+        self._active, self._final_drawn = rt.is_master, False  # a new fit: its own end is still to come
         self.world_size = rt.world_size
         if self._total_given is None:  # not given: follow the trainer (fit() may be called again)
             self.total_steps = trainer.total_steps()
@@ -211,6 +211,7 @@ class Dashboard:
             "total": self.total_steps,
             "epoch": r["epoch"],
             "eta_s": eta,
+            "final": self._final_drawn,  # the fit ended: views say finished / stopped instead of an ETA
             "elapsed_s": r["elapsed_s"],
             "loss": r["loss"],
             "val_loss": ev.get("val_loss"),
