@@ -275,3 +275,25 @@ def test_rate_since_epoch_start_when_the_closure_runs_in_the_next_epoch():
     assert len(records) == 1
     spent = time.perf_counter() - t0
     assert 64 / spent <= records[0]["global_rate"] <= 64 / 0.5, (records[0], spent)
+
+
+@pytest.mark.parametrize("log_every", [4, 3])  # 3: an interval spans each epoch boundary
+def test_rates_across_epoch_boundaries(log_every):
+    """Every example is counted in some interval (one that spans an epoch boundary once dropped the first
+    epoch's part: its rate came out halved), and the rate since epoch start, a running mean of the interval
+    rates, never starts an epoch above them (it missed the host work after each reading: 991/s against 775/s)."""
+    import time
+
+    class Slow:  # host work after each step's reading, like a dashboard drawing
+        def on_step_end(self, trainer, batch):
+            time.sleep(0.02)
+
+    rt = labkit.setup("cpu")
+    tr = small_trainer(rt, blobs(n=8 * 32), epochs=3, log_every=log_every, callbacks=[Slow()])
+    tr.fit()
+    recs = tr.history
+    assert sum(r["examples"] for r in recs) == 3 * 8 * 32, [r["examples"] for r in recs]
+    later = [r for r in recs if r["epoch"] > 0]  # the fit's first interval is timed from fit() itself
+    slowest, fastest = min(r["examples_per_s"] for r in later), max(r["examples_per_s"] for r in later)
+    for r in later:
+        assert slowest * 0.95 <= r["global_rate"] <= fastest * 1.05, (r, slowest, fastest)
