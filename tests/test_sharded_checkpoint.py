@@ -128,6 +128,12 @@ def test_gcs_roundtrip_and_uncommitted(gcs_bucket):
     again = ShardedCheckpointManager(root)
     assert again.restore(into=target) is target and again.restored["step"] == 3
     _equal(target, saved[3])
+    gcs.blob(f"{root}/step-00000003/__0_0.distcp").delete()  # committed, then a file deleted from the bucket
+    with pytest.warns(UserWarning, match=r"step-00000003/__0_0.distcp does not exist .*falling back"):
+        assert again.restore(into=target) is target and again.restored["step"] == 2
+    _equal(target, saved[2])
+    with pytest.raises(FileNotFoundError, match=r"step-00000003/__0_0.distcp does not exist"):
+        again.restore(into=target, step=3)  # asked for by step: no fallback, the object named
     gcs.blob(f"{root}/step-00000003/{MARKER}").delete()
     with pytest.warns(UserWarning, match="step-00000003: no COMMITTED marker"):
         assert again.restore(into=target) is target and again.restored["step"] == 2

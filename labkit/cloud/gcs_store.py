@@ -153,7 +153,14 @@ class GCSStore(_Staging):
         self._upload(name, src, crc, None)
 
     def get(self, name) -> bytes:
-        return gcs.blob(self.url(name)).download_as_bytes(retry=self._retry())
+        """The object's bytes; FileNotFoundError naming it when it is gone, as a missing local file gives
+        (the client's NotFound is not an OSError: a restore did not fall back past a deleted object)."""
+        from google.api_core import exceptions
+
+        try:
+            return gcs.blob(self.url(name)).download_as_bytes(retry=self._retry())
+        except exceptions.NotFound:
+            raise FileNotFoundError(f"{self.url(name)} does not exist (deleted from the bucket?)") from None
 
     def list(self, prefix: str = "") -> list[str]:
         blobs = gcs.client().list_blobs(self.bucket, prefix=self.prefix + prefix, retry=self._retry())
