@@ -185,41 +185,48 @@ def test_console_twin_says_how_once():
     assert quiet.getvalue() == ""
 
 
-KERNEL_SETUP = """
-import os, time, asyncio
+def kernel_setup(on_step_end: str, then: str) -> str:
+    """The cell a kernel test runs first: a 500-epoch MLP fit on the CPU with the notebook dashboard, its
+    buttons shown now (fit() shows the same ones: a test needs their ids); `on_step_end` is the body of a
+    callback after each step (a few ms, so the run is still going when the test acts), `then` runs last."""
+    return f"""
+import os, time, asyncio, ipykernel, ipywidgets
 os.environ.pop('LABKIT_CONSOLE', None)
 import torch, labkit
 from labkit.dashboard import NotebookSink
-from labkit.checkpoint import CheckpointManager
+from labkit.dashboard.controls import fit_with_buttons
 from tests.helpers import blobs, mlp
 
-class Slow:  # a few ms per step, so that the run is still going when the click comes
+class Pace:
     def on_step_end(self, trainer, batch):
-        time.sleep(0.01)
+        {on_step_end}
 
 rt = labkit.setup('cpu')
 model = mlp()
 dash = labkit.Dashboard(title='steer', sink=NotebookSink())
 tr = labkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt, labkit.TrainConfig(epochs=500, log_every=8),
-    torch.utils.data.DataLoader(blobs(), batch_size=32), callbacks=[dash, Slow()])
-dash.sink.begin(tr, dash)  # the buttons now (fit() shows the same ones): the test needs their ids
-print(dash.sink.controls.buttons['stop'].model_id)
+    torch.utils.data.DataLoader(blobs(), batch_size=32), callbacks=[dash, Pace()])
+dash.sink.begin(tr, dash)
+{then}
 """
+
+
+SLEEP = "time.sleep(0.01)"
+STOP_ID = "print(dash.sink.controls.buttons['stop'].model_id)"
 
 
 @pytest.mark.heavy
 @pytest.mark.timeout(240)
-def test_a_click_stops_a_fit_running_in_a_real_kernel():
+def test_a_click_stops_a_fit_running_in_a_real_kernel(tmp_path):
     """ipykernel 7: while a cell awaits `asyncio.to_thread(trainer.fit)`, the kernel handles the click at once
     (the front end's comm message, as a browser sends it) and the run stops at the end of that epoch."""
     import ipykernel
-    from jupyter_client.manager import start_new_kernel
+
+    from tests.kernels import start_kernel
 
     if int(ipykernel.__version__.split(".")[0]) < 7:
         pytest.skip("ipykernel < 7 queues widget messages behind the running cell")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root}
-    km, kc = start_new_kernel(kernel_name="python3", cwd=root, env=env)
+    km, kc = start_kernel(sys.executable, tmp_path)
     try:
 
         def run(code, wait=True, timeout=180):
@@ -228,7 +235,7 @@ def test_a_click_stops_a_fit_running_in_a_real_kernel():
                 return mid
             return _collect(kc, mid, timeout)
 
-        out, err = run(KERNEL_SETUP)
+        out, err = run(kernel_setup(SLEEP, STOP_ID))
         assert not err, err
         stop_id = out.strip().splitlines()[-1]
         mid = run("h = await asyncio.to_thread(tr.fit)", wait=False)
@@ -243,6 +250,7 @@ def test_a_click_stops_a_fit_running_in_a_real_kernel():
         assert 0 < int(epoch) < 500 and int(step) == 8 * int(epoch) and int(in_epoch) == 0, out
         assert status.startswith("'stopping after epoch"), out
     finally:
+        kc.stop_channels()
         km.shutdown_kernel(now=True)
 
 
@@ -263,29 +271,12 @@ def _collect(kc, mid, timeout):
     raise TimeoutError(f"execution {mid} did not finish in {timeout} s")
 
 
-IPYKERNEL6_SETUP = """
-import os, time, asyncio, ipykernel, ipywidgets
-os.environ.pop('LABKIT_CONSOLE', None)
-import torch, labkit
-from labkit.dashboard import NotebookSink
-from labkit.dashboard.controls import fit_with_buttons
-from tests.helpers import blobs, mlp
-
-class Talk:  # prints every step: output the fit thread sends while widget messages are being handled
-    def on_step_end(self, trainer, batch):
-        print(f'talk {trainer.step}', flush=True)
-        time.sleep(0.01)
-
-rt = labkit.setup('cpu')
-model = mlp()
-dash = labkit.Dashboard(title='steer', sink=NotebookSink())
-tr = labkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt, labkit.TrainConfig(epochs=500, log_every=8),
-    torch.utils.data.DataLoader(blobs(), batch_size=32), callbacks=[dash, Talk()])
-dash.sink.begin(tr, dash)
-slow = ipywidgets.Button(description='slow')  # a handler that takes its time, like a real one might
-slow.on_click(lambda _b: time.sleep(0.8))
-print(ipykernel.__version__, ipywidgets.__version__, slow.model_id, dash.sink.controls.buttons['stop'].model_id)
-"""
+IPYKERNEL6_SETUP = kernel_setup(
+    "print(f'talk {trainer.step}', flush=True); time.sleep(0.01)",  # output sent while widget messages are handled
+    "slow = ipywidgets.Button(description='slow')  # a handler that takes its time, like a real one might\n"
+    "slow.on_click(lambda _b: time.sleep(0.8))\n"
+    "print(ipykernel.__version__, ipywidgets.__version__, slow.model_id, dash.sink.controls.buttons['stop'].model_id)",
+)
 
 
 @pytest.mark.heavy  # builds .venvs/colab-kernel (the 3.13 run leaves it to the 3.11 run, which shares it)
@@ -353,13 +344,11 @@ def test_clicks_in_ipykernel_6_leave_the_cells_output_in_the_cell(tmp_path):
 def test_interrupting_the_kernel_stops_the_fit_in_its_thread(stack, tmp_path):
     """The kernel's interrupt (the notebook's stop button) cancels `await fit_with_buttons(tr)`; the fit in
     its thread stops after its step, before the cell ends, and stays stopped (before, it trained on)."""
-    import sys
-
     from tests.kernels import colab_kernel, start_kernel
 
     km, kc = start_kernel(colab_kernel() if stack == "colab" else sys.executable, tmp_path)
     try:
-        out, err = _collect(kc, kc.execute(IPYKERNEL6_SETUP.replace("print(f'talk", "0 and print(f'talk")), 180)
+        out, err = _collect(kc, kc.execute(kernel_setup(SLEEP, "")), 180)
         assert not err, err
         cell = kc.execute("h = await fit_with_buttons(tr)")
         time.sleep(4)  # mid-run (500 epochs would take minutes)

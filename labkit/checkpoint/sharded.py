@@ -8,8 +8,8 @@
 Format: torch.distributed.checkpoint (DCP) with torch_xla's SPMDSavePlanner / SPMDLoadPlanner. A
 checkpoint is a folder `step-00001200/` holding DCP's files (`__0_0.distcp`, `.metadata`) and, written
 last, `COMMITTED`: a small JSON with the step, the metrics, the labkit that wrote it (an older one that
-cannot read it says so) and the crc32c and size of every other file. A folder without it is a save that did not finish (a crash, a kill -9): restore ignores it
-with a warning and takes the newest committed step; a committed one whose files no longer match
+cannot read it says so) and the crc32c and size of every other file. A folder without it is a save
+that did not finish (a crash, a kill -9): restore ignores it with a warning and takes the newest committed step; a committed one whose files no longer match
 their crc32c warns and falls back too. DCP stores each shard's piece of the global tensor with its
 offsets, so a state saved over 8 devices restores onto 4 devices or onto one (the load planner
 reads the slices each target shard needs).

@@ -178,8 +178,8 @@ async def fit_with_buttons(trainer, poll_s: float = 0.05):
             f"[labkit] interrupted at step {trainer.step}: the fit stops after this step (interrupt again to not wait)"
         )
         await asyncio.wait({fit})
-        if fit.exception() is not None:
-            print(f"[labkit] the fit ended with {type(fit.exception()).__name__}: {fit.exception()}")
+        if (e := fit.exception()) is not None:
+            print(f"[labkit] the fit ended with {type(e).__name__}: {e}")
         print(f"[labkit] the fit stopped at step {trainer.step}")
         raise
     return fit.result()
