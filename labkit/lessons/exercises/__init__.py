@@ -6,26 +6,38 @@ In a notebook:
     # your turn: edit this cell
     def bucket(n): ...                                   # YOUR CODE
 
-    # solution (collapsed; runs only when LABKIT_SOLUTIONS=1, as in CI)
+    # solution (collapsed; runs only when LABKIT_SOLUTIONS=1)
     if labkit.lessons.exercises.solutions_on():
         def bucket(n): return 8 * math.ceil(n / 8)
 
     labkit.lessons.exercises.check("02.bucket", lambda: nb02.check_bucket(bucket))
 
-check() runs the notebook's checker, which raises Wrong("what is wrong") or returns a short note. A learner
-sees "✓ pass" or "✗ not yet: ..." and the notebook goes on (Run all never stops at an exercise); with
-LABKIT_SOLUTIONS=1 (the test suite) a wrong answer raises, so a solution that stops working fails CI.
-Checkers live beside this file, one module per notebook (nb00.py, nb01.py, ...), and test the learner's
-value against what it must do, never against a stored answer string.
+check() is the one place that turns whatever the learner's code does into "✓ pass" or "✗ not yet: why": a
+placeholder (`...`, None), a wrong type or shape, an exception inside the learner's code ("your code raised
+X: ..."), an object whose `__eq__` lies, a loop that never ends (a time limit). Run all never stops at an
+exercise. With LABKIT_SOLUTIONS=1 (an instructor, the solutions-on test runs) a failure raises instead, so a
+solution that stops working fails CI.
+
+Checkers live beside this file, one module per notebook (nb00.py, nb01.py, ...). They call the learner's code
+through call(), read numbers through number() / integer() (plain Python values: a lying `__eq__` never reaches
+a comparison), vary their inputs on every call, and judge what the code does (the values it returns, where its
+tensors live, what torch_xla's counters say), never the text of the answer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import numbers
 import os
+import signal
+import threading
+import traceback
 
 from labkit.config import parse_bool
 
 ENV = "LABKIT_SOLUTIONS"
+TIME_LIMIT_S = 120.0  # a check that runs longer than this is a learner's loop that never ends (checks take < 30 s)
 results: dict[str, bool] = {}  # name -> passed, for the notebook's summary and the tests
 
 
@@ -37,31 +49,83 @@ class NotDone(Wrong):
     """The learner has not written anything yet (the cell still holds its placeholder)."""
 
 
+class TooSlow(BaseException):
+    """The check ran past its time limit. A BaseException, so a learner's `except Exception:` cannot swallow it."""
+
+
 def solutions_on() -> bool:
     """True when the hidden solution cells should run (LABKIT_SOLUTIONS=1: the test suite, an instructor)."""
     return parse_bool(os.environ.get(ENV, ""), ENV)
 
 
-def check(name: str, checker) -> bool:
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """Raise TooSlow in the main thread after `seconds` (SIGALRM; a notebook cell runs in the main thread).
+    Elsewhere (a worker thread, Windows) there is no limit. Re-armed every second after the first alarm, in case
+    the learner's code catches BaseException too."""
+    usable = (
+        seconds
+        and hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+        and signal.getitimer(signal.ITIMER_REAL)[0] == 0  # never steal someone else's alarm
+    )
+    if not usable:
+        yield
+        return
+
+    def _alarm(signum, frame):
+        raise TooSlow(seconds)
+
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _where(e: BaseException) -> str:
+    """'(file:line)' of the innermost frame outside labkit: where in the learner's code it went wrong."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/labkit/" not in f.filename.replace("\\", "/")]
+    if not frames:
+        return ""
+    f = frames[-1]
+    name = os.path.basename(f.filename)
+    return f" (at {name}:{f.lineno})" if not name.startswith("<ipython") else f" (line {f.lineno} of its cell)"
+
+
+def check(name: str, checker, time_limit: float = TIME_LIMIT_S) -> bool:
     """Run `checker()` (no arguments); print pass or what is wrong. Returns whether it passed.
 
-    With solutions on, a failure raises (the test suite must see it); otherwise the notebook goes on."""
+    Whatever happens inside (Wrong, NotDone, an exception from the learner's code, a time-out) becomes
+    "✗ name: not yet: why". With solutions on, a failure raises (the test suite must see it)."""
     try:
-        note = checker()
-    except Wrong as e:
+        with _deadline(time_limit):
+            note = checker()
+    except KeyboardInterrupt:
+        raise
+    except (Exception, TooSlow) as e:
         results[name] = False
         if solutions_on():
             raise
-        print(f"✗ {name}: not yet: {e}")
+        if isinstance(e, Wrong):
+            why = str(e)
+        elif isinstance(e, TooSlow):
+            why = f"the check ran past {time_limit:.0f} s: does your code loop forever, or wait on something?"
+        else:
+            why = f"your code raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{_where(e)}"
+        print(f"✗ {name}: not yet: {why}")
         return False
     results[name] = True
     print(f"✓ {name}: pass" + (f" ({note})" if note else ""))
     return True
 
 
-def require(condition: bool, message: str) -> None:
-    """A checker's assert that survives `python -O`: raises Wrong(message) when condition is false."""
-    if not condition:
+def require(condition, message: str) -> None:
+    """A checker's assert that survives `python -O`: raises Wrong(message) when condition is false.
+    `condition` must be a real bool (or numpy bool): an object with a lying `__bool__` is not accepted."""
+    if type(condition).__name__ not in ("bool", "bool_") or not condition:
         raise Wrong(message)
 
 
@@ -69,3 +133,56 @@ def todo(value) -> None:
     """Raise NotDone when the learner's cell still holds `...` (Ellipsis) or None."""
     if value is ... or value is None:
         raise NotDone("replace the ... in the cell above with your answer")
+
+
+def call(fn, *args, **kwargs):
+    """Call the learner's function `fn`. A placeholder (`...`, None, not callable) or a function that returns
+    `...`/None is NotDone; an exception inside it becomes Wrong("your code raised X: ..."), naming the line."""
+    todo(fn)
+    if not callable(fn):
+        raise Wrong(f"expected a function, got {type(fn).__name__}")
+    try:
+        out = fn(*args, **kwargs)
+    except (Wrong, TooSlow, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise Wrong(f"your code raised {type(e).__name__}: {first}{_where(e)}") from None
+    if out is ... or out is None:
+        raise NotDone("your function returns nothing yet: replace the ... in its body")
+    return out
+
+
+def number(value, what: str = "your answer") -> float:
+    """`value` as a plain, finite Python float. Accepts int/float (numpy scalars too); refuses placeholders,
+    bools, strings, tensors, NaN and any other object (whose `__eq__` or `__float__` could say anything)."""
+    todo(value)
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        raise Wrong(f"{what} is a bool ({value}); give a number")
+    if isinstance(value, float):
+        out = float.__float__(value)  # the float itself, not a subclass's __float__
+    elif isinstance(value, int):
+        out = float(int.__index__(value))
+    elif isinstance(value, numbers.Real) and type(value).__module__ == "numpy":
+        out = float(value)
+    else:
+        raise Wrong(f"{what} must be a number (int or float), got {type(value).__name__}")
+    if not math.isfinite(out):
+        raise Wrong(f"{what} is {out}: give a finite number")
+    return out
+
+
+def integer(value, what: str = "your answer") -> int:
+    """`value` as a plain Python int; a float is accepted only when it is a whole number."""
+    x = number(value, what)
+    if x != int(x):
+        raise Wrong(f"{what} is {x}: a count is a whole number")
+    return int(x)
+
+
+def close(got: float, want: float, rel: float, what: str, hint: str = "") -> float:
+    """Require |got - want| <= rel * |want| (plain floats); return the relative error."""
+    err = abs(got - want) / max(abs(want), 1e-300)
+    require(err <= rel, f"{what}: you say {got:,.4g}, it is {want:,.4g} ({err:.0%} off, within {rel:.0%} passes)"
+            + (f"; {hint}" if hint else ""))
+    return err
