@@ -7,7 +7,9 @@ Python, with the image's environment markers, a stand-in google.colab in the Col
 and LABKIT_PIP_SPEC pointing at this checkout so the real set-up cell installs labkit from it. Training
 runs on XLA:CPU (TPU images) or the plain CPU (GPU image). Which notebooks each image runs is its header's `# notebooks:` line (README, "Where it runs"). Checked: (a) every cell passes, (b) `pip freeze`
 after the run has every package of the image at the same version (additions are listed), (c) the set-up
-cell printed the platform and choice the image's header expects. Executed copies: artifacts/images/<image>/.
+cell printed the platform and choice the image's header expects, (d) the notebooks run as a learner's Run all
+does, with LABKIT_SOLUTIONS=0: every exercise, unsolved, prints "✗ ...: not yet: ..." and no later cell fails
+(the main suite runs the same notebooks with the solutions on). Executed copies: artifacts/images/<image>/.
 """
 
 from __future__ import annotations
@@ -50,7 +52,11 @@ def test_notebooks_in_image(name, capsys):
     with capsys.disabled():
         print(f"\n[images] {name} (Python {r['python']}): venv {built['action']} in {built['seconds']:.1f} s")
         for stem, run in runs.items():
-            print(f"[images] {name} {stem}: {run['seconds']:.0f} s, {'FAILED' if run['error'] else 'passed'}")
+            unsolved = sum(any("not yet" in ln for ln in v) for v in run.get("exercises", {}).values())
+            print(
+                f"[images] {name} {stem}: {run['seconds']:.0f} s, {'FAILED' if run['error'] else 'passed'}, "
+                f"{unsolved} of {len(run.get('exercises', {}))} unsolved exercises said 'not yet'"
+            )
             for ln in run["setup"]:
                 print(f"[images] {name} {stem}:   {ln}")
         print(f"[images] {name}: added {added or 'nothing'}")
@@ -63,6 +69,18 @@ def test_notebooks_in_image(name, capsys):
             problems.append(f"{stem} failed in {name} (executed copy in {r['out_dir']}):\n{run['error'][-4000:]}")
     if changed:  # (b) the image's packages are untouched
         problems.append(f"the notebooks changed packages of {name}: {changed} (added: {added})")
+    for stem, run in runs.items():  # (d) Run all with the exercises unsolved: each one says "not yet", none passes
+        exercises = run.get("exercises", {})
+        if not exercises and not run["error"]:
+            problems.append(f"{stem} in {name}: no exercise check found in the executed notebook")
+        for ex_name, lines in exercises.items():
+            if run["error"]:
+                break  # the failure above says more
+            if not any(ln.startswith(f"✗ {ex_name}: not yet") for ln in lines):
+                problems.append(
+                    f"{stem} in {name}: exercise {ex_name}, unsolved, printed {lines or 'nothing'}; expected "
+                    f"'✗ {ex_name}: not yet: ...'"
+                )
     for stem, run in runs.items():  # (c) the set-up cell recognised the image and kept its torch
         for key, want in r["expect"].items():
             got = field_of(run["setup"], key)

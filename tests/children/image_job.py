@@ -64,7 +64,8 @@ def kernel_env(img, workdir: Path) -> dict[str, str]:
     env.update(img.run_env)
     env.update(
         LABKIT_FAST="1",
-        LABKIT_SOLUTIONS="1",  # the exercises run their hidden solutions, as in the main suite
+        # the learner's path: Run all with every exercise unsolved (the main suite runs the solutions)
+        LABKIT_SOLUTIONS="0",
         LABKIT_PIP_SPEC=str(ROOT),  # the set-up cell installs labkit from this checkout
         IPYTHONDIR=str(workdir / "ipython"),  # no profile of this machine's user
         PYTHONNOUSERSITE="1",
@@ -100,6 +101,23 @@ def field_of(lines: list[str], key: str) -> str | None:
     return None
 
 
+CHECK = re.compile(r"""\bcheck\(\s*["']([\w.]+)["']""")
+
+
+def exercise_lines(nb) -> dict[str, list[str]]:
+    """For every exercise check in the notebook's source (`ex.check("01.resume", ...)`), the lines its run printed
+    about it ("✓ 01.resume: pass ..." or "✗ 01.resume: not yet: ...")."""
+    found: dict[str, list[str]] = {}
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        names = CHECK.findall(cell.source)
+        text = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
+        for name in names:
+            found[name] = [ln.strip() for ln in text.splitlines() if re.match(rf"\s*[✓✗] {re.escape(name)}:", ln)]
+    return found
+
+
 def run_notebook(path: Path, img, kernel: str, workdir: Path, out_dir: Path) -> dict:
     nb = nbformat.read(path, as_version=4)
     env = kernel_env(img, workdir)
@@ -115,7 +133,12 @@ def run_notebook(path: Path, img, kernel: str, workdir: Path, out_dir: Path) -> 
         error = str(e)
     finally:
         nbformat.write(nb, out_dir / path.name)
-    return {"seconds": time.perf_counter() - t0, "error": error, "setup": setup_lines(nb)}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "error": error,
+        "setup": setup_lines(nb),
+        "exercises": exercise_lines(nb),
+    }
 
 
 def image_run(name: str) -> dict:

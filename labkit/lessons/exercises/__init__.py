@@ -32,6 +32,7 @@ import numbers
 import os
 import signal
 import threading
+import time
 import traceback
 
 from labkit.config import parse_bool
@@ -62,27 +63,28 @@ def solutions_on() -> bool:
 def _deadline(seconds: float):
     """Raise TooSlow in the main thread after `seconds` (SIGALRM; a notebook cell runs in the main thread).
     Elsewhere (a worker thread, Windows) there is no limit. Re-armed every second after the first alarm, in case
-    the learner's code catches BaseException too."""
-    usable = (
-        seconds
-        and hasattr(signal, "setitimer")
-        and threading.current_thread() is threading.main_thread()
-        and signal.getitimer(signal.ITIMER_REAL)[0] == 0  # never steal someone else's alarm
-    )
-    if not usable:
+    the learner's code catches BaseException too. An alarm already set (pytest-timeout's hang guard) is kept:
+    if it comes first, its own handler runs, and it is re-armed with what is left of it afterwards."""
+    if not (seconds and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()):
         yield
         return
+    start = time.monotonic()
+    outer_left, _ = signal.getitimer(signal.ITIMER_REAL)
 
     def _alarm(signum, frame):
+        if outer_left and time.monotonic() - start >= outer_left and callable(old):
+            old(signum, frame)  # the outer alarm's time has come: its handler decides
         raise TooSlow(seconds)
 
     old = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
+    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer_left or seconds), 1.0)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        if outer_left:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - start), 0.01))
 
 
 def _where(e: BaseException) -> str:
@@ -112,7 +114,7 @@ def check(name: str, checker, time_limit: float = TIME_LIMIT_S) -> bool:
         if isinstance(e, Wrong):
             why = str(e)
         elif isinstance(e, TooSlow):
-            why = f"the check ran past {time_limit:.0f} s: does your code loop forever, or wait on something?"
+            why = f"the check ran past {time_limit:g} s: does your code loop forever, or wait on something?"
         else:
             why = f"your code raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{_where(e)}"
         print(f"✗ {name}: not yet: {why}")
@@ -183,6 +185,9 @@ def integer(value, what: str = "your answer") -> int:
 def close(got: float, want: float, rel: float, what: str, hint: str = "") -> float:
     """Require |got - want| <= rel * |want| (plain floats); return the relative error."""
     err = abs(got - want) / max(abs(want), 1e-300)
-    require(err <= rel, f"{what}: you say {got:,.4g}, it is {want:,.4g} ({err:.0%} off, within {rel:.0%} passes)"
-            + (f"; {hint}" if hint else ""))
+    require(
+        err <= rel,
+        f"{what}: you say {got:,.4g}, it is {want:,.4g} ({err:.0%} off, within {rel:.0%} passes)"
+        + (f"; {hint}" if hint else ""),
+    )
     return err
