@@ -8,33 +8,57 @@ trainer.fit()
 
 The names below are the public API; everything else is reached through a wing: labkit.checkpoint,
 labkit.cloud, labkit.dashboard, labkit.lessons, labkit.models, labkit.profiling, labkit.serve, labkit.spmd
-(each imported on first use, so `import labkit` stays light).
+(each imported on first use).
+
+`import labkit` itself imports no torch and a handful of labkit modules: every name below is looked up on
+first use (PEP 562), so `import labkit` costs milliseconds, and `labkit.setup()` pulls in the training path.
 """
 
 import importlib
 
-from labkit import compile_cache, precision
-from labkit.checkpoint import CheckpointManager
-from labkit.config import TrainConfig, fast_mode, from_env
-from labkit.dashboard import Dashboard, explain, force_console
-from labkit.device import BACKENDS, BackendError, Runtime, setup
-from labkit.doctor import doctor
 from labkit.envsetup import VERSION as __version__  # the one home of the version (kept equal to pyproject by tests)
-from labkit.lm import LMTrainer
-from labkit.loader import DeviceLoader
-from labkit.loop import Trainer
-from labkit.models.sizes import chance_accuracy, count_params
-from labkit.optim import optimizer_step, warmup_cosine
-from labkit.precision import Precision
-from labkit.seeding import manual_seed
 
+# public name -> the module that defines it (imported the first time the name is used)
+_HOMES = {
+    "BACKENDS": "labkit.device",
+    "BackendError": "labkit.device",
+    "Runtime": "labkit.device",
+    "setup": "labkit.device",
+    "CheckpointManager": "labkit.checkpoint",
+    "TrainConfig": "labkit.config",
+    "fast_mode": "labkit.config",
+    "from_env": "labkit.config",
+    "Dashboard": "labkit.dashboard",
+    "explain": "labkit.dashboard",
+    "force_console": "labkit.dashboard",
+    "doctor": "labkit.doctor",
+    "LMTrainer": "labkit.lm",
+    "DeviceLoader": "labkit.loader",
+    "Trainer": "labkit.loop",
+    "chance_accuracy": "labkit.models.sizes",
+    "count_params": "labkit.models.sizes",
+    "optimizer_step": "labkit.optim",
+    "warmup_cosine": "labkit.optim",
+    "Precision": "labkit.precision",
+    "manual_seed": "labkit.seeding",
+}
+MODULES = ("compile_cache", "precision")  # modules reached as labkit.compile_cache, labkit.precision
 WINGS = ("checkpoint", "cloud", "dashboard", "lessons", "models", "profiling", "serve", "spmd")
 
 
-def __getattr__(name):  # labkit.spmd, labkit.serve, ...: imported when first used (PEP 562)
-    if name in WINGS:
-        return importlib.import_module(f"labkit.{name}")
-    raise AttributeError(f"module 'labkit' has no attribute {name!r}")
+def __getattr__(name):
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+    elif name in WINGS or name in MODULES:
+        value = importlib.import_module(f"labkit.{name}")
+    else:
+        raise AttributeError(f"module 'labkit' has no attribute {name!r}")
+    globals()[name] = value  # once looked up, a plain attribute
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [

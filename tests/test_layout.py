@@ -113,3 +113,17 @@ def test_the_public_api_is_small_and_every_wing_exports_what_it_names():
         mod = importlib.import_module(f"labkit.{wing}")
         missing = [n for n in mod.__all__ if not hasattr(mod, n)]
         assert not missing, f"labkit.{wing}.__all__ names {missing} but does not define them"
+
+
+def test_import_labkit_is_light():
+    """`import labkit` loads no torch and at most a few labkit modules: the names and wings load on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, labkit; print(sum(m.startswith('labkit') for m in sys.modules), 'torch' in sys.modules); "
+        "labkit.Trainer; print(sum(m.startswith('labkit') for m in sys.modules), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert int(out[0]) <= 5 and out[1] == "False", f"import labkit loaded {out[0]} labkit modules, torch: {out[1]}"
+    assert out[3] == "True" and int(out[2]) > int(out[0]), "labkit.Trainer did not load the training path"
