@@ -74,6 +74,19 @@ def tpu_warnings(tpu: envsetup.Tpu, backend: str | None, versions: dict, root: s
     ]
 
 
+def torch_tpu_warnings(versions: dict) -> list[str]:
+    """TorchTPU (`torch-tpu`, torch_xla's successor) installed: say what labkit can and cannot do with it."""
+    if not versions.get("torch_tpu"):
+        return []
+    return [
+        f"torch_tpu {versions['torch_tpu']} is installed. labkit has no TorchTPU backend: it trains through "
+        "torch_xla (TPU), CUDA or the CPU, and docs/backends.md says what a TorchTPU backend would be, method by "
+        "method. torch_tpu loads with every `import torch` (TORCH_DEVICE_BACKEND_AUTOLOAD=0 keeps it out) and "
+        "needs torch >= 2.11, so it cannot share an environment with torch_xla 2.9 (torch 2.9)"
+        + (f"; this one has torch_xla {versions['torch_xla']} too" if versions.get("torch_xla") else "")
+    ]
+
+
 def _devices(rt) -> list[str]:
     if rt is None:
         return []
@@ -97,6 +110,7 @@ def doctor(rt=None, *, quiet: bool = False) -> dict:
         "torch_xla": version_of("torch_xla"),
         "torchvision": version_of("torchvision"),
         "libtpu": version_of("libtpu") or version_of("libtpu-nightly"),
+        "torch_tpu": version_of("torch-tpu") or version_of("torch_tpu"),
         "labkit": envsetup.VERSION,
     }
     found = _device.detect()
@@ -113,6 +127,7 @@ def doctor(rt=None, *, quiet: bool = False) -> dict:
         except _device.BackendError as e:
             warnings.append(str(e))
     warnings += tpu_warnings(envsetup.detect_tpu(), backend, versions)
+    warnings += torch_tpu_warnings(versions)
     if envsetup.labkit_status()[0] != "ours":
         warnings.append(
             "the importable 'labkit' is not this project's (PyPI's unrelated 'labkit'?): "

@@ -79,3 +79,17 @@ def test_one_version_everywhere():
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert labkit.__version__ == envsetup.VERSION == project["version"]
     assert doctor(None, quiet=True)["versions"]["labkit"] == labkit.__version__
+
+
+def test_doctor_names_torch_tpu_and_what_labkit_does_with_it(monkeypatch):
+    from labkit import doctor as doc
+
+    real = doc.version_of
+    monkeypatch.setattr(doc, "version_of", lambda name: "0.2.0" if name in ("torch-tpu", "torch_tpu") else real(name))
+    r = doc.doctor(quiet=True)
+    (w,) = [w for w in r["warnings"] if "torch_tpu" in w]
+    assert r["versions"]["torch_tpu"] == "0.2.0"
+    assert "torch_tpu 0.2.0 is installed" in w and "no TorchTPU backend" in w and "docs/backends.md" in w
+    assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in w and "this one has torch_xla 2.9" in w
+    monkeypatch.setattr(doc, "version_of", real)
+    assert not [w for w in doc.doctor(quiet=True)["warnings"] if "torch_tpu" in w]  # not installed here
