@@ -1,0 +1,149 @@
+"""Checkers for notebook 07 (debug a run). Each runs the learner's fix and measures it with the harness the
+notebook used to find the faults (labkit.lessons.capstone.measure): torch_xla's counters, labkit's SyncFinder,
+time blocked on the loader. Inputs change on every call (seed, batch size, width), so no number can be copied in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from labkit.lessons import capstone
+from labkit.lessons.exercises import Wrong, call, close, number, require, todo
+
+__all__ = ["check_fixed_loader", "check_fixed_step", "check_predict_step"]
+
+_calls = itertools.count(1)
+
+
+def check_fixed_step(fixed_step, rt, steps: int = 8) -> str:
+    """07.fix_step: fixed_step(model, x, y, lr) -> (loss, correct, labelled), device tensors. Judged by: the same
+    numbers as the reference step on batches with unlabelled rows, and, after warm-up, no new graph, no CPU
+    fallback and no device->host read (torch_xla's counters and the SyncFinder)."""
+    todo(fixed_step)
+    k = next(_calls)
+    batch, width = 24 + 8 * (k % 3), 32 + 16 * (k % 2)
+    x, y = capstone.digits(seed=k)
+    g = torch.Generator().manual_seed(k)
+    order = torch.randperm(len(y), generator=g)[: batch * steps].view(steps, batch)
+    batches = [(x[i], y[i], i) for i in order]
+
+    def run(step_fn):
+        model = capstone.make_model(rt, width=width, seed=k)
+        return capstone.measure(rt, model, step_fn, batches, steps=steps)
+
+    want = run(capstone.reference_step)
+
+    def learners(model, x, y, lr):
+        out = call(fixed_step, model, x, y, lr)
+        require(isinstance(out, (tuple, list)) and len(out) == 3, "return (loss, correct, labelled)")
+        for name, t in zip(("loss", "correct", "labelled"), out):
+            require(torch.is_tensor(t), f"{name} must be a tensor, got {type(t).__name__}")
+            require(t.device.type == rt.device.type, f"{name} is on {t.device}: keep it on {rt.device}")
+            require(t.numel() == 1, f"{name} must be one number, got shape {tuple(t.shape)}")
+        return tuple(out)
+
+    got = run(learners)
+    for i, (a, b) in enumerate(zip(got["losses"], want["losses"])):
+        require(
+            abs(a - b) <= 1e-4 * max(1.0, abs(b)),
+            f"step {i}: loss {a:.5f}, the step should give {b:.5f} (the loss over labelled rows, SGD at lr)",
+        )
+    require(
+        abs(got["accuracy"] - want["accuracy"]) < 1e-6,
+        f"accuracy {got['accuracy']:.4f}, want {want['accuracy']:.4f}: count correct labelled rows only",
+    )
+    if rt.is_xla:
+        require(not got["fallbacks"], f"CPU fallbacks after warm-up: {got['fallbacks']} (a boolean index?)")
+        require(
+            got["compiles_after_warmup"] == 0,
+            f"{got['compiles_after_warmup']} graphs compiled after warm-up: the step still changes with the data",
+        )
+    lines = "; ".join(f"{v}x {s}" for s, v in got["read_lines"].items())
+    require(got["reads"] == 0, f"{got['reads']} device->host reads in {got['steps']} steps ({lines}): none needed")
+    return f"{got['steps']} steps, no new graph, no fallback, no read"
+
+
+def check_fixed_loader(fixed_loader, compute_s: float = 0.02, delay_s: float = 0.0006, steps: int = 10) -> str:
+    """07.fix_loader: fixed_loader(dataset, batch_size) -> an iterable of (x, y, index) batches. Judged by: every
+    batch has batch_size rows (one shape, unlabelled rows kept), no sample twice in an epoch, and, with `compute_s`
+    of work per step (a sleep standing for the device), under 30 % of the step spent waiting for batches."""
+    todo(fixed_loader)
+    k = next(_calls)
+    batch = 32 + 16 * (k % 3)
+    data = capstone.SlowDigits(delay_s=delay_s, seed=k)
+    loader = call(fixed_loader, data, batch)
+    try:
+        it = iter(loader)
+    except TypeError:
+        raise Wrong(f"fixed_loader returned a {type(loader).__name__}, not something to iterate over") from None
+    seen, shapes, wait, total = [], set(), 0.0, 0.0
+    for step in range(steps + 2):
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            raise Wrong(f"the loader ended after {step} batches") from None
+        t1 = time.perf_counter()
+        require(isinstance(item, (tuple, list)) and len(item) == 3, "each batch must be (x, y, index)")
+        x, y, idx = item
+        require(all(torch.is_tensor(t) for t in item), "x, y and index must be tensors")
+        shapes.add((tuple(x.shape), tuple(y.shape)))
+        ids = [int(i) for i in idx]
+        labels = data.y[torch.tensor(ids)]
+        require(torch.equal(y.cpu(), labels), "labels do not belong to their samples (or unlabelled rows were changed)")
+        seen += ids
+        time.sleep(compute_s)  # the device's share of the step
+        if step >= 2:  # the first batches wait for the workers to start
+            wait, total = wait + (t1 - t0), total + (time.perf_counter() - t0)
+    require(len(shapes) == 1, f"batches of {len(shapes)} shapes {sorted(shapes)[:3]}: each is a new graph on XLA")
+    ((xs, _),) = shapes
+    require(xs[0] == batch, f"batches of {xs[0]} rows, asked for {batch}")
+    require(len(seen) == len(set(seen)), "a sample came twice in one epoch")
+    share = wait / total
+    require(share < 0.3, f"{share:.0%} of each step waiting for the loader: the chip would starve (more workers?)")
+    return f"{steps} batches of {batch}, one shape, {share:.0%} of the step waiting"
+
+
+def _not_allowed(model):
+    raise Wrong("count the weights yourself from model.parameters(): capstone.weights is the checker's answer")
+
+
+def check_predict_step(predict_step_s) -> str:
+    """07.predict: predict_step_s(batch, model, machine) -> seconds of matmul work in one training step (forward
+    and backward) at machine.flops. Judged on several batch sizes, widths and machines against 6 x batch x the
+    weight matrices' elements / FLOP/s, within 5 %."""
+    from labkit.profiling.roofline import Machine
+
+    todo(predict_step_s)
+    cases = [(64, 48, 2e11), (128, 96, 1e12), (8, 200, 5e10), (300, 16, 197e12)]
+    k = next(_calls)
+    cases = cases[k % 4 :] + cases[: k % 4]
+    for batch, width, flops in cases:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, 2 * width),
+            torch.nn.Linear(2 * width, 10),
+        )
+        machine = Machine("test", flops, 1e11)
+        want = 6 * batch * capstone.weights(model) / flops
+        real, capstone.weights = capstone.weights, _not_allowed  # the library's own count is not the answer
+        try:
+            got = number(call(predict_step_s, batch, model, machine), f"predict_step_s({batch}, width {width})")
+        finally:
+            capstone.weights = real
+        if abs(got - want / 3) <= 0.05 * want / 3:
+            raise Wrong("that is the forward pass only: the backward pass costs about twice the forward")
+        if abs(got * flops - want * flops) > 0.05 * want * flops and abs(got - want * flops) <= 0.05 * want * flops:
+            raise Wrong("that is a number of FLOPs: divide by the machine's FLOP/s for seconds")
+        close(
+            got,
+            want,
+            0.05,
+            f"batch {batch}, width {width}, {flops:.0e} FLOP/s",
+            hint="2 FLOPs per multiply-add, one multiply-add per weight per sample, backward = 2 x forward",
+        )
+    return "6 x batch x weights / FLOP/s, on four models and machines"

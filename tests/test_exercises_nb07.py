@@ -1,0 +1,106 @@
+"""Notebook 07's checkers on XLA:CPU: each passes the fix and turns away the faked or half fixes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import labkit
+from labkit.lessons import capstone
+from labkit.lessons.exercises import NotDone, Wrong, nb07
+
+
+@pytest.fixture(scope="module")
+def rt():
+    return labkit.setup("xla-cpu")
+
+
+def right_step(model, x, y, lr):
+    logits = model(x)
+    loss = F.cross_entropy(logits, y, ignore_index=-100)
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    keep = y >= 0
+    return loss.detach(), ((logits.argmax(1) == y) & keep).sum(), keep.sum()
+
+
+def test_fixed_step(rt):
+    assert "no new graph, no fallback, no read" in nb07.check_fixed_step(right_step, rt)
+
+    def boolean_index(model, x, y, lr):
+        loss, _, n = right_step(model, x, y, lr)
+        logits = model(x)
+        return loss, (logits.argmax(1)[y >= 0] == y[y >= 0]).sum(), n
+
+    with pytest.raises(Wrong, match="CPU fallbacks after warm-up: {'aten::nonzero'"):
+        nb07.check_fixed_step(boolean_index, rt)
+
+    def reads_each_step(model, x, y, lr):
+        out = right_step(model, x, y, lr)
+        float(out[0])  # a log line's read
+        return out
+
+    with pytest.raises(Wrong, match=r"6 device->host reads in 6 steps \(6x test_exercises_nb07.py:\d+"):
+        nb07.check_fixed_step(reads_each_step, rt)
+
+    def accuracy_on_the_host(model, x, y, lr):
+        loss, _, n = right_step(model, x, y, lr)
+        logits = model(x).cpu()
+        return loss, ((logits.argmax(1) == y.cpu()) & (y.cpu() >= 0)).sum(), n
+
+    with pytest.raises(Wrong, match="correct is on cpu: keep it on xla"):
+        nb07.check_fixed_step(accuracy_on_the_host, rt)
+
+    def fixed_lr(model, x, y, lr):
+        return right_step(model, x, y, 0.05)  # the schedule dropped: same graph, other numbers
+
+    with pytest.raises(Wrong, match=r"step \d+: loss .* the step should give"):
+        nb07.check_fixed_step(fixed_lr, rt)
+    with pytest.raises(NotDone):
+        nb07.check_fixed_step(lambda m, x, y, lr: ..., rt)
+
+
+def test_fixed_loader():
+    def right(dataset, batch_size):
+        return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=4)
+
+    assert "one shape" in nb07.check_fixed_loader(right)
+
+    def in_process(dataset, batch_size):
+        return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True)
+
+    with pytest.raises(Wrong, match="waiting for the loader: the chip would starve"):
+        nb07.check_fixed_loader(in_process)
+
+    def still_drops(dataset, batch_size):
+        return torch.utils.data.DataLoader(
+            dataset, batch_size=batch_size, num_workers=4, collate_fn=capstone.drop_unlabelled
+        )
+
+    with pytest.raises(Wrong, match="batches of .* shapes"):
+        nb07.check_fixed_loader(still_drops)
+
+    def with_replacement(dataset, batch_size):
+        sampler = torch.utils.data.RandomSampler(dataset, replacement=True)
+        return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=4)
+
+    with pytest.raises(Wrong, match="a sample came twice in one epoch"):
+        nb07.check_fixed_loader(with_replacement)
+
+
+def test_predict_step():
+    def right(batch, model, machine):
+        return 6 * batch * sum(p.numel() for p in model.parameters() if p.dim() == 2) / machine.flops
+
+    assert "6 x batch x weights" in nb07.check_predict_step(right)
+    with pytest.raises(Wrong, match="forward pass only"):
+        nb07.check_predict_step(lambda b, m, mach: right(b, m, mach) / 3)
+    with pytest.raises(Wrong, match="a number of FLOPs"):
+        nb07.check_predict_step(lambda b, m, mach: right(b, m, mach) * mach.flops)
+    with pytest.raises(Wrong, match="you say 0.01"):
+        nb07.check_predict_step(lambda b, m, mach: 0.01)  # a number from this machine, copied in
+    with pytest.raises(Wrong, match="count the weights yourself"):
+        nb07.check_predict_step(lambda b, m, mach: 6 * b * capstone.weights(m) / mach.flops)
+    assert capstone.weights(torch.nn.Linear(3, 2)) == 6  # put back after the check
