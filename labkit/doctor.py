@@ -87,20 +87,6 @@ def torch_tpu_warnings(versions: dict) -> list[str]:
     ]
 
 
-def _devices(rt) -> list[str]:
-    if rt is None:
-        return []
-    if rt.is_xla:
-        import torch_xla.core.xla_model as xm
-
-        return [str(d) for d in xm.get_xla_supported_devices()] or [str(rt.device)]
-    if rt.kind == "cuda":
-        import torch
-
-        return [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
-    return ["cpu"]
-
-
 def doctor(rt=None, *, quiet: bool = False) -> dict:
     """Collect versions, platform, devices and warnings; print them unless quiet.
     rt: the Runtime labkit.setup() returned (None: before setup(), the backend it would pick)."""
@@ -140,7 +126,7 @@ def doctor(rt=None, *, quiet: bool = False) -> dict:
         "pjrt_device": pjrt,
         "backend": backend,
         "runtime": repr(rt) if rt else None,
-        "devices": _devices(rt),
+        "devices": rt.device_names() if rt else [],
         "found": found,
         "warnings": warnings,
     }

@@ -126,20 +126,21 @@ class DeviceLoader:
         self.fetched = self.yielded = self.dropped = 0
         self._error = None
         host = _HostSide(self)
-        if self.rt.is_xla:
-            it = self._xla_iter(host)
-        elif self.rt.kind == "cuda":
-            it = self._cuda_iter(host)
-        else:
-            it = iter(host)
-        for batch in it:
+        for batch in self.rt.iterate(self, host):  # the backend's way onto the device (labkit.runtime)
             self.yielded += 1
             yield batch
         err, self._error = self._error, None
         if err is not None:
             raise err  # the same object: its traceback still points into the host loader
 
-    def _xla_iter(self, host):
+    def data_parallel_sharding(self):
+        """The batch split along "data" over a 1-D mesh of every device (SPMD's default)."""
+        from labkit.spmd.mesh import make_mesh
+
+        return BatchSharding(make_mesh())
+
+    def xla_batches(self, host, sharding=None):
+        """XLA: pl.ParallelLoader uploads batches on a thread, a few ahead of the step (and shards them)."""
         import torch_xla.distributed.parallel_loader as pl
 
         kwargs = dict(
@@ -147,11 +148,6 @@ class DeviceLoader:
             device_prefetch_size=self.device_prefetch,
             host_to_device_transfer_threads=self.host_to_device_threads,
         )
-        sharding = self.input_sharding
-        if sharding is None and self.rt.spmd:
-            from labkit.spmd.mesh import make_mesh
-
-            sharding = BatchSharding(make_mesh())  # 1-D over every device: the batch split along "data"
         if sharding is not None:
             kwargs["input_sharding"] = sharding
         loader = pl.ParallelLoader(host, [self.rt.device], **kwargs)
@@ -160,7 +156,8 @@ class DeviceLoader:
         finally:
             loader.close()
 
-    def _cuda_iter(self, host):
+    def cuda_batches(self, host):
+        """CUDA: pinned host memory, copied on a side stream while the step runs."""
         stream = torch.cuda.Stream(device=self.rt.device)
 
         def copy(batch):

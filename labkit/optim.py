@@ -53,29 +53,21 @@ def move_model(model, optimizer, device):
 
 
 def reduce_gradients(optimizer, rt) -> None:
-    """All-reduce (mean) gradients across XLA replicas; no-op otherwise."""
-    if rt.is_xla and rt.world_size > 1 and not rt.spmd:
-        import torch_xla.core.xla_model as xm
-
-        xm.reduce_gradients(optimizer)
+    """All-reduce (mean) gradients across replicas where the backend needs it done by hand (labkit.runtime)."""
+    rt.reduce_gradients(optimizer)
 
 
 def optimizer_step(optimizer, rt, *, clip_norm: float | None = None, scaler=None):
     """Reduce gradients across replicas where needed, clip if asked, step.
 
-    Returns the pre-clip gradient norm tensor when clip_norm is set, else None."""
-    multi_xla = rt.is_xla and rt.world_size > 1 and not rt.spmd
-    norm = None
+    Returns the pre-clip gradient norm tensor when clip_norm is set, else None.
+    The reduction is the backend's (labkit.runtime): xm.reduce_gradients with several XLA replicas (what
+    xm.optimizer_step does before its step), nothing under SPMD (the compiler inserted it) or DDP (done in
+    backward)."""
+    rt.reduce_gradients(optimizer)  # before clipping: the clip must see the reduced gradients
     if clip_norm is None:
-        if multi_xla:
-            import torch_xla.core.xla_model as xm
-
-            xm.optimizer_step(optimizer)  # all-reduce + step in one call
-        else:
-            _step(optimizer, scaler)
+        _step(optimizer, scaler)
         return None
-    # clipping must see the reduced gradients, so reduce first, then clip, then step
-    reduce_gradients(optimizer, rt)
     if scaler is not None:
         scaler.unscale_(optimizer)
     # torch's own: the scale factor stays a tensor (clamp(max_norm / norm, max=1)), so no .item() and no

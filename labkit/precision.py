@@ -76,36 +76,51 @@ def cuda_capability(device=None) -> tuple[int, int] | None:
 def choose(rt, want="auto") -> Precision:
     """The precision to train in on rt's chip. want: auto | bf16 | fp16 | fp32 | true | false (or a bool).
     'auto' turns mixed precision on where the chip has matrix units for it; 'true' asks for it anywhere
-    it can run. An explicit dtype the chip cannot do well raises ValueError naming the chip and the fix."""
-    mode, kind = _mode(want), getattr(rt, "kind", "cpu")
+    it can run. An explicit dtype the chip cannot do well raises ValueError naming the chip and the fix.
+    The backend picks which of the rules below is its own (labkit.runtime: precision_for)."""
+    mode = _mode(want)
+    return rt.precision_for(mode, want) if rt is not None else for_cpu(mode, want)
+
+
+def for_tpu(mode: str, want) -> Precision:
     if mode == "fp32":
-        return Precision(
-            "fp32", "cpu" if kind == "cpu" else "xla" if kind in ("tpu", "xla-cpu") else "cuda", f"asked for ({want!r})"
+        return Precision("fp32", "xla", f"asked for ({want!r})")
+    if mode == "fp16":
+        raise ValueError("fp16 on a TPU: the MXU computes in bf16; use 'bf16' (or 'auto')")
+    return Precision("bf16", "xla", "TPU: the MXU computes in bf16")
+
+
+def for_cuda(mode: str, want, device=None) -> Precision:
+    if mode == "fp32":
+        return Precision("fp32", "cuda", f"asked for ({want!r})")
+    cap = cuda_capability(device)
+    name = torch.cuda.get_device_name(device)
+    cc = f"{name}, compute capability {cap[0]}.{cap[1]}"
+    if cap >= (8, 0):
+        if mode == "fp16":
+            return Precision("fp16", "cuda", f"asked for; {cc} (bf16 would need no GradScaler)")
+        return Precision("bf16", "cuda", f"{cc}: bf16 tensor cores")
+    if mode == "bf16":
+        raise ValueError(
+            f"bf16 on {cc}: no bf16 tensor cores below 8.0 (emulated, slower than fp32); "
+            "use 'fp16' (autocast + GradScaler) or 'auto'"
         )
-    if kind == "tpu":
-        if mode == "fp16":
-            raise ValueError("fp16 on a TPU: the MXU computes in bf16; use 'bf16' (or 'auto')")
-        return Precision("bf16", "xla", "TPU: the MXU computes in bf16")
-    if kind == "cuda":
-        cap = cuda_capability(getattr(rt, "device", None))
-        name = torch.cuda.get_device_name(getattr(rt, "device", None))
-        cc = f"{name}, compute capability {cap[0]}.{cap[1]}"
-        if cap >= (8, 0):
-            if mode == "fp16":
-                return Precision("fp16", "cuda", f"asked for; {cc} (bf16 would need no GradScaler)")
-            return Precision("bf16", "cuda", f"{cc}: bf16 tensor cores")
-        if mode == "bf16":
-            raise ValueError(
-                f"bf16 on {cc}: no bf16 tensor cores below 8.0 (emulated, slower than fp32); "
-                "use 'fp16' (autocast + GradScaler) or 'auto'"
-            )
-        return Precision("fp16", "cuda", f"{cc}: fp16 tensor cores, no bf16; with a GradScaler")
-    if kind == "xla-cpu":
-        if mode in ("bf16", "auto16"):
-            return Precision("bf16", "xla", "asked for on XLA:CPU (exercises the TPU's bf16 code path)")
-        if mode == "fp16":
-            raise ValueError("fp16 on XLA:CPU is not supported by labkit: use 'bf16' or 'fp32'")
-        return Precision("fp32", "xla", "XLA:CPU: no 16-bit matrix units (pass 'true' to exercise bf16)")
+    return Precision("fp16", "cuda", f"{cc}: fp16 tensor cores, no bf16; with a GradScaler")
+
+
+def for_xla_cpu(mode: str, want) -> Precision:
+    if mode == "fp32":
+        return Precision("fp32", "xla", f"asked for ({want!r})")
+    if mode in ("bf16", "auto16"):
+        return Precision("bf16", "xla", "asked for on XLA:CPU (exercises the TPU's bf16 code path)")
+    if mode == "fp16":
+        raise ValueError("fp16 on XLA:CPU is not supported by labkit: use 'bf16' or 'fp32'")
+    return Precision("fp32", "xla", "XLA:CPU: no 16-bit matrix units (pass 'true' to exercise bf16)")
+
+
+def for_cpu(mode: str, want) -> Precision:
+    if mode == "fp32":
+        return Precision("fp32", "cpu", f"asked for ({want!r})")
     if mode in ("bf16", "fp16"):
         raise ValueError(f"{mode} on plain CPU: autocast there only slows learning-sized runs; use 'fp32' or 'auto'")
     return Precision("fp32", "cpu", "CPU: no 16-bit matrix units worth using")

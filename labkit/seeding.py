@@ -21,12 +21,8 @@ def manual_seed(seed: int, rt=None) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    if rt is not None and rt.is_xla:
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(seed, device=rt.device)
-    elif rt is not None and rt.kind == "cuda":
-        torch.cuda.manual_seed_all(seed)
+    if rt is not None:
+        rt.seed_device(seed)  # the XLA or CUDA generator (labkit.runtime)
 
 
 def rng_state(rt=None) -> dict:
@@ -44,10 +40,8 @@ def rng_state(rt=None) -> dict:
         },
         "torch": torch.get_rng_state(),
     }
-    if rt is not None and rt.is_xla:
-        import torch_xla.core.xla_model as xm
-
-        out["xla"] = int(xm.get_rng_state())
+    if rt is not None:
+        out.update(rt.device_rng_state())  # {"xla": ...} or {"cuda": ...} (labkit.runtime)
     elif torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out
@@ -60,9 +54,7 @@ def set_rng_state(state: dict, rt=None) -> None:
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
-    if "xla" in state and rt is not None and rt.is_xla:
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(int(state["xla"]))
-    if "cuda" in state and torch.cuda.is_available():
+    if rt is not None:
+        rt.set_device_rng_state(state)  # the generators of rt's device found in `state`
+    elif "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -326,7 +326,7 @@ def adamw(model, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95), rt=Non
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, capturable=bool(rt is not None and rt.is_xla))
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, capturable=bool(rt is not None and rt.capturable_optimizers))
 
 
 def bits_per_byte(nats_per_token: float) -> float:

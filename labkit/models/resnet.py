@@ -1,7 +1,7 @@
 """Vision models sized for 32x32 inputs.
 
     model = labkit.models.resnet.resnet50_cifar(num_classes=10)
-    opt = labkit.models.resnet.image_optimizer(model, "sgd", lr=0.1, xla=rt.is_xla)
+    opt = labkit.models.resnet.image_optimizer(model, "sgd", lr=0.1, xla=rt.capturable_optimizers)
 
 torchvision's ResNet-50 was built for 224x224 ImageNet images: a 7x7 stride-2 stem conv and a
 stride-2 max-pool shrink the input 4x before the first block. On 32x32 CIFAR images that leaves

@@ -185,9 +185,11 @@ class StepProfiler:
             self.folder = root / f"step{step:06d}-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
         self.remaining, self.timers, self._t = steps, [], {}
         self.kind = self.rt.kind
-        if self.rt.is_xla:
+        acts = self.rt.profiler_activities()  # torch.profiler's activities; none: torch_xla's own trace
+        if not acts:
             import torch_xla.debug.profiler as xp
 
+            self._torch_prof = None
             xp.start_trace(str(self.folder))
             self._span = lambda: _xla.trace_span(STEP_SPAN)
         else:
@@ -196,7 +198,6 @@ class StepProfiler:
 
             if torch.autograd.profiler._is_profiler_enabled:  # a second session crashes the process at exit
                 raise RuntimeError("another torch.profiler session is running; stop it first")
-            acts = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.kind == "cuda" else [])
             self._torch_prof = tp.profile(activities=acts)
             self._torch_prof.start()
             self._span = lambda: tp.record_function(STEP_SPAN)
@@ -220,14 +221,7 @@ class StepProfiler:
         """The step's graph is launched: wait for the device (captured steps only)."""
         t = self._t
         t["t3"] = time.perf_counter()
-        if self.rt.is_xla:
-            import torch_xla.core.xla_model as xm
-
-            xm.wait_device_ops()
-        elif self.kind == "cuda":
-            import torch
-
-            torch.cuda.synchronize()
+        self.rt.wait()  # the backend's: xm.wait_device_ops(), torch.cuda.synchronize(), or nothing
         t["t4"] = time.perf_counter()
         t["step"] = step
 
@@ -257,7 +251,7 @@ class StepProfiler:
         if self._t:  # a step begun but not finished (loader ran out, an error): drop it
             self._open.__exit__(None, None, None)
             self._t = {}
-        if self.rt.is_xla:
+        if self._torch_prof is None:  # torch_xla's own trace
             import torch_xla.debug.profiler as xp
 
             xp.stop_trace()
