@@ -28,8 +28,9 @@ def resolve_replica(rank=None, world_size=None, rt=None) -> tuple[int, int]:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
         return int(rank), int(world_size)
-    if rt is not None:
-        return rt.ordinal, rt.world_size
+    if rt is not None:  # the backend knows how its processes split the data (labkit.runtime: data_split)
+        return rt.data_split()
+    # no runtime given (data_tools used on its own): ask the launchers' globals
     if "torch_xla.runtime" in sys.modules and os.environ.get("PJRT_DEVICE"):  # xmp.spawn sets no RANK
         xr = sys.modules["torch_xla.runtime"]
         if xr.is_spmd():  # one process drives every local chip: hosts are the replicas

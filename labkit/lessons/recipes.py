@@ -53,10 +53,11 @@ def image_shards(source: str, data_root: str, upsample: int = 1, samples_per_sha
 
 def image_loaders(manifests: dict, plan, rt, num_workers: int = 0, seed: int = 0):
     """(train, val) shard loaders yielding plan.host_batch images. Shards are dealt to this process by
-    rt.ordinal / rt.world_size: a TPU pod host (xr.process_index / process_count) or a torchrun rank."""
+    the backend's data split: a TPU pod host (xr.process_index / process_count) or a torchrun rank."""
     from data_tools import make_loader
 
-    split = {"rank": rt.ordinal, "world_size": rt.world_size}
+    rank, world = rt.data_split()
+    split = {"rank": rank, "world_size": world}
     train = make_loader(manifests["train"], plan.host_batch, train=True, num_workers=num_workers, seed=seed, **split)
     val = make_loader(
         manifests["val"], plan.host_batch, train=False, num_workers=num_workers, mean=train.mean, std=train.std, **split
@@ -84,7 +85,8 @@ def text_batches(train_data, val_data, plan, rt, *, block_size, steps_per_eval, 
     global batch only, so one process, SPMD and torchrun ranks train on the same data."""
     from data_tools.text import TextBatches
 
-    split = {"rank": rt.ordinal, "world_size": rt.world_size, "name": name, "shared_order": True}
+    rank, world = rt.data_split()
+    split = {"rank": rank, "world_size": world, "name": name, "shared_order": True}
     train = TextBatches(train_data, plan.host_batch, block_size, steps_per_eval, seed=seed, **split)
     val = TextBatches(val_data, plan.host_batch, block_size, eval_batches, seed=seed + 1, fixed=True, **split)
     return train, val
