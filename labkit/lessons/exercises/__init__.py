@@ -94,7 +94,8 @@ def _where(e: BaseException) -> str:
         return ""
     f = frames[-1]
     name = os.path.basename(f.filename)
-    return f" (at {name}:{f.lineno})" if not name.startswith("<ipython") else f" (line {f.lineno} of its cell)"
+    in_a_cell = name.startswith("<ipython") or "ipykernel_" in f.filename  # a notebook cell's code
+    return f" (line {f.lineno} of its cell)" if in_a_cell else f" (at {name}:{f.lineno})"
 
 
 def check(name: str, checker, time_limit: float = TIME_LIMIT_S) -> bool:
