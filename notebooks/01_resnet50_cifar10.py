@@ -205,14 +205,15 @@ assert names[0].endswith((".cls", ".png")) and names[0].split(".")[0] == names[1
 
 # %% [markdown]
 # ## 3. Stream the shards
-# `data_tools.make_loader` deals shards to replicas (TPU cores) and then to DataLoader workers,
+# `data_tools.make_loader` deals shards to processes (under SPMD one process per host, which loads the batch for
+# all its chips; under torchrun one per rank) and then to DataLoader workers,
 # shuffles shard order and samples with a seed that depends on the epoch, decodes PNGs, augments
 # (random crop with 4-pixel padding, horizontal flip) and normalises.
 #
 # Two rules keep XLA fast and collectives safe:
 # * **Static shapes.** Every training batch has the same shape; a smaller last batch would be a new
-#   graph to compile. So an epoch is `floor(samples / (replicas × batch))` full batches on *every* replica.
-# * **Same count everywhere.** If one replica had one batch more, it would wait forever in the gradient
+#   graph to compile. So an epoch is `floor(samples / (processes × batch))` full batches in *every* process.
+# * **Same count everywhere.** If one process had one batch more, it would wait forever in the gradient
 #   all-reduce for partners that already finished the epoch.
 #
 # Evaluation reads every sample exactly once; its last batch is padded to full size with label −100
@@ -269,8 +270,8 @@ del probe
 #   sums losses on the device and reads them once every `log_every` steps inside a step closure.
 # * **Static shapes** (above): the graph compiles at steps 0 and 1 (the optimizer's momentum buffers appear at
 #   step 1), then every step reuses it.
-# * **Background input.** `labkit.DeviceLoader` (torch_xla's `MpDeviceLoader` on TPU) copies the next
-#   batches to the device while the current step runs.
+# * **Background input.** `labkit.DeviceLoader` (torch_xla's `pl.ParallelLoader` on XLA) copies the next
+#   batches to the device on a thread while the current step runs.
 #
 # The dashboard below updates in place: curves, examples/s, MFU, and XLA's health panel (compiles per
 # interval, recompilations after warm-up with what changed, ops that fell back to the CPU, transfers).
@@ -435,28 +436,34 @@ assert hist2[0]["loss"] < first - 0.3, "the resumed run did not start from the t
 # Three exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
 # check cell. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`).
 #
-# **1. Static shapes.** Write `batches_per_epoch(samples, replicas, batch)`: how many batches *each* replica trains
-# on per epoch, so that every batch is full (one graph) and every replica does the same number (section 3).
+# **1. Bytes to the chip, predicted then measured.** Every step copies a batch from the host to the device: after
+# decoding and normalising, float32 images `(N, C, H, W)` and their int64 labels. Write `step_bytes(batch,
+# channels, height, width)`: the bytes one step sends. The check copies real batches of several shapes and reads
+# what torch_xla counted (its `OutboundData` metric); then this run's figure follows, at its measured speed.
 
 # %%
 from labkit.lessons import exercises as ex
 from labkit.lessons.exercises import nb01
 
 
-def batches_per_epoch(samples, replicas, batch):
+def step_bytes(batch, channels, height, width):
     ...   # your code
 
 
 # %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
 # @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
-    def batches_per_epoch(samples, replicas, batch):
-        return samples // (replicas * batch)
+    def step_bytes(batch, channels, height, width):
+        return batch * channels * height * width * 4 + batch * 8   # float32 pixels + int64 labels
 
 # %%
-ex.check("01.static_shapes", lambda: nb01.check_batches_per_epoch(batches_per_epoch))
-ex.check("01.static_shapes_here", lambda: nb01.require(
-    batches_per_epoch(n_train, PLAN.hosts, PLAN.host_batch) == len(train_loader), "it must match this run's loader"))
+ex.check("01.feed_bytes", lambda: nb01.check_feed_bytes(step_bytes, rt))
+x0, _ = next(iter(val_loader))
+per_step = x0.numel() * x0.element_size() + x0.shape[0] * 8
+print(f"this run: {tuple(x0.shape)} per batch = {per_step / 1e6:.2f} MB per step to the device; at "
+      f"{rates['total']:.0f} examples/s that is {per_step / x0.shape[0] * rates['total'] / 1e6:.1f} MB/s of host->device "
+      "traffic (a TPU host's PCIe link carries GB/s: input bandwidth is not what limits this run)")
+assert x0.dtype == torch.float32
 
 # %% [markdown]
 # **2. Padded evaluation.** The last validation batch is short. Write `pad_labels(y, batch)`: the labels padded to
