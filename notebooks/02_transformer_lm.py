@@ -356,40 +356,93 @@ if ex.solutions_on():
 ex.check("02.bucket", lambda: nb02.check_bucket(bucket, P.block_size) if P.block_size % 32 == 0 else "block_size not a multiple of 32")
 
 # %% [markdown]
-# **2. Bits per byte.** The loss is in nats per byte. Write `bpb(nats)`, the same in bits.
+# **2. Parameters, predicted from the shapes.** Write `gpt_params(V, T, L, d)`: how many parameters labkit's GPT
+# has with vocabulary V, context T, L blocks of width d (read `labkit/models/gpt.py`: biases on, LayerNorms with a
+# weight and a bias, an MLP 4× wide, the output layer tied to the token table). The check counts real models of
+# four other shapes; building one inside your function does not count as a prediction.
 
 # %%
-def bpb(nats):
+def gpt_params(V, T, L, d):
     ...   # your code
 
 
 # %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
 # @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
-    def bpb(nats):
-        return nats / math.log(2)
+    def gpt_params(V, T, L, d):
+        block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (4 * d * d + 4 * d) + (4 * d * d + d)
+        return V * d + T * d + L * block + 2 * d   # tables, blocks, the final LayerNorm
 
 # %%
-ex.check("02.bpb", lambda: nb02.check_bits_per_byte(bpb))
+ex.check("02.params", lambda: nb02.check_gpt_params(gpt_params))
 
 # %% [markdown]
-# **3. FLOPs per token.** Write `flops(N, L, T, d)`: the training FLOPs per token of a GPT with N parameters
-# (without the position table), L blocks, context T and width d, as section 3 explains. It is checked against
-# the model's own count, which MFU divides by.
+# **Memory, predicted then measured.** Training with AdamW in float32 keeps three numbers per parameter between
+# steps: the weight and Adam's two moments, 12 bytes; during the step its gradient adds 4 more (the loop frees
+# gradients after each step: `zero_grad(set_to_none=True)`), 16 bytes at the peak. Below, that prediction against the
+# bytes this run's model and optimizer really hold, and the same arithmetic on paper for two larger GPTs and one
+# TPU v5e chip (16 GB of HBM; activations come on top and are not counted here).
 
 # %%
-def flops(N, L, T, d):
+def state_bytes(model, opt):
+    """Bytes of weights, gradients (where allocated) and optimizer state, as they are (measured)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+        total += p.grad.numel() * p.grad.element_size() if p.grad is not None else 0
+        for t in opt.state.get(p, {}).values():
+            total += t.numel() * t.element_size() if torch.is_tensor(t) and t.dim() else 0
+    return total
+
+
+n_all = sum(p.numel() for p in trainer.module.parameters())
+measured = state_bytes(trainer.module, trainer.optimizer)
+print(f"between steps: predicted 12 x {n_all:,} = {12 * n_all / 1e6:.2f} MB, measured {measured / 1e6:.2f} MB; "
+      f"16 x = {16 * n_all / 1e6:.2f} MB during a step")
+assert abs(measured - 12 * n_all) <= 0.01 * 12 * n_all, (measured, 12 * n_all)
+HBM = 16e9  # TPU v5e, per chip (Google Cloud's TPU page; not verified here)
+for name, (L_, d_, T_, V_) in {"GPT-2 small shape": (12, 768, 1024, 50257), "1.3 B": (24, 2048, 2048, 50257)}.items():
+    n = V_ * d_ + T_ * d_ + L_ * (12 * d_ * d_ + 13 * d_) + 2 * d_
+    need = 16 * n
+    verdict = "fits one v5e chip" if need < HBM else f"needs FSDP over at least {math.ceil(need / HBM)} chips"
+    print(f"{name}: {n / 1e6:,.0f} M parameters, {need / 1e9:.1f} GB of weights + gradients + AdamW state: {verdict}")
+
+# %% [markdown]
+# **3. A step's time, predicted before it is measured.** Write `predict_step_s(V, T, L, d, batch, flops_per_s)`: the
+# seconds one training step on `batch` windows of T bytes takes at `flops_per_s`, counting 6 FLOPs per parameter
+# per token (without the position table: a lookup, not a matmul) plus 12·L·T·d per token for attention's scores
+# (section 3). The check uses shapes where T, d and V all differ; the cell after it compares your kind of prediction
+# with this run's measured step at this device's measured FLOP/s.
+
+# %%
+def predict_step_s(V, T, L, d, batch, flops_per_s):
     ...   # your code
 
 
 # %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
 # @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
-    def flops(N, L, T, d):
-        return 6 * N + 12 * L * T * d
+    def predict_step_s(V, T, L, d, batch, flops_per_s):
+        n = gpt_params(V, T, L, d) - T * d             # without the position table
+        return (6 * n + 12 * L * T * d) * batch * T / flops_per_s
 
 # %%
-ex.check("02.flops", lambda: nb02.check_flops_per_token(flops, probe))
+ex.check("02.step_time", lambda: nb02.check_step_time(predict_step_s))
+
+# %%
+from labkit.profiling import roofline
+
+here = roofline.measure(rt)
+predicted = FLOPS_PER_TOKEN * TOKENS_PER_STEP / here.flops
+measured_step = TOKENS_PER_STEP / RATE["per_chip"]
+print(f"{here.name}: {here.flops / 1e9:.0f} GFLOP/s on a large matmul; one step predicted {predicted * 1e3:.1f} ms, "
+      f"measured {measured_step * 1e3:.1f} ms ({measured_step / predicted:.1f}x)")
+# stated tolerance: the roofline is a floor (>= 0.7x allows for noise); small matrices, softmax, LayerNorms and the
+# optimizer's memory-bound update keep a small model well above it (<= 30x, on a loaded 2-core machine)
+assert 0.7 <= measured_step / predicted <= 30, (measured_step, predicted)
 
 # %% [markdown]
 # ### Use your own bucket

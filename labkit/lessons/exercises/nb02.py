@@ -1,12 +1,18 @@
-"""Checkers for notebook 02 (a GPT language model). Each one tests what the learner's answer does."""
+"""Checkers for notebook 02 (a GPT language model). Each one runs the learner's code on inputs that change with
+every call, with shapes where the quantities a wrong formula would confuse (context T, width d, vocabulary V,
+depth L) all differ, and compares with what a real model has or does."""
 
 from __future__ import annotations
 
-import math
+import contextlib
+import itertools
+import random
 
-from labkit.lessons.exercises import Wrong, require, todo
+from labkit.lessons.exercises import Wrong, call, close, integer, number, require, todo
 
-__all__ = ["check_bits_per_byte", "check_bucket", "check_flops_per_token"]
+__all__ = ["check_bucket", "check_gpt_params", "check_step_time"]
+
+_calls = itertools.count(1)
 
 
 def check_bucket(bucket, block_size: int = 256) -> str:
@@ -15,8 +21,7 @@ def check_bucket(bucket, block_size: int = 256) -> str:
     todo(bucket)
     shapes = set()
     for n in range(1, block_size + 1):
-        b = bucket(n)
-        require(isinstance(b, int), f"bucket({n}) = {b!r}: return an int (a length)")
+        b = integer(call(bucket, n), f"bucket({n})")
         require(b >= n, f"bucket({n}) = {b}: shorter than the prompt, bytes would be cut")
         require(b <= block_size, f"bucket({n}) = {b}: longer than the model's window ({block_size})")
         if b % 32:
@@ -26,24 +31,91 @@ def check_bucket(bucket, block_size: int = 256) -> str:
     return f"{block_size} prompt lengths -> {len(shapes)} graphs instead of {block_size}"
 
 
-def check_bits_per_byte(bpb) -> str:
-    """02.bpb: bpb(nats) -> bits per byte of a per-byte cross-entropy measured in nats."""
-    todo(bpb)
-    for nats in (math.log(256), 1.0, 0.5):
-        got = bpb(nats)
-        if abs(got - nats * math.log(2)) < 1e-9 and nats != 0:
-            raise Wrong("multiplied by ln 2: a bit is ln 2 nats, so divide")
-        require(abs(got - nats / math.log(2)) < 1e-9, f"bpb({nats:.3f}) = {got}: uniform over 256 bytes is 8 bits")
-    return "ln 256 nats = 8 bits"
+def _configs(k: int):
+    """GPT shapes where V, T, d and L all differ (no formula that mixes them up can pass by luck)."""
+    rng = random.Random(k)
+    out = []
+    for _ in range(4):
+        d = rng.choice([32, 48, 64, 96])
+        out.append(
+            dict(
+                vocab_size=rng.choice([256, 300, 97]),
+                block_size=rng.choice([40, 72, 136]),
+                n_layer=rng.randint(1, 4),
+                n_head=4,
+                n_embd=d,
+            )
+        )
+    return out
 
 
-def check_flops_per_token(flops, model) -> str:
-    """02.flops: flops(N, L, T, d) -> training FLOPs per token; compared with the model's own count."""
-    todo(flops)
-    c = model.cfg
-    got = flops(model.num_params(), c.n_layer, c.block_size, c.n_embd)
-    want = model.flops_per_token()
-    if abs(got - 2 * model.num_params()) < 1e-6 * want:
-        raise Wrong("2N is the forward pass only: backward costs about twice the forward")
-    require(abs(got - want) <= 1e-6 * want, f"you say {got:,.0f} FLOPs per token, the model counts {want:,.0f}")
-    return f"{want / 1e6:.1f} MFLOPs per token"
+@contextlib.contextmanager
+def _no_gpt_building():
+    """While the learner's prediction runs, building a GPT raises: counting a real model's parameters is the
+    measurement, not the prediction."""
+    from labkit.models import gpt
+
+    real = gpt.GPT.__init__
+
+    def refuse(self, *a, **kw):
+        raise Wrong("predict from the shapes: building the model and counting its parameters is the measurement")
+
+    gpt.GPT.__init__ = refuse
+    try:
+        yield
+    finally:
+        gpt.GPT.__init__ = real
+
+
+def check_gpt_params(gpt_params) -> str:
+    """02.params: gpt_params(V, T, L, d) -> the parameters of labkit's GPT (biases on, the output layer tied to the
+    token table), predicted from the shapes, then counted on real models of four shapes."""
+    from labkit.models import GPT, GPTConfig
+
+    todo(gpt_params)
+    for c in _configs(next(_calls)):
+        V, T, L, d = c["vocab_size"], c["block_size"], c["n_layer"], c["n_embd"]
+        with _no_gpt_building():
+            got = integer(call(gpt_params, V, T, L, d), f"gpt_params({V}, {T}, {L}, {d})")
+        want = sum(p.numel() for p in GPT(GPTConfig(**c)).parameters())
+        if got == want + V * d:
+            raise Wrong("the output layer shares the token table (weight tying): count V x d once")
+        if got == want - T * d:
+            raise Wrong("the position table (T x d) is a parameter too")
+        if got == L * 12 * d * d:
+            raise Wrong("12 L d^2 is the matrices of the blocks only: add the embeddings, biases and LayerNorms")
+        require(got == want, f"V={V}, T={T}, L={L}, d={d}: you say {got:,}, the model has {want:,}")
+    return "four shapes, every parameter counted"
+
+
+def check_step_time(predict_step_s, machine_flops: float | None = None) -> str:
+    """02.step_time: predict_step_s(V, T, L, d, batch, flops_per_s) -> seconds of one training step of `batch`
+    windows of T bytes at `flops_per_s`, counting 6 FLOPs per parameter per token (without the position table,
+    a lookup) and 12 L T d per token for attention's scores. Checked on four shapes within 2 %."""
+    from labkit.models import GPT, GPTConfig
+
+    todo(predict_step_s)
+    k = next(_calls)
+    rate = machine_flops or 1e11
+    for i, c in enumerate(_configs(k)):
+        V, T, L, d = c["vocab_size"], c["block_size"], c["n_layer"], c["n_embd"]
+        batch, flops_per_s = 4 + 4 * i, rate * (1 + i)
+        model = GPT(GPTConfig(**c))
+        want = model.flops_per_token() * batch * T / flops_per_s
+        with _no_gpt_building():
+            got = number(call(predict_step_s, V, T, L, d, batch, flops_per_s), f"predict_step_s for {c}")
+        if abs(got - want / 3) <= 0.02 * want / 3:
+            raise Wrong("that is the forward pass only: backward costs about twice the forward")
+        if (
+            abs(got * flops_per_s - want * flops_per_s) > 0.02 * want * flops_per_s
+            and abs(got - want * flops_per_s) <= 0.02 * want * flops_per_s
+        ):
+            raise Wrong("that is FLOPs per step: divide by the FLOP/s for seconds")
+        close(
+            got,
+            want,
+            0.02,
+            f"V={V}, T={T}, L={L}, d={d}, batch {batch}",
+            hint="FLOPs per token x tokens per step / FLOP/s",
+        )
+    return "four shapes and rates"

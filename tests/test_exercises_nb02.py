@@ -1,0 +1,57 @@
+"""Notebook 02's checkers: right answers pass; formulas that confuse T, d and V, faked counts and copies of the
+library's own count fail with a reason."""
+
+import math
+
+import pytest
+
+from labkit.lessons.exercises import NotDone, Wrong, nb02
+
+
+def params(V, T, L, d):
+    return V * d + T * d + L * (12 * d * d + 13 * d) + 2 * d
+
+
+def step_s(V, T, L, d, batch, flops_per_s):
+    return (6 * (params(V, T, L, d) - T * d) + 12 * L * T * d) * batch * T / flops_per_s
+
+
+def test_bucket():
+    assert "graphs instead of 256" in nb02.check_bucket(lambda n: min(256, 32 * math.ceil(n / 32)))
+    with pytest.raises(Wrong, match="not a multiple of 32"):
+        nb02.check_bucket(lambda n: n)
+    with pytest.raises(Wrong, match="must be a number"):
+        nb02.check_bucket(lambda n: str(32 * math.ceil(n / 32)))
+
+
+def test_gpt_params():
+    assert "every parameter counted" in nb02.check_gpt_params(params)
+    with pytest.raises(Wrong, match="weight tying"):
+        nb02.check_gpt_params(lambda V, T, L, d: params(V, T, L, d) + V * d)
+    with pytest.raises(Wrong, match="position table"):
+        nb02.check_gpt_params(lambda V, T, L, d: params(V, T, L, d) - T * d)
+    with pytest.raises(Wrong, match="you say"):
+        nb02.check_gpt_params(lambda V, T, L, d: params(V, d, L, T))  # T and d swapped: they differ in every case
+    with pytest.raises(Wrong, match="building the model and counting its parameters is the measurement"):
+        from labkit.models import GPT, GPTConfig
+
+        nb02.check_gpt_params(
+            lambda V, T, L, d: sum(
+                p.numel()
+                for p in GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=4, n_embd=d)).parameters()
+            )
+        )
+    with pytest.raises(Wrong, match="you say 120,576"):
+        nb02.check_gpt_params(lambda V, T, L, d: 120_576)  # the notebook's own model, hard-coded
+
+
+def test_step_time():
+    assert "four shapes" in nb02.check_step_time(step_s)
+    with pytest.raises(Wrong, match="forward pass only"):
+        nb02.check_step_time(lambda *a: step_s(*a) / 3)
+    with pytest.raises(Wrong, match="FLOPs per step: divide"):
+        nb02.check_step_time(lambda *a: step_s(*a) * a[-1])
+    with pytest.raises(Wrong, match="off"):  # attention counted with d where T belongs
+        nb02.check_step_time(lambda V, T, L, d, b, f: (6 * (params(V, T, L, d) - T * d) + 12 * L * d * d) * b * T / f)
+    with pytest.raises(NotDone):
+        nb02.check_step_time(...)
