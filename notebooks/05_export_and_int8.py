@@ -345,7 +345,8 @@ else:
 # %% [markdown]
 # **Reading the figures honestly.** Compare int8 with float32 *compiled*, not eager: part of any "int8 speed-up" is
 # just Inductor. What int8 buys depends on the instruction set section 1 printed: with AVX2 but neither VNNI nor
-# AMX, oneDNN needs two instructions per int8 multiply-add instead of one, so the gain comes mostly from moving 4x
+# AMX, an int8 multiply-add takes three instructions (vpmaddubsw, vpmaddwd, vpaddd) where VNNI's vpdpbusd does it in
+# one, so the gain comes mostly from moving 4x
 # fewer bytes; with AVX-512 VNNI / AVX-VNNI one instruction does it, and with AMX int8 tiles do more still. Figures
 # of "2-4x float32 with VNNI" are vendors' (Intel's DL Boost and oneDNN material), **not verified here**; what this
 # machine did is printed below (machines that ran this notebook, batch 32: about 2.1x on an AVX2-only AMD EPYC,
@@ -486,60 +487,70 @@ print(repr(text.decode(torch.cat([prompt[0], base[0]]))))
 # Three exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
 # check cell. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`).
 #
-# **1.** Predict the size of the int8 program from `model` alone, before looking at `SIZES`: the quantizer stores
-# the weights of convolutions and linear layers as int8; everything else stays float32.
+# **1.** Predict the size of an int8 program from a model alone: write `predict_int8_bytes(model)`. The quantizer
+# stores the weights of convolutions and linear layers as int8; everything else stays float32. The check tries two
+# other models, then this one against the file section 4 wrote.
 
 # %%
 from labkit.lessons import exercises as ex
 from labkit.lessons.exercises import nb05
 
-int8_bytes = ...   # your answer, from model.named_parameters()
 
-# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
-# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
-if ex.solutions_on():
-    int8_bytes = sum(p.numel() * (1 if p.dim() > 1 else 4) for _, p in model.named_parameters())
-
-# %%
-if INT8_MISSING is None:  # section 4 needs the PT2E flow (see section 1's line)
-    ex.check("05.int8_size", lambda: nb05.check_int8_size(int8_bytes, SIZES["int8"], SIZES["fp32"]))
-else:
-    print(f"skipped: {INT8_MISSING}")
-
-
-# %% [markdown]
-# **2.** A server receives batches of any size. Set `serve` to a callable that answers for batch 1, 3 and 32 like
-# `model` does, without recompiling or re-exporting per size (hint: `torch.export.export(model, (x32[:4],))` fixes the
-# batch at 4; section 3 did something else).
-
-# %%
-serve = ...   # your answer
-
-# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
-# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
-if ex.solutions_on():
-    serve = export.load_exported(path).module()   # exported with a dynamic batch dimension in section 3
-
-# %%
-ex.check("05.dynamic_batch", lambda: nb05.check_dynamic_export(serve, model, x32))
-
-# %% [markdown]
-# **3.** Once the window is full, how many positions does `generate` (no cache) run through the model for each
-# new byte, for every one the cached generator runs? Write `ratio(T, t)` for window size T and the t-th new byte.
-
-# %%
-def ratio(T, t):
+def predict_int8_bytes(model):
     ...   # your code
 
 
 # %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
 # @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
-    def ratio(T, t):
-        return T   # the window: all T positions every time; the cache: the new one
+    def predict_int8_bytes(model):
+        return sum(p.numel() * (1 if p.dim() > 1 else 4) for p in model.parameters())
 
 # %%
-ex.check("05.kv_flops", lambda: nb05.check_kv_flops(ratio))
+if INT8_MISSING is None:  # section 4 needs the PT2E flow (see section 1's line)
+    ex.check("05.int8_size", lambda: nb05.check_int8_size(predict_int8_bytes, model, SIZES["int8"], SIZES["fp32"]))
+else:
+    print(f"skipped: {INT8_MISSING}")
+
+
+# %% [markdown]
+# **2.** A server receives batches of any size. Set `program` to a `torch.export.ExportedProgram` of `model` that
+# answers for any batch size like `model` does, without re-exporting per size (hint: `torch.export.export(model,
+# (x32[:4],))` fixes the batch at 4; give its first dimension a `torch.export.Dim`).
+
+# %%
+program = ...   # your answer
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
+if ex.solutions_on():
+    program = torch.export.export(model.eval(), (x32[:4],), dynamic_shapes=({0: torch.export.Dim("batch", max=1024)},))
+
+# %%
+ex.check("05.dynamic_batch", lambda: nb05.check_dynamic_export(program, model, x32))
+
+# %% [markdown]
+# **3.** The key/value cache trades memory for time. Write `kv_cache_bytes(n_layer, n_head, block_size, n_embd,
+# batch)`: the bytes of a float32 cache holding a whole window, predicted before you look; the check compares with
+# the cache `GPT.empty_cache` really allocates, for shapes where the window and the width differ.
+
+# %%
+def kv_cache_bytes(n_layer, n_head, block_size, n_embd, batch):
+    ...   # your code
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
+if ex.solutions_on():
+    def kv_cache_bytes(n_layer, n_head, block_size, n_embd, batch):
+        return 2 * n_layer * batch * block_size * n_embd * 4   # keys and values; the heads split n_embd
+
+# %%
+ex.check("05.kv_cache", lambda: nb05.check_kv_cache_bytes(kv_cache_bytes))
+cache = gpt.empty_cache(1)
+weights = sum(p.numel() * p.element_size() for p in gpt.parameters())
+print(f"this GPT: a {cache.numel() * cache.element_size() / 1e3:.0f} kB cache for one sequence beside "
+      f"{weights / 1e6:.2f} MB of weights; the cache grows with batch x window, the weights do not")
 
 # %% [markdown]
 # What the cache saves grows with the window: without it every byte costs a forward pass over `block_size`

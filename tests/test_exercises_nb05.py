@@ -1,0 +1,60 @@
+"""Notebook 05's checkers: the artefact is judged (an ExportedProgram with a symbolic batch, byte counts against
+real tensors), so an eager model, a static export, a copied number or a float32 count fail."""
+
+import pytest
+import torch
+
+from labkit.lessons.exercises import NotDone, Wrong, nb05
+
+
+@pytest.fixture(scope="module")
+def model_and_x():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10)
+    )
+    return model.eval(), torch.randn(32, 3, 8, 8)
+
+
+def test_dynamic_export(model_and_x):
+    model, x = model_and_x
+    batch = torch.export.Dim("batch", max=1024)
+    dynamic = torch.export.export(model, (x[:4],), dynamic_shapes=({0: batch},))
+    assert "dynamic batch" in nb05.check_dynamic_export(dynamic, model, x)
+    with pytest.raises(Wrong, match="not a Sequential: an eager model answers any batch"):
+        nb05.check_dynamic_export(model, model, x)
+    with pytest.raises(Wrong, match="batch dimension is a fixed number"):
+        nb05.check_dynamic_export(torch.export.export(model, (x[:4],)), model, x)
+    other = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 10)).eval()
+    with pytest.raises(Wrong, match="outputs differ"):
+        nb05.check_dynamic_export(torch.export.export(other, (x[:4],), dynamic_shapes=({0: batch},)), model, x)
+    with pytest.raises(NotDone):
+        nb05.check_dynamic_export(..., model, x)
+
+
+def test_int8_size(model_and_x):
+    model, _ = model_and_x
+    rule = sum(p.numel() * (1 if p.dim() > 1 else 4) for p in model.parameters())
+    fp32 = 4 * sum(p.numel() for p in model.parameters())
+
+    def right(m):
+        return sum(p.numel() * (1 if p.dim() > 1 else 4) for p in m.parameters())
+
+    assert "within" in nb05.check_int8_size(right, model, int(rule * 1.1), fp32)
+    with pytest.raises(Wrong, match="float32 size"):
+        nb05.check_int8_size(lambda m: 4 * sum(p.numel() for p in m.parameters()), model, rule, fp32)
+    with pytest.raises(Wrong, match="a model of your own shape"):
+        nb05.check_int8_size(lambda m: rule, model, rule, fp32)  # this model's number, copied in
+
+
+def test_kv_cache_bytes():
+    def right(L, H, T, d, B):
+        return 2 * L * B * T * d * 4
+
+    assert "four shapes" in nb05.check_kv_cache_bytes(right)
+    with pytest.raises(Wrong, match="keys AND values"):
+        nb05.check_kv_cache_bytes(lambda L, H, T, d, B: L * B * T * d * 4)
+    with pytest.raises(Wrong, match="count it once"):
+        nb05.check_kv_cache_bytes(lambda L, H, T, d, B: 2 * L * B * T * d * 4 * H)
+    with pytest.raises(Wrong, match="you say"):
+        nb05.check_kv_cache_bytes(lambda L, H, T, d, B: 2 * L * B * d * d * 4)  # the window confused with the width
