@@ -56,7 +56,7 @@
 # prints what it chose): without a TPU, or on a TPU host with fewer than 2 chips, 8 virtual XLA:CPU devices
 # (`PJRT_DEVICE=CPU`, `CPU_NUM_DEVICES=8`); everywhere, XLA's optimized HLO dumped as text
 # (`XLA_FLAGS=--xla_dump_to=...`), where the collectives can be counted; and XLA's C++ log level raised to errors
-# (`TF_CPP_MIN_LOG_LEVEL=2`), because XLA 2.9 prints the same GSPMD-to-Shardy deprecation warning once per partitioned
+# (`TF_CPP_MIN_LOG_LEVEL=2`), because torch_xla 2.9's XLA prints the same GSPMD-to-Shardy deprecation warning once per partitioned
 # compile, dozens of times. If torch_xla already runs on a one-chip TPU in this kernel, the cell says so: restart the
 # runtime and run it first.
 
@@ -243,7 +243,8 @@ assert len(S.tile_devices(2, results["tensor"].batch_spec)) == N_DEV // P.model_
 # * data parallel: everything replicated, the same as one device. Memory does not shrink with more devices.
 # * tensor parallel: the split matrices are halved (`model_axis=2`); embeddings, LayerNorms and the
 #   row-parallel biases stay whole.
-# * FSDP: every tensor split 8 ways: **total / 8** (exactly, when every dim 0 divides by 8; else padding);
+# * FSDP: every tensor split 8 ways along its largest dimension: **total / 8** (exactly when that dimension
+#   divides by 8; else the last slices are padded);
 #   `labkit.spmd.sharding.predict_fsdp` computes it from the shapes alone.
 
 # %%
@@ -263,19 +264,22 @@ assert results["fsdp"].param_bytes < results["tensor"].param_bytes < single_byte
 # Three exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
 # check cell below it. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`).
 #
-# **1.** How many bytes must one data-parallel training step all-reduce? Work it out from `probe` (the GPT of
-# section 2) before section 6 shows what XLA did.
+# **1.** How many bytes must one data-parallel training step all-reduce? Write `dp_bytes(model)`, from a model's
+# parameters; the check tries it on models of other sizes and dtypes, then on `probe` (the GPT of section 2), before
+# section 6 shows what XLA did.
 
 # %%
 from labkit.lessons import exercises as ex
 from labkit.lessons.exercises import nb03
 
-dp_bytes = ...   # your answer: an int, from probe's parameters
+def dp_bytes(model):
+    ...   # your code
 
 # %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
 # @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
-    dp_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
+    def dp_bytes(model):
+        return sum(p.numel() * p.element_size() for p in model.parameters())
 
 # %%
 ex.check("03.dp_bytes", lambda: nb03.check_dp_bytes(
@@ -303,7 +307,7 @@ if ex.solutions_on():
 # %%
 ex.check("03.fsdp_bytes", lambda: nb03.check_fsdp_bytes(fsdp_bytes))
 ex.check("03.fsdp_total", lambda: nb03.require(
-    sum(fsdp_bytes(tuple(p.shape), N_DEV) for p in probe.parameters()) == FS["param_bytes"],
+    sum(ex.integer(fsdp_bytes(tuple(p.shape), N_DEV)) for p in probe.parameters()) == FS["param_bytes"],
     "summed over the model it must give section 5's FSDP bytes per device"))
 
 # %% [markdown]
