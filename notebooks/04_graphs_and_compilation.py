@@ -180,7 +180,8 @@ if XLA:
 # computation); `labkit.setup()` does it on a TPU by default, in `~/.cache/labkit/xla-cache`
 # (`setup(compile_cache=...)` or `LABKIT_COMPILE_CACHE` to change it). Below, two fresh processes run the same
 # training step with one cache folder: the first compiles and writes, the second looks each graph up by its hash.
-# On a TPU the second loads the program (`PersistentCacheHit`) and skips compiling. On XLA:CPU the files are
+# On a TPU the second should load the program (`PersistentCacheHit`) and skip compiling (torch_xla's
+# documentation says so; not verified here: no TPU in CI). On XLA:CPU the files are
 # written and found, but torch_xla 2.9's CPU client cannot load them (`PersistentCacheDeserializeFailure`), so it
 # compiles again: the table shows the mechanism, not a saving. (The children run on XLA:CPU even on a TPU: this
 # kernel holds the chips. This kernel's own cache on a TPU is shown under the table.)
@@ -376,77 +377,66 @@ if XLA:
 # check cell. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`). The
 # checks run your code on the XLA device and count what it did.
 #
-# **1. A CPU fallback.** `pred[y >= 0].mean()` keeps the real samples of a padded batch, but the boolean index has a
-# data-dependent size: `aten::nonzero` runs on the CPU, a round trip every call. Run it once and count the fallbacks
-# (`labkit.explain` lists them by name), then write `masked_mean(pred, y)` with fixed shapes only.
+# **1. Graphs, predicted before they are counted.** Batches arrive with varying lengths; each is padded up to a
+# multiple of `multiple` (1: not padded) and run on XLA. Write `predict_graphs(lengths, multiple)`: how many graphs
+# XLA compiles for the whole sequence. The check runs real batches and counts torch_xla's compiles.
 
 # %%
 from labkit.lessons import exercises as ex
 from labkit.lessons.exercises import nb04
 
-if XLA:
-    import torch_xla.debug.metrics as met
 
-    def fallbacks():
-        return sum(met.counter_value(n) or 0 for n in met.counter_names() if n.startswith("aten::"))
-
-    pred_d, y_d = torch.arange(8.0, device=rt.device), torch.tensor([3, 1, 0, 2, 5, -100, -100, -100], device=rt.device)
-    f0 = fallbacks()
-    pred_d[y_d >= 0].mean().cpu()
-    print(f"pred[y >= 0].mean(): {fallbacks() - f0} CPU fallback(s)")
-
-
-def masked_mean(pred, y):
+def predict_graphs(lengths, multiple):
     ...   # your code
 
 
 # %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
 # @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
-    def masked_mean(pred, y):
-        keep = (y >= 0).to(pred.dtype)
-        return (pred * keep).sum() / keep.sum()
+    def predict_graphs(lengths, multiple):
+        return len({-(-n // multiple) * multiple for n in lengths})   # one graph per distinct padded shape
 
 # %%
-ex.check("04.fallback", lambda: nb04.check_masked_mean(masked_mean, rt))
+ex.check("04.graphs", lambda: nb04.check_predict_graphs(predict_graphs, rt))
 
 # %% [markdown]
-# **2. Bucketing.** Section 3's batches came in lengths `lengths`; every new length recompiled. Choose `pad_to`, the
-# one length to pad every batch to so that `run(lengths, pad_to=...)` never recompiles, with the least padding.
+# **2. Bucketing.** Section 3's batches came in several lengths; every new length recompiled. Write
+# `choose_pad(lengths)`: the one length to pad every batch to so that `run(lengths, pad_to=...)` never recompiles,
+# with the least padding. The check tries lists of lengths you have not seen, through section 3's detective.
 
 # %%
-pad_to = ...   # your answer
-
-# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
-# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
-if ex.solutions_on():
-    pad_to = max(lengths)
-
-# %%
-ex.check("04.bucket", lambda: nb04.check_bucket_recompiles(pad_to, run, lengths) if XLA else "not on XLA")
-
-# %% [markdown]
-# **3. One read.** Write `loop_mean(steps)`: the mean of `(w @ w).tanh().mean()` over `steps` steps (with
-# `rt.sync()` after each), returned as a Python float, reading the device once.
-
-# %%
-def loop_mean(steps):
+def choose_pad(lengths):
     ...   # your code
 
 
 # %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
 # @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
-    def loop_mean(steps):
-        total = torch.zeros((), device=rt.device)
-        for _ in range(steps):
-            total = total + (w @ w).tanh().mean()
-            rt.sync()
-        return total.item() / steps
+    def choose_pad(lengths):
+        return max(lengths)
 
 # %%
-ex.check("04.syncs", lambda: nb04.check_one_read(loop_mean, (w @ w).tanh().mean().item(), P.steps) if XLA
-         else "not on XLA")
+ex.check("04.bucket", lambda: nb04.check_choose_pad(choose_pad, run) if XLA else nb04.require(
+    ex.integer(choose_pad([5, 9, 12])) == 12, "pad to the longest batch (not measured: no XLA here)"))
+
+# %% [markdown]
+# **3. A branch without a branch.** Section 2's `if h.sum() > 0: h * 2 else h - 1` reads the device at every call
+# (Python must know which way to go) and XLA keeps a graph per branch. Write `branch_free(h)`: the same values for
+# any `h`, computed on the device with no read and one graph (hint: `torch.where` computes both sides and picks).
+
+# %%
+def branch_free(h):
+    ...   # your code
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
+if ex.solutions_on():
+    def branch_free(h):
+        return torch.where(h.sum() > 0, h * 2, h - 1)
+
+# %%
+ex.check("04.branch", lambda: nb04.check_branch_free(branch_free, rt))
 
 # %% [markdown]
 # ## 5. Profile a live run
