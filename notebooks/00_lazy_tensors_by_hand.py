@@ -297,7 +297,8 @@ assert all(f == 1 for f, _ in seen) and sum(c for _, c in seen) >= 2
 # ### Exercise 2: the same mean without dynamic shapes
 # Write `masked_mean(pred, y)`: the mean of `pred` over the positions where `y >= 0`, with every intermediate
 # tensor of a fixed shape (hint: `torch.where`, or multiply by the mask and divide by its sum). The check runs it on
-# masks with 10 to 17 valid values: the value must be right, with no `aten::*` fallback and one graph for all masks.
+# masks where half to four fifths of the values are valid (it prints how many): the value must be right, computed on
+# the device with no `aten::*` fallback and no transfer, and one graph for all masks.
 
 # %%
 # your turn

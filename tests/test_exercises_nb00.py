@@ -112,3 +112,53 @@ def test_solution_cells_are_collapsed_and_guarded():
                 f"{path.name}: {cell.id} runs without LABKIT_SOLUTIONS"
             )
     assert found >= 3
+
+
+def test_work_on_the_host_or_a_hidden_read_is_caught(dev):
+    """The classes of faked answers: the mean computed on the host, a read per step spelled .to("cpu").item(), and
+    an epoch trained on a CPU copy of the model (right losses, the real model untouched)."""
+    import copy
+
+    import torch_xla
+
+    def on_the_host(pred, y):
+        return pred.cpu()[y.cpu() >= 0].mean()
+
+    with pytest.raises(Wrong, match="the result is on cpu"):
+        nb00.check_masked_mean(on_the_host)
+
+    def host_then_back(pred, y):
+        return on_the_host(pred, y).to(pred.device)
+
+    with pytest.raises(Wrong, match="device->host transfer"):
+        nb00.check_masked_mean(host_then_back)
+
+    def spelled_to_cpu(model, opt, batches):
+        d = next(model.parameters()).device
+        total = 0.0
+        for x, y in batches:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x.to(d)), y.to(d))
+            loss.backward()
+            opt.step()
+            total += loss.detach().to("cpu").item()  # a read per step, spelled another way
+            torch_xla.sync()
+        return total / len(batches)
+
+    with pytest.raises(Wrong, match=r"6 device->host reads in 6 steps"):
+        nb00.check_quiet_epoch(spelled_to_cpu)
+
+    def on_a_cpu_copy(model, opt, batches):
+        cpu = copy.deepcopy(model).cpu()
+        copt = torch.optim.SGD(cpu.parameters(), lr=0.1)
+        total = 0.0
+        for x, y in batches:
+            copt.zero_grad()
+            loss = F.cross_entropy(cpu(x), y)
+            loss.backward()
+            copt.step()
+            total += loss.item()
+        return total / len(batches)
+
+    with pytest.raises(Wrong, match="device->host reads in 6 steps .*deepcopy|not those of an epoch of training"):
+        nb00.check_quiet_epoch(on_a_cpu_copy)

@@ -38,6 +38,7 @@ import torch
 # Tensor methods that copy device -> host (each executes the pending graph first)
 _READS = (
     "item",
+    "to",  # .to("cpu"): counted only when it really copies from the device (see _wrap)
     "tolist",
     "numpy",
     "cpu",

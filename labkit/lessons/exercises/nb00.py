@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from labkit.lessons.exercises import Wrong, require, todo
+from labkit.lessons.exercises import Wrong, call, require, todo
 
 # each call of a checker uses a feature width of its own: graphs compiled by an earlier attempt (XLA caches
 # them) cannot make a later one look compile-free
@@ -46,6 +46,13 @@ def fallbacks() -> dict[str, int]:
     return {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")}
 
 
+def transfers() -> int:
+    """Device->host copies torch_xla has made in this process (its TransferFromDeviceTime metric's count)."""
+    _, met = _xla()
+    data = met.metric_data("TransferFromDeviceTime")
+    return data[0] if data else 0
+
+
 def _new_fallbacks(before: dict[str, int]) -> dict[str, int]:
     now = fallbacks()
     return {n: v - before.get(n, 0) for n, v in now.items() if v > before.get(n, 0)}
@@ -68,8 +75,7 @@ def check_pad_batch(pad_batch, sizes=(5, 7, 8, 12, 16, 3, 9, 13)) -> str:
     buckets, c0 = set(), compiles()
     for n in sizes:
         x, y = torch.randn(n, d), torch.randint(0, 3, (n,))
-        out = pad_batch(x, y)
-        todo(out)
+        out = call(pad_batch, x, y)
         require(isinstance(out, (tuple, list)) and len(out) == 2, "return the pair (x_padded, y_padded)")
         xp, yp = out
         todo(xp)
@@ -110,22 +116,26 @@ def check_masked_mean(masked_mean) -> str:
     n = 16 + next(_fresh)
     g = torch.Generator().manual_seed(1)
     pred = torch.randn(n, generator=g)
-    masks = [[(-1 if (i + k) % (k + 2) == 0 else 1) for i in range(n)] for k in range(4)]  # 8..12 valid
+    masks = [[(-1 if (i + k) % (k + 2) == 0 else 1) for i in range(n)] for k in range(4)]  # 1/2 to 4/5 valid
     c0 = None
     for k, labels in enumerate(masks):
         y = torch.tensor(labels)
         px, yx = pred.to(dev), y.to(dev)
         torch_xla.sync()  # the inputs are on the device before anything is counted
-        before, c_before = fallbacks(), compiles()
-        out = masked_mean(px, yx)
-        todo(out)
+        before, c_before, t_before = fallbacks(), compiles(), transfers()
+        out = call(masked_mean, px, yx)
         require(torch.is_tensor(out), f"return a tensor (got {type(out).__name__})")
+        require(out.device.type == "xla", f"the result is on {out.device}: compute it on the XLA device")
         torch_xla.sync()
         new = _new_fallbacks(before)
         require(
             not new,
             f"{new}: these ops ran on the host CPU (a CPU fallback); boolean indexing needs the number of "
             "selected rows, which only the data know: keep the shape fixed (torch.where, or multiply by the mask)",
+        )
+        require(
+            transfers() == t_before,
+            f"mask {k}: {transfers() - t_before} device->host transfer(s) while computing: work on the device",
         )
         if c0 is None:
             c0 = compiles()
@@ -176,13 +186,14 @@ def check_quiet_epoch(quiet_epoch, steps: int = 6) -> str:
 
     torch_xla, _ = _xla()
     dev = torch_xla.device()
-    want = noisy_epoch(*_task(dev, steps=steps))
+    trained, topt, tbatches = _task(dev, steps=steps)
+    want = noisy_epoch(trained, topt, tbatches)  # the reference run: its losses and its trained weights
     model, opt, batches = _task(dev, steps=steps)
     finder = SyncFinder()
+    t0 = transfers()
     with finder:
-        got = quiet_epoch(model, opt, batches)
-    todo(got)
-    reads = sum(finder.total.values())
+        got = call(quiet_epoch, model, opt, batches)
+    reads = max(sum(finder.total.values()), transfers() - t0)  # torch_xla's own count: no spelling escapes it
     if torch.is_tensor(got):
         raise Wrong("return a Python float (read the device once, at the end), not a tensor")
     require(isinstance(got, (int, float)), f"return a float, got {type(got).__name__}")
@@ -190,6 +201,12 @@ def check_quiet_epoch(quiet_epoch, steps: int = 6) -> str:
         abs(got - want) < 1e-5,
         f"mean loss {got:.6f}, but the epoch's mean loss is {want:.6f} (sum the per-step losses on the device)",
     )
-    lines = "; ".join(f"{n}× {s}" for s, n in finder.total.most_common(3))
+    lines = "; ".join(f"{n}× {s}" for s, n in finder.total.most_common(3)) or "torch_xla's transfer count"
     require(reads <= 1, f"{reads} device->host reads in {steps} steps ({lines}): read once, after the loop")
+    for p, q in zip(model.parameters(), trained.parameters()):
+        require(p.device.type == "xla", "the model left the device: train it where it is")
+        require(
+            bool(torch.allclose(p.detach().cpu(), q.detach().cpu(), atol=1e-5)),
+            "the model's weights are not those of an epoch of training: train `model` itself with `opt`, on the device",
+        )
     return f"{steps} steps, {reads} read, mean loss {got:.4f}"
