@@ -58,3 +58,12 @@ def test_kv_cache_bytes():
         nb05.check_kv_cache_bytes(lambda L, H, T, d, B: 2 * L * B * T * d * 4 * H)
     with pytest.raises(Wrong, match="you say"):
         nb05.check_kv_cache_bytes(lambda L, H, T, d, B: 2 * L * B * d * d * 4)  # the window confused with the width
+
+
+def test_int8_size_without_an_int8_file_checks_the_rule(model_and_x):
+    model, _ = model_and_x
+    assert "no int8 file" in nb05.check_int8_size(
+        lambda m: sum(p.numel() * (1 if p.dim() > 1 else 4) for p in m.parameters()), model, None, None
+    )
+    with pytest.raises(Wrong):
+        nb05.check_int8_size(lambda m: 1000, model, None, None)
