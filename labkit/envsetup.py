@@ -63,7 +63,8 @@ TPU_VENDOR = "0x1ae0"  # Google's PCI vendor id (torch_xla's tpu.py counts chips
 
 
 # -- secrets in URLs: the one redaction rule (labkit.cloud and data_tools use it for every URL they show) --
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s]*@")
+# user info runs to the LAST @ of the authority: a raw @ in a password (http://alice:pa55@word@host) is still hidden
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
 _QUERY = re.compile(r"([?&;])([^=&#\s]*)=([^&#\s]*)")
 SECRET_PARAMS = ("token", "sig", "secret", "password", "passwd", "credential", "key", "auth")
 
@@ -78,6 +79,18 @@ def redact(text) -> str:
         return f"{m.group(1)}{m.group(2)}=***" if hidden and m.group(3) else m.group(0)
 
     return _QUERY.sub(query, _USERINFO.sub(r"\1***@", str(text)))
+
+
+def pip_spec() -> str:
+    """What pip installs labkit from: $LABKIT_PIP_SPEC (a path, a URL, a requirement) or the published
+    repository. A value starting with '-' would reach pip as an option (`--index-url ...`): refused by name."""
+    spec = os.environ.get("LABKIT_PIP_SPEC", "").strip()
+    if spec.startswith("-"):
+        raise ValueError(
+            f"LABKIT_PIP_SPEC={redact(spec)!r} starts with '-', which pip would read as an option: give a path, "
+            "a URL or a requirement (e.g. 'labkit-xla @ git+https://...')"
+        )
+    return spec or f"{DIST_NAME} @ {PUBLISHED}"
 
 
 class RestartRequired(RuntimeError):
@@ -303,7 +316,7 @@ def plan(f: Facts, labkit_spec: str | None = None) -> Decision:
     extra = []
     if torch and not v.get("torchvision"):  # a torchvision built for the torch that is there
         extra = [f"torchvision=={TORCHVISION}"] if minor(torch) == minor(TORCH) else ["torchvision"]
-    spec = labkit_spec or os.environ.get("LABKIT_PIP_SPEC") or f"{DIST_NAME} @ {PUBLISHED}"
+    spec = labkit_spec or pip_spec()
     lab = None if f.labkit == "ours" else spec
     uninstall = ["labkit"] if f.labkit == "impostor" else []
     if f.platform in TPU_PLATFORMS:
@@ -397,7 +410,8 @@ def _pip(args: list, python: str) -> None:
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if r.returncode:
         raise SetupError(
-            f"labkit setup: `{redact(' '.join(cmd))}` failed (exit {r.returncode}):\n{redact(r.stdout[-3000:])}"
+            # redact first, then cut: a URL cut in half would no longer look like one and keep its token
+            f"labkit setup: `{redact(' '.join(cmd))}` failed (exit {r.returncode}):\n{redact(r.stdout)[-3000:]}"
         )
 
 
@@ -449,8 +463,10 @@ def _labkit_dir():
 if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours (no dependencies yet)
     pip = [sys.executable, "-m", "pip", "-q"]
     subprocess.run(pip + ["uninstall", "-y", "labkit"], capture_output=True)
-    r = subprocess.run(pip + ["install", "--no-deps", os.environ.get("LABKIT_PIP_SPEC") or
-                              "labkit-xla @ git+https://github.com/labkit/labkit"])
+    spec = os.environ.get("LABKIT_PIP_SPEC") or "labkit-xla @ git+https://github.com/labkit/labkit"
+    if spec.lstrip().startswith("-"):  # pip would read it as an option
+        raise SystemExit("LABKIT_PIP_SPEC starts with '-': give a path, a URL or a requirement, not a pip option")
+    r = subprocess.run(pip + ["install", "--no-deps", spec])
     if r.returncode:  # not check=True: its message would print the spec, which may carry a token
         raise SystemExit(f"installing labkit failed (pip exit {r.returncode}): pip's message is above")
     importlib.invalidate_caches()

@@ -368,3 +368,53 @@ def test_plan_counts_libtpu_nightly_as_libtpu():
     f = _facts("kaggle-tpu", py=(3, 12), chips=8, torch="2.8.0", torch_xla="2.8.0", torchvision="0.23.0")
     f.versions["libtpu-nightly"] = "0.1.dev20250101"
     assert not any(r.startswith("libtpu") for r in es.plan(f).install)
+
+
+@pytest.mark.parametrize(
+    "url, secret",
+    [
+        ("http://alice:pa55@word@host.example/shard-000.tar", "word"),  # a raw @ in the password
+        ("https://bob:s3:cr:et@host.example/x", "cr:et"),  # colons in the password
+        ("https://carol:p%40ss%3Aw0rd@host.example/x?token=abc", "w0rd"),  # an encoded @ and :
+        ("gs://dave:tok@en@bucket/path", "en"),
+    ],
+)
+def test_one_redaction_hides_the_whole_password(url, secret):
+    shown = es.redact(f"cannot read {url}: timed out")
+    assert secret not in shown and "***@" in shown, shown
+    assert shown.endswith("timed out") and ("host.example" in shown or "bucket/path" in shown), shown
+    from labkit.cloud import gcs
+
+    assert gcs.redact is es.redact  # data_tools and labkit.cloud show URLs through this one function
+
+
+def test_pip_output_is_redacted_before_it_is_cut(tmp_path):
+    """pip's message is cut to its last 3,000 characters; a URL straddling the cut must not leave its token."""
+    url = "https://user:SECRETTOKEN123@example.invalid/labkit.tar.gz"
+    fake = tmp_path / "python"
+    pad = 3000 - len("/labkit.tar.gz") - 10  # the cut falls inside the URL's user info
+    fake.write_text(f"#!/bin/sh\necho 'ERROR: cannot fetch {url}'\nprintf 'x%.0s' $(seq {pad})\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(es.SetupError) as e:
+        es._pip(["install", url], python=str(fake))
+    assert "SECRETTOKEN" not in str(e.value) and "TOKEN123" not in str(e.value), str(e.value)[:300]
+
+
+def test_a_pip_spec_starting_with_a_dash_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("LABKIT_PIP_SPEC", "--index-url=https://evil.example/simple labkit-xla")
+    with pytest.raises(ValueError, match="LABKIT_PIP_SPEC=.* starts with '-'"):
+        es.pip_spec()
+    monkeypatch.setenv("LABKIT_PIP_SPEC", "/path/to/labkit")
+    assert es.pip_spec() == "/path/to/labkit"
+    # the set-up cell, which runs before labkit is importable, refuses it too (run by a Python without labkit)
+    code = es.SETUP_CELL.split("importlib.invalidate_caches()")[0]
+    env = {**os.environ, "LABKIT_PIP_SPEC": "-e /tmp/x", "PYTHONPATH": ""}
+    r = subprocess.run(
+        ["/usr/bin/env", "-u", "VIRTUAL_ENV", "python3", "-I", "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd="/",
+        timeout=120,
+    )
+    assert r.returncode != 0 and "LABKIT_PIP_SPEC starts with '-'" in r.stderr, (r.returncode, r.stderr[-500:])
