@@ -55,6 +55,46 @@ def check_shard_name(manifest_url: str, name) -> str:
     return name
 
 
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest of a million shards is ~150 MB of JSON; more is not a manifest
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_fields(url: str, i: int, s: dict) -> None:
+    """Each field of a shard entry has the type and range a reader relies on, else a ValueError naming it."""
+    bad = None
+    if not _is_count(s["samples"]) or s["samples"] == 0:
+        bad = f"samples={s['samples']!r} (a positive integer)"
+    elif not _is_count(s["bytes"]):
+        bad = f"bytes={s['bytes']!r} (a non-negative integer)"
+    elif not (
+        isinstance(s["sha256"], str) and len(s["sha256"]) == 64 and all(c in "0123456789abcdef" for c in s["sha256"])
+    ):
+        bad = f"sha256={s['sha256']!r:.80} (64 lowercase hex digits)"
+    if bad:
+        raise ValueError(f"manifest {redact(url)}: shard entry {i} ({s['name']!r}) has {bad}")
+
+
+def _check_stats(url: str, m: dict) -> None:
+    """mean/std: one finite number per channel, std > 0 (a std of 0 divides every pixel by zero)."""
+    import math
+
+    for key in ("mean", "std"):
+        if key not in m:
+            continue
+        v = m[key]
+        ok = isinstance(v, list) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+        if not ok or not all(math.isfinite(x) for x in v) or (key == "std" and min(v) <= 0):
+            raise ValueError(
+                f"manifest {redact(url)}: {key}={v!r:.80} must be a list of finite numbers per channel"
+                + (", each > 0" if key == "std" else "")
+            )
+    if "num_classes" in m and not (_is_count(m["num_classes"]) and m["num_classes"] > 0):
+        raise ValueError(f"manifest {redact(url)}: num_classes={m['num_classes']!r} must be a positive integer")
+
+
 def load_manifest(url: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
     """Read a manifest.json (path or URL); shard URLs are added as m["urls"]."""
     url = os.fspath(url)
@@ -62,9 +102,12 @@ def load_manifest(url: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
     if hint:
         raise IsADirectoryError(hint)
     try:
-        m = json.loads(read_bytes(url, timeout))
+        data = read_bytes(url, timeout, limit=MAX_MANIFEST_BYTES)
+        m = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"manifest {redact(url)} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"manifest {redact(url)} nests JSON too deeply to be a manifest") from None
     except Exception as e:
         if is_not_found(e):
             raise FileNotFoundError(f"manifest not found: {redact(url)}") from None
@@ -74,12 +117,18 @@ def load_manifest(url: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
         raise ValueError(f"{redact(url)} is not a labkit shard manifest (format={fmt!r})")
     if not m["shards"]:
         raise ValueError(f'manifest {redact(url)} lists no shards ("shards": []): rewrite the dataset')
+    seen = set()
     for i, s in enumerate(m["shards"]):
         if not isinstance(s, dict) or not {"name", "samples", "bytes", "sha256"} <= set(s):
             raise ValueError(
-                f"manifest {redact(url)}: shard entry {i} needs name, samples, bytes and sha256, got {s!r}"
+                f"manifest {redact(url)}: shard entry {i} needs name, samples, bytes and sha256, got {s!r:.200}"
             )
         check_shard_name(url, s["name"])
+        if s["name"] in seen:
+            raise ShardError(f"manifest {redact(url)} lists shard {s['name']!r} twice: it would be trained twice")
+        seen.add(s["name"])
+        _check_fields(url, i, s)
+    _check_stats(url, m)
     m["urls"] = [sibling(url, s["name"]) for s in m["shards"]]
     m["manifest_url"] = url
     return m

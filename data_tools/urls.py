@@ -294,9 +294,19 @@ def open_url(url: str, timeout: float = DEFAULT_TIMEOUT):
     return opener(url, timeout)
 
 
-def read_bytes(url: str, timeout: float = DEFAULT_TIMEOUT) -> bytes:
+def read_bytes(url: str, timeout: float = DEFAULT_TIMEOUT, limit: int | None = None) -> bytes:
+    """The whole object; with `limit`, a ValueError naming the URL once more than `limit` bytes arrive (a server
+    sending an endless body cannot fill the memory)."""
     with open_url(url, timeout) as f:
-        return f.read()
+        if limit is None:
+            return f.read()
+        parts, size = [], 0
+        while chunk := f.read(min(1 << 20, limit + 1 - size)):
+            parts.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise ValueError(f"{redact(url)}: more than {limit:,} bytes; refusing to read it whole")
+        return b"".join(parts)
 
 
 def is_not_found(e: BaseException) -> bool:
