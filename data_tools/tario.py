@@ -36,6 +36,14 @@ def _read_exact(f, n: int) -> bytes:
 MAX_MEMBER = 1 << 30  # bytes: a member larger than this (or than its shard) is a broken size field
 
 
+def _text(raw: bytes, what: str, offset: int) -> str:
+    """A name field as text; one that is not UTF-8 is a corrupt member, named by its bytes and offset."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TarFormatError(f"{what} {raw[:60]!r} at byte {offset} is not UTF-8") from None
+
+
 def iter_tar(f, group: str | None = None, max_member: int = MAX_MEMBER):
     """(name, bytes) of each regular file in an uncompressed tar stream (ustar, pax, GNU long names).
 
@@ -44,10 +52,11 @@ def iter_tar(f, group: str | None = None, max_member: int = MAX_MEMBER):
     A header whose size field exceeds `max_member` (pass the shard's size when known) is a
     TarFormatError before anything is read: a corrupt field must not ask for petabytes of memory."""
     want = group.encode().ljust(32, b"\0")[:32] if group is not None else None
-    long_name = None
+    long_name = pax_size = None
     offset = 0
     while True:
         h = _read_exact(f, 512)
+        start = offset  # this member's header
         if h == b"\0" * 512:
             return  # end-of-archive blocks (what follows is padding)
         if not h:  # tar writers always end with zero blocks: a clean cut between members is truncation
@@ -65,6 +74,8 @@ def iter_tar(f, group: str | None = None, max_member: int = MAX_MEMBER):
             raise TarFormatError(f"unreadable tar header at byte {offset}") from None
         if stored != sum(h) - sum(h[148:156]) + 8 * 32:
             raise TarFormatError(f"tar header checksum mismatch at byte {offset}")
+        if pax_size is not None and h[156:157] != b"x":  # a pax record's size overrides this header's
+            size, pax_size = pax_size, None
         if size > max_member:
             raise TarFormatError(f"member at byte {offset} claims {size} bytes, more than the {max_member} allowed")
         pad = -size % 512
@@ -79,10 +90,15 @@ def iter_tar(f, group: str | None = None, max_member: int = MAX_MEMBER):
             for rec in data.split(b"\n"):
                 _, _, kv = rec.partition(b" ")
                 if kv.startswith(b"path="):
-                    long_name = kv[5:].decode("utf-8")
+                    long_name = _text(kv[5:], "pax path", start)
+                elif kv.startswith(b"size="):  # tar tools read the next member with this size: so do we
+                    try:
+                        pax_size = int(kv[5:])
+                    except ValueError:
+                        raise TarFormatError(f"unreadable pax size record {kv[:40]!r} before byte {offset}") from None
             continue
         if kind == b"L":  # GNU long name
-            long_name = data.rstrip(b"\0").decode("utf-8")
+            long_name = _text(data.rstrip(b"\0"), "GNU long name", start)
             continue
         if kind not in (b"0", b"\0", b"7"):  # directories, links, global headers: no sample data
             long_name = None
@@ -91,8 +107,8 @@ def iter_tar(f, group: str | None = None, max_member: int = MAX_MEMBER):
             found = h[297:329].split(b"\0", 1)[0].decode("utf-8", "replace")
             raise TarGroupError(f"member at byte {offset - 512 - size - pad} has group {found!r}, expected {group!r}")
         if long_name is None:
-            name = h[:100].split(b"\0", 1)[0].decode("utf-8")
-            prefix = h[345:500].split(b"\0", 1)[0].decode("utf-8") if h[257:262] == b"ustar" else ""
+            name = _text(h[:100].split(b"\0", 1)[0], "member name", start)
+            prefix = _text(h[345:500].split(b"\0", 1)[0], "name prefix", start) if h[257:262] == b"ustar" else ""
             name = f"{prefix}/{name}" if prefix else name
         else:
             name, long_name = long_name, None
