@@ -173,6 +173,7 @@ class HashingReader(Wrapper):
 
     def finish(self, url: str, entry: dict) -> None:
         """Read what is left (the tar's zero padding) and compare size and sha256 with the manifest."""
-        while self.read(1 << 20):
-            pass
+        while self.read(min(1 << 20, max(1, entry["bytes"] - self.size + 1))):
+            if self.size > entry["bytes"]:  # a server that pads forever stops here, not at the end of memory
+                raise ShardError(f"shard {redact(url)}: more than the {entry['bytes']:,} bytes the manifest lists")
         check_digest(self.size, self.h.hexdigest(), url, entry)

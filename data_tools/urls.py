@@ -101,8 +101,14 @@ class _HttpStream(Wrapper):
     bytes before it skipped when the server ignores Range), ATTEMPTS tries in all, then ConnectionError
     naming the URL. Never a short body handed on as if it were the whole file (a "corrupt" shard)."""
 
+    # a body that trickles (1 byte per second never trips the per-read timeout) is a failure too: after a grace
+    # period the average rate must stay above MIN_RATE bytes/s, else TimeoutError naming the URL
+    MIN_RATE = 16 << 10
+    GRACE_S = 30.0
+
     def __init__(self, url: str, timeout: float):
         self.url, self.timeout, self.pos = url, timeout, 0
+        self.t0 = time.monotonic()
         self.raw = self._get(0)
         self.length = self.raw.length  # None when the server sent no Content-Length (chunked)
 
@@ -127,6 +133,14 @@ class _HttpStream(Wrapper):
 
         return _retrying(self.url, self.timeout, attempt, (ConnectionError, TimeoutError, urllib.error.URLError))
 
+    def _check_rate(self) -> None:
+        elapsed = time.monotonic() - self.t0
+        if elapsed > self.GRACE_S and self.pos < self.MIN_RATE * elapsed:
+            raise TimeoutError(
+                f"{redact(self.url)}: {self.pos:,} bytes in {elapsed:.0f} s, under {self.MIN_RATE:,} bytes/s: "
+                "the server is too slow to feed training, or never ends"
+            )
+
     def _read_once(self, n: int) -> bytes:
         try:
             return self.raw.read(n)
@@ -149,6 +163,7 @@ class _HttpStream(Wrapper):
             data = self._read_once(n)
             if data or n == 0 or self.length is None or self.pos >= self.length:
                 self.pos += len(data)
+                self._check_rate()
                 return data
             errors.append(f"try {i + 1}: connection closed at byte {self.pos} of {self.length}")
             if i + 1 < ATTEMPTS:
