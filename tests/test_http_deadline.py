@@ -2,8 +2,8 @@
 average rate, naming the URL; a shard that pads past its manifest size stops there instead of reading forever."""
 
 import hashlib
-import io
 import http.server
+import io
 import threading
 import time
 
