@@ -355,7 +355,7 @@ if ex.solutions_on():
         return min(P.block_size, 32 * math.ceil(n / 32))
 
 # %%
-ex.check("02.bucket", lambda: nb02.check_bucket(bucket, P.block_size) if P.block_size % 32 == 0 else "block_size not a multiple of 32")
+ex.check("02.bucket", lambda: nb02.check_bucket(bucket, P.block_size, rt))
 
 # %% [markdown]
 # **2. Parameters, predicted from the shapes.** Write `gpt_params(V, T, L, d)`: how many parameters labkit's GPT

@@ -24,6 +24,14 @@ def test_bucket():
         nb02.check_bucket(lambda n: str(32 * math.ceil(n / 32)))
 
 
+def test_bucket_on_xla_counts_the_graphs():
+    import labkit
+
+    rt = labkit.setup("xla-cpu")
+    note = nb02.check_bucket(lambda n: min(64, 32 * math.ceil(n / 32)), 64, rt)
+    assert "measured: 12 random prompts" in note and "graphs compiled" in note
+
+
 def test_gpt_params():
     assert "every parameter counted" in nb02.check_gpt_params(params)
     with pytest.raises(Wrong, match="weight tying"):

@@ -15,20 +15,49 @@ __all__ = ["check_bucket", "check_gpt_params", "check_step_time"]
 _calls = itertools.count(1)
 
 
-def check_bucket(bucket, block_size: int = 256) -> str:
+def check_bucket(bucket, block_size: int = 256, rt=None) -> str:
     """02.bucket: bucket(n) -> the padded length for a prompt of n bytes, so that XLA compiles few graphs:
-    at least n, at most block_size, a multiple of 32, and never more than 31 bytes of padding."""
+    at least n, at most block_size, a multiple of 32, and never more than 31 bytes of padding. On XLA (`rt`), prompts
+    of random lengths padded by `bucket` run through an embedding and a matmul, and torch_xla's compile count must
+    equal the number of buckets they fall in."""
     todo(bucket)
     shapes = set()
     for n in range(1, block_size + 1):
         b = integer(call(bucket, n), f"bucket({n})")
         require(b >= n, f"bucket({n}) = {b}: shorter than the prompt, bytes would be cut")
         require(b <= block_size, f"bucket({n}) = {b}: longer than the model's window ({block_size})")
-        if b % 32:
+        if b % 32 and b != block_size:  # the window itself is the last bucket when it is no multiple of 32
             raise Wrong(f"bucket({n}) = {b}: not a multiple of 32, so almost every length is its own graph")
         require(b - n < 32, f"bucket({n}) = {b}: {b - n} bytes of padding, more work than needed")
         shapes.add(b)
-    return f"{block_size} prompt lengths -> {len(shapes)} graphs instead of {block_size}"
+    note = f"{block_size} prompt lengths -> {len(shapes)} graphs instead of {block_size}"
+    if rt is not None and rt.is_xla:
+        note += "; " + _measure_buckets(bucket, block_size, rt)
+    return note
+
+
+def _measure_buckets(bucket, block_size: int, rt) -> str:
+    import torch
+    import torch_xla.debug.metrics as met
+
+    def compiles():
+        data = met.metric_data("CompileTime")
+        return data[0] if data else 0
+
+    k = next(_calls)
+    rng = random.Random(k)
+    lengths = [rng.randint(1, block_size) for _ in range(12)]
+    emb = torch.randn(256, 24 + k % 16, device=rt.device)  # a width of its own: no graph of an earlier call reused
+    rt.sync()
+    c0 = compiles()
+    for n in lengths:
+        ids = torch.zeros(1, integer(call(bucket, n), f"bucket({n})"), dtype=torch.long)
+        out = emb[ids.to(rt.device)].sum()  # alive at the sync: computed
+        rt.sync()
+    del out
+    graphs, want = compiles() - c0, len({int(bucket(n)) for n in lengths})
+    require(graphs == want, f"{len(lengths)} prompts in {want} buckets compiled {graphs} graphs on XLA")
+    return f"measured: {len(lengths)} random prompts, {graphs} graphs compiled"
 
 
 def _configs(k: int):
