@@ -377,7 +377,8 @@ if XLA:
 # ## Your turn
 # Three exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
 # check cell. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`). The
-# checks run your code on the XLA device and count what it did.
+# checks run your code (or the code you reasoned about) on the XLA device and count what it did with torch_xla's
+# own metrics. Off XLA there is nothing to count: the checks then compare with what XLA would do and say so.
 #
 # **1. Graphs, predicted before they are counted.** Batches arrive with varying lengths; each is padded up to a
 # multiple of `multiple` (1: not padded) and run on XLA. Write `predict_graphs(lengths, multiple)`: how many graphs
@@ -402,24 +403,32 @@ if ex.solutions_on():
 ex.check("04.graphs", lambda: nb04.check_predict_graphs(predict_graphs, rt))
 
 # %% [markdown]
-# **2. Bucketing.** Section 3's batches came in several lengths; every new length recompiled. Write
-# `choose_pad(lengths)`: the one length to pad every batch to so that `run(lengths, pad_to=...)` never recompiles,
-# with the least padding. The check tries lists of lengths you have not seen, through section 3's detective.
+# **2. Reads, predicted before they are counted.** Below is a loop as many are written: a NaN guard every step, a
+# log every `log_every` steps, the mean at the end. Write `predict_reads(steps, log_every)`: how many times it copies
+# a value from the device to the host (look for every line that needs a number in Python). The check runs the loop
+# for step counts you have not seen and counts torch_xla's own transfers (`TransferFromDeviceTime`); a count is
+# exact, so no tolerance.
 
 # %%
-def choose_pad(lengths):
+import inspect
+
+print(inspect.getsource(nb04.guarded_loop))
+
+
+def predict_reads(steps, log_every):
     ...   # your code
 
 
 # %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
 # @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
-    def choose_pad(lengths):
-        return max(lengths)
+    def predict_reads(steps, log_every):
+        guards = steps                       # `if loss.isnan():` needs a Python bool: one read per step
+        logs = -(-steps // log_every)        # steps 0, log_every, 2 * log_every, ... below steps
+        return guards + logs + 1             # + the final total.item()
 
 # %%
-ex.check("04.bucket", lambda: nb04.check_choose_pad(choose_pad, run) if XLA else nb04.require(
-    ex.integer(choose_pad([5, 9, 12])) == 12, "pad to the longest batch (not measured: no XLA here)"))
+ex.check("04.reads", lambda: nb04.check_predict_reads(predict_reads, rt))
 
 # %% [markdown]
 # **3. A branch without a branch.** Section 2's `if h.sum() > 0: h * 2 else h - 1` reads the device at every call

@@ -27,7 +27,11 @@ def _pad(x, y, value=-100):
 
 
 def test_pad_batch(dev):
-    assert "buckets [8, 16]" in nb00.check_pad_batch(_pad)
+    assert "3 buckets [8, 16, 24]" in nb00.check_pad_batch(_pad)
+    with pytest.raises(Wrong, match="return the pair"):
+        nb00.check_pad_batch(lambda x, y: _pad(x, y)[0])
+    with pytest.raises(Wrong, match="your code raised RuntimeError"):
+        nb00.check_pad_batch(lambda x, y: (torch.cat([x, torch.zeros(1)]), y))  # a mistake inside the learner's code
     with pytest.raises(NotDone):
         nb00.check_pad_batch(lambda x, y: ...)
     with pytest.raises(Wrong, match="padding rows must not count"):
@@ -48,6 +52,10 @@ def test_masked_mean(dev):
         nb00.check_masked_mean(lambda pred, y: pred[y >= 0].mean())
     with pytest.raises(Wrong, match="the mean over y >= 0"):
         nb00.check_masked_mean(lambda pred, y: pred.mean())
+    with pytest.raises(NotDone):
+        nb00.check_masked_mean(lambda pred, y: None)
+    with pytest.raises(Wrong, match="your code raised"):
+        nb00.check_masked_mean(lambda pred, y: pred.sum() / y.nope())
 
 
 def test_quiet_epoch(dev):
@@ -82,6 +90,48 @@ def test_quiet_epoch(dev):
         nb00.check_quiet_epoch(loud)
     with pytest.raises(Wrong, match="not a tensor"):
         nb00.check_quiet_epoch(lambda m, o, b: torch.zeros(()))
+
+
+def test_quiet_epoch_refuses_remembered_and_lying_numbers(dev):
+    """The epoch's weights and batches change with every call: the loss of an earlier check does not pass again,
+    and an object whose comparisons always say yes is not a number."""
+    import torch_xla
+
+    def right(model, opt, batches):
+        d = next(model.parameters()).device
+        total = torch.zeros((), device=d)
+        for x, y in batches:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x.to(d)), y.to(d))
+            loss.backward()
+            opt.step()
+            total += loss.detach()
+            torch_xla.sync()
+        return total.item() / len(batches)
+
+    seen = []
+
+    def remember(model, opt, batches):
+        seen.append(right(model, opt, batches))
+        return seen[0]  # trains for real, returns the first check's loss
+
+    nb00.check_quiet_epoch(remember)
+    with pytest.raises(Wrong, match="but the epoch's mean loss is"):
+        nb00.check_quiet_epoch(remember)
+
+    class Yes(float):
+        def __eq__(self, other):
+            return True
+
+        def __sub__(self, other):
+            return 0.0
+
+        __hash__ = float.__hash__
+
+    with pytest.raises(Wrong, match="but the epoch's mean loss is"):
+        nb00.check_quiet_epoch(lambda m, o, b: right(m, o, b) and Yes(123.0))
+    with pytest.raises(Wrong, match="must be a number"):
+        nb00.check_quiet_epoch(lambda m, o, b: str(right(m, o, b)))
 
 
 def test_check_prints_and_raises_only_with_solutions(monkeypatch, capsys):

@@ -1,4 +1,6 @@
-"""Notebook 04's checkers measure what XLA did: graphs compiled, recompiles after warm-up, reads of the device."""
+"""Notebook 04's checkers measure what XLA did: graphs compiled, device->host transfers, where the result lives. Each
+accepts a right answer and turns away wrong and faked ones (a hard-coded count, a formula that confuses two
+quantities, a lying __eq__, work on the host, an exception in the learner's code) with a message saying why."""
 
 import math
 
@@ -14,40 +16,58 @@ def rt():
     return labkit.setup("xla-cpu")
 
 
+class Liar(int):
+    """An int whose comparisons always say yes."""
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = int.__hash__
+
+
 def test_predict_graphs(rt):
-    assert "for" in nb04.check_predict_graphs(lambda lengths, m: len({m * math.ceil(n / m) for n in lengths}), rt)
+    def right(lengths, m):
+        return len({m * math.ceil(n / m) for n in lengths})
+
+    assert "for" in nb04.check_predict_graphs(right, rt)
+    assert "for" in nb04.check_predict_graphs(right, rt)  # again: new lengths, new widths, still measured right
     with pytest.raises(Wrong, match="reuse its graph"):
         nb04.check_predict_graphs(lambda lengths, m: len(lengths), rt)
     with pytest.raises(Wrong, match="several lengths share one padded shape"):
         nb04.check_predict_graphs(lambda lengths, m: len(set(lengths)), rt)
     with pytest.raises(Wrong, match="you say 3"):
         nb04.check_predict_graphs(lambda lengths, m: 3, rt)
+    with pytest.raises(Wrong, match="must be a number"):
+        nb04.check_predict_graphs(lambda lengths, m: object(), rt)
     with pytest.raises(NotDone):
         nb04.check_predict_graphs(lambda lengths, m: None, rt)
 
 
-def test_choose_pad(rt):
-    from labkit.dashboard import HealthMonitor
+def test_predict_reads(rt, capsys):
+    def right(steps, log_every):
+        return steps + math.ceil(steps / log_every) + 1  # the guard, the logs (from step 0), the final read
 
-    emb = torch.nn.Linear(8, 8).to(rt.device)
+    note = nb04.check_predict_reads(right, rt)
+    assert note.count(" for (") == 3 and "not measured" not in note
+    assert "step 0" not in capsys.readouterr().out  # the loop's own log lines stay inside the check
+    with pytest.raises(Wrong, match="the log runs at step 0 too"):
+        nb04.check_predict_reads(lambda s, k: s + s // k + 1, rt)
+    with pytest.raises(Wrong, match="an `if` on a device tensor is a read too"):
+        nb04.check_predict_reads(lambda s, k: math.ceil(s / k) + 1, rt)
+    with pytest.raises(Wrong, match="torch_xla counted"):
+        nb04.check_predict_reads(lambda s, k: 14, rt)  # hard-coded
+    with pytest.raises(Wrong, match="must be a number"):
+        nb04.check_predict_reads(lambda s, k: str(right(s, k)), rt)
+    with pytest.raises(Wrong, match=r"your code raised ZeroDivisionError"):
+        nb04.check_predict_reads(lambda s, k: s // 0, rt)
 
-    def run(batches, pad_to=None):  # notebook 04's section 3, in small
-        mon = HealthMonitor(rt, warmup_steps=2)
-        for step, n in enumerate(batches):
-            ids = torch.randn(4, n, 8)
-            if pad_to:
-                ids = torch.nn.functional.pad(ids, (0, 0, 0, pad_to - n))
-            ids = ids.to(rt.device)
-            emb(ids).pow(2).mean()
-            rt.sync()
-            mon.on_step(step, {"ids": ids})
-        return mon
 
-    assert "0 recompiles" in nb04.check_choose_pad(max, run)
-    with pytest.raises(Wrong, match="shorter than the longest batch"):
-        nb04.check_choose_pad(min, run)
-    with pytest.raises(Wrong, match="columns of padding more than needed"):
-        nb04.check_choose_pad(lambda lengths: 32, run)
+def test_liar_is_not_a_number(rt):
+    """An int subclass whose __eq__ lies is read as the plain int it holds: the lie never reaches a comparison."""
+    with pytest.raises(Wrong, match="you say 0"):
+        nb04.check_predict_reads(lambda s, k: Liar(0), rt)
+    with pytest.raises(Wrong, match="you say 0"):
+        nb04.check_predict_graphs(lambda lengths, m: Liar(0), rt)
 
 
 def test_branch_free(rt):
@@ -56,5 +76,9 @@ def test_branch_free(rt):
         nb04.check_branch_free(nb04.reference_branchy, rt)
     with pytest.raises(Wrong, match="the result is on cpu"):
         nb04.check_branch_free(lambda h: nb04.reference_branchy(h.cpu()), rt)
+    with pytest.raises(Wrong, match="reads in 6 calls"):  # on the host and back: torch_xla counts the copies
+        nb04.check_branch_free(lambda h: nb04.reference_branchy(h.to("cpu")).to(h.device), rt)
     with pytest.raises(Wrong, match="values differ"):
         nb04.check_branch_free(lambda h: h * 2, rt)
+    with pytest.raises(Wrong, match="your code raised AttributeError"):
+        nb04.check_branch_free(lambda h: h.no_such_method(), rt)

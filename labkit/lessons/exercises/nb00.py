@@ -15,11 +15,12 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import random
 
 import torch
 import torch.nn.functional as F
 
-from labkit.lessons.exercises import Wrong, call, require, todo
+from labkit.lessons.exercises import Wrong, call, number, require, todo
 
 # each call of a checker uses a feature width of its own: graphs compiled by an earlier attempt (XLA caches
 # them) cannot make a later one look compile-free
@@ -61,14 +62,18 @@ def _new_fallbacks(before: dict[str, int]) -> dict[str, int]:
 # -- 1. pad a batch to a bucket of 8 ------------------------------------------------------------------------
 
 
-def check_pad_batch(pad_batch, sizes=(5, 7, 8, 12, 16, 3, 9, 13)) -> str:
+def check_pad_batch(pad_batch) -> str:
     """pad_batch(x, y) -> (x_padded, y_padded) on the host: rows up to the next multiple of 8, padding labels
     -100 (the loss ignores them). Judged by: shapes, a loss equal to the unpadded one, and one compile per
-    bucket over batches of many sizes."""
+    bucket over 8 batch sizes drawn anew on every call (at least one in each of the buckets 8, 16 and 24)."""
     torch_xla, _ = _xla()
     dev = torch_xla.device()
-    torch.manual_seed(0)
-    d = 4 + next(_fresh)
+    k = next(_fresh)
+    rng = random.Random(k)
+    sizes = [rng.randint(1, 7), rng.randint(9, 15), rng.randint(17, 23)] + [rng.randint(1, 24) for _ in range(5)]
+    rng.shuffle(sizes)
+    torch.manual_seed(k)
+    d = 4 + k
     lin = torch.nn.Linear(d, 3)
     lin_x = copy.deepcopy(lin).to(dev)
     torch_xla.sync()  # nothing of the caller's pending work is counted below
@@ -76,10 +81,11 @@ def check_pad_batch(pad_batch, sizes=(5, 7, 8, 12, 16, 3, 9, 13)) -> str:
     for n in sizes:
         x, y = torch.randn(n, d), torch.randint(0, 3, (n,))
         out = call(pad_batch, x, y)
-        require(isinstance(out, (tuple, list)) and len(out) == 2, "return the pair (x_padded, y_padded)")
+        require(type(out) in (tuple, list) and len(out) == 2, "return the pair (x_padded, y_padded)")
         xp, yp = out
         todo(xp)
         todo(yp)
+        require(torch.is_tensor(xp) and torch.is_tensor(yp), "return two tensors (x_padded, y_padded)")
         want = 8 * math.ceil(n / 8)
         require(
             tuple(xp.shape) == (want, d) and tuple(yp.shape) == (want,),
@@ -113,8 +119,9 @@ def check_masked_mean(masked_mean) -> str:
     fallback (`aten::*` counter), and no new graph when the number of valid positions changes."""
     torch_xla, _ = _xla()
     dev = torch_xla.device()
-    n = 16 + next(_fresh)
-    g = torch.Generator().manual_seed(1)
+    k = next(_fresh)
+    n = 16 + k
+    g = torch.Generator().manual_seed(k)
     pred = torch.randn(n, generator=g)
     masks = [[(-1 if (i + k) % (k + 2) == 0 else 1) for i in range(n)] for k in range(4)]  # 1/2 to 4/5 valid
     c0 = None
@@ -186,9 +193,10 @@ def check_quiet_epoch(quiet_epoch, steps: int = 6) -> str:
 
     torch_xla, _ = _xla()
     dev = torch_xla.device()
-    trained, topt, tbatches = _task(dev, steps=steps)
+    seed = next(_fresh)  # new weights and batches on every call: a remembered number does not pass twice
+    trained, topt, tbatches = _task(dev, seed, steps)
     want = noisy_epoch(trained, topt, tbatches)  # the reference run: its losses and its trained weights
-    model, opt, batches = _task(dev, steps=steps)
+    model, opt, batches = _task(dev, seed, steps)
     finder = SyncFinder()
     t0 = transfers()
     with finder:
@@ -196,7 +204,7 @@ def check_quiet_epoch(quiet_epoch, steps: int = 6) -> str:
     reads = max(sum(finder.total.values()), transfers() - t0)  # torch_xla's own count: no spelling escapes it
     if torch.is_tensor(got):
         raise Wrong("return a Python float (read the device once, at the end), not a tensor")
-    require(isinstance(got, (int, float)), f"return a float, got {type(got).__name__}")
+    got = number(got, "the mean loss you return")
     require(
         abs(got - want) < 1e-5,
         f"mean loss {got:.6f}, but the epoch's mean loss is {want:.6f} (sum the per-step losses on the device)",

@@ -1,7 +1,13 @@
 """Checkers for notebook 04 (graphs and compilation). Each runs the learner's code on inputs that change with every
-call and measures what XLA did: graphs compiled (torch_xla's CompileTime), recompiles after warm-up (labkit's
-recompile detective), device->host reads (labkit's SyncFinder). Off XLA there is nothing to count: the answer is
-still run and compared with what XLA would do, and the note says it was not measured."""
+call and measures what XLA did: graphs compiled (torch_xla's CompileTime), device->host transfers (torch_xla's
+TransferFromDeviceTime), where the result lives. Off XLA there is nothing to count: the answer is still run and
+compared with what XLA would do, and the note says it was not measured.
+
+    from labkit.lessons.exercises import check, nb04
+    check("04.graphs", lambda: nb04.check_predict_graphs(predict_graphs, rt))
+    check("04.reads", lambda: nb04.check_predict_reads(predict_reads, rt))
+    check("04.branch", lambda: nb04.check_branch_free(branch_free, rt))
+"""
 
 from __future__ import annotations
 
@@ -13,39 +19,54 @@ import torch
 
 from labkit.lessons.exercises import Wrong, call, integer, require, todo
 
-__all__ = ["check_branch_free", "check_choose_pad", "check_predict_graphs", "require"]
+__all__ = ["check_branch_free", "check_predict_graphs", "check_predict_reads", "guarded_loop", "reference_branchy"]
 
 _calls = itertools.count(1)
+# every measurement uses a feature width no earlier one used: XLA caches graphs by shape, so a width seen before
+# would be served from the cache and count no compile
+_widths = itertools.count(50)
 
 
-def _compiles() -> int:
+def _metric(name: str) -> int:
     import torch_xla.debug.metrics as met
 
-    data = met.metric_data("CompileTime")
+    data = met.metric_data(name)
     return data[0] if data else 0
+
+
+def compiles() -> int:
+    """Graphs XLA has compiled in this process (samples of torch_xla's CompileTime metric)."""
+    return _metric("CompileTime")
+
+
+def transfers() -> int:
+    """Device->host copies torch_xla has made in this process (samples of its TransferFromDeviceTime metric)."""
+    return _metric("TransferFromDeviceTime")
+
+
+# -- 1. predict the graphs a sequence of lengths compiles ---------------------------------------------------------
 
 
 def check_predict_graphs(predict_graphs, rt) -> str:
     """04.graphs: predict_graphs(lengths, multiple) -> how many graphs XLA compiles for batches of these lengths,
     each padded up to a multiple of `multiple` (1: no padding). Measured by running a small op on every padded
-    batch, with a feature width of its own so no earlier graph is reused."""
+    batch, with a feature width of its own so no earlier graph is reused. Exact: a count of graphs."""
     todo(predict_graphs)
-    k = next(_calls)
-    rng = random.Random(k)
+    rng = random.Random(next(_calls))
     notes = []
     for multiple in (1, rng.choice([4, 8]), 16):
         lengths = [rng.randint(3, 30) for _ in range(rng.randint(6, 12))]
         got = integer(call(predict_graphs, list(lengths), multiple), f"predict_graphs({lengths}, {multiple})")
         padded = [multiple * math.ceil(n / multiple) for n in lengths]
         if rt.is_xla:
-            w = torch.randn(50 + k * 7 + multiple, 3, device=rt.device)  # a width no other call used
+            w = torch.randn(next(_widths), 3, device=rt.device)
             rt.sync()
-            c0 = _compiles()
+            c0 = compiles()
             for n in padded:
                 out = (torch.ones(n, w.shape[0], device=rt.device) @ w).sum()  # alive at the sync: computed
                 rt.sync()
             del out
-            want = _compiles() - c0
+            want = compiles() - c0
         else:
             want = len(set(padded))
         if got == len(lengths) and want != got:
@@ -57,24 +78,57 @@ def check_predict_graphs(predict_graphs, rt) -> str:
     return ", ".join(notes) + ("" if rt.is_xla else " (not measured: no XLA here)")
 
 
-def check_choose_pad(choose_pad, run) -> str:
-    """04.bucket: choose_pad(lengths) -> the one length to pad every batch to so that run(lengths, pad_to=...) never
-    recompiles after warm-up, with as little padding as possible. Three random lists of lengths, measured by
-    `run` (the recompile detective of section 3)."""
-    todo(choose_pad)
+# -- 2. predict the reads of a training loop ----------------------------------------------------------------------
+
+
+def guarded_loop(w, steps: int, log_every: int, sync) -> float:
+    """A loop as many are written: a NaN guard every step, a loss printed every `log_every` steps (from step 0),
+    the mean loss returned at the end. `w` lives on the device; `sync` cuts the graph (torch_xla.sync)."""
+    total = torch.zeros((), device=w.device)
+    for step in range(steps):
+        loss = (w @ w).tanh().mean()
+        total = total + loss
+        sync()
+        if loss.isnan():  # the guard
+            raise FloatingPointError(f"loss is NaN at step {step}")
+        if step % log_every == 0:  # the log
+            print(f"step {step}: loss {loss.item():.4f}")
+    return total.item() / steps  # the mean loss
+
+
+def check_predict_reads(predict_reads, rt) -> str:
+    """04.reads: predict_reads(steps, log_every) -> the device->host transfers guarded_loop makes. Measured by
+    torch_xla's TransferFromDeviceTime count over three random (steps, log_every), where steps is no multiple of
+    log_every (so steps // log_every and its ceiling differ). Exact: a count of transfers."""
+    import contextlib
+    import io
+
+    todo(predict_reads)
     rng = random.Random(next(_calls))
+    notes = []
     for _ in range(3):
-        lengths = [rng.choice([5, 9, 12, 16, 20]) for _ in range(6)]
-        pad_to = integer(call(choose_pad, list(lengths)), f"choose_pad({lengths})")
-        require(
-            pad_to >= max(lengths), f"{pad_to} is shorter than the longest batch ({max(lengths)}): it cannot hold it"
-        )
-        mon = run(lengths, pad_to=pad_to)
-        require(mon.events == [], f"lengths {lengths}: still {len(mon.events)} recompile(s) after warm-up")
-        require(
-            pad_to == max(lengths), f"lengths {lengths}: {pad_to - max(lengths)} columns of padding more than needed"
-        )
-    return "3 lists of lengths, 0 recompiles after warm-up, no extra padding"
+        log_every = rng.randint(2, 6)
+        steps = log_every * rng.randint(2, 4) + rng.randint(1, log_every - 1)
+        got = integer(call(predict_reads, steps, log_every), f"predict_reads({steps}, {log_every})")
+        if rt.is_xla:
+            w = torch.randn(16, 16, device=rt.device)
+            rt.sync()
+            t0 = transfers()
+            with contextlib.redirect_stdout(io.StringIO()):  # the loop's log lines, not the learner's concern
+                guarded_loop(w, steps, log_every, rt.sync)
+            want = transfers() - t0
+        else:
+            want = steps + math.ceil(steps / log_every) + 1  # the loop's reads as written: nothing counts them here
+        if got == steps // log_every + steps + 1 and want != got:
+            raise Wrong(f"{steps} steps, a log every {log_every}: the log runs at step 0 too (step % {log_every} == 0)")
+        if got == math.ceil(steps / log_every) + 1 and want != got:
+            raise Wrong(f"{steps} steps: an `if` on a device tensor is a read too, every time it runs")
+        require(got == want, f"{steps} steps, log every {log_every}: you say {got}, torch_xla counted {want} transfers")
+        notes.append(f"{want} for ({steps}, {log_every})")
+    return ", ".join(notes) + ("" if rt.is_xla else " (not measured: no XLA transfer counter here)")
+
+
+# -- 3. a branch without a branch ----------------------------------------------------------------------------------
 
 
 def reference_branchy(h):
@@ -84,14 +138,16 @@ def reference_branchy(h):
 
 def check_branch_free(branch_free, rt, calls: int = 6) -> str:
     """04.branch: branch_free(h) -> the same values as reference_branchy(h) for inputs of both signs, with no read of
-    the device (the `if` made one per call) and one graph for every input (counted after the first call)."""
+    the device (the `if` made one per call: torch_xla's transfer count and labkit's SyncFinder) and one graph for
+    every input (counted after the first call)."""
     from labkit.dashboard.syncs import SyncFinder
 
     todo(branch_free)
     k = next(_calls)
     g = torch.Generator().manual_seed(k)
-    inputs = [torch.randn(4, 8 + k % 5, generator=g) + (2.0 if i % 2 else -2.0) for i in range(calls)]
-    outs, c0 = [], None
+    width = next(_widths)  # a graph of its own: the first call compiles, the others must not
+    inputs = [torch.randn(4, width, generator=g) + (2.0 if i % 2 else -2.0) for i in range(calls)]
+    outs, c0, t0 = [], None, transfers() if rt.is_xla else 0
     with SyncFinder() as finder:
         for i, x in enumerate(inputs):
             h = rt.to_device(x)
@@ -101,14 +157,18 @@ def check_branch_free(branch_free, rt, calls: int = 6) -> str:
             require(out.device.type == rt.device.type, f"the result is on {out.device}: keep it on {rt.device}")
             rt.sync()
             if i == 0 and rt.is_xla:
-                c0 = _compiles()
+                c0 = compiles()
             outs.append(out)
-        reads = sum(finder.total.values())
-    extra = _compiles() - c0 if c0 is not None else 0
-    for x, out in zip(inputs, outs):
-        want = reference_branchy(x)
-        require(bool(torch.allclose(out.cpu(), want, atol=1e-5)), "the values differ from the branch's on some input")
-    lines = "; ".join(f"{n}x {s}" for s, n in finder.total.most_common(2))
+        reads = max(sum(finder.total.values()), transfers() - t0 if rt.is_xla else 0)
+    extra = compiles() - c0 if c0 is not None else 0
+    lines = "; ".join(f"{n}x {s}" for s, n in finder.total.most_common(2)) or "torch_xla's transfer count"
     require(reads == 0, f"{reads} device->host reads in {calls} calls ({lines}): the branch still reads the device")
     require(extra == 0, f"{extra} new graph(s) after the first call: the graph still depends on the values")
-    return f"{calls} inputs of both signs: one graph, no read" + ("" if rt.is_xla else " (not measured: no XLA here)")
+    for x, out in zip(inputs, outs):
+        require(
+            tuple(out.shape) == tuple(x.shape) and bool(torch.allclose(out.cpu(), reference_branchy(x), atol=1e-5)),
+            "the values differ from the branch's on some input",
+        )
+    if not rt.is_xla:
+        return f"{calls} inputs of both signs: the values are right (reads and graphs not measured: no XLA here)"
+    return f"{calls} inputs of both signs: one graph, no read"
