@@ -3,7 +3,7 @@
     train = labkit.DeviceLoader(torch.utils.data.DataLoader(ds, batch_size=128), rt)
     for x, y in train: ...            # x, y are already on rt.device
 
-- XLA (TPU, XLA:CPU): torch_xla's ParallelLoader/MpDeviceLoader: a background thread copies
+- XLA (TPU, XLA:CPU): torch_xla's `pl.ParallelLoader`: a background thread copies
   batches to the device and keeps a few ready (`device_prefetch`). Under SPMD the batch is
   sharded along dim 0 over the mesh's "data" axis.
 - CUDA: pinned host memory, `non_blocking` copies on a side stream, one batch ahead.

@@ -23,7 +23,7 @@
 # 1. **Set-up**: one call finds the accelerator (a TPU through PyTorch/XLA, a GPU, or the CPU); a doctor checks versions.
 # 2. **Data**: CIFAR-10 written as WebDataset shards (plain POSIX tar files) to a folder or to Google Cloud
 #    Storage, then streamed back: random shard order, an in-memory shuffle buffer, and the same number of
-#    batches on every replica.
+#    batches in every process (under SPMD one process per host, which feeds all its chips).
 # 3. **Training**: torchvision's ResNet-50 with a CIFAR stem, labkit's training loop, and a live dashboard with
 #    loss, throughput and XLA's health (compilations, CPU fallbacks, device→host transfers).
 # 4. **Checkpoints** that survive preemption, and a resume.
@@ -60,7 +60,7 @@ class Params:
     cifar_stem: bool = True       # 3x3 stride-1 first conv and no max-pool (see "The model")
     precision: str = "auto"       # auto (bf16 on TPU) | bf16 | fp16 | fp32 | true | false: labkit.precision.choose
     log_every: int = 20           # read metrics every N steps (one device->host transfer each)
-    num_workers: int = 2          # DataLoader worker processes per replica
+    num_workers: int = 2          # DataLoader workers per loading process (SPMD: one per host)
     checkpoint_dir: str = "checkpoints/resnet50"   # local folder or gs://bucket/prefix
     gcp_project: str = ""         # Google Cloud project for your bucket ("": GOOGLE_CLOUD_PROJECT, then your credentials)
     checkpoint_every: int = 0     # steps between checkpoints; 0: once per epoch
@@ -134,7 +134,7 @@ report = labkit.doctor(rt)
 assert labkit.setup() is rt       # a second call (or running this cell again) gives the same runtime
 PREC = labkit.precision.choose(rt, P.precision)  # bf16 on TPU / CUDA >= 8.0, fp16 + GradScaler below, else fp32
 PLAN = labkit.spmd.batch_plan(rt, P.batch_size)   # SPMD: the host loads every chip's share, sharded on "data"
-print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} replica(s), precision {PREC}")
+print(f"backend {rt.kind}, device {rt.device}, {rt.world_size} process(es), precision {PREC}")  # SPMD: one per host
 print(PLAN.describe())
 
 # %% [markdown]
@@ -227,7 +227,7 @@ train_loader, val_loader = recipes.image_loaders(manifests, PLAN, rt, num_worker
 n_train = sum(s["samples"] for s in load_manifest(manifests["train"])["shards"])
 assert len(train_loader) == n_train // PLAN.global_batch
 x, y = next(iter(train_loader))
-print(f"{len(train_loader)} batches per epoch per replica; a batch: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}")
+print(f"{len(train_loader)} batches per epoch per process; a batch: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}")
 print(f"normalised pixels: mean {x.mean():.2f}, std {x.std():.2f}")
 
 # %%
@@ -435,13 +435,14 @@ assert hist2[0]["loss"] < first - 0.3, "the resumed run did not start from the t
 
 # %% [markdown]
 # ## Your turn
-# Three exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
+# Four exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
 # check cell. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`).
 #
 # **1. Bytes to the chip, predicted then measured.** Every step copies a batch from the host to the device: after
 # decoding and normalising, float32 images `(N, C, H, W)` and their int64 labels. Write `step_bytes(batch,
-# channels, height, width)`: the bytes one step sends. The check copies real batches of several shapes and reads
-# what torch_xla counted (its `OutboundData` metric); then this run's figure follows, at its measured speed.
+# channels, height, width)`: the bytes one step sends. The check copies real batches of several shapes the way the
+# training loop does (`labkit.DeviceLoader`) and compares, byte for byte, with what torch_xla counted (its
+# `OutboundData` metric); then this run's figure follows, at its measured speed.
 
 # %%
 from labkit.lessons import exercises as ex
@@ -468,7 +469,33 @@ print(f"this run: {tuple(x0.shape)} per batch = {per_step / 1e6:.2f} MB per step
 assert x0.dtype == torch.float32
 
 # %% [markdown]
-# **2. Padded evaluation.** The last validation batch is short. Write `pad_labels(y, batch)`: the labels padded to
+# **2. Graphs, predicted then counted.** XLA compiles one graph per distinct step: the same operations on the same
+# shapes reuse a compiled graph, while a new batch size, or a tensor that was not there before (section 5: the
+# optimizer's momentum buffers appear only after the first step), makes another. Write
+# `graphs_compiled(batch_sizes)`: how many graphs XLA builds while a fresh model trains one step per entry of
+# `batch_sizes` (SGD with momentum, `torch_xla.sync()` after each step), for example `[32, 32, 20, 32]`. The check
+# trains a small model on this device for two lists of sizes it draws and counts the new graphs with torch_xla's
+# counters (`UncachedCompile`, plus `PersistentCacheHit` where a disk cache holds them). On a GPU or plain CPU
+# nothing is compiled per shape: it compares your count with XLA's rule and says it did not measure. This is why
+# the loader keeps every training batch the same size.
+
+# %%
+def graphs_compiled(batch_sizes):
+    ...   # your code
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
+if ex.solutions_on():
+    def graphs_compiled(batch_sizes):
+        # step 0 has no momentum buffer yet: a graph of its own; from step 1 on, one graph per distinct size
+        return 1 + len(set(batch_sizes[1:]))
+
+# %%
+ex.check("01.graphs", lambda: nb01.check_graphs(graphs_compiled, rt))
+
+# %% [markdown]
+# **3. Padded evaluation.** The last validation batch is short. Write `pad_labels(y, batch)`: the labels padded to
 # `batch` entries so that the padded rows change neither the shapes nor the loss (section 3).
 
 # %%
@@ -486,7 +513,7 @@ if ex.solutions_on():
 ex.check("01.pad_eval", lambda: nb01.check_pad_labels(pad_labels))
 
 # %% [markdown]
-# **3. Resume where it stopped.** A checkpoint saved after `step` optimizer steps must say where the next batch
+# **4. Resume where it stopped.** A checkpoint saved after `step` optimizer steps must say where the next batch
 # comes from. Write `resume_position(step, batches_per_epoch)` -> `(epoch, batch index)` so that a resumed run
 # neither skips nor repeats a batch.
 

@@ -12,30 +12,83 @@ def rt():
     return labkit.setup("xla-cpu")
 
 
+@pytest.fixture(scope="module")
+def cpu():
+    return labkit.Runtime("cpu", torch.device("cpu"))
+
+
+class AlwaysEqual:
+    """A faked answer: equal to anything, and an int when asked."""
+
+    def __eq__(self, other):
+        return True
+
+    def __int__(self):
+        return 0
+
+    __hash__ = object.__hash__
+
+
+def right_bytes(b, c, h, w):
+    return b * c * h * w * 4 + 8 * b
+
+
 def test_feed_bytes_is_measured_by_torch_xla(rt):
-    assert "every byte accounted for" in nb01.check_feed_bytes(lambda b, c, h, w: b * c * h * w * 4 + 8 * b, rt)
+    assert "every byte accounted for by torch_xla's OutboundData" in nb01.check_feed_bytes(right_bytes, rt)
     with pytest.raises(Wrong, match="images only; the labels travel too"):
         nb01.check_feed_bytes(lambda b, c, h, w: b * c * h * w * 4, rt)
     with pytest.raises(Wrong, match="not as uint8 pixels"):
         nb01.check_feed_bytes(lambda b, c, h, w: b * c * h * w + 8 * b, rt)
-    with pytest.raises(Wrong, match=r"you say 98,368 bytes, torch_xla's OutboundData counted"):
-        nb01.check_feed_bytes(lambda b, c, h, w: 98_368, rt)  # one shape's answer, hard-coded
+    with pytest.raises(Wrong, match=r"you say 245,888 bytes, torch_xla's OutboundData counted"):
+        nb01.check_feed_bytes(lambda b, c, h, w: 245_888, rt)  # the last shape's answer (16x3x32x40), hard-coded
+    with pytest.raises(Wrong, match="OutboundData counted"):
+        nb01.check_feed_bytes(lambda b, c, h, w: b * c * h * w * 4 + 4 * b, rt)  # int32 labels
     with pytest.raises(Wrong, match="must be a number"):
-        nb01.check_feed_bytes(lambda b, c, h, w: str(b * c * h * w * 4 + 8 * b), rt)
+        nb01.check_feed_bytes(lambda b, c, h, w: str(right_bytes(b, c, h, w)), rt)
+    with pytest.raises(Wrong, match="must be a number .*got AlwaysEqual"):
+        nb01.check_feed_bytes(lambda b, c, h, w: AlwaysEqual(), rt)
+    with pytest.raises(Wrong, match=r"your code raised ZeroDivisionError"):
+        nb01.check_feed_bytes(lambda b, c, h, w: b // 0, rt)
     with pytest.raises(NotDone):
         nb01.check_feed_bytes(lambda b, c, h, w: ..., rt)
 
 
-def test_feed_bytes_off_xla_uses_the_tensors_sizes():
-    cpu = labkit.Runtime("cpu", torch.device("cpu"))
-    assert "accounted" in nb01.check_feed_bytes(lambda b, c, h, w: b * c * h * w * 4 + 8 * b, cpu)
+def test_feed_bytes_off_xla_uses_the_tensors_sizes(cpu):
+    assert "the tensors' sizes" in nb01.check_feed_bytes(right_bytes, cpu)
+    with pytest.raises(Wrong, match="the tensors' sizes counted"):
+        nb01.check_feed_bytes(lambda b, c, h, w: b * c * h * w * 4 + 4 * b, cpu)
 
 
-class AlwaysEqual:
-    def __eq__(self, other):
-        return True
+def rule(sizes):
+    return 1 + len(set(sizes[1:]))  # step 0 has no momentum buffer yet: a graph of its own
 
-    __hash__ = object.__hash__
+
+def test_graphs_are_counted_by_torch_xla(rt):
+    assert "graphs counted by torch_xla" in nb01.check_graphs(rule, rt)
+    with pytest.raises(Wrong, match="one graph per distinct size"):
+        nb01.check_graphs(lambda sizes: len(set(sizes)), rt)
+    with pytest.raises(Wrong, match="XLA built"):
+        nb01.check_graphs(lambda sizes: len(set(sizes)) + 1, rt)
+    with pytest.raises(Wrong, match="you say 5 graphs, XLA built"):
+        nb01.check_graphs(lambda sizes: 5, rt)  # a hard-coded count (these runs build 2 or 3 graphs)
+
+
+def test_graphs_refuses_fakes_before_training(rt, cpu):
+    for runtime in (rt, cpu):
+        with pytest.raises(Wrong, match="must be a number .*got AlwaysEqual"):
+            nb01.check_graphs(lambda sizes: AlwaysEqual(), runtime)
+        with pytest.raises(Wrong, match=r"your code raised IndexError: .*\(at test_exercises_nb01.py:\d+\)"):
+            nb01.check_graphs(lambda sizes: sizes[99], runtime)
+        with pytest.raises(NotDone):
+            nb01.check_graphs(None, runtime)
+        with pytest.raises(Wrong, match="a count is a whole number"):
+            nb01.check_graphs(lambda sizes: rule(sizes) + 0.5, runtime)
+
+
+def test_graphs_off_xla_says_nothing_was_measured(cpu):
+    assert "not measured" in nb01.check_graphs(rule, cpu)
+    with pytest.raises(Wrong, match="one graph per distinct size"):
+        nb01.check_graphs(lambda sizes: len(set(sizes)), cpu)
 
 
 def test_pad_labels():
@@ -47,8 +100,19 @@ def test_pad_labels():
         nb01.check_pad_labels(lambda y, b: torch.cat([y, torch.zeros(b - len(y), dtype=y.dtype)]))
     with pytest.raises(Wrong, match="return a tensor, got AlwaysEqual"):
         nb01.check_pad_labels(lambda y, b: AlwaysEqual())
+    with pytest.raises(Wrong, match="return a tensor, got LyingTensor"):
+
+        class LyingTensor(torch.Tensor):  # a tensor whose comparisons all say yes
+            def __eq__(self, other):
+                return torch.ones(self.shape, dtype=torch.bool)
+
+        nb01.check_pad_labels(
+            lambda y, b: torch.cat([y, torch.zeros(b - len(y), dtype=y.dtype)]).as_subclass(LyingTensor)
+        )
     with pytest.raises(Wrong, match=r"your code raised RuntimeError: .*\(at test_exercises_nb01.py:\d+\)"):
         nb01.check_pad_labels(lambda y, b: torch.cat([y, torch.full((b,), -100)]).view(5, 7))
+    with pytest.raises(NotDone):
+        nb01.check_pad_labels(lambda y, b: None)
 
 
 def test_resume_position():
@@ -61,3 +125,12 @@ def test_resume_position():
         nb01.check_resume_position(lambda step, per: None)  # the placeholder body: unpacking it crashed before
     with pytest.raises(Wrong, match="must be a number"):
         nb01.check_resume_position(lambda step, per: (AlwaysEqual(), AlwaysEqual()))
+
+    class Pair(tuple):  # a tuple that claims any length
+        def __len__(self):
+            return 2
+
+    with pytest.raises(Wrong, match="return the pair"):
+        nb01.check_resume_position(lambda step, per: Pair((step // per, step % per, 0)))
+    with pytest.raises(Wrong, match="your code raised ZeroDivisionError"):
+        nb01.check_resume_position(lambda step, per: divmod(per, step))

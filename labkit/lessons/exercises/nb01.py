@@ -1,5 +1,13 @@
 """Checkers for notebook 01 (ResNet-50 on streamed shards). Each one runs the learner's code on inputs that change
-with every call and judges what it does; 01.feed_bytes reads torch_xla's own count of bytes sent to the device."""
+with every call and judges what it does. Two are predicted, then measured on the device: 01.feed_bytes against
+torch_xla's count of bytes sent to the device, 01.graphs against its count of new graphs.
+
+    from labkit.lessons.exercises import check, nb01
+    check("01.feed_bytes", lambda: nb01.check_feed_bytes(step_bytes, rt))
+    check("01.graphs", lambda: nb01.check_graphs(graphs_compiled, rt))
+
+On XLA:CPU the two device checks cost at most 6 small compiles (about half a second each on two loaded cores).
+"""
 
 from __future__ import annotations
 
@@ -10,17 +18,26 @@ import torch
 
 from labkit.lessons.exercises import Wrong, call, integer, require, todo
 
-__all__ = ["check_feed_bytes", "check_pad_labels", "check_resume_position", "require"]
+__all__ = ["check_feed_bytes", "check_graphs", "check_pad_labels", "check_resume_position", "require"]
 
 _calls = itertools.count(1)
+# every model the graphs check trains has a width of its own: XLA keeps the graphs of an earlier attempt in memory,
+# and a model it has seen before would compile fewer graphs than the rule says
+_widths = itertools.count(24)
 
 
-def _outbound_bytes() -> int | None:
-    """Bytes torch_xla has copied host -> device in this process (its OutboundData metric); None off XLA."""
-    import sys
+def _xla_count(name: str) -> int:
+    """A torch_xla counter, or the number of samples of a metric (0 when it has none yet)."""
+    import torch_xla.debug.metrics as met
 
-    if "torch_xla" not in sys.modules:
-        return None
+    if name in met.counter_names():
+        return int(met.counter_value(name))
+    data = met.metric_data(name)
+    return int(data[0]) if data else 0
+
+
+def _outbound_bytes() -> int:
+    """Bytes torch_xla has copied host -> device in this process (the sum of its OutboundData metric)."""
     import torch_xla.debug.metrics as met
 
     data = met.metric_data("OutboundData")
@@ -30,30 +47,84 @@ def _outbound_bytes() -> int | None:
 def check_feed_bytes(step_bytes, rt) -> str:
     """01.feed_bytes: step_bytes(batch, channels, height, width) -> bytes one training step copies from the host to
     the device: a float32 image batch (N, C, H, W) and its int64 labels. Predicted, then measured: on XLA by
-    torch_xla's OutboundData metric around a real copy of such a batch, elsewhere by the tensors' own sizes."""
+    torch_xla's OutboundData metric while labkit.DeviceLoader (the training loop's way in, sharded under SPMD)
+    copies a real batch of that shape; elsewhere by the sizes of the tensors it put on the device."""
+    from labkit.loader import DeviceLoader
+
     todo(step_bytes)
     rng = random.Random(next(_calls))
-    shapes = [(rng.choice([8, 16, 24, 32, 64]), rng.choice([1, 3]), rng.choice([28, 32, 48, 64]), 0) for _ in range(4)]
-    shapes = [(b, c, h, rng.choice([h, h + 8])) for b, c, h, _ in shapes] + [(8, 3, 32, 40)]
+    # batches are multiples of 8, so that under SPMD every chip of a host (4 or 8) gets an equal share
+    shapes = [(8 * rng.randint(1, 8), rng.choice([1, 3]), rng.choice([28, 32, 48, 64]), 0) for _ in range(4)]
+    shapes = [(b, c, h, rng.choice([h, h + 8])) for b, c, h, _ in shapes] + [(16, 3, 32, 40)]
     for b, c, h, w in shapes:
         got = integer(call(step_bytes, b, c, h, w), f"step_bytes({b}, {c}, {h}, {w})")
         x, y = torch.randn(b, c, h, w), torch.randint(0, 10, (b,))
         rt.sync()
-        before = _outbound_bytes() if rt.is_xla else None
-        on_device = rt.to_device((x, y))
+        before = _outbound_bytes() if rt.is_xla else 0
+        (on_device,) = list(DeviceLoader([(x, y)], rt))  # consumed to the end: its thread stops
         rt.sync()
-        if before is not None:
-            want = _outbound_bytes() - before
-            how = "torch_xla's OutboundData"
+        if rt.is_xla:
+            want, how = _outbound_bytes() - before, "torch_xla's OutboundData"
         else:
-            want = sum(t.numel() * t.element_size() for t in on_device)
-            how = "the tensors' sizes"
+            want, how = sum(t.numel() * t.element_size() for t in on_device), "the tensors' sizes"
         if got == b * c * h * w * 4:
             raise Wrong(f"batch {b}x{c}x{h}x{w}: that is the images only; the labels travel too (int64: 8 bytes each)")
         if got in (b * c * h * w + 8 * b, b * c * h * w):
             raise Wrong("images arrive as float32 (4 bytes per value) after normalising, not as uint8 pixels")
         require(got == want, f"batch {b}x{c}x{h}x{w}: you say {got:,} bytes, {how} counted {want:,}")
-    return f"{len(shapes)} batch shapes, every byte accounted for"
+    return f"{len(shapes)} batch shapes, every byte accounted for by {how}"
+
+
+def _new_graphs() -> int:
+    """Graphs this process has met for the first time: an in-memory cache miss (UncachedCompile: compiled now) or a
+    load from the persistent cache on disk (PersistentCacheHit, which torch_xla counts as a CachedCompile: on a TPU
+    labkit keeps that cache on, so a restarted runtime loads the graphs of its last run instead of compiling)."""
+    return _xla_count("UncachedCompile") + _xla_count("PersistentCacheHit")
+
+
+def _train_and_count(rt, sizes: list[int]) -> int:
+    """Train a small fresh MLP with SGD + momentum, one step per batch size, one sync per step; return the graphs
+    it needed that this process had not met before (a fresh width each time: every one of its graphs is new)."""
+    width = next(_widths)
+    model = torch.nn.Sequential(torch.nn.Linear(12, width), torch.nn.ReLU(), torch.nn.Linear(width, 5)).to(rt.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    rt.sync()
+    before = _new_graphs()
+    for b in sizes:
+        x, y = rt.to_device((torch.randn(b, 12), torch.randint(0, 5, (b,))))
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rt.sync()
+    return _new_graphs() - before
+
+
+def check_graphs(graphs_compiled, rt) -> str:
+    """01.graphs: graphs_compiled(batch_sizes) -> how many graphs XLA builds while a fresh model trains one step
+    per entry of batch_sizes (SGD with momentum, a sync after each step). Predicted, then measured on XLA by
+    torch_xla's counters (UncachedCompile + PersistentCacheHit) while a small MLP trains. Off XLA nothing is
+    compiled per shape, so there is nothing to measure: the answer is compared with the rule XLA follows (1 + the
+    distinct sizes after the first step)."""
+    todo(graphs_compiled)
+    rng = random.Random(next(_calls))
+    a, b, c = rng.sample([4, 6, 8, 10, 12, 16], 3)
+    # one run where the first size comes back later and one where it never does: a count of distinct sizes,
+    # with or without one more for the first step, is right in only one of them
+    back = [a, b, a] + [rng.choice([a, b]) for _ in range(rng.randint(0, 2))]
+    never = [c] + [rng.choice([a, b]) for _ in range(rng.randint(2, 4))]
+    runs = [back, never] if rng.random() < 0.5 else [never, back]
+    for sizes in runs:
+        got = integer(call(graphs_compiled, list(sizes)), f"graphs_compiled({sizes})")
+        want = _train_and_count(rt, sizes) if rt.is_xla else 1 + len(set(sizes[1:]))
+        if got == len(set(sizes)) != want:
+            raise Wrong(
+                f"batch sizes {sizes}: one graph per distinct size gives {got}, XLA built {want}: "
+                "is the first step's graph the same as the second's? (where is the momentum buffer at step 0?)"
+            )
+        require(got == want, f"batch sizes {sizes}: you say {got} graphs, XLA built {want}")
+    if rt.is_xla:
+        return f"{len(runs)} runs, graphs counted by torch_xla"
+    return f"no XLA on {rt.kind}: eager kernels compile nothing per shape; compared with XLA's rule, not measured"
 
 
 def check_pad_labels(pad_labels) -> str:
@@ -63,9 +134,11 @@ def check_pad_labels(pad_labels) -> str:
     for n, batch in [(rng.randint(1, 7), 8), (8, 8), (rng.randint(1, 31), 32)]:
         y = torch.randint(0, 10, (n,), generator=torch.Generator().manual_seed(n))
         got = call(pad_labels, y.clone(), batch)
-        require(torch.is_tensor(got), f"return a tensor, got {type(got).__name__}")
+        # exactly a Tensor: a subclass could answer the comparisons below with anything it likes
+        require(type(got) is torch.Tensor, f"return a tensor, got {type(got).__name__}")
         require(tuple(got.shape) == (batch,), f"{n} labels padded to batch {batch}: shape {tuple(got.shape)}")
         require(got.dtype == y.dtype, f"labels must stay {y.dtype}, got {got.dtype}")
+        got = got.cpu()
         require(bool(torch.equal(got[:n], y)), "the real labels must stay first, unchanged")
         require(bool((got[n:] == -100).all()), "padding must be -100, which cross_entropy ignores")
         logits = torch.randn(batch, 10, generator=torch.Generator().manual_seed(batch))
@@ -84,8 +157,9 @@ def check_resume_position(resume_position) -> str:
         seen = []
         for step in range(0, 3 * per + 1):
             out = call(resume_position, step, per)
+            # a plain tuple or list only: a subclass could make len() and indexing say anything
             require(
-                isinstance(out, (tuple, list)) and len(out) == 2,
+                type(out) in (tuple, list) and len(out) == 2,
                 f"resume_position({step}, {per}) = {out!r}: return the pair (epoch, batch index)",
             )
             epoch = integer(out[0], f"the epoch of resume_position({step}, {per})")
