@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import tempfile
 
@@ -75,10 +76,17 @@ class _Local:
         os.replace(os.path.join(staging, name), os.path.join(self.out, name))  # atomic on one file system
 
     def write_manifest(self, body: bytes) -> None:
-        tmp = os.path.join(self.out, MANIFEST + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(body)
-        os.replace(tmp, os.path.join(self.out, MANIFEST))  # atomic: never a half-written manifest
+        # a fresh name opened with O_EXCL | O_NOFOLLOW: a `manifest.json.tmp` planted as a link to another
+        # file is never opened, so never truncated; os.replace then swaps names and follows no link either
+        tmp = os.path.join(self.out, f"{MANIFEST}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+            os.replace(tmp, os.path.join(self.out, MANIFEST))  # atomic: never a half-written manifest
+        except BaseException:
+            os.remove(tmp)  # a full disk or Ctrl-C leaves no temp file behind
+            raise
 
     def done(self, staging: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)

@@ -12,13 +12,22 @@ step, and nothing would train, without a word.
 
 What cannot continue exactly is refused by name: a position that is not a whole number of the new
 batches, an optimizer of another class (Adam's state loaded into SGD fails later, inside SGD.step, with
-KeyError: 'momentum'). A learning rate that differs from the checkpoint's warns: the checkpoint's wins
-(optimizer and scheduler states hold it).
+KeyError: 'momentum'), a mid-epoch position in another dataset (the checkpoint records its sample count
+and, for a manifest, its generation: 96 samples into 320 say nothing about 80, and a smaller dataset
+trained 0 rows in the resumed epoch), a mid-epoch position under a random sampler that keeps no state
+(DataLoader(shuffle=True): the resumed epoch is a new permutation, so skipping its first k batches
+trains some samples twice and others never). A learning rate that differs from the checkpoint's warns:
+the checkpoint's wins (optimizer and scheduler states hold it), as does another dataset at an epoch end.
 """
 
 from __future__ import annotations
 
 import warnings
+
+from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+
+# samplers that draw a new order each epoch from a generator whose state no checkpoint holds
+_UNREPLAYABLE = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
 
 
 def optimizer_class(optimizer) -> str:
@@ -34,7 +43,65 @@ def position(trainer) -> dict:
         "global_batch": gb,
         "world_size": trainer.rt.world_size,
         "optimizer_class": optimizer_class(trainer.optimizer),
+        "dataset": dataset_identity(trainer.train_loader),
     }
+
+
+def _host(loader):
+    return getattr(loader, "loader", loader)  # labkit's DeviceLoader wraps the user's loader
+
+
+def dataset_identity(loader) -> dict:
+    """What says which data a position counts in: the dataset's sample count (len) and, for a stream
+    read from a manifest (data_tools.stream.ShardStream), the manifest's generation. {} when unknown."""
+    ds = getattr(_host(loader), "dataset", None)
+    out = {}
+    try:
+        out["samples"] = int(len(ds))
+    except Exception:  # no len (an IterableDataset without one), or no dataset
+        pass
+    gen = getattr(ds, "generation", None)
+    if isinstance(gen, (int, str)):
+        out["generation"] = gen
+    return out
+
+
+def _random_sampler(loader):
+    host = _host(loader)
+    for s in (getattr(host, "sampler", None), getattr(getattr(host, "batch_sampler", None), "sampler", None)):
+        if isinstance(s, _UNREPLAYABLE):
+            return s
+    return None
+
+
+def check_data(state: dict, loader) -> None:
+    """Refuse a mid-epoch resume that cannot skip exactly the samples already trained: another dataset
+    (its identity changed), or a random sampler whose order is not replayed. At an epoch end another
+    dataset only warns: nothing is skipped."""
+    if loader is None:
+        return
+    saved, now = state.get("dataset") or {}, dataset_identity(loader)
+    keys = [k for k in ("samples", "generation") if k in saved and k in now and saved[k] != now[k]]
+    changed = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in keys]
+    mid = int(state.get("batch_in_epoch") or 0) > 0
+    where = f"{state.get('samples_in_epoch', '?')} samples into epoch {state.get('epoch', '?')}"
+    if changed and mid:
+        raise ValueError(
+            f"the checkpoint stopped {where} of another dataset ({', '.join(changed)}): that position does not "
+            "name the same samples here. Resume with the same data, from a checkpoint saved at an epoch end "
+            "(checkpoint_every=0), or start a new run (resume=False)"
+        )
+    if changed:
+        warnings.warn(f"resume: the dataset changed since the checkpoint ({', '.join(changed)})", stacklevel=3)
+    sampler = _random_sampler(loader)
+    if mid and sampler is not None:
+        raise ValueError(
+            f"the checkpoint stopped {where}, and this loader's {type(sampler).__name__} draws a new order for "
+            "the resumed epoch (its generator's state is not in the checkpoint): skipping the first batches of "
+            "that order would train some samples twice and others never. Use a sampler whose order depends on "
+            "(seed, epoch) with set_epoch (labkit's loaders, DistributedSampler), save at epoch ends "
+            "(checkpoint_every=0), or start a new run (resume=False)"
+        )
 
 
 def check_optimizer(state: dict, optimizer) -> None:
@@ -56,8 +123,10 @@ def check_optimizer(state: dict, optimizer) -> None:
             )
 
 
-def batches_done(state: dict, global_batch: int | None) -> int:
-    """The checkpoint's position in this run's batches: samples done // this run's global batch."""
+def batches_done(state: dict, global_batch: int | None, loader=None) -> int:
+    """The checkpoint's position in this run's batches: samples done // this run's global batch. With the
+    run's loader, first check_data: the same data in an order that can be replayed."""
+    check_data(state, loader)
     batches = int(state["batch_in_epoch"])
     old = int(state.get("global_batch") or 0)
     if not old or not global_batch or old == global_batch or not batches:

@@ -300,3 +300,32 @@ def test_new_run_below_the_newest_step_is_refused_with_state_split_over_devices(
     assert p.returncode == 0, p.stderr[-3000:]
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == [folder_name(s) for s in (1, 2, 3)]
     assert f"REFUSED {tmp_path} already holds checkpoints up to step 3" in p.stdout, p.stdout + p.stderr[-3000:]
+
+
+def test_planted_metadata_reading_a_file_outside_the_step_is_refused(tmp_path):
+    """A `.metadata` whose pieces name an absolute (or `../`) relative_path would load tensors from a file
+    the commit record never covered; the restore refuses the step by name and falls back."""
+    import dataclasses
+    import shutil
+
+    from labkit.checkpoint import safe_load
+
+    root = tmp_path / "run"
+    ck = CheckpointManager(root, format="sharded", best_metric=None, async_save=False, rt=None)
+    for s in (1, 2):
+        ck.save(s, _state(s))
+    ck.close()
+    step2 = root / folder_name(2)
+    data = next(n for n in os.listdir(step2) if n.endswith(".distcp"))
+    outside = tmp_path / "elsewhere.distcp"
+    shutil.copy(root / folder_name(1) / data, outside)  # step 1's tensors, planted outside the folder
+    for target in (str(outside), f"../{folder_name(1)}/{data}"):
+        md = safe_load.read_metadata(step2 / ".metadata")
+        md.storage_data = {k: dataclasses.replace(v, relative_path=target) for k, v in md.storage_data.items()}
+        (step2 / ".metadata").write_bytes(pickle.dumps(md))
+        _recommit(step2)
+        m = CheckpointManager(root, rt=None)
+        with pytest.warns(UserWarning, match=rf"reads a tensor from '{target}'.*not a plain file name.*falling back"):
+            got = m.restore()
+        assert m.restored["step"] == 1  # the step that holds these tensors, and says so
+        _same(got, _state(1))

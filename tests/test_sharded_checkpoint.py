@@ -309,7 +309,7 @@ def test_checkpoint_manager_writes_and_reads_the_sharded_format(tmp_path):
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == [folder_name(s) for s in (1, 3, 4)]
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".pt")]
     again = CheckpointManager(tmp_path, best_metric="acc", rt=None)
-    assert again.best == {"step": 1, "name": folder_name(1), "value": 0.9}
+    assert again.best == {"step": 1, "name": folder_name(1), "value": 0.9, "metric": "acc", "mode": "max"}
     assert again.latest()["step"] == 4 and again.latest()["metrics"] == {"acc": 0.3}
     got = again.restore()  # no template: full CPU tensors, like the one-file format
     _equal(got, saved[4])

@@ -19,7 +19,10 @@ fallback, an explicit step): the whole object against the crc32c the pointer rec
 has one, and always every member of the torch zip against its own CRC-32 (torch.load alone
 reads a flipped byte as a changed weight). Cost: one crc pass over the bytes (~1 GB/s).
 One writer per root, refused before its first byte: a local folder takes an flock, a gs:// prefix a
-lock object created create-only; both name the holder (host, pid). keep must be >= 1.
+lock object created create-only; both name the holder (host, pid). A writer proves it still holds the
+lock before every commit point (an overwrite, the pointer, a prune), and never replaces a step another
+run committed. keep >= 1. The best records its metric and mode (another one: said, and a new best). A
+state holding NaN/inf is never saved; an unreadable (not damaged) checkpoint stops the restore.
 
 format="auto" (the default): a state with any tensor split over devices (FSDP, tensor parallel
 under SPMD) is saved in the sharded format instead (labkit.checkpoint.sharded: DCP folders
@@ -41,7 +44,8 @@ import torch
 
 from labkit.checkpoint import runs, safe_load
 from labkit.checkpoint.sharded import ShardedCheckpointManager, folder_name, is_sharded
-from labkit.checkpoint.state import check_compatible, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
+from labkit.checkpoint.state import ReadFailed, check_compatible, refuse_nonfinite, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
+from labkit.checkpoint.state import read as read_checked
 from labkit.checkpoint.writer import BackgroundWriter, no_space
 from labkit.cloud import gcs, open_store
 from labkit.cloud.store import NAME as _NAME
@@ -87,14 +91,33 @@ class CheckpointManager:
         self.restored: dict | None = None  # the pointer / commit record of what restore() last returned
         ptr = self.store.read_pointer()  # every replica: the same best value -> the same save decisions
         best = ptr.get("best") if ptr else None
-        self.best = best if isinstance(best, dict) and "value" in best else None  # {"step", "name", "value"}
+        self.best = best if isinstance(best, dict) and "value" in best else None  # step, name, value, metric, mode
         self._objects = dict(ptr.get("objects") or {}) if ptr else {}  # name -> crc32c of kept objects
         if ptr and ptr.get("crc32c"):
             self._objects.setdefault(ptr["name"], ptr["crc32c"])
         rec = self._sharded.latest()  # a sharded run: its best lives in the commit record
         if rec and isinstance(rec.get("best"), dict) and (ptr is None or rec["step"] > ptr.get("step", -1)):
             self.best = rec["best"]
+        self.best = self._same_best(self.best)
+        self._mine: set[str] = set()  # objects this manager uploaded: its own to replace
         self._continues = False  # restored, or saved above the folder's newest step (labkit.checkpoint.runs)
+
+    def _same_best(self, best):
+        """The stored best, if it was measured with this manager's metric and mode; else None, saying so
+        (a val_loss run compared against a val_acc best would keep the wrong step)."""
+        if best is None or not self.best_metric:  # no metric: nothing is compared, the old best stays kept
+            return best
+        was = (best.get("metric"), best.get("mode"))
+        if was == (self.best_metric, self.mode):
+            return best
+        old = "an unrecorded metric" if was[0] is None else f"{was[0]!r} (mode {was[1]!r})"
+        warnings.warn(
+            f"{self.root}: its best checkpoint (step {best.get('step')}) was chosen by {old}; this manager ranks "
+            f"by {self.best_metric!r} (mode {self.mode!r}), so that best is not compared against: the first "
+            "save with the new metric becomes the best (the old one is no longer kept for it)",
+            stacklevel=3,
+        )
+        return None
 
     @property
     def _master(self) -> bool:
@@ -112,6 +135,9 @@ class CheckpointManager:
         if self.format != "auto":
             return self.format == "sharded"
         return is_sharded(state)
+
+    def _ranking(self) -> dict:
+        return {"metric": self.best_metric, "mode": self.mode}
 
     def _improved(self, value) -> bool:
         if value is None or value != value:
@@ -148,8 +174,9 @@ class CheckpointManager:
         if self._sharded_format(state):
             return self._save_sharded(step, state, metrics, improved, value)
         if improved:
-            self.best = {"step": int(step), "name": object_name(step), "value": value}
+            self.best = {"step": int(step), "name": object_name(step), "value": value, **self._ranking()}
         cpu = to_cpu(state, self.rt)  # every replica: keeps XLA graphs identical across replicas
+        refuse_nonfinite(cpu, self.root, step)  # every replica holds the same weights: all refuse alike
         if not self._master:
             return True
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
@@ -167,7 +194,7 @@ class CheckpointManager:
             )
         self.writer.wait()
         if improved:
-            self.best = {"step": int(step), "name": folder_name(step), "value": value}
+            self.best = {"step": int(step), "name": folder_name(step), "value": value, **self._ranking()}
         self._sharded.pinned = {self.best["step"]} if self.best and self.best["name"].startswith("step-") else set()
         return self._sharded.save(step, state, metrics, best=dict(self.best) if self.best else None)
 
@@ -188,9 +215,12 @@ class CheckpointManager:
             try:  # create-only: one request, and no other writer's object is ever overwritten
                 self.store.put_if_absent(name, tmp, crc)
             except FileExistsError:
-                # we hold the writer lock, so it is this run's own earlier save of the step, or one a
-                # killed writer uploaded without moving the pointer: replacing it is what is meant
+                # this run's own earlier save of the step, or one a killed writer uploaded without moving
+                # the pointer: replacing it is what is meant. A step another run committed is not
+                self._refuse_committed(name, step)
+                self.store.check_writer()  # the lock is still ours right before the overwrite
                 self.store.put(name, tmp, crc)
+            self._mine.add(name)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
@@ -198,6 +228,7 @@ class CheckpointManager:
         kept = self._retained(name, best)
         objects = {n: c for n, c in self._objects.items() if n in kept}
         objects[name] = crc
+        self.store.check_writer()  # the commit point: only while the lock is still ours
         self.store.write_pointer(
             {
                 "name": name,
@@ -221,9 +252,24 @@ class CheckpointManager:
         return keep
 
     def _prune(self, keep):
-        for n in self._names():
-            if n not in keep:
-                self.store.delete(n)
+        doomed = [n for n in self._names() if n not in keep]
+        if doomed:
+            self.store.check_writer()  # a writer whose lock was taken deletes nothing
+        for n in doomed:
+            self.store.delete(n)
+
+    def _refuse_committed(self, name, step):
+        """RuntimeError when `name` is a checkpoint another run committed (the pointer names it or keeps
+        it): two runs resumed from one step both save the next one, and the second would replace the
+        first's. Ours (saved or restored by this manager) may be replaced."""
+        if name in self._mine or (self.restored or {}).get("name") == name:
+            return
+        ptr = self.store.read_pointer(track=False) or {}
+        if name == ptr.get("name") or name in (ptr.get("objects") or {}):
+            raise RuntimeError(
+                f"{self.store.url(name)} is a checkpoint another run committed (step {step}); this run does not "
+                "overwrite it. Two runs are saving to one prefix: stop one, or resume from the newest step"
+            )
 
     def wait(self) -> None:
         """Block until the pending save finished; re-raise its error."""
@@ -241,7 +287,7 @@ class CheckpointManager:
 
     # -- reading -----------------------------------------------------------------------------------
     def _load(self, name, expect_crc=None, map_location="cpu"):
-        data = self.store.get(name)
+        data = read_checked(self.store, name)  # a failed read raises ReadFailed: no fallback
         verify(data, self.store.url(name), expect_crc)
         return safe_load.torch_load(data, self.store.url(name), map_location)  # weights_only: runs no code
 
@@ -285,6 +331,8 @@ class CheckpointManager:
         for name in candidates:
             try:
                 state = self._load(name, recorded.get(name), map_location)
+            except ReadFailed:
+                raise  # unreachable is not damaged: an older step would quietly undo progress
             except Exception as e:
                 warnings.warn(
                     f"checkpoint {self.store.url(name)} is unreadable ({type(e).__name__}: {e}); "

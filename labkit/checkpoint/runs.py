@@ -10,8 +10,9 @@ falls back to the old run's state. So the first save of a manager that did not r
 folder once (one listing) and refuses a step below the newest found, in either format.
 
 Refuse, not a fresh sub-folder: a run that quietly saved to `root/run-2/` would not be found by a
-later resume of `root`, which is where the user looks. A save of the same step as the newest is
-allowed (a rerun of the same schedule replaces it).
+later resume of `root`, which is where the user looks. A save of the same step as the newest passes
+here; the write then replaces it only if it is not committed (a killed writer's leftover): a step another
+run committed is never overwritten (manager.py, sharded.py).
 """
 
 from __future__ import annotations

@@ -135,10 +135,30 @@ class SafeReader(FileSystemReader):
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         md = read_metadata(os.path.join(str(self.path), ".metadata"))  # one process: no per-rank file
+        self._check_storage(md)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata does after its load
         return md
+
+    listed: set | None = None  # the file names the commit record lists; None: not checked
+
+    def _check_storage(self, md) -> None:
+        """Every piece must come from a plain file name the commit record lists: DCP joins the
+        `relative_path` of `.metadata` to the folder, so an absolute or `../` one reads a file outside it
+        (whose crc the record never covered)."""
+        where = os.path.join(str(self.path), ".metadata")
+        for info in (getattr(md, "storage_data", None) or {}).values():
+            rel = getattr(info, "relative_path", None)
+            try:
+                check_names([rel], where)
+            except CheckpointRefused:
+                raise CheckpointRefused(
+                    f"{where} reads a tensor from {rel!r}, which is not a plain file name in the step's folder: "
+                    "refusing to load it"
+                ) from None
+            if self.listed is not None and rel not in self.listed:
+                raise CheckpointRefused(f"{where} reads a tensor from {rel!r}, a file its commit record does not list")
 
     def read_data(self, plan, planner):
         return super().read_data(plan, _WeightsOnlyBytes(planner, str(self.path)))
@@ -155,6 +175,8 @@ def load(state: dict, reader: SafeReader, planner, where: str) -> None:
         dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
     except CheckpointException as e:
         first = next((exc for exc, _ in e.failures.values()), None)
+        if isinstance(first, KeyboardInterrupt):  # Ctrl-C (or SIGTERM) while reading: an interrupt, not a failure
+            raise first from None
         if isinstance(first, CheckpointRefused):
             raise first from e
         why = f"{type(first).__name__}: {first}" if first is not None else str(e).splitlines()[0]

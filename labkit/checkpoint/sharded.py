@@ -50,6 +50,7 @@ each write their own shards but need a process group for DCP to agree on one `.m
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -60,6 +61,8 @@ import warnings
 
 from labkit.checkpoint import runs, safe_load
 from labkit.checkpoint.shards import _add_missing, _planner, _planner_kind, is_sharded, stage  # noqa: F401
+from labkit.checkpoint.state import ReadFailed, refuse_nonfinite
+from labkit.checkpoint.state import read as read_checked
 from labkit.checkpoint.writer import BackgroundWriter, no_space
 from labkit.cloud import gcs, open_store
 from labkit.versions import __version__
@@ -91,6 +94,7 @@ class ShardedCheckpointManager:
         self.pinned: set[int] = set()  # steps pruning keeps besides the newest `keep` (CheckpointManager's best)
         self.restored: dict | None = None  # the commit record of what restore() last loaded
         self._continues = False  # restored, or saved above the folder's newest step (labkit.checkpoint.runs)
+        self._mine: set[int] = set()  # steps this manager committed: its own to replace
 
     # -- listing ------------------------------------------------------------------------------------
     def _url(self, *parts) -> str:
@@ -113,11 +117,13 @@ class ShardedCheckpointManager:
     def _read_marker(self, step: int) -> dict | None:
         url = self._url(folder_name(step), MARKER)
         try:
-            rec = json.loads(self.store.get(f"{folder_name(step)}/{MARKER}"))
+            rec = json.loads(read_checked(self.store, f"{folder_name(step)}/{MARKER}"))
             if isinstance(rec, dict) and rec.get("step") == step and isinstance(rec.get("files"), dict):
                 return rec
             why = "not a commit record"
-        except Exception as e:  # OSError, bad JSON, or the GCS client's NotFound
+        except ReadFailed:
+            raise  # unreachable is not uncommitted: an older step would quietly undo progress
+        except Exception as e:  # deleted meanwhile, bad JSON
             why = f"{type(e).__name__}: {e}"
         warnings.warn(f"{url} is unreadable ({why}); treating step {step} as uncommitted", stacklevel=3)
         return None
@@ -148,6 +154,7 @@ class ShardedCheckpointManager:
             self._continues = True
         self.store.acquire_writer(takeover=self.restored is not None)  # a second writer fails here, before any work
         cpu = stage(state)
+        refuse_nonfinite(cpu, self.root, step)  # a NaN since the loss was last read is never saved
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
         self.writer.submit(step, self._write, int(step), cpu, meta, best)
         return True
@@ -157,7 +164,14 @@ class ShardedCheckpointManager:
 
         name = folder_name(step)
         listing = self._listing()
-        if step in listing:  # our own earlier save of this step, or one a killed writer left: we hold the lock
+        if step in listing:  # our own earlier save of this step, or one a killed writer left: replaced
+            mine = step in self._mine or (self.restored or {}).get("step") == step
+            if MARKER in listing[step] and not mine:  # another run's committed step is never replaced
+                raise RuntimeError(
+                    f"{self._url(name)} is a checkpoint another run committed; this run does not overwrite it. "
+                    "Two runs are saving to one prefix: stop one, or resume from the newest step"
+                )
+            self.store.check_writer()  # the lock is still ours right before the old files go
             self._remove(step, listing[step])
         folder = self.store.temp_dir(name)  # DCP writes here; the store then uploads (gs://) or moves (local)
         try:
@@ -183,6 +197,7 @@ class ShardedCheckpointManager:
                 if best:
                     record["best"] = best
                 data = json.dumps(record).encode()
+                self.store.check_writer()  # the commit point: only while the lock is still ours
                 try:  # create-only: a second writer committing the same step fails instead of overwriting
                     self.store.put_if_absent(f"{name}/{MARKER}", data, gcs.crc32c_b64(data))
                 except FileExistsError:
@@ -199,6 +214,7 @@ class ShardedCheckpointManager:
                 raise
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+        self._mine.add(step)
         self._prune(step)
 
     def _remove(self, step: int, names):
@@ -212,9 +228,10 @@ class ShardedCheckpointManager:
         listing = self._listing()
         committed = sorted(s for s, n in listing.items() if MARKER in n)
         keep = set(committed[-self.keep :]) | {newest} | self.pinned
-        for step, names in listing.items():
-            if step in keep or (MARKER not in names and step > newest):
-                continue
+        doomed = {s: n for s, n in listing.items() if not (s in keep or (MARKER not in n and s > newest))}
+        if doomed:
+            self.store.check_writer()  # a writer whose lock was taken deletes nothing
+        for step, names in doomed.items():
             self._remove(step, names)
 
     def wait(self) -> None:
@@ -240,8 +257,21 @@ class ShardedCheckpointManager:
             for f, info in rec["files"].items():
                 p = os.path.join(folder, f)
                 if local is None:
-                    with open(p, "wb") as out:
-                        out.write(self.store.get(f"{name}/{f}"))
+                    data = read_checked(self.store, f"{name}/{f}")  # a failed read: ReadFailed, no fallback
+                    try:
+                        with open(p, "wb") as out:
+                            out.write(data)
+                    except OSError as e:
+                        if e.errno != errno.ENOSPC:
+                            raise
+                        shutil.rmtree(folder, ignore_errors=True)  # first: the message then says what is free
+                        free = shutil.disk_usage(os.path.dirname(folder)).free >> 20
+                        raise ReadFailed(
+                            errno.ENOSPC,
+                            f"no space left on {os.path.dirname(folder)} ({free} MB free) while downloading "
+                            f"{self._url(name)} to restore it (the checkpoint is not damaged): free space there, "
+                            "or point TMPDIR at a larger disk",
+                        ) from e
                 if not os.path.exists(p) or gcs.crc32c_b64(p) != info.get("crc32c"):
                     raise OSError(f"{self._url(name, f)} is missing or its crc32c does not match the commit record")
         except BaseException:
@@ -283,6 +313,8 @@ class ShardedCheckpointManager:
                 continue
             try:
                 folder = self._fetch(s, rec)
+            except ReadFailed:
+                raise  # unreachable or no room to download is not damaged: an older step would undo progress
             except OSError as e:
                 if step is not None:
                     raise
@@ -291,6 +323,7 @@ class ShardedCheckpointManager:
             try:
                 planner = _planner(rec.get("planner", "spmd"), True, self._url(folder_name(s)))
                 reader = safe_load.SafeReader(folder)  # unpickles data only: a planted file runs no code
+                reader.listed = set(rec["files"])  # and reads only the files the commit record checked
                 _add_missing(state, reader.read_metadata())
                 safe_load.load(state, reader, planner, self._url(folder_name(s)))
             except safe_load.CheckpointRefused as e:

@@ -96,3 +96,67 @@ def verify(data: bytes, where: str, expect_crc: str | None = None) -> None:
         raise OSError(f"{where} is not an intact torch checkpoint ({type(e).__name__}: {e})") from None
     if bad is not None:
         raise OSError(f"{where} is corrupt: the CRC-32 of its member {bad!r} does not match")
+
+
+# -- reading: a failed read is not a damaged checkpoint ------------------------------------------
+class ReadFailed(OSError):
+    """A checkpoint could not be read (network, server, a full disk while downloading): nothing says it is
+    damaged, so restore does not fall back to an older step (a resumed run would quietly lose progress)."""
+
+
+READ_TRIES = 3  # on top of the client's own retries: a connection dropped mid-body is not retried by them
+
+
+def read(store, name: str, tries: int = READ_TRIES) -> bytes:
+    """store.get(name), tried again on any error but FileNotFoundError (a deleted object: restore falls
+    back past it). After `tries` failures: ReadFailed naming the object and the last error."""
+    import time
+
+    for i in range(tries):
+        try:
+            return store.get(name)
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # OSError, requests' ConnectionError, the client's ServiceUnavailable ...
+            last = e
+            if i + 1 < tries:
+                time.sleep(0.5 * 2**i)
+    raise ReadFailed(
+        f"reading checkpoint {store.url(name)} failed {tries} times ({type(last).__name__}: {last}); it is not "
+        "known to be damaged, so restore stops here instead of falling back to an older step: retry when the "
+        "storage is reachable"
+    ) from last
+
+
+# -- never save a state that went non-finite -------------------------------------------------------
+def _tensors(o):
+    """The tensors of a nested state, CPU shards of a sharded one included (their `.data`)."""
+    if torch.is_tensor(o):
+        yield "", o
+    elif isinstance(o, dict):
+        for k, v in o.items():
+            for path, t in _tensors(v):
+                yield f"{k}.{path}" if path else str(k), t
+    elif isinstance(o, (list, tuple)):
+        for i, v in enumerate(o):
+            for path, t in _tensors(v):
+                yield f"{i}.{path}" if path else str(i), t
+    elif isinstance(getattr(o, "shards", None), list):  # torch_xla's CPU shards (labkit.checkpoint.shards.stage)
+        for s in o.shards:
+            if torch.is_tensor(getattr(s, "data", None)):
+                yield "", s.data
+
+
+def refuse_nonfinite(cpu_state, where: str, step: int) -> None:
+    """FloatingPointError naming the first tensor with a NaN/inf, before anything is written: the losses
+    are read only at log time, so a NaN that came since the last read would otherwise be saved and become
+    `latest` (and a resume would start from it). Checked on the host copy the save makes anyway: one pass
+    over its floating-point bytes, no extra device transfer (measured here: 0.33 s for 100 MB of float32
+    on the loaded 2-core machine, in the caller's thread)."""
+    for path, t in _tensors(cpu_state):
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise FloatingPointError(
+                f"not saving step {step} to {where}: {path or 'a tensor'} holds NaN or inf (the weights went "
+                "non-finite since the loss was last read); the last good checkpoint stays `latest`. Lower the "
+                "learning rate, add clip_norm, or check the data"
+            )

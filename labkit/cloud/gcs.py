@@ -305,3 +305,30 @@ def check_access(url: str, *, write: bool = False):
         except exceptions.Forbidden as e:
             raise _forbidden(bucket.name, "storage.objects.delete", "roles/storage.objectAdmin", e) from None
     return bucket
+
+
+def stat_with_server_time(url: str, timeout: float = 30):
+    """(the object's metadata as a dict, or None when it does not exist; the server's clock now) in one
+    request. Ages of objects (a writer lock's lease) are measured on the server's clock: `updated` is the
+    server's time of the last write, and the response's Date header its time now (1 s resolution), so a
+    host whose clock is off by minutes still measures the right age. Uses the client's own HTTP session
+    (credentials, emulator host) because the client's metadata calls do not expose response headers."""
+    from email.utils import parsedate_to_datetime
+    from urllib.parse import quote
+
+    from google.api_core import exceptions
+
+    bucket, name = parse_url(url)
+    c = client()
+    r = c._http.get(c._connection.build_api_url(f"/b/{bucket}/o/{quote(name, safe='')}"), timeout=timeout)
+    if r.status_code not in (200, 404):
+        raise exceptions.from_http_response(r)
+    now = parsedate_to_datetime(r.headers["Date"])
+    return (r.json() if r.status_code == 200 else None), now
+
+
+def parse_time(rfc3339: str):
+    """A GCS timestamp ("2026-11-25T04:39:50.453477Z") as an aware datetime."""
+    from datetime import datetime
+
+    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00"))

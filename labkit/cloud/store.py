@@ -2,20 +2,24 @@
 
     store = labkit.cloud.open_store("gs://bucket/run")   # or a folder: LocalStore (here) / GCSStore (gcs_store.py)
     store.acquire_writer()                           # one writer per root, before the first byte
+    store.check_writer()                             # before each commit point: still ours, else RuntimeError
     store.put_if_absent("ckpt-00000100.pt", tmp_path, crc32c_b64)   # create-only; FileExistsError if taken
     store.list("step-"), store.get(name), store.put("latest", b"...")  # put: overwrite, meant (the pointer)
 
 Both stores: list(prefix) / get(name) / put_if_absent(name, path_or_bytes, crc) / put(name, ...) /
-delete(name) / url(name) / local_path(name), the writer lock (acquire_writer / release_writer), the
+delete(name) / url(name) / local_path(name), the writer lock (acquire_writer / check_writer / release_writer), the
 `latest` pointer (read_pointer / write_pointer) and staging (temp_file / temp_dir / space_left).
 Names are relative, "/" between folders. A path given to put* is moved in (local) or uploaded (gs://).
 
 One writer per root. A folder: an flock on ROOT/.writer.lock (dropped by the kernel when the process
-dies). A gs:// prefix: the object `.writer.lock`, created create-only (if_generation_match=0) before
-the first byte and deleted on close; one left by a dead pid on this host is taken over, one from
-another host is refused with the command that removes it (nothing here can tell if that machine
-still runs). Checkpoint objects are create-only too: real GCS enforces it on every upload, the
-loopback fake-gcs-server only on small (multipart) ones, hence the lock.
+dies; opened without following a link, so a planted symlink is refused, never written through). A gs://
+prefix: the object `.writer.lock`, created create-only (if_generation_match=0) before the first byte;
+before every commit point (an object replaced, a marker, the pointer, a prune) the writer proves it
+still holds it (check_writer: its generation is the one it wrote), and it deletes it on close only while
+it is still its own. One left by a dead pid on this host is taken over, one from another host is
+refused (nothing here can tell if that machine still runs) unless this run resumed or its lease ran
+out on the server's clock. Checkpoint objects are create-only too: real GCS enforces it on every
+upload, the loopback fake-gcs-server only on small (multipart) ones, hence the lock.
 
 Staging: a local store stages beside the target (a move is a rename), a GCS store in
 <tmp>/labkit-ckpt/. Temp names carry the writer's pid and are swept only when it is gone (locally,
@@ -77,6 +81,29 @@ def _sweep(folder: str) -> None:
             shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else _remove(p)
 
 
+def _open_lock(path: str) -> int:
+    """The lock file, opened without following a link: a `.writer.lock` planted as a symlink (or a hard
+    link to another file) would otherwise have its target truncated and overwritten by the holder line."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        if os.path.islink(path):
+            raise RuntimeError(
+                f"{path} is a symbolic link (to {os.readlink(path)!r}), not a lock file: refusing to write "
+                "through it; remove the link"
+            ) from None
+        raise RuntimeError(f"cannot open the writer lock {path}: {e}") from e
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise RuntimeError(
+            f"{path} is not a plain lock file (a hard link, a device or a folder): refusing to write into it; remove it"
+        )
+    return fd
+
+
 def _remove(path):
     try:
         os.remove(path)
@@ -125,7 +152,7 @@ class LocalStore(_Staging):
             import fcntl
         except ImportError:  # Windows: no advisory locks here; single-writer is then up to the user
             return
-        fd = os.open(self.url(LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(self.url(LOCK))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -139,6 +166,10 @@ class LocalStore(_Staging):
         os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}".encode(), 0)
         self._lock_fd = fd
         _sweep(self.root)  # the lock is ours: temp files of dead writers can go (of a live one: never)
+
+    def check_writer(self) -> None:
+        """Before a commit point: the flock is held from acquire_writer to release_writer and no other
+        process can take it over, so there is nothing to prove (GCSStore's proves its generation)."""
 
     def release_writer(self) -> None:
         fd, self._lock_fd = self._lock_fd, None
@@ -203,7 +234,7 @@ class LocalStore(_Staging):
                 break
             parent = os.path.dirname(parent)
 
-    def read_pointer(self):
+    def read_pointer(self, track: bool = True):  # track: see GCSStore's
         try:
             data = self.get("latest")
         except FileNotFoundError:

@@ -37,9 +37,11 @@ without a front end) there are no buttons and the run goes on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
+import signal
 import threading
 
 PROFILE_SIGNAL = "SIGUSR1"  # what labkit.profiling listens to during fit()
@@ -164,25 +166,60 @@ async def fit_with_buttons(trainer, poll_s: float = 0.05):
     Interrupting the kernel (the stop button, Ctrl-C) cancels the await, not the thread: the trainer is
     asked to stop after the step it is in, the await waits for that, and the cell then ends cancelled, as
     `trainer.fit()` ends with KeyboardInterrupt, its position kept for a resume. Without that, the fit
-    went on in the background, still training the model the next cells use (measured, ipykernel 6 and 7)."""
-    fit = asyncio.ensure_future(asyncio.to_thread(trainer.fit))
-    kernel = _kernel_with_queue()
+    went on in the background, still training the model the next cells use (measured, ipykernel 6 and 7).
+    SIGTERM does the same, then raises KeyboardInterrupt("SIGTERM ...") once the pending checkpoint is saved."""
+    # SIGTERM (a preempted VM): its default action ends the process with the fit thread's upload in flight;
+    # here it stops the fit after its step, the fit finishes its pending save, then Preempted is raised
+    with _sigterm_stops(trainer) as preempted:
+        fit = asyncio.ensure_future(asyncio.to_thread(trainer.fit))
+        kernel = _kernel_with_queue()
+        try:
+            while not fit.done():
+                await asyncio.wait({fit}, timeout=poll_s)
+                if kernel is not None:
+                    await serve_widget_messages(kernel)
+        except asyncio.CancelledError:
+            trainer.request_stop()
+            print(
+                f"[labkit] interrupted at step {trainer.step}: the fit stops after this step "
+                "(interrupt again to not wait)"
+            )
+            await asyncio.wait({fit})
+            if (e := fit.exception()) is not None:
+                print(f"[labkit] the fit ended with {type(e).__name__}: {e}")
+            print(f"[labkit] the fit stopped at step {trainer.step}")
+            raise
+    result = fit.result()  # the fit's own error first
+    if preempted:
+        raise preempted[0]
+    return result
+
+
+@contextlib.contextmanager
+def _sigterm_stops(trainer):
+    """SIGTERM asks the trainer to stop after its current step (the fit thread then finishes its pending
+    save as it ends); yields a list that holds the interrupt to raise once the fit has returned. Main thread
+    only. A KeyboardInterrupt, as fit() turns SIGTERM into one (labkit.interrupts.Preempted, a layer above
+    the dashboard), so `except Exception` does not swallow it."""
+    got: list = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+
+    def handler(signum, frame):
+        got.append(KeyboardInterrupt(f"SIGTERM (signal {signum}) during training"))
+        trainer.request_stop()  # a flag: the fit thread stops at its next step boundary
+        print(f"[labkit] SIGTERM at step {trainer.step}: stopping after this step, finishing the pending save")
+
     try:
-        while not fit.done():
-            await asyncio.wait({fit}, timeout=poll_s)
-            if kernel is not None:
-                await serve_widget_messages(kernel)
-    except asyncio.CancelledError:
-        trainer.request_stop()
-        print(
-            f"[labkit] interrupted at step {trainer.step}: the fit stops after this step (interrupt again to not wait)"
-        )
-        await asyncio.wait({fit})
-        if (e := fit.exception()) is not None:
-            print(f"[labkit] the fit ended with {type(e).__name__}: {e}")
-        print(f"[labkit] the fit stopped at step {trainer.step}")
-        raise
-    return fit.result()
+        old = signal.signal(signal.SIGTERM, handler)
+    except (ValueError, OSError):  # not allowed here (embedded interpreters): leave it alone
+        yield got
+        return
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _kernel_with_queue():
