@@ -190,8 +190,9 @@ print("one batch:", tuple(x.shape), x.dtype, "| targets are the inputs shifted b
 #   1/sqrt(2·n_layer), so the stream does not grow with depth. At initialisation the model predicts all
 #   256 bytes about equally: the loss starts near ln 256 = 5.55 nats (8 bits per byte).
 #
-# **FLOPs**: a training step costs about `6·N + 12·L·T·d` FLOPs per token (N parameters: a multiply-add
-# per weight forward, two backward; the second term is attention's score and mixing products).
+# **FLOPs**: a matrix product (m×k)·(k×n) costs 2·m·k·n FLOPs (a multiply and an add per term), and its backward
+# pass costs about twice its forward (one product for the input's gradient, one for the weight's). Exercise 3 below
+# turns that into the cost of a training step; `GPT.flops_per_token()` is labkit's count, used here for MFU.
 
 # %%
 from labkit.models import GPT, GPTConfig, bits_per_byte
@@ -414,10 +415,14 @@ for name, (L_, d_, T_, V_) in {"GPT-2 small shape": (12, 768, 1024, 50257), "1.3
 
 # %% [markdown]
 # **3. A step's time, predicted before it is measured.** Write `predict_step_s(V, T, L, d, batch, flops_per_s)`: the
-# seconds one training step on `batch` windows of T bytes takes at `flops_per_s`, counting 6 FLOPs per parameter
-# per token (without the position table: a lookup, not a matmul) plus 12·L·T·d per token for attention's scores
-# (section 3). The check uses shapes where T, d and V all differ; the cell after it compares your kind of prediction
-# with this run's measured step at this device's measured FLOP/s.
+# seconds one training step on `batch` windows of T bytes takes at `flops_per_s`. Derive the FLOPs per token from
+# section 3's two rules: every parameter takes part in one multiply-add per token forward, backward costs twice that
+# (count every parameter of exercise 2 except the position table, which is a lookup, not a matmul; biases and
+# LayerNorms are a few % and labkit's count keeps them); attention adds two products without weights in every layer,
+# the scores Q·Kᵀ and the mix of the values, each over all T positions of the window (count the full T×T square, as
+# the usual convention does, although the causal mask makes half of it zeros). The check uses shapes where T, d and V
+# all differ (within 2 % of labkit's count); the cell after it compares such a prediction with this run's measured
+# step at this device's measured FLOP/s.
 
 # %%
 def predict_step_s(V, T, L, d, batch, flops_per_s):

@@ -245,8 +245,9 @@ assert len(S.tile_devices(2, results["tensor"].batch_spec)) == N_DEV // P.model_
 # * data parallel: everything replicated, the same as one device. Memory does not shrink with more devices.
 # * tensor parallel: the split matrices are halved (`model_axis=2`); embeddings, LayerNorms and the
 #   row-parallel biases stay whole.
-# * FSDP: every tensor split 8 ways along its largest dimension: **total / 8** (exactly when that dimension
-#   divides by 8; else the last slices are padded);
+# * FSDP: every tensor split over all devices (8 here) along its largest dimension, the first of them on a tie
+#   (FSDPv2's rule, whatever the order of the dimensions): about **total / 8**, exactly when every tensor's largest
+#   dimension divides by 8 (where one does not, its last slices are padded, so a device holds a little more);
 #   `labkit.spmd.sharding.predict_fsdp` computes it from the shapes alone.
 
 # %%
@@ -262,9 +263,10 @@ assert abs(results["fsdp"].param_bytes * N_DEV / single_bytes - 1) < 0.05, "FSDP
 assert results["fsdp"].param_bytes < results["tensor"].param_bytes < single_bytes
 
 # %% [markdown]
-# ## Your turn: predict before you read the HLO
-# Three exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
+# ## Your turn: predict, then measure
+# Four exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
 # check cell below it. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`).
+# If you leave an exercise, its check prints "not yet" and the rest of the notebook runs on.
 #
 # **1.** How many bytes must one data-parallel training step all-reduce? Write `dp_bytes(model)`, from a model's
 # parameters; the check tries it on models of other sizes and dtypes, then on `probe` (the GPT of section 2), before
@@ -288,9 +290,42 @@ ex.check("03.dp_bytes", lambda: nb03.check_dp_bytes(
     dp_bytes, probe, results["data"].collectives.get("all-reduce", {}).get("bytes")))
 
 # %% [markdown]
-# **2.** FSDPv2 splits every tensor along its largest dimension (the first on a tie) over all devices; when that
-# dimension does not divide, the last slices are padded to the size of the first. Write `fsdp_bytes(shape,
-# devices)`: the bytes of float32 one device holds. Section 5's FSDP figure is the sum of it over the model.
+# **2.** Lay a tensor out as FSDPv2 lays out a parameter, on the device. `SpmdFullyShardedDataParallel` calls
+# `xs.mark_sharding(param, mesh, spec)` for every parameter, with a *partition spec*: one entry per dimension of
+# the tensor, the name of a mesh axis to split that dimension over, or `None` to keep it whole. It splits each
+# parameter along its **largest** dimension over the mesh's `"fsdp"` axis (the first of them on a tie), nothing
+# else. Write `fsdp_shard(t, mesh)`: mark the XLA tensor `t` that way on `mesh` (1-D, axis `"fsdp"`, all devices)
+# and return it. The check gives it tensors of random shapes (the largest dimension first, last, in the middle,
+# tied) and compares the layout with the one torch_xla's `SpmdFullyShardedDataParallel` itself gives a parameter of
+# the same shape; it also counts torch_xla's device-to-host copies: the tensor must stay where it is.
+
+# %%
+import torch_xla.distributed.spmd as xs
+
+mesh = labkit.spmd.make_mesh(None, ("fsdp",))   # all devices on one axis named "fsdp", as in the FSDP run
+
+def fsdp_shard(t, mesh):
+    ...   # your code: xs.mark_sharding(t, mesh, spec), then return t
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
+if ex.solutions_on():
+    def fsdp_shard(t, mesh):
+        big = list(t.shape).index(max(t.shape))   # index() finds the first of equal sizes
+        xs.mark_sharding(t, mesh, tuple("fsdp" if d == big else None for d in range(t.dim())))
+        return t
+
+# %%
+ex.check("03.fsdp_shard", lambda: nb03.check_fsdp_shard(fsdp_shard, mesh))
+
+# %% [markdown]
+# **3.** Predict what that layout costs. When the largest dimension does not divide over the devices, every slice
+# has the size of the first (`ceil(size / devices)` of that dimension) and the last ones are padded. Write
+# `fsdp_bytes(shape, devices, bytes_per=4)`: the bytes one device holds. The check measures its answers on the
+# mesh (tensors of random shapes, float32 and bfloat16, laid out by torch_xla's FSDPv2 and read from their
+# shardings), tries other device counts against the rule on paper, and sums your function over `probe`'s
+# parameters: it must give the FSDP run's bytes per device of section 5, exactly.
 
 # %%
 def fsdp_bytes(shape, devices, bytes_per=4):
@@ -307,13 +342,10 @@ if ex.solutions_on():
         return math.ceil(big / devices) * math.prod(shape) // big * bytes_per
 
 # %%
-ex.check("03.fsdp_bytes", lambda: nb03.check_fsdp_bytes(fsdp_bytes))
-ex.check("03.fsdp_total", lambda: nb03.require(
-    sum(ex.integer(fsdp_bytes(tuple(p.shape), N_DEV)) for p in probe.parameters()) == FS["param_bytes"],
-    "summed over the model it must give section 5's FSDP bytes per device"))
+ex.check("03.fsdp_bytes", lambda: nb03.check_fsdp_bytes(fsdp_bytes, mesh, probe, results["fsdp"].param_bytes))
 
 # %% [markdown]
-# **3.** Megatron's tensor parallelism all-reduces activations inside every block. Write `megatron_bytes(B, T, C,
+# **4.** Megatron's tensor parallelism all-reduces activations inside every block. Write `megatron_bytes(B, T, C,
 # L, data)`: the activation bytes (float32) one training step all-reduces over the model groups, for a global batch
 # of B sequences of T tokens, width C, L blocks, on a mesh whose `data` axis has `data` devices.
 

@@ -30,9 +30,9 @@
 #    validation accuracy, size on disk.
 # 4. **GPT generation on a CPU** with and without a key/value cache, eager and compiled.
 #
-# Everything here is plain PyTorch on a CPU: it carries over to any backend. The one torch_xla-specific lesson is
-# the first: what a TPU run writes is ordinary float32 CPU tensors, and the arithmetic, not the file, is what
-# differs between the TPU and the CPU. Claims about results (same predictions, same bytes, smaller files) are checked
+# Everything here is plain PyTorch on a CPU: it carries over to any backend. The torch_xla-specific lessons are the
+# first, what a TPU run writes is ordinary float32 CPU tensors, and the arithmetic, not the file, is what differs
+# between the TPU and the CPU; and exercise 4, how those tensors leave the device in one transfer. Claims about results (same predictions, same bytes, smaller files) are checked
 # by an `assert`; speed figures are measured here and printed (and drawn), never asserted, because they depend on the
 # CPU and on who else is using it.
 
@@ -131,6 +131,19 @@ INT8_MISSING = quantize.pt2e_missing()  # None where the PT2E int8 flow runs (to
 print("quantization API from:", quantize.pt2e_api()[-1] if INT8_MISSING is None else f"none here: {INT8_MISSING}")
 
 # %% [markdown]
+# Everything until exercise 4 runs on the CPU, but exercise 4 copies tensors off this runtime's accelerator, so the
+# accelerator starts here, first: torch_xla's devices must start before the process runs any backward pass (the
+# stand-ins below train on the CPU when a checkpoint is missing), or PyTorch's autograd has no queue for them.
+
+# %%
+try:
+    rt = labkit.setup()   # XLA (a TPU, or torch_xla on the CPU), a CUDA GPU, or the plain CPU: used by exercise 4 only
+except labkit.BackendError as e:   # e.g. another notebook's kernel holds the TPU: this notebook needs none
+    print(f"no accelerator here ({str(e)[:200]}): exercise 4 runs on the CPU and counts no transfers")
+    rt = labkit.setup("cpu")
+print("accelerator for exercise 4:", rt.device)
+
+# %% [markdown]
 # ## 2. Load the training run's checkpoint on the CPU
 # Notebook 01 ends its training with `labkit.serve.export.save_for_serving`: the model's weights as float32 CPU tensors
 # (copied off the device in one transfer), the architecture, the final evaluation, where the validation shards
@@ -182,7 +195,11 @@ meta, ref = ckpt["meta"], ckpt["reference"]
 print(f"{RESNET}: {ckpt['arch']}, trained on {meta['source']}; training run's evaluation: "
       f"accuracy {ckpt['metrics']['val_acc']:.2%}, loss {ckpt['metrics']['val_loss']:.4f}")
 print(f"reference logits computed on {ref['device']} with bf16 autocast {'on' if ref['bf16'] else 'off'}")
-assert "torch_xla" not in sys.modules, "loading the checkpoint should not need torch_xla"
+# torch_xla may be running in this process (started above for exercise 4): a fresh Python shows the file loads without it
+fresh = subprocess.run([sys.executable, "-c", "import sys; from labkit.serve import export; export.load_model(sys.argv[1]); "
+                        "assert 'torch_xla' not in sys.modules, 'loading imported torch_xla'", RESNET],
+                       capture_output=True, text=True)
+assert fresh.returncode == 0, f"loading the checkpoint in a fresh process failed: {fresh.stderr[-500:]}"
 assert all(t.device.type == "cpu" for t in ckpt["model"].values())
 
 # %% [markdown]
@@ -486,7 +503,7 @@ print(repr(text.decode(torch.cat([prompt[0], base[0]]))))
 
 # %% [markdown]
 # ## Your turn
-# Three exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
+# Four exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
 # check cell. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`).
 #
 # **1.** Predict the size of an int8 program from a model alone: write `predict_int8_bytes(model)`. The quantizer
@@ -558,6 +575,35 @@ print(f"this GPT: a {cache.numel() * cache.element_size() / 1e3:.0f} kB cache fo
 # positions, with it one position (plus attention over the cache). On a tiny model the per-call overhead of
 # eager PyTorch (hundreds of small kernels) is a large part of each step, which is what compiling removes.
 #
+# **4. Off the device in one transfer.** Section 2 said the training run copied its weights off the device "in one
+# transfer". Each `.cpu()` (or `.to("cpu")`) of an XLA tensor is a device→host transfer of its own, and each waits
+# for the device: a ResNet-50's state dict has over 300 tensors. Write `to_host(state)`: the same dict (name →
+# tensor) with every tensor copied to the host, in one transfer for all of them, with plain torch ops (the tensors of
+# the check's state are all float32; labkit's own copy helpers are switched off while it runs). The check builds a
+# small model of its own on this runtime's device and, on XLA, counts the transfers with torch_xla's own
+# `TransferFromDeviceTime` metric. On a CUDA GPU or a plain CPU there is no such count: the names, devices and values
+# are still checked, and the check says the transfers were not counted.
+
+# %%
+print("the check's state will live on", rt.device)   # rt: the runtime section 1 set up
+
+
+def to_host(state):
+    ...   # your code
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
+if ex.solutions_on():
+    def to_host(state):
+        flat = torch.cat([t.reshape(-1) for t in state.values()]).cpu()   # one graph on the device, one transfer
+        parts = flat.split([t.numel() for t in state.values()])          # split on the host: views, no copies
+        return {name: p.view(t.shape) for (name, t), p in zip(state.items(), parts)}
+
+# %%
+ex.check("05.to_host", lambda: nb05.check_to_host(to_host, rt))
+
+# %% [markdown]
 # ## What carries over, what is XLA-specific
 # * XLA-specific: the checkpoint of a TPU run holds ordinary float32 CPU tensors; bf16 autocast changes the
 #   arithmetic, not the file, hence a tolerance on logits rather than bit equality.

@@ -17,7 +17,8 @@ def step_s(V, T, L, d, batch, flops_per_s):
 
 
 def test_bucket():
-    assert "graphs instead of 256" in nb02.check_bucket(lambda n: min(256, 32 * math.ceil(n / 32)))
+    note = nb02.check_bucket(lambda n: min(256, 32 * math.ceil(n / 32)))
+    assert "graphs instead of 256" in note and "no XLA here: the graphs were not counted" in note
     with pytest.raises(Wrong, match="not a multiple of 32"):
         nb02.check_bucket(lambda n: n)
     with pytest.raises(Wrong, match="must be a number"):
@@ -30,6 +31,8 @@ def test_bucket_on_xla_counts_the_graphs():
     rt = labkit.setup("xla-cpu")
     note = nb02.check_bucket(lambda n: min(64, 32 * math.ceil(n / 32)), 64, rt)
     assert "measured: 12 random prompts" in note and "graphs compiled" in note
+    with pytest.raises(Wrong, match="your code raised ZeroDivisionError"):
+        nb02.check_bucket(lambda n: min(64, 32 * math.ceil(n / 32)) + 0 // (n - 50), 64, rt)  # fails at n = 50
 
 
 def test_gpt_params():

@@ -1,12 +1,22 @@
-"""Notebook 03's checkers: "split dim 0 always", a parameter count for bytes, a bf16 model counted at 4 bytes, the
-forward-only Megatron count and a lying __eq__ all fail with a reason; the right answers pass."""
+"""Notebook 03's checkers: right answers pass; "split dim 0 always", "the last on a tie", work copied through the
+host, a tensor left whole, a parameter count for bytes, a bf16 model counted at 4 bytes, a hard-coded number, the
+forward-only Megatron count, a lying __eq__, a placeholder and an exception inside the learner's code all fail with
+a reason. The FSDP checkers read torch_xla's own layouts on a mesh: those cases run in a child process with 4
+virtual XLA:CPU devices under SPMD (SPMD must be on before the first XLA tensor exists; ~15 s)."""
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from labkit.lessons.exercises import NotDone, Wrong, nb03
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class AlwaysEqual(int):
@@ -21,6 +31,10 @@ def fsdp(shape, devices, bytes_per=4):
     return math.ceil(big / devices) * math.prod(shape) // big * bytes_per
 
 
+def dim0(shape, devices, bytes_per=4):
+    return math.ceil(shape[0] / devices) * math.prod(shape) // shape[0] * bytes_per
+
+
 def test_dp_bytes():
     model = torch.nn.Linear(5, 3)
     assert "B for this GPT" in nb03.check_dp_bytes(
@@ -32,23 +46,43 @@ def test_dp_bytes():
         nb03.check_dp_bytes(lambda m: 4 * sum(p.numel() for p in m.parameters()), model)
     with pytest.raises(Wrong, match="you say 72"):
         nb03.check_dp_bytes(lambda m: 72, model)  # this model's bytes, hard-coded
+    with pytest.raises(Wrong, match="you say 0"):  # a lying __eq__ is read as the int it is
+        nb03.check_dp_bytes(lambda m: AlwaysEqual(0), model)
     with pytest.raises(NotDone):
         nb03.check_dp_bytes(..., model)
+    with pytest.raises(NotDone):  # the placeholder body returns None
+        nb03.check_dp_bytes(lambda m: None, model)
 
 
-def test_fsdp_bytes_splits_the_largest_dimension():
-    assert "shapes" in nb03.check_fsdp_bytes(fsdp)
-
-    def dim0(shape, devices, bytes_per=4):
-        return math.ceil(shape[0] / devices) * math.prod(shape) // shape[0] * bytes_per
-
+def test_fsdp_bytes_on_paper_splits_the_largest_dimension():
+    """Without a mesh the checker uses the rule on paper, for device counts of 3 and 4 or 6."""
+    assert "in all" in nb03.check_fsdp_bytes(fsdp)
     with pytest.raises(Wrong, match=r"split along dim 0; FSDPv2 splits the largest dimension"):
         nb03.check_fsdp_bytes(dim0)
     with pytest.raises(Wrong, match="is an exact 1/"):
-        nb03.check_fsdp_bytes(lambda shape, n, bytes_per=4: math.prod(shape) * 4 / n)
-    # an int subclass whose __eq__ lies is read as the int it is
+        nb03.check_fsdp_bytes(lambda shape, n, bytes_per=4: math.prod(shape) * bytes_per // n)
+    with pytest.raises(Wrong, match="a count is a whole number"):
+        nb03.check_fsdp_bytes(lambda shape, n, bytes_per=4: math.prod(shape) * bytes_per / n)
     with pytest.raises(Wrong, match="you say 0"):
         nb03.check_fsdp_bytes(lambda shape, n, bytes_per=4: AlwaysEqual(0))
+    with pytest.raises(Wrong, match="you say 96"):
+        nb03.check_fsdp_bytes(lambda shape, n, bytes_per=4: 96)
+    with pytest.raises(Wrong, match="your code raised IndexError"):
+        nb03.check_fsdp_bytes(lambda shape, n, bytes_per=4: shape[5])
+    with pytest.raises(NotDone):
+        nb03.check_fsdp_bytes(...)
+
+
+def test_fsdp_shapes_tell_the_wrong_rules_apart():
+    """Every call draws shapes where dim 0 is not the largest, a tie, and sizes that do not divide."""
+    import random
+
+    for seed in range(20):
+        shapes = nb03._fsdp_shapes(random.Random(seed), 4)
+        assert any(s.index(max(s)) != 0 for s in shapes)
+        assert any(len(s) == 2 and s[0] == s[1] for s in shapes)
+        assert all(d % 4 for s in shapes for d in s)
+    assert nb03._fsdp_shapes(random.Random(1), 8) != nb03._fsdp_shapes(random.Random(2), 8)
 
 
 def test_megatron_bytes():
@@ -59,3 +93,111 @@ def test_megatron_bytes():
         nb03.check_megatron_bytes(lambda B, T, C, L, data: 4 * L * B * T * C * 4)
     with pytest.raises(Wrong, match="your code raised ZeroDivisionError"):
         nb03.check_megatron_bytes(lambda B, T, C, L, data: B // 0)
+    with pytest.raises(Wrong, match="you say 32768"):
+        nb03.check_megatron_bytes(lambda B, T, C, L, data: 32768)  # the first case's answer, hard-coded
+
+
+# Run in a child: 4 virtual XLA:CPU devices under SPMD, a 1-D "fsdp" mesh. Each answer is checked and the outcome
+# printed as one JSON line {name: "pass" or "Wrong: message"}.
+_CHILD = r"""
+import json, math, os, sys
+import torch
+import labkit
+rt = labkit.setup("xla-cpu", spmd=True)
+import torch_xla.distributed.spmd as xs
+from labkit.lessons.exercises import Wrong, nb03
+
+mesh = labkit.spmd.make_mesh(None, ("fsdp",))
+
+def largest(t, mesh):
+    return xs.mark_sharding(t, mesh, tuple("fsdp" if d == t.shape.index(max(t.shape)) else None for d in range(t.dim())))
+
+def largest_in_place(t, mesh):  # returns t itself, not the wrapper
+    largest(t, mesh)
+    return t
+
+def dim0(t, mesh):
+    xs.mark_sharding(t, mesh, ("fsdp",) + (None,) * (t.dim() - 1))
+    return t
+
+def last_on_tie(t, mesh):
+    s = list(t.shape)
+    d = len(s) - 1 - s[::-1].index(max(s))
+    xs.mark_sharding(t, mesh, tuple("fsdp" if i == d else None for i in range(t.dim())))
+    return t
+
+def through_host(t, mesh):  # the right layout, reached through a copy on the host
+    return largest(t.cpu().to(t.device), mesh)
+
+def on_host(t, mesh):
+    return t.cpu()
+
+def whole(t, mesh):
+    return t
+
+def zeros(t, mesh):  # the right layout of a new tensor: the values are lost
+    return largest(torch.zeros_like(t), mesh)
+
+def fsdp_bytes(shape, devices, bytes_per=4):
+    big = max(shape)
+    return math.ceil(big / devices) * math.prod(shape) // big * bytes_per
+
+class Eq(int):  # an int whose __eq__ says yes to everything
+    def __eq__(self, other):
+        return True
+    __hash__ = int.__hash__
+
+def exact(shape, devices, bytes_per=4):
+    return math.prod(shape) * bytes_per // devices
+
+model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Linear(40, 5))
+run_bytes = sum(b for _, b in nb03.fsdpv2_layout([tuple(p.shape) for p in model.parameters()], mesh))
+out = {}
+for name, answer in [("largest", largest), ("largest_in_place", largest_in_place), ("dim0", dim0),
+                     ("last_on_tie", last_on_tie), ("through_host", through_host), ("on_host", on_host),
+                     ("whole", whole), ("zeros", zeros)]:
+    try:
+        out["shard." + name] = "pass: " + nb03.check_fsdp_shard(answer, mesh)
+    except Wrong as e:
+        out["shard." + name] = "Wrong: " + str(e)
+for name, answer, total in [("right", fsdp_bytes, run_bytes), ("wrong_total", fsdp_bytes, run_bytes + 4),
+                            ("exact", exact, run_bytes), ("lying", lambda s, n, b=4: Eq(0), run_bytes)]:
+    try:
+        out["bytes." + name] = "pass: " + nb03.check_fsdp_bytes(answer, mesh, model, total)
+    except Wrong as e:
+        out["bytes." + name] = "Wrong: " + str(e)
+print("RESULTS " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def on_a_mesh():
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, "-c", _CHILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULTS ") :])
+
+
+def test_fsdp_shard_passes_torch_xlas_own_layout(on_a_mesh):
+    assert on_a_mesh["shard.largest"].startswith("pass: 5 shapes"), on_a_mesh
+    assert on_a_mesh["shard.largest_in_place"].startswith("pass"), on_a_mesh
+
+
+def test_fsdp_shard_rejects_wrong_layouts_and_host_work(on_a_mesh):
+    r = on_a_mesh
+    assert "you split dim 0; FSDPv2 splits the largest" in r["shard.dim0"], r
+    assert "on a tie FSDPv2 splits the first" in r["shard.last_on_tie"], r
+    assert "copied from the device to the host" in r["shard.through_host"], r
+    assert "lives on 'cpu'" in r["shard.on_host"], r
+    assert "not split, every device holds all of it" in r["shard.whole"], r
+    assert "the values changed" in r["shard.zeros"], r
+
+
+def test_fsdp_bytes_measured_on_the_mesh(on_a_mesh):
+    r = on_a_mesh
+    assert r["bytes.right"].startswith("pass: 6 shapes measured on the mesh"), r
+    assert "summed over the model" in r["bytes.wrong_total"], r
+    assert "is an exact 1/4" in r["bytes.exact"], r
+    assert "you say 0" in r["bytes.lying"], r

@@ -58,6 +58,14 @@ def test_kv_cache_bytes():
         nb05.check_kv_cache_bytes(lambda L, H, T, d, B: 2 * L * B * T * d * 4 * H)
     with pytest.raises(Wrong, match="you say"):
         nb05.check_kv_cache_bytes(lambda L, H, T, d, B: 2 * L * B * d * d * 4)  # the window confused with the width
+    with pytest.raises(Wrong, match="allocating the cache is the measurement"):
+        from labkit.models import GPT, GPTConfig
+
+        nb05.check_kv_cache_bytes(
+            lambda L, H, T, d, B: GPT(GPTConfig(block_size=T, n_layer=L, n_head=H, n_embd=d)).empty_cache(B).nbytes
+        )
+    with pytest.raises(Wrong, match="must be a number"):
+        nb05.check_kv_cache_bytes(lambda L, H, T, d, B: torch.tensor(2 * L * B * T * d * 4))
 
 
 def test_int8_size_without_an_int8_file_checks_the_rule(model_and_x):
@@ -67,3 +75,40 @@ def test_int8_size_without_an_int8_file_checks_the_rule(model_and_x):
     )
     with pytest.raises(Wrong):
         nb05.check_int8_size(lambda m: 1000, model, None, None)
+
+
+def one_transfer(state):
+    """The right answer: one device tensor gathered on the device, copied once, split on the host."""
+    flat = torch.cat([t.reshape(-1) for t in state.values()]).cpu()
+    parts = flat.split([t.numel() for t in state.values()])
+    return {name: p.view(t.shape) for (name, t), p in zip(state.items(), parts)}
+
+
+def test_to_host_counts_torch_xlas_transfers():
+    import labkit
+
+    rt = labkit.setup("xla-cpu")
+    assert "in 1 transfer" in nb05.check_to_host(one_transfer, rt)
+    with pytest.raises(Wrong, match=r"device->host transfers for \d+ tensors"):  # a .to('cpu') per tensor
+        nb05.check_to_host(lambda s: {k: v.to("cpu") for k, v in s.items()}, rt)
+    with pytest.raises(Wrong, match="is on xla:0"):  # nothing copied
+        nb05.check_to_host(lambda s: dict(s), rt)
+    with pytest.raises(Wrong, match="values differ"):  # made on the host, never read from the device
+        nb05.check_to_host(lambda s: {k: torch.zeros(v.shape) for k, v in s.items()}, rt)
+    with pytest.raises(Wrong, match="labkit's own"):
+        nb05.check_to_host(lambda s: labkit.checkpoint.state.to_cpu(s, rt), rt)
+    with pytest.raises(Wrong, match="your code raised TypeError"):  # an int64 or odd state mixed in by mistake
+        nb05.check_to_host(lambda s: {k: v.cpu() + "x" for k, v in s.items()}, rt)
+    with pytest.raises(NotDone):
+        nb05.check_to_host(lambda s: ..., rt)
+
+
+def test_to_host_off_xla_checks_values_and_says_nothing_was_counted():
+    from labkit.runtime import Runtime
+
+    rt = Runtime("cpu", torch.device("cpu"))
+    assert "the transfers were not counted" in nb05.check_to_host(one_transfer, rt)
+    with pytest.raises(Wrong, match="values differ"):
+        nb05.check_to_host(lambda s: {k: torch.ones(v.shape) for k, v in s.items()}, rt)
+    with pytest.raises(Wrong, match="return a dict"):
+        nb05.check_to_host(lambda s: list(s.values()), rt)

@@ -1,9 +1,11 @@
 """Checkers for notebook 05 (export and int8). Each one runs the learner's code on models and inputs that change
 with every call and judges the artefact it makes: a byte count against real tensors and files, an exported program
-by its dynamic dimension and its answers."""
+by its dynamic dimension and its answers, a copy off the device by where its tensors live and by torch_xla's own
+count of device->host transfers."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 
@@ -11,9 +13,27 @@ import torch
 
 from labkit.lessons.exercises import Wrong, call, close, integer, number, require, todo
 
-__all__ = ["check_dynamic_export", "check_int8_size", "check_kv_cache_bytes"]
+__all__ = ["check_dynamic_export", "check_int8_size", "check_kv_cache_bytes", "check_to_host"]
 
 _calls = itertools.count(1)
+
+
+@contextlib.contextmanager
+def _refusing(targets, why: str):
+    """While the learner's code runs, each (owner, attribute) in `targets` raises Wrong(why): the library function
+    that computes the answer is the measurement (or the very thing the exercise rebuilds), not the learner's work."""
+
+    def refuse(*a, **kw):
+        raise Wrong(why)
+
+    saved = [(owner, name, getattr(owner, name)) for owner, name in targets]
+    for owner, name, _ in saved:
+        setattr(owner, name, refuse)
+    try:
+        yield
+    finally:
+        for owner, name, f in saved:
+            setattr(owner, name, f)
 
 
 def _rule(model) -> int:
@@ -99,7 +119,8 @@ def check_dynamic_export(program, model, x: torch.Tensor) -> str:
 def check_kv_cache_bytes(kv_cache_bytes) -> str:
     """05.kv_cache: kv_cache_bytes(n_layer, n_head, block_size, n_embd, batch) -> bytes of a float32 key/value
     cache for a whole window, predicted, then compared with the cache labkit's GPT really allocates (empty_cache)
-    for four shapes where the window and the width differ."""
+    for four shapes where the window and the width differ. Building a GPT or calling empty_cache inside the answer is
+    refused: that is the measurement."""
     from labkit.models import GPT, GPTConfig
 
     todo(kv_cache_bytes)
@@ -107,7 +128,11 @@ def check_kv_cache_bytes(kv_cache_bytes) -> str:
     for _ in range(4):
         L, H = rng.randint(1, 4), rng.choice([2, 4])
         d, T, B = H * rng.choice([8, 16]), rng.choice([24, 40, 72]), rng.randint(1, 5)
-        got = integer(call(kv_cache_bytes, L, H, T, d, B), f"kv_cache_bytes({L}, {H}, {T}, {d}, {B})")
+        with _refusing(
+            [(GPT, "__init__"), (GPT, "empty_cache")],
+            "predict from the shapes: allocating the cache is the measurement",
+        ):
+            got = integer(call(kv_cache_bytes, L, H, T, d, B), f"kv_cache_bytes({L}, {H}, {T}, {d}, {B})")
         cache = GPT(GPTConfig(block_size=T, n_layer=L, n_head=H, n_embd=d)).empty_cache(B)
         want = cache.numel() * cache.element_size()
         if got == want // 2:
@@ -116,3 +141,73 @@ def check_kv_cache_bytes(kv_cache_bytes) -> str:
             raise Wrong("the heads split the width: n_head x head_dim = n_embd, count it once")
         require(got == want, f"L={L}, heads={H}, T={T}, d={d}, batch {B}: you say {got:,}, the cache is {want:,} bytes")
     return "four shapes: 2 x layers x batch x window x width x 4 bytes"
+
+
+def _from_device() -> tuple[int, int]:
+    """torch_xla's device->host copies in this process: (transfers, bytes), the sample count of its
+    TransferFromDeviceTime metric and the total of its InboundData metric (bytes that came in to the host)."""
+    import torch_xla.debug.metrics as met
+
+    n, b = met.metric_data("TransferFromDeviceTime"), met.metric_data("InboundData")
+    return (n[0] if n else 0), int(b[1] if b else 0)
+
+
+def check_to_host(to_host, rt) -> str:
+    """05.to_host: to_host(state) -> the same dict of tensors as CPU tensors, copied off the device in ONE
+    transfer. The state is a small model's state_dict on `rt.device` (float32; widths and depth drawn anew on every
+    call). Checked: a dict with the same names, every value a CPU tensor of the same shape and dtype, equal to the
+    device's values; on XLA torch_xla's TransferFromDeviceTime count must rise by exactly 1 (a `.cpu()` per tensor
+    is one transfer each); the bytes that came in (InboundData) are reported, not judged. labkit's own batched copies
+    refuse while the learner's code runs. Off XLA there is no such count: the values and devices are still checked,
+    and the note says the transfers were not counted."""
+    from labkit import _xla, accumulate
+    from labkit.checkpoint import state as checkpoint_state
+
+    todo(to_host)
+    k = next(_calls)
+    rng = random.Random(k)
+    widths = [rng.choice([8, 12, 20, 28, 36]) for _ in range(rng.randint(3, 5))]
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.LayerNorm(b)]
+    torch.manual_seed(k)
+    model = torch.nn.Sequential(*layers)
+    with torch.no_grad():
+        for p in model.parameters():  # LayerNorm starts at ones and zeros: random values, so a guess cannot match
+            p.normal_()
+    state = model.to(rt.device).state_dict()  # the tensors a training run holds on its device
+    rt.sync()  # the upload and any pending work done: what is counted below is the learner's copy alone
+    before = _from_device() if rt.is_xla else (0, 0)
+    library = [(_xla, "to_cpu"), (_xla, "cpu_tensors"), (accumulate, "to_host")]
+    library += [(checkpoint_state, "to_cpu"), (checkpoint_state, "to_host")]
+    with _refusing(library, "write the copy yourself: labkit's own to_cpu/to_host is what this exercise rebuilds"):
+        out = call(to_host, state)
+    after = _from_device() if rt.is_xla else (0, 0)
+    require(isinstance(out, dict), f"return a dict of tensors (name -> tensor), not a {type(out).__name__}")
+    require(all(type(n) is str for n in out), "the keys must be the state's names (strings)")
+    missing, extra = sorted(set(state) - set(out)), sorted(set(out) - set(state))
+    require(not missing and not extra, f"names missing: {missing[:3]}, names not in the state: {extra[:3]}")
+    for name, t in state.items():
+        v = out[name]
+        require(type(v) in (torch.Tensor, torch.nn.Parameter), f"{name}: a {type(v).__name__}, not a tensor")
+        require(v.device.type == "cpu", f"{name} is on {v.device}: the copy must live on the host (the CPU)")
+        require(
+            tuple(v.shape) == tuple(t.shape) and v.dtype == t.dtype,
+            f"{name}: {tuple(v.shape)} {v.dtype}, the state has {tuple(t.shape)} {t.dtype}",
+        )
+    # the checker's own reference copy, after the counts were read
+    tensors = list(state.values())
+    want = dict(zip(state, _xla.to_cpu(tensors) if rt.is_xla else [t.detach().cpu() for t in tensors]))
+    for name in state:
+        require(bool(torch.equal(out[name], want[name])), f"{name}: values differ from the device's")
+    if not rt.is_xla:
+        where = "the model was already on the host" if rt.device.type == "cpu" else f"on {rt.device.type}"
+        return f"right names, shapes and values ({where}; no XLA device here: the transfers were not counted)"
+    n, nbytes = after[0] - before[0], after[1] - before[1]
+    require(
+        n == 1,
+        f"{n} device->host transfers for {len(state)} tensors: gather them into one device tensor and copy that once "
+        "(a .cpu() or .to('cpu') per tensor is one transfer each)",
+    )
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    return f"{len(state)} tensors ({size:,} bytes) in 1 transfer of {nbytes:,} bytes (torch_xla's own counts)"
