@@ -5,6 +5,29 @@ train = make_loader("gs://bucket/cifar/train/manifest.json", 128, train=True, nu
 for epoch in range(3):
     train.set_epoch(epoch)
     for x, y in train: ...
+
+Any WebDataset (shards that no labkit code wrote: webdataset's ShardWriter, tarp, a hub corpus):
+
+    train = make_loader("photos/train-{000000..000009}.tar", 64, train=True, image_size=224, flip=True)
+    val = make_loader("photos/val-{000000..000001}.tar", 64, train=False, image_size=224)
+    make_loader(urls, 64, train=True, image_size=224, label="json:label", classes=["cat", "dog"])
+    make_loader(urls, 64, train=True, image_size=224, transform=torchvision.transforms.v2.Compose([...]))
+
+The image is a sample's first png/ppm/jpg/jpeg/webp field. `image_size` (an int or (h, w)) gives
+(B, 3, h, w) batches whatever the stored sizes: training takes an ImageNet-style random-resized crop
+(`crop_scale`, default 8-100 % of the area) and flips where allowed; evaluation resizes the shorter side
+and takes the centre (data_tools.transforms.fit_image, which decodes JPEGs at a reduced size when it
+can). Mean/std default to ImageNet's there. `transform` instead receives the decoded PIL RGB image and
+returns a CHW tensor (a torchvision.transforms.v2 pipeline ending in PILToTensor or ToImage: uint8 is
+normalised with mean/std; float, e.g. after v2.Normalize, is taken as it is), a PIL image or an HWC array;
+every output must have one shape (static shapes), and its random draws come from torch's generator (seeded
+per DataLoader worker by torch). `label` names the field: "cls" (default), "txt", any other field, or
+"json:key" (a key of the json field, dotted for nested keys); its text is a class index or, with
+`classes` (a list of names, or a dict name -> index), a class name. Without a manifest, the samples per
+shard are counted once for training by reading every shard (bytes only, nothing decoded) and kept in
+LABKIT_CACHE (default ~/.cache/labkit)/shard-counts.json, keyed by URL (and size and mtime for a local
+file: a remote shard rewritten under the same name keeps its old count, so delete the file then);
+num_samples= skips the count.
 """
 
 from __future__ import annotations
@@ -43,6 +66,11 @@ class ShardLoader(torch.utils.data.DataLoader):
     @property
     def manifest(self):
         return self.dataset.manifest
+
+    @property
+    def class_names(self):
+        """The manifest's class names, or the `classes` given (None when neither)."""
+        return self.dataset.class_names
 
     @property
     def mean(self):
@@ -86,8 +114,13 @@ def make_loader(
     source: manifest.json path/URL, or a brace pattern / list of shard URLs (a manifest.json in the
     same folder is used when present; otherwise pass num_samples for training). `options` go to
     ShardStream unchanged (rank, world_size, seed, shuffle_buffer, verify, skip_corrupt, num_samples,
-    mean, std, last_batch, return_keys, augment, crop_padding, flip, timeout). flip=None (default)
-    mirrors images only when the manifest says a mirror keeps the label ("hflip": CIFAR-10 yes, digits no).
+    mean, std, last_batch, return_keys, augment, crop_padding, flip, timeout, image_size, label, classes,
+    transform, crop_scale). flip=None (default) mirrors images only when the manifest says a mirror keeps
+    the label ("hflip": CIFAR-10 yes, digits no); shards without a manifest are not flipped unless flip=True.
+    image_size=S (or (h, w)): photos of any stored size come out (B, 3, S, S), ImageNet-style (random-resized
+    crop in training, resized shorter side + centre crop in evaluation); transform=a torchvision.transforms.v2
+    pipeline instead (see the module docstring). Without image_size and transform, images must have the
+    manifest's size (labkit's own shards, 32x32): the CIFAR recipe, as fast as before.
     persistent_workers keeps worker processes between epochs, but then set_epoch() no longer
     reaches them (they hold their own copy of the stream): leave it off unless epochs don't matter."""
     stream = ShardStream(source, batch_size, train=train, num_workers=num_workers, **options)

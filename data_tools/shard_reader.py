@@ -10,15 +10,19 @@ data_tools.stream.ShardStream deals shards to workers and calls this for each on
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import io
+import json
+import os
 import warnings
 
 from webdataset.tariterators import group_by_keys
 
 from .manifest import GROUP_PREFIX, HashingReader, ShardError, check_digest
 from .tario import MAX_MEMBER, TarFormatError, TarGroupError, iter_tar
-from .urls import is_not_found, open_url, redact
+from .text import cache_dir
+from .urls import DEFAULT_TIMEOUT, is_not_found, open_url, redact, scheme_of
 
 
 def open_shard(url: str, entry, verify, timeout):
@@ -90,3 +94,45 @@ def read_shard(url: str, entry, *, generation, verify, timeout, skip_corrupt: bo
         if not skip_corrupt:
             raise ShardError(msg)
         count_skip(max(0, entry["samples"] - n))
+
+
+COUNTS_FILE = "shard-counts.json"
+
+
+def _count_key(url: str) -> str:
+    if scheme_of(url) == "file":  # a local file rewritten in place gets a new key
+        path = url.removeprefix("file://")
+        st = os.stat(path)
+        return f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    return url
+
+
+def count_samples(urls: list[str], timeout: float = DEFAULT_TIMEOUT) -> list[int]:
+    """Samples per shard, for shards without a manifest: each shard is read once (every byte, nothing
+    decoded; 8 at a time) and its count kept in LABKIT_CACHE/shard-counts.json for the next run."""
+    path = cache_dir() / COUNTS_FILE
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    keys = [_count_key(u) for u in urls]
+    todo = [i for i, k in enumerate(keys) if not isinstance(cache.get(k), int)]
+
+    def count(i):
+        opts = dict(generation=None, verify=False, timeout=timeout, skip_corrupt=False)
+        return sum(1 for _ in read_shard(urls[i], None, **opts))
+
+    if todo:
+        with concurrent.futures.ThreadPoolExecutor(min(8, len(todo))) as pool:
+            for i, n in zip(todo, pool.map(count, todo)):
+                if n == 0:
+                    raise ShardError(f"shard {redact(urls[i])} holds no samples")
+                cache[keys[i]] = n
+        try:  # a cache that cannot be written costs a recount next time, nothing else
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return [cache[k] for k in keys]

@@ -150,3 +150,26 @@ def load_source(
         n = num_synthetic if split == "train" else max(1, num_synthetic // 5)
         return make_synthetic(n, seed=seed if split == "train" else seed + 10_000)
     raise ValueError(f"unknown source {source!r}; valid: {', '.join(SOURCES)}")
+
+
+PHOTO_CLASSES = ["china", "flower"]  # scikit-learn's two bundled photos (640x427 JPEGs)
+
+
+def sample_photos(n: int, seed: int = 0, sides=(160, 427)):
+    """`n` real photos of varying size, offline: random crops (each side in `sides`) of scikit-learn's
+    two sample photos, label = which photo. Returns ([uint8 HWC arrays], int64 labels, PHOTO_CLASSES).
+
+    Two source images are little variety, but it is real photographic texture and colour, of the
+    sizes a learner's own JPEGs have, for a loader to decode, crop and resize."""
+    from sklearn.datasets import load_sample_images
+
+    photos = load_sample_images().images
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, len(photos), size=n).astype(np.int64)
+    out = []
+    for c in labels:
+        img = photos[c]
+        h, w = (int(rng.integers(sides[0], min(sides[1], s) + 1)) for s in img.shape[:2])
+        top, left = int(rng.integers(0, img.shape[0] - h + 1)), int(rng.integers(0, img.shape[1] - w + 1))
+        out.append(np.ascontiguousarray(img[top : top + h, left : left + w]))
+    return out, labels, list(PHOTO_CLASSES)

@@ -7,40 +7,41 @@
         train.set_epoch(epoch)                 # labkit's Trainer does this for you
         for x, y in labkit.DeviceLoader(train, rt): ...   # x float32 NCHW normalised, y int64
 
-Distribution is explicit (see data_tools.plan): shards are dealt round-robin to replicas (the
-node splitter, by torch_xla's global ordinal) and then to DataLoader workers (the worker
-splitter); training permutes shard order first (shardshuffle, seeded by seed and epoch).
-Pipeline: our tar reader (data_tools.tario) -> webdataset's group_by_keys -> its shuffle ->
-decode/augment -> its batched.
+Distribution is explicit (see data_tools.plan): shards are dealt round-robin to replicas (the node
+splitter, by torch_xla's global ordinal) and then to DataLoader workers (the worker splitter); training
+permutes shard order first (shardshuffle, seeded by seed and epoch). Pipeline: our tar reader
+(data_tools.tario) -> webdataset's group_by_keys -> its shuffle -> decode/augment -> its batched.
 
-Training: every replica yields exactly floor(samples / (world * batch)) full batches per epoch,
-the same number everywhere (collectives stay in step, shapes stay static). A worker whose shards
-hold fewer samples than its share reads them again (re-shuffled); extra samples are left for the
-next epoch's shuffle. Shard order is a permutation seeded by (seed, epoch), the sample shuffle
-buffer by (seed, epoch, rank, worker): the same seed, epoch, world size and num_workers give the
-same batches. Iterating again without set_epoch() advances the epoch by itself.
+Training: every replica yields exactly floor(samples / (world * batch)) full batches per epoch, the
+same number everywhere (collectives stay in step, shapes stay static). A worker whose shards hold
+fewer samples than its share reads them again (re-shuffled); extra samples are left for the next
+epoch's shuffle. Shard order is a permutation seeded by (seed, epoch), the sample shuffle buffer by
+(seed, epoch, rank, worker): the same seed, epoch, world size and num_workers give the same batches.
+Iterating again without set_epoch() advances the epoch by itself.
 
 Augmentation (training): a random crop from the image padded by `crop_padding`, and a horizontal
 flip only where the manifest says a mirror image keeps its label ("hflip": CIFAR-10 yes, digits
 no; `flip=` overrides).
 
-Evaluation: each replica reads its shards once, in order. Every sample is seen exactly once
-across replicas. `last_batch="pad"` (default) pads each worker's last batch to full size with
-zero images and label -100 (PyTorch's cross_entropy ignore_index), keeping shapes static;
-count real samples with `(y >= 0).sum()`. "partial" yields the smaller batch (a recompile on
-XLA), "drop" drops it (labkit.Trainer's eval_step counts labels >= 0). Replicas may get
-different numbers of eval batches.
+Any WebDataset (shards no labkit code wrote): `image_size=`, `label=`, `classes=`, `transform=`; see
+data_tools.loader for how they combine, data_tools.shard_reader.count_samples for shards without a manifest.
 
-Bad data raises with the shard URL (and key): ShardError for a corrupt/truncated tar, a sample
-without `cls`, a label outside the manifest's classes, an undecodable image, a sha256 mismatch, or
-a shard from another write than its manifest's (see data_tools.writer); FileNotFoundError for a
-missing shard; OSError (ConnectionError, TimeoutError) for I/O that failed after bounded retries
-(see data_tools.urls). verify="stream" (default) hashes each shard as its bytes pass (no second
-read; see bench/bench_data.py for the cost) and raises at the shard's end, when its samples are
+Evaluation: each replica reads its shards once, in order. Every sample is seen exactly once across
+replicas. `last_batch="pad"` (default) pads each worker's last batch to full size with zero images
+and label -100 (PyTorch's cross_entropy ignore_index), keeping shapes static; count real samples
+with `(y >= 0).sum()`. "partial" yields the smaller batch (a recompile on XLA), "drop" drops it
+(labkit.Trainer's eval_step counts labels >= 0). Replicas may get different numbers of eval batches.
+
+Bad data raises with the shard URL (and key): ShardError for a corrupt/truncated tar, a sample without
+its label field or image, a label that is no class or outside the manifest's classes, an undecodable
+image, a sha256 mismatch, or a shard from another write than its manifest's (data_tools.writer);
+FileNotFoundError for a missing shard; OSError (ConnectionError, TimeoutError) for I/O that failed after
+bounded retries (data_tools.urls). verify="stream" (default) hashes each shard as its bytes pass (no
+second read; bench/bench_data.py has the cost) and raises at the shard's end, when its samples are
 already on their way; verify=True reads each shard whole and checks it before yielding from it.
-skip_corrupt=True skips corrupt samples instead (never I/O failures, never a shard of another
-write) and counts them in `loader.skipped` (shared with worker processes; a sample met again in
-a later pass counts again); a streamed sha256 mismatch is then a warning.
+skip_corrupt=True skips corrupt samples instead (never I/O failures, never a shard of another write)
+and counts them in `loader.skipped` (shared with worker processes; a sample met again in a later pass
+counts again); a streamed sha256 mismatch is then a warning.
 """
 
 from __future__ import annotations
@@ -57,9 +58,22 @@ import webdataset as wds
 
 from .manifest import ShardError, load_manifest
 from .plan import allocate, expand_urls, resolve_replica, split_round_robin
-from .shard_reader import read_shard
+from .shard_reader import count_samples, read_shard  # noqa: F401  (count_samples: also public here)
 from .sources import HFLIP
-from .transforms import augment, decode_image, scale_stats, to_batch
+from .transforms import (
+    CROP_SCALE,
+    IMAGE_FIELDS,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    as_chw,
+    augment,
+    decode_image,
+    fit_image,
+    parse_label,
+    rgb_image,
+    scale_stats,
+    to_batch,
+)
 from .urls import DEFAULT_TIMEOUT, redact, register_webdataset, sibling
 
 PAD_LABEL = -100  # F.cross_entropy's default ignore_index
@@ -91,6 +105,11 @@ class ShardStream(torch.utils.data.IterableDataset):
         crop_padding: int = 4,
         flip: bool | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        image_size=None,
+        label: str = "cls",
+        classes=None,
+        transform=None,
+        crop_scale=CROP_SCALE,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -114,13 +133,26 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.last_batch, self.return_keys = last_batch, return_keys
         self.augment, self.crop_padding = augment and train, int(crop_padding)
         m = self.manifest or {}
-        self.mean = tuple(mean if mean is not None else m.get("mean", CIFAR_MEAN))
-        self.std = tuple(std if std is not None else m.get("std", CIFAR_STD))
-        self.image_size = tuple(m.get("image_size", (32, 32)))
+        # photos at a size of our choosing (image_size=) or through the caller's transform, else the stored size
+        self.resize = image_size is not None
+        if isinstance(image_size, int):
+            image_size = (image_size, image_size)
+        self.image_size = tuple(image_size) if self.resize else tuple(m.get("image_size", (32, 32)))
+        self.transform, self.crop_scale, self.label = transform, tuple(crop_scale), str(label)
+        self._shape = (3, *self.image_size) if self.resize else None  # what a user transform must return
+        photo_mean, photo_std = (IMAGENET_MEAN, IMAGENET_STD) if self.resize else (CIFAR_MEAN, CIFAR_STD)
+        self.mean = tuple(mean if mean is not None else m.get("mean", photo_mean))
+        self.std = tuple(std if std is not None else m.get("std", photo_std))
+        names = list(classes) if classes is not None else m.get("class_names")
+        self.class_index = (
+            dict(classes) if isinstance(classes, dict) else {str(c): i for i, c in enumerate(names or [])}
+        )
+        self.class_names = names
         # horizontal flips only where a mirror image keeps its label: the manifest says (CIFAR-10 yes,
         # digits no); a manifest written before it said so: by its source; no manifest: no flips
         self.flip = bool(flip if flip is not None else m.get("hflip", HFLIP.get(m.get("source"), False)))
-        self.num_classes, self.generation = m.get("num_classes"), m.get("generation")
+        self.generation = m.get("generation")
+        self.num_classes = m.get("num_classes") or (max(self.class_index.values()) + 1 if classes else None)
         self.epoch = 0
         self._decoded = 0  # per process: detects a pass with nothing readable
         self._skipped = mp.Value("q", 0)  # shared with DataLoader workers (they run in other processes)
@@ -131,13 +163,11 @@ class ShardStream(torch.utils.data.IterableDataset):
                 f"at least one shard (write smaller shards or use fewer workers) [{redact(self.urls[0])} ...]"
             )
         counts = [e["samples"] if e else None for e in self.entries]
-        if None in counts:
+        if None in counts:  # training needs the count: every replica must yield the same number of batches
             if num_samples is None and train:
-                raise ValueError(
-                    f"no manifest found beside {redact(self.urls[0])}: pass num_samples= (the total number of "
-                    "samples) so that every replica can yield the same number of batches"
-                )
-            counts = [num_samples / S] * S if num_samples is not None else None
+                counts = count_samples(self.urls, self.timeout)
+            else:
+                counts = [num_samples / S] * S if num_samples is not None else None
         self.counts = counts
         self.num_samples = int(round(sum(counts))) if counts else None
         if train:
@@ -245,40 +275,53 @@ class ShardStream(torch.utils.data.IterableDataset):
                 raise ShardError(f"no readable samples in shards {[redact(self.urls[i]) for i in shards]}")
 
     def _decode(self, samples, rng):
-        h, w = self.image_size
-        k = self.num_classes
         for s in samples:
             url, key = redact(s["__url__"]), s["__key__"]
             try:
-                if "cls" not in s:
-                    raise ShardError(
-                        f"shard {url}: sample {key!r} has no 'cls' field (fields: "
-                        f"{sorted(k for k in s if not k.startswith('__'))})"
-                    )
-                ext = next((e for e in ("png", "ppm", "jpg", "jpeg") if e in s), None)
-                if ext is None:
-                    raise ShardError(f"shard {url}: sample {key!r} has no image (png/ppm/jpg) field")
-                try:  # the header's size is checked before any pixel is decoded (a PNG may claim gigapixels)
-                    img = decode_image(s[ext], size=(h, w))
-                    label = int(s["cls"])
-                except Exception as e:
-                    raise ShardError(f"shard {url}: sample {key!r} cannot be decoded: {e}") from e
-                if not (0 <= label < k if k else label >= 0):  # -100 would be taken for padding
-                    raise ShardError(
-                        f"shard {url}: sample {key!r} has label {label}, outside "
-                        + (f"0..{k - 1} ({k} classes in manifest.json)" if k else "0.. (no manifest)")
-                    )
-                if img.shape[:2] != (h, w):
-                    raise ShardError(f"shard {url}: sample {key!r} is {img.shape[1]}x{img.shape[0]}, expected {w}x{h}")
+                img, label = self._sample(s, url, key, rng)
             except ShardError:
                 if not self.skip_corrupt:
                     raise
                 self._count_skip()
                 continue
-            if self.augment:
-                img = augment(img, rng, self.crop_padding, flip=self.flip)
             self._decoded += 1
             yield img, label, key
+
+    def _sample(self, s, url, key, rng):
+        """One sample -> (image, label), or a ShardError naming the shard and the key."""
+        field = self.label.partition(":")[0]
+        ext = next((e for e in IMAGE_FIELDS if e in s), None)
+        if field not in s or ext is None:
+            what = f"no {field!r} field" if field not in s else f"no image ({'/'.join(IMAGE_FIELDS)}) field"
+            raise ShardError(
+                f"shard {url}: sample {key!r} has {what} (fields: {sorted(k for k in s if not k.startswith('__'))})"
+            )
+        try:
+            label = parse_label(s, self.label, self.class_index)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ShardError(f"shard {url}: sample {key!r}: {e}") from None
+        k = self.num_classes
+        if not (0 <= label < k if k else label >= 0):  # -100 would be taken for padding
+            raise ShardError(
+                f"shard {url}: sample {key!r} has label {label}, outside "
+                + (f"0..{k - 1} ({k} classes)" if k else "0.. (no manifest, no classes)")
+            )
+        try:  # the header's size is checked before any pixel is decoded (a PNG may claim gigapixels)
+            return self._image(s[ext], rng), label
+        except Exception as e:
+            raise ShardError(f"shard {url}: sample {key!r} cannot be decoded: {e}") from e
+
+    def _image(self, data: bytes, rng):
+        if self.transform is not None:  # the caller's pipeline: its output must keep one shape
+            x = as_chw(self.transform(rgb_image(data)))
+            self._shape = self._shape or tuple(x.shape)
+            if tuple(x.shape) != self._shape:
+                raise ValueError(f"transform gave shape {tuple(x.shape)}, expected {self._shape} (static shapes)")
+            return x
+        if self.resize:  # any stored size -> image_size (ImageNet recipe)
+            return fit_image(data, self.image_size, rng, train=self.augment, flip=self.flip, scale=self.crop_scale)
+        img = decode_image(data, size=self.image_size)  # labkit's own shards: one stored size
+        return augment(img, rng, self.crop_padding, flip=self.flip) if self.augment else img
 
     def _collate(self, items):
         x, y = to_batch([b[0] for b in items], [b[1] for b in items], *self._stats)

@@ -135,6 +135,7 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------
     def _run_epoch(self, total: int) -> None:
         batches = self.profiler.timed(self._epoch_batches())  # times the data wait while profiling
+        batches = self.log.timed(batches, self.train_loader)  # the feed meter: each step's wait for its batch
         for batch in batches:
             loss = self.train_step(batch)  # forward + backward: only recorded on XLA, nothing runs yet
             self.run_optimizer()  # reduce gradients across replicas, clip, step, zero_grad
@@ -351,7 +352,7 @@ class Trainer:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
-        self.batch_in_epoch = resume.batches_done(state, self.global_batch())  # samples -> this run's batches
+        self.batch_in_epoch = resume.batches_done(state, self.global_batch(), self.train_loader)  # + check_data
         if self.train_loader is not None:  # the step counter goes on; the epochs count samples
             self._step_offset = self.step - self.epoch * self.steps_per_epoch() - self.batch_in_epoch
         if "rng" in state:  # dropout/augmentation draws continue exactly where they stopped

@@ -1,7 +1,8 @@
 """The Trainer's records: losses summed on the device each step, read once per log interval in a closure.
 
     log = StepLog(rt, cfg, scaler)
-    log.add(loss, rows=batch_rows * rt.world_size)       # every step: device tensors only, no host sync
+    for batch in log.timed(loader, loader):              # the feed meter: time spent waiting for each batch
+        log.add(loss, rows=batch_rows * rt.world_size)   # every step: device tensors only, no host sync
     if log.due(step, total):
         log.close(step, epoch, optimizer, on_record)      # on_record(dict of Python numbers) after the step ran
     log.raise_problem(step)                                # a NaN loss, a run of skipped fp16 steps: raises
@@ -14,6 +15,14 @@ The checks that need the values ride on that same transfer:
 - fp16 with a GradScaler: a step it skipped (inf/NaN gradients) halves its loss scale, so the per-step
   scale, recorded as a device tensor, tells how many steps were skipped (`skipped_steps` in the record);
   cfg.max_skipped_steps in a row means the weights stopped changing: a problem like a NaN loss.
+
+The feed meter needs no device value at all: `timed` reads the host clock around each `next(batch)`,
+and `close` the clock at each interval's end. A record then says how long a step waited for its batch
+(`data_wait_s`), how long a whole step took (`step_s`, host wall time from one log to the next, so
+compiles, callbacks and an evaluation in the interval count too) and the share (`data_wait_frac`).
+A step that waits for its batch is a chip left idle: input-bound (labkit.dashboard.rules.INPUT_BOUND).
+On XLA the host runs ahead of the device, so a chip that is the bottleneck shows as time outside
+the wait (in the step's sync or upload), never inside it.
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ class StepLog:
 
     def begin_fit(self) -> None:
         self.t0 = self._last_emit_t = self._last_log_t = time.perf_counter()
-        self._interval_examples = 0
+        self._interval_examples = self._interval_steps = 0
+        self._wait_s, self._interval_t0 = 0.0, self.t0  # the feed meter's interval: data wait, start
         self._problem, self._skips_in_a_row = None, 0
         # the scale before the first step: one read per fit() (a sync on CUDA), never per step
         self._last_scale = self.scaler.get_scale() if self.scaler is not None else None
@@ -49,6 +59,24 @@ class StepLog:
         self._epoch_t0, self._epoch_before = self._last_emit_t, self._interval_examples
         self.epoch_examples = 0
 
+    def timed(self, batches, loader=None):
+        """Yields the batches, adding the time the loop waited for each one to the interval's data wait (two
+        clock reads per step, no device sync). Only a starving wait counts: one that began with at most one batch
+        made ahead in `loader` (a labkit.DeviceLoader's fetched - yielded). A wait that began with more was the
+        copy of a finished batch to the device queued behind the step running there (XLA:CPU: with data in memory,
+        every 4th batch waited a whole step this way, 40 % of the time), not the input pipeline's."""
+        ahead = (lambda: loader.fetched - loader.yielded) if hasattr(loader, "fetched") else (lambda: 0)
+        it = iter(batches)
+        while True:
+            starving, t = ahead() <= 1, time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            if starving:
+                self._wait_s += time.perf_counter() - t
+            yield batch
+
     def add(self, loss, rows: int) -> None:
         """One step's loss (a tensor, or {"loss": t, "acc": t, ...}: extras are averaged too)."""
         extra = {}
@@ -59,6 +87,7 @@ class StepLog:
             extra["_scale"] = self.scaler._get_scale_async().detach().clone()
         self._acc.add(loss=loss.detach(), **extra)
         self.last_rows = rows
+        self._interval_steps += 1
         self.epoch_examples += rows
         self._interval_examples += rows
 
@@ -76,6 +105,9 @@ class StepLog:
         # after close(), but a loop that began the next epoch first would mix the two epochs
         meta["epoch_examples"] = self.epoch_examples + self._epoch_before
         meta["epoch_t0"], self._interval_examples = self._epoch_t0, 0
+        # the feed meter, on the host clock: this interval's wait for data and its wall time
+        meta["feed"] = (self._wait_s, self._last_log_t - self._interval_t0, max(self._interval_steps, 1))
+        self._wait_s, self._interval_t0, self._interval_steps = 0.0, self._last_log_t, 0
         if self.rt.is_master:  # only the master reads and draws
             self.rt.add_step_closure(self._emit, args=(sums, meta, optimizer, on_record))
 
@@ -107,6 +139,8 @@ class StepLog:
             "elapsed_s": now - self.t0,
             "lr": optimizer.param_groups[0]["lr"],
         }
+        wait, wall, n = meta["feed"]
+        rec.update(data_wait_s=wait / n, step_s=wall / n, data_wait_frac=wait / wall if wall > 0 else 0.0)
         rec.update({k: v / steps for k, v in vals.items()})
         first_step = meta["step"] - len(losses) + 1
         if not math.isfinite(rec["loss"]) and self._problem is None:  # which step: read them one by one

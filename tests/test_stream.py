@@ -168,12 +168,13 @@ def test_http_manifest_and_brace_url(even):
         server.shutdown()
 
 
-def test_url_list_without_manifest_needs_num_samples(tmp_path, even):
+def test_url_list_without_manifest_counts_or_takes_num_samples(tmp_path, even, monkeypatch):
+    monkeypatch.setenv("LABKIT_CACHE", str(tmp_path / "cache"))
     for i in range(4):
         shutil.copy(even / f"train-{i:06d}.tar", tmp_path)
     urls = [str(tmp_path / f"train-{i:06d}.tar") for i in range(4)]
-    with pytest.raises(ValueError, match="num_samples"):
-        make_loader(urls, 10, train=True)
+    ld = make_loader(urls, 10, train=True)  # no manifest: the shards are counted once (and cached)
+    assert ld.stream.counts == [40] * 4 and (tmp_path / "cache" / "shard-counts.json").exists()
     ld = make_loader(urls, 10, train=True, num_samples=160, return_keys=True)
     assert len(ld) == 16 and len({k for b in _keys(ld) for k in b}) == 160
     assert sum(len(b) for b in _keys(make_loader(urls, 50, train=False, return_keys=True, last_batch="partial"))) == 160

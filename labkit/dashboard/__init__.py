@@ -6,18 +6,21 @@ recompiles with their cause, CPU fallbacks, host syncs per line of your code), i
     labkit.explain(dash)                          # explain.py, with the diagnosis rules of rules.py
 
 controls.py: the buttons (profile, stop after this epoch, save now); health.py: XLA's counters per interval and
-the recompile detective; syncs.py: the host-sync finder; flops.py: peak FLOP/s per chip and MFU.
+the recompile detective; syncs.py: the host-sync finder; flops.py: peak FLOP/s per chip and MFU; feed_of and
+INPUT_BOUND: the feed meter (the share of step time spent waiting for data, labkit.steplog).
 """
 
 from labkit.dashboard import flops
 from labkit.dashboard.collector import Dashboard
 from labkit.dashboard.controls import Controls, fit_with_buttons
-from labkit.dashboard.explain import explain, parse_report
+from labkit.dashboard.explain import explain, feed_of, parse_report
 from labkit.dashboard.health import HealthMonitor, compile_count
+from labkit.dashboard.rules import INPUT_BOUND
 from labkit.dashboard.sinks import ConsoleSink, NotebookSink, environment, force_console
 from labkit.dashboard.syncs import SyncFinder
 
 __all__ = [
+    "INPUT_BOUND",
     "ConsoleSink",
     "Controls",
     "Dashboard",
@@ -27,6 +30,7 @@ __all__ = [
     "compile_count",
     "environment",
     "explain",
+    "feed_of",
     "flops",
     "fit_with_buttons",
     "force_console",

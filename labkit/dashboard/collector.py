@@ -6,7 +6,8 @@
 
 What it shows: progress (step/total, epoch, ETA); train/val loss and accuracy; Rate (moving average
 of examples/s) and GlobalRate (since the epoch started), global and per replica; tokens/s and MFU
-when told the work per step; XLA health: compiles and compile time per interval, graphs compiled,
+when told the work per step; the feed meter (share of each step spent waiting for the next batch,
+"input-bound" above labkit.dashboard.rules.INPUT_BOUND); XLA health: compiles and compile time per interval, graphs compiled,
 each recompilation after warm-up with what changed, aten:: ops that fall back to the CPU, device->host
 transfers, device memory; and plain-language warnings.
 
@@ -27,6 +28,7 @@ import os
 import time
 
 from labkit.dashboard.health import HealthMonitor
+from labkit.dashboard.rules import feed_finding
 from labkit.dashboard.sinks import ConsoleSink, NotebookSink, environment, force_console  # noqa: F401
 from labkit.dashboard.syncs import SyncFinder
 from labkit.dashboard.view import render
@@ -144,6 +146,9 @@ class Dashboard:
         )
         if h.get("memory"):
             row["memory_used"] = h["memory"]["used"]
+        # the feed meter (labkit.steplog): live, so it goes away again once the loader keeps up
+        feed = feed_finding(record.get("data_wait_frac"), record.get("data_wait_s"), record.get("step_s"))
+        h = dict(h, warnings=list(h["warnings"]) + [f.short for f in feed])
         self._last_health = h
         self.history.append(row)
         if self._tb is not None:
@@ -225,6 +230,9 @@ class Dashboard:
             "world_size": self.world_size,
             "tokens_per_s": r.get("tokens_per_s"),
             "mfu": r.get("mfu"),
+            "data_wait_frac": r.get("data_wait_frac"),  # the feed meter: share of step time waiting for data
+            "data_wait_s": r.get("data_wait_s"),
+            "step_s": r.get("step_s"),
             "health": h,
             "warnings": list(h["warnings"]),
             "new_warnings": [w for w in h["warnings"] if w not in self._shown_warnings],

@@ -7,7 +7,9 @@
 
 It reads the same host-side counters as the dashboard (no device sync): compile vs execute time,
 compiles and recompilations (with the causes and lines the dashboard saw, when given one), aten:: ops that
-fell back to the CPU, and device->host transfers. On CUDA/CPU it says it is not running on XLA.
+fell back to the CPU, and device->host transfers. On CUDA/CPU it says it is not running on XLA. Given
+the Dashboard, it also says whether the run was input-bound (the feed meter of labkit.steplog, over the
+whole run but its first log interval, which holds the compiles and the loader's start).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import re
 
 from labkit.dashboard import health as xla_health
-from labkit.dashboard.rules import counts_from, findings
+from labkit.dashboard.rules import counts_from, feed_finding, findings
 
 _TIME = re.compile(r"(\d+(?:\.\d+)?)(ns|us|ms|s|m|h|d)")
 _UNIT = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -70,6 +72,22 @@ def _events_of(source) -> tuple[list[dict], dict]:
     return list(getattr(health, "events", [])), (dict(finder.total) if finder is not None else {})
 
 
+def feed_of(source) -> dict | None:
+    """The feed meter over a Dashboard's history: {"data_wait_frac", "data_wait_s", "step_s"} (per step),
+    None without one. Each interval counts by its steps; the first is left out when there are more."""
+    rows = list(getattr(source, "history", None) or [])
+    pairs = [(a, b) for a, b in zip([None] + rows, rows) if "data_wait_frac" in b]
+    if len(pairs) > 1:
+        pairs = pairs[1:]
+    if not pairs:
+        return None
+    steps = [max(b["step"] - (a["step"] if a else 0), 1) for a, b in pairs]
+    wait = sum(b["data_wait_s"] * n for (_, b), n in zip(pairs, steps))
+    wall = sum(b["step_s"] * n for (_, b), n in zip(pairs, steps))
+    frac = wait / wall if wall > 0 else 0.0
+    return {"data_wait_frac": frac, "data_wait_s": wait / sum(steps), "step_s": wall / sum(steps)}
+
+
 def explain(source=None, verbose: bool = True, report: str | None = None, rt=None) -> dict:
     """Summarise the XLA metrics of this process (or of `report`, a metrics_report() text).
 
@@ -80,6 +98,8 @@ def explain(source=None, verbose: bool = True, report: str | None = None, rt=Non
     if isinstance(source, str):
         source, report = None, source
     events, syncs = _events_of(source)
+    feed = feed_of(source)
+    fed = feed_finding(feed["data_wait_frac"], feed["data_wait_s"], feed["step_s"]) if feed else []
     if report is not None:
         d = _from_report(report)
     else:
@@ -90,12 +110,14 @@ def explain(source=None, verbose: bool = True, report: str | None = None, rt=Non
             where = rt.kind if rt is not None else "no labkit runtime set up"
             d = {
                 "xla": False,
+                "feed": feed,
                 "advice": [
                     f"not running on XLA ({where}): nothing to explain; "
                     "on CUDA use torch.profiler, on CPU time the step directly"
-                ],
+                ]
+                + [f.advice for f in fed],
             }
-            d["text"] = "XLA: " + d["advice"][0]
+            d["text"] = "XLA: " + "\n- ".join(d["advice"])
             if verbose:
                 print(d["text"])
             return d
@@ -104,8 +126,10 @@ def explain(source=None, verbose: bool = True, report: str | None = None, rt=Non
     d["recompiles"] = len(events)
     d["recompile_events"] = events
     d["syncs"] = {str(k): v for k, v in syncs.items()}
-    d["advice"] = [f.advice for f in findings(d, None, events, syncs)] or [
-        "Nothing to fix: no recompilations after warm-up, no CPU fallbacks, few transfers."
+    d["feed"] = feed
+    d["advice"] = [f.advice for f in fed + findings(d, None, events, syncs)] or [
+        "Nothing to fix: no recompilations after warm-up, no CPU fallbacks, few transfers"
+        + (", and the loader keeps up." if feed else ".")
     ]
     head = (
         f"XLA: {d['compiles']} graphs compiled in {d['compile_s']:.2f} s, {d['executions']} executions in "

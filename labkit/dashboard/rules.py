@@ -17,6 +17,12 @@ DYNAMIC_OPS = {"nonzero", "masked_select", "_unique2", "unique_dim", "unique_con
 READS_PER_STEP = 0.5  # device->host reads per step (beyond fallbacks and the loop's own) that earn a warning
 MIN_READS = 3  # ... and never for fewer than this many in the window
 MANY_COMPILES = 20  # compiles with no recompile events seen that still look wrong (explain only)
+# share of step time spent waiting for the next batch above which a run is called input-bound: a quarter of
+# the chip's time lost to the host; below it the loader keeps up and the meter stays quiet
+INPUT_BOUND = 0.25
+# ... and at least this many seconds per step: a shorter wait is the loader thread's hand-over (the GIL, a
+# queue) in a step of a few ms (measured: 0.6 ms of a 2.3 ms MLP step on XLA:CPU), not a starving chip
+MIN_WAIT_S = 0.005
 
 SAME_SHAPES_REASON = (
     "graph changed with the same input shapes (a Python number baked into the graph, "
@@ -180,3 +186,21 @@ def findings(
     reads = counts["transfers"] - loop_reads - sum(counts["fallbacks"].values())
     out += reads_finding(reads, window, counts.get("transfer_s") if steps is None else None, syncs)
     return out
+
+
+def feed_finding(wait_frac, wait_s=None, step_s=None) -> list[Finding]:
+    """The feed meter's verdict (labkit.steplog): input-bound when the loop waited for data for at least
+    INPUT_BOUND of its time and MIN_WAIT_S per step; nothing otherwise (or when the share is unknown)."""
+    if wait_frac is None or wait_frac < INPUT_BOUND or (wait_s is not None and wait_s < MIN_WAIT_S):
+        return []
+    per = f" ({wait_s:.3g} s of {step_s:.3g} s per step)" if wait_s is not None and step_s else ""
+    short = (
+        f"input-bound: {100 * wait_frac:.0f} % of step time waiting for data{per}: "
+        "add workers, pre-resize the shards, or smaller images"
+    )
+    advice = (
+        f"{short}. The chip idles while the host decodes: raise make_loader's num_workers "
+        "(one per free host core), store images near the size you train at, or lower image_size; "
+        "bench/bench_feed.py measures images/s per core."
+    )
+    return [Finding("input_bound", short, advice)]

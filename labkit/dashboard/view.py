@@ -55,6 +55,8 @@ def summary_line(f: dict) -> str:
         parts.append(f"{_fmt_n(f['tokens_per_s'])} tok/s")
     if f.get("mfu") is not None:
         parts.append(f"MFU {100 * f['mfu']:.1f}%")
+    if f.get("data_wait_frac") is not None:
+        parts.append(f"data wait {100 * f['data_wait_frac']:.0f}%")
     h = f["health"]
     if h.get("xla"):
         parts.append(
@@ -147,7 +149,15 @@ def render(data: dict):
         ax.plot(steps, [r["rate_per_replica"] * scale for r in rows], ":", label="moving average per replica")
     ax.set(title=unit, xlabel="step", ylabel=unit)
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower left")
+    fed = [r for r in rows if "data_wait_frac" in r]
+    if fed:  # the feed meter on its own axis: % of each step spent waiting for the next batch
+        feed = ax.twinx()
+        pct = [100 * r["data_wait_frac"] for r in fed]
+        feed.plot([r["step"] for r in fed], pct, ":.", color="tab:purple", label="waiting for data")
+        feed.set_ylim(0, 100)
+        feed.set_ylabel("% of step waiting for data", color="tab:purple", fontsize=8)
+        feed.legend(fontsize=8, loc="lower right")
     ax = fig.add_subplot(gs[1, 0])
     if any("xla_compiles" in r for r in rows):
         ax.bar(
@@ -188,6 +198,11 @@ def render(data: dict):
         speed.append("MFU - (peak unknown)")
     if speed:
         lines.append("   ".join(speed))
+    if f.get("data_wait_frac") is not None:
+        lines.append(
+            f"feed: {100 * f['data_wait_frac']:.0f} % of step time waiting for data "
+            f"({f['data_wait_s']:.3g} s of {f['step_s']:.3g} s per step)"
+        )
     h = f["health"]
     lines += [textwrap.shorten(ln, 140) for ln in health_lines(f)]
     if h.get("memory"):

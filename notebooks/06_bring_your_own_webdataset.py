@@ -1,0 +1,336 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Bring your own WebDataset, and see whether the chip is starving
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/06_bring_your_own_webdataset.ipynb)
+#
+# Notebook 01 trained on shards that labkit wrote itself: 32×32 images, a manifest with counts and checksums. The
+# datasets you bring next are WebDatasets that someone else wrote (webdataset's `ShardWriter`, `tarp`, a corpus on a
+# hub): photos of every size, labels in `cls`, `json` or `txt`, no manifest. By the end you can:
+#
+# - write a WebDataset of real photos with webdataset's own `ShardWriter`;
+# - stream any WebDataset into fixed-size batches (`make_loader(..., image_size=S)`: random-resized crops for
+#   training, a centre crop for evaluation), with labels from whichever field holds them;
+# - read labkit's **feed meter** (the share of each step spent waiting for the next batch) and explain a run that
+#   is *input-bound*, then make it *compute-bound* by adding loader workers, with the arithmetic to say how many.
+#
+# **Time**: about a minute of run time in fast mode on a 2-core CPU (XLA:CPU, solutions on); 20–30 minutes to read
+# and do the three exercises.
+#
+# **What carries over.** Tar shards streamed sequentially, decoding on the host in worker processes, static batch
+# shapes and the question "is the chip waiting for data?" are the same with TorchTPU, JAX (Grain) or a GPU: only the
+# device copy at the end differs. `torch_xla`'s `ParallelLoader` (inside `labkit.DeviceLoader`) is torch_xla's.
+#
+# Every claim below is checked by an `assert`. The exercises print ✓ or ✗ and never stop *Run all*; their solutions
+# are in collapsed cells that run only with `LABKIT_SOLUTIONS=1` (as the test suite does).
+
+# %% [markdown]
+# ## Parameters
+
+# %% tags=["parameters"]
+import dataclasses, os, sys
+
+
+@dataclasses.dataclass
+class Params:
+    photos: int = 480             # photos to write (crops of scikit-learn's two sample photos)
+    per_shard: int = 40           # photos per shard: 12 shards, so that up to 12 workers each read their own
+    size: int = 64                # the fixed size batches come out at (224 is ImageNet's; 64 keeps the CPU quick)
+    batch: int = 16               # photos per step
+    steps: int = 20               # steps per run of the feed-meter experiment (5 log intervals)
+    slowness: float = 4.0         # the slow link makes one worker this many times slower than a step
+    seed: int = 0
+    FAST = {"photos": 240, "per_shard": 20, "size": 32}  # CI-sized
+
+
+try:
+    import labkit
+    P = labkit.from_env(Params)
+except (ImportError, AttributeError):  # first run: the set-up cell installs labkit and reads them again
+    P = Params()
+P
+
+# %% [markdown]
+# ## Set-up
+# Runs wherever you opened this (Colab TPU or GPU, Kaggle, a TPU VM, a laptop) and never replaces what the runtime
+# already has: it keeps the image's torch (and torch_xla when the pair matches), installs only what is missing,
+# and prints what it found and chose (`labkit setup: platform=... choice=...`). Only where torch and torch_xla are
+# missing or do not match (a bare TPU VM, a torch upgraded by hand) it installs the pair together and asks you to
+# restart the runtime; then run the notebook again.
+
+# %% tags=["setup"]
+# Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
+import importlib.util, os, subprocess, sys
+
+def _labkit_dir():
+    spec = importlib.util.find_spec("labkit")
+    d = spec and spec.submodule_search_locations and list(spec.submodule_search_locations)[0]
+    return d if d and os.path.exists(os.path.join(d, "envsetup.py")) else None
+
+if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours (no dependencies yet)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run(pip + ["uninstall", "-y", "labkit"], capture_output=True)
+    spec = os.environ.get("LABKIT_PIP_SPEC") or "labkit-xla @ git+https://github.com/labkit/labkit"
+    if spec.lstrip().startswith("-"):  # pip would read it as an option
+        raise SystemExit("LABKIT_PIP_SPEC starts with '-': give a path, a URL or a requirement, not a pip option")
+    r = subprocess.run(pip + ["install", "--no-deps", spec])
+    if r.returncode:  # not check=True: its message would print the spec, which may carry a token
+        raise SystemExit(f"installing labkit failed (pip exit {r.returncode}): pip's message is above")
+    importlib.invalidate_caches()
+    for m in [m for m in sys.modules if m == "labkit" or m.startswith("labkit.")]:
+        del sys.modules[m]
+_spec = importlib.util.spec_from_file_location("labkit_envsetup", os.path.join(_labkit_dir(), "envsetup.py"))
+envsetup = sys.modules["labkit_envsetup"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(envsetup)
+envsetup.main()  # prints "labkit setup: platform=... / choice=..."; asks for a restart if one is needed
+import labkit
+P = labkit.from_env(Params)
+print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
+
+
+# %% [markdown]
+# ## 1. Write a WebDataset of real photos
+# A WebDataset is a set of plain tar files; the files of one sample share a key (`photo00042.jpg`,
+# `photo00042.cls`, `photo00042.json`) and sit next to each other, so a shard can be read front to back from a
+# bucket with no index. webdataset's `ShardWriter` takes one dict per sample (`"__key__"` plus one entry per file,
+# named by its extension) and starts a new shard every `maxcount` samples.
+#
+# The photos: scikit-learn ships two real photos (a Chinese temple and a flower, 640×427 JPEGs) inside its wheel, so
+# this works offline. `sample_photos` cuts them into many crops of 160–427 px a side; the label says which photo.
+
+# %%
+import io, math, tempfile
+
+import torch
+from PIL import Image
+
+from data_tools import make_loader
+from data_tools.sources import sample_photos
+from labkit.dashboard import INPUT_BOUND, feed_of
+from labkit.lessons import exercises as ex
+from labkit.lessons.exercises import nb06
+
+rt = labkit.setup()
+print(rt)
+images, labels, CLASSES = sample_photos(P.photos, seed=P.seed)
+sizes = sorted({im.shape[:2] for im in images})
+print(f"{len(images)} photos, {sizes[0]} to {sizes[-1]} pixels (h, w), classes {CLASSES}")
+assert len(sizes) > 50, "photos of many sizes"
+
+# %% [markdown]
+# **1. A sample for `ShardWriter`.** Write `to_sample(key, image, label, class_name)`: a dict with the key, the
+# photo as **JPEG bytes** (`"jpg"`: encode the uint8 HWC array with Pillow, quality 90, uncropped), the class index
+# as `"cls"` and a `"json"` dict `{"photo": class_name}` (webdataset encodes ints and dicts by the extension).
+
+
+# %%
+def to_sample(key, image, label, class_name): ...  # your code
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
+if ex.solutions_on():
+
+    def to_sample(key, image, label, class_name):
+        buf = io.BytesIO()
+        Image.fromarray(image).save(buf, format="JPEG", quality=90)
+        return {"__key__": key, "jpg": buf.getvalue(), "cls": label, "json": {"photo": class_name}}
+
+
+# %%
+ex.check("06.to_sample", lambda: nb06.check_to_sample(to_sample))
+
+# %% [markdown]
+# Now the whole dataset, with your function if it passed (else the reference, so that *Run all* goes on). No
+# manifest is written: this is a WebDataset as anyone would write it.
+
+# %%
+write = to_sample if ex.results.get("06.to_sample") else nb06.reference_sample
+folder = tempfile.mkdtemp(prefix="photos-")
+urls = nb06.write_reference(folder, images, labels, CLASSES, to_sample=write, per_shard=P.per_shard)
+mb = sum(os.path.getsize(u) for u in urls) / 1e6
+print("writer:", "yours" if write is to_sample else "the reference", f"| {len(urls)} shards, {mb:.1f} MB")
+print(os.path.basename(urls[0]), "holds", [m for m in __import__("tarfile").open(urls[0]).getnames()[:3]], "...")
+assert len(urls) == P.photos // P.per_shard and not os.path.exists(os.path.join(folder, "manifest.json"))
+
+# %% [markdown]
+# ## 2. Stream it at a fixed size
+# On XLA every new input shape is a new graph, so the loader must turn photos of any size into one shape.
+# `make_loader(urls, batch, train=True, image_size=S)` does what ImageNet training does: a **random-resized crop**
+# (8–100 % of the photo's area, aspect 3:4 to 4:3) resized to S×S, and a horizontal flip where you allow it
+# (`flip=True`: a mirrored temple is still a temple; a mirrored digit is not a digit, so the default without a
+# manifest is no flip). The sample counts, which every replica needs to yield the same number of batches, are found by
+# reading the shards once and cached (or pass `num_samples=`).
+#
+# Decoding is the host's big cost. labkit decodes a JPEG with torchvision's decoder, or, when the crop is at least
+# 4× the output, with Pillow's reduced "draft" decode (1/4 or 1/8 of the pixels); figures in
+# `data_tools/transforms.py`, measured by `bench/bench_feed.py`.
+
+# %%
+train = make_loader(urls, P.batch, train=True, image_size=P.size, flip=True, seed=P.seed)
+x, y = next(iter(train))
+print(f"{len(train)} batches per epoch of x {tuple(x.shape)} {x.dtype}, y {y.tolist()}")
+assert tuple(x.shape) == (P.batch, 3, P.size, P.size) and x.dtype == torch.float32
+assert sorted(set(y.tolist())) <= [0, 1] and len(train) == P.photos // P.batch
+
+import matplotlib.pyplot as plt
+
+mean, std = torch.tensor(train.mean).view(3, 1, 1), torch.tensor(train.std).view(3, 1, 1)
+fig, axes = plt.subplots(2, 8, figsize=(12, 3.4))
+for ax, img, lab in zip(axes.flat, x, y):
+    ax.imshow((img * std + mean).clamp(0, 1).permute(1, 2, 0).numpy())
+    ax.set_title(CLASSES[lab], fontsize=8)
+    ax.axis("off")
+fig.suptitle(f"a training batch: photos of any size, random-resized crops at {P.size}x{P.size}")
+plt.show()
+
+# %% [markdown]
+# A `transform=` argument takes your own pipeline instead, e.g. torchvision's v2 transforms; it receives the decoded
+# PIL image and must return one shape every time:
+
+# %%
+from torchvision.transforms import v2
+
+mine = v2.Compose([v2.RandomResizedCrop(P.size, scale=(0.3, 1.0), antialias=True), v2.PILToTensor()])
+xt, _ = next(iter(make_loader(urls, P.batch, train=True, transform=mine)))
+assert tuple(xt.shape) == (P.batch, 3, P.size, P.size)
+
+# %% [markdown]
+# **2. An evaluation loader.** Write `eval_loader(urls, batch_size, size)`: evaluation batches at `size`×`size`
+# (the resized shorter side and the centre crop: the same batches on every pass), every photo once (the last batch
+# padded), with the labels read from the json's `"photo"` field, a class **name** (`label="json:photo"` and
+# `classes=CLASSES`). The checker's shards have no `cls` at all.
+
+
+# %%
+def eval_loader(urls, batch_size, size): ...  # your code
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
+if ex.solutions_on():
+
+    def eval_loader(urls, batch_size, size):
+        return make_loader(urls, batch_size, train=False, image_size=size, label="json:photo", classes=CLASSES)
+
+
+# %%
+ex.check("06.eval_loader", lambda: nb06.check_eval_loader(eval_loader))
+
+# %% [markdown]
+# ## 3. Is the chip starving? The feed meter
+# Every step, labkit's Trainer reads the host clock around `next(batch)` (no device sync: two clock reads). Each log
+# record then says how long a step waited for its batch (`data_wait_s`), how long the whole step took (`step_s`)
+# and the share (`data_wait_frac`). The dashboard shows it ("data wait 62%" in the console line, a purple curve in
+# the figure) and says **input-bound** when the share passes 25 %; `labkit.explain(dash)` says it for the whole run.
+#
+# First the model on its own: a small ResNet (torchvision's, one block per stage) fed from batches already in
+# memory, so data costs nothing. Its step time is what the loader has to keep up with.
+
+# %%
+from torchvision.models.resnet import BasicBlock, ResNet
+
+import labkit
+from labkit import Dashboard, TrainConfig, Trainer
+
+
+def fit(loader, title):
+    torch.manual_seed(P.seed)
+    model = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=len(CLASSES))
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    dash = Dashboard(title=title, controls=False, chance=0.5)
+    cfg = TrainConfig(epochs=1, max_steps=P.steps, log_every=4, eval_every=0)
+    Trainer(model, opt, rt, cfg, loader, callbacks=[dash]).fit()
+    return dash
+
+
+in_memory = [b for _, b in zip(range(P.steps), train)]  # decoded once, before training
+free = fit(in_memory, "data in memory")
+step_s = min(r["step_s"] for r in free.history[1:])  # the least disturbed interval after the compiles
+print(f"a step takes {step_s * 1e3:.0f} ms with data in memory; waiting: {feed_of(free)['data_wait_frac']:.0%}")
+assert feed_of(free)["data_wait_frac"] < INPUT_BOUND
+
+# %% [markdown]
+# Now stream from a **slow link**: every photo takes `delay` seconds to arrive before it is decoded (a sleep, as a
+# remote bucket's latency would cost; it uses no CPU, so the experiment works the same on a 2-core machine, where the
+# model and real decoders would fight over the same cores). The delay makes one loader `P.slowness` times slower
+# than a step. Then add workers: each DataLoader worker process reads its own shards and builds whole batches.
+
+# %%
+delay = P.slowness * step_s / P.batch  # seconds per photo
+slow = nb06.SlowLink(v2.Compose([v2.RandomResizedCrop(P.size, antialias=True), v2.PILToTensor()]), delay)
+
+
+def stream(workers):
+    return make_loader(urls, P.batch, train=True, transform=slow, flip=True, num_workers=workers, seed=P.seed)
+
+
+runs = {}
+for workers in (0, 2):
+    runs[workers] = feed_of(fit(stream(workers), f"{workers} workers"))
+    print(f"{workers} workers: {runs[workers]['data_wait_frac']:.0%} of the step waiting for data")
+assert runs[0]["data_wait_frac"] >= INPUT_BOUND, "one loader several times slower than the step: input-bound"
+
+# %% [markdown]
+# **3. How many workers?** One worker builds a batch in `sample_s × batch_size` seconds, one sample after another.
+# Write `workers_needed(sample_s, batch_size, step_s)`: the fewest workers that, side by side, deliver a batch every
+# `step_s` seconds (at least 1).
+
+
+# %%
+def workers_needed(sample_s, batch_size, step_s): ...  # your code
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
+if ex.solutions_on():
+    import math
+
+    def workers_needed(sample_s, batch_size, step_s):
+        return max(1, math.ceil(round(sample_s * batch_size / step_s, 9)))
+
+
+# %%
+ex.check("06.workers", lambda: nb06.check_workers_needed(workers_needed))
+
+# %% [markdown]
+# With just enough workers the loader only keeps pace on average: worker start-up and jitter still leave steps
+# waiting. So give it twice what the arithmetic says (your answer if it passed, else the reference), and watch the
+# meter go quiet. (On XLA the host runs ahead of the device, and the batch's upload can queue behind the previous
+# step's execution: a compute-bound run still shows a little wait, which is why the meter speaks only above 25 %.)
+
+# %%
+need = workers_needed(delay, P.batch, step_s) if ex.results.get("06.workers") else math.ceil(P.slowness)
+many = min(2 * need, len(urls))  # every worker needs a shard of its own
+print(f"{delay * 1e3:.0f} ms per photo x {P.batch} photos, {step_s * 1e3:.0f} ms per step: {need} workers needed")
+dash = fit(stream(many), f"{many} workers")
+runs[many] = feed_of(dash)
+for w, r in runs.items():
+    print(f"{w:2d} workers: {r['data_wait_frac']:5.0%} waiting, {r['step_s'] * 1e3:5.0f} ms per step")
+assert runs[many]["data_wait_frac"] < INPUT_BOUND, "enough workers: compute-bound"
+assert runs[many]["step_s"] < runs[0]["step_s"], "and every step is faster"
+info = labkit.explain(dash)
+
+# %% [markdown]
+# ## What carries over
+# * Any backend: WebDataset tar shards, decoding in worker processes, fixed-size batches, and the feed meter's
+#   question. On a real TPU host the decode itself is the slow link: `bench/bench_feed.py` measures images/s per
+#   host core (about 600–900 at 224 px here) and how many cores one chip would need at a stated demand.
+# * torch_xla's: `ParallelLoader` (the device copy inside `labkit.DeviceLoader`). TorchTPU and JAX have their own
+#   device prefetch; the host side is unchanged.
+# * Next: pre-resize your shards near the training size (decoding a 4000-px phone photo to train at 224 wastes most
+#   of the decode), and shard by `xr.global_ordinal()` across hosts (labkit's `make_loader` does it for you).
