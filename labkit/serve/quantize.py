@@ -65,9 +65,9 @@ def int8_outlook(flags: dict) -> str:
         )
     if flags.get("avx2"):
         return (
-            "AVX2 without VNNI: an int8 multiply-add takes two instructions (vpmaddubsw + vpmaddwd) instead of "
-            "one, so int8 wins here mostly by moving 4x fewer bytes (how much: measured below); a VNNI or AMX CPU "
-            "adds the faster arithmetic on top"
+            "AVX2 without VNNI: an int8 multiply-accumulate takes three instructions (vpmaddubsw, vpmaddwd, "
+            "vpaddd) where VNNI's vpdpbusd does it in one, so int8 wins here mostly by moving 4x fewer bytes "
+            "(how much: measured below); a VNNI or AMX CPU adds the faster arithmetic on top"
         )
     return "no AVX2: oneDNN falls back to reference int8 kernels; expect int8 to be slow"
 

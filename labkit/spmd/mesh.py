@@ -138,7 +138,7 @@ def practice_devices(n: int = 8, dump_dir: str | None = None, need: int = 2) -> 
         )
     if started:
         return "torch_xla already imported: devices and XLA_FLAGS left as they are (restart the kernel to change them)"
-    # XLA 2.9 logs "GSPMD sharding propagation is going to be deprecated ... migrate to Shardy" (a C++ WARNING,
+    # torch_xla 2.9's XLA logs "GSPMD sharding propagation is going to be deprecated ... migrate to Shardy" (a C++ WARNING,
     # sharding_propagation.cc) once per partitioned compile: dozens of identical lines that bury the lesson's
     # output. Python's warnings filters cannot reach XLA's C++ log; its level can, and only before torch_xla
     # starts. Level 2 keeps XLA's errors and drops its warnings and info (torch_xla's default is 1). A value
