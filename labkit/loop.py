@@ -344,7 +344,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         check_compatible(state["model"], self.module)  # names the first mismatched key
-        resume.check_optimizer(state, self.optimizer)  # another optimizer class: refused by name
+        resume.check(state, self.optimizer, self.train_loader)  # other optimizer class or data: refused, nothing loaded
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and "scheduler" in state:
@@ -352,7 +352,7 @@ class Trainer:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
-        self.batch_in_epoch = resume.batches_done(state, self.global_batch(), self.train_loader)  # + check_data
+        self.batch_in_epoch = resume.batches_done(state, self.global_batch())  # samples -> this run's batches
         if self.train_loader is not None:  # the step counter goes on; the epochs count samples
             self._step_offset = self.step - self.epoch * self.steps_per_epoch() - self.batch_in_epoch
         if "rng" in state:  # dropout/augmentation draws continue exactly where they stopped

@@ -123,10 +123,15 @@ def check_optimizer(state: dict, optimizer) -> None:
             )
 
 
-def batches_done(state: dict, global_batch: int | None, loader=None) -> int:
-    """The checkpoint's position in this run's batches: samples done // this run's global batch. With the
-    run's loader, first check_data: the same data in an order that can be replayed."""
+def check(state: dict, optimizer, loader) -> None:
+    """Everything that refuses a resume, before any state is loaded into the model (a refused resume leaves the
+    model as it was, so a new run starts from its own weights): check_optimizer, then check_data."""
+    check_optimizer(state, optimizer)
     check_data(state, loader)
+
+
+def batches_done(state: dict, global_batch: int | None) -> int:
+    """The checkpoint's position in this run's batches: samples done // this run's global batch."""
     batches = int(state["batch_in_epoch"])
     old = int(state.get("global_batch") or 0)
     if not old or not global_batch or old == global_batch or not batches:

@@ -52,9 +52,12 @@ def test_a_mid_epoch_resume_on_another_dataset_is_refused_by_name(tmp_path):
     first, _ = _trainer(tmp_path, max_steps=6, checkpoint_every=6)
     first.fit()
     second, seen = _trainer(tmp_path, n=80, resume=True)
+    before = {k: v.clone() for k, v in second.model.state_dict().items()}
     with pytest.raises(ValueError, match=r"stopped 96 samples into epoch 0 of another dataset \(samples 320 -> 80\)"):
         second.fit()
     assert seen.rows == 0
+    # refused before anything loads: the model keeps its own weights (a new run then starts from them, not the checkpoint's)
+    assert all(torch.equal(v, before[k]) for k, v in second.model.state_dict().items())
     same, seen = _trainer(tmp_path, resume=True)  # the same data: the epoch goes on
     same.fit()
     assert seen.rows == 320 - 96
@@ -73,9 +76,11 @@ def test_a_mid_epoch_resume_with_a_shuffling_loader_is_refused_by_name(tmp_path)
     first, _ = _trainer(tmp_path, shuffle=True, max_steps=5, checkpoint_every=5)
     first.fit()
     second, seen = _trainer(tmp_path, shuffle=True, resume=True)
+    before = {k: v.clone() for k, v in second.model.state_dict().items()}
     with pytest.raises(ValueError, match=r"stopped 80 samples into epoch 0.*RandomSampler draws a new order"):
         second.fit()
     assert seen.rows == 0
+    assert all(torch.equal(v, before[k]) for k, v in second.model.state_dict().items()), "nothing was loaded"
 
 
 CHILD = textwrap.dedent(
