@@ -65,7 +65,8 @@ TPU_VENDOR = "0x1ae0"  # Google's PCI vendor id (torch_xla's tpu.py counts chips
 # -- secrets in URLs: the one redaction rule (labkit.cloud and data_tools use it for every URL they show) --
 # user info runs to the LAST @ of the authority: a raw @ in a password (http://alice:pa55@word@host) is still hidden
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
-_QUERY = re.compile(r"([?&;])([^=&#\s]*)=([^&#\s]*)")
+# a value runs to the next & # or space; punctuation that ends a sentence or a quote after it stays ("...: failed")
+_QUERY = re.compile(r"([?&;])([^=&#\s]*)=([^&#\s]*?)(?=[.,:;)'\"\]]*(?:[&#\s]|$))")
 SECRET_PARAMS = ("token", "sig", "secret", "password", "passwd", "credential", "key", "auth")
 
 

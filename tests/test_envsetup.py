@@ -388,6 +388,19 @@ def test_one_redaction_hides_the_whole_password(url, secret):
     assert gcs.redact is es.redact  # data_tools and labkit.cloud show URLs through this one function
 
 
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("cannot read http://h/x?token=abc: timed out", "cannot read http://h/x?token=***: timed out"),
+        ("(see 'http://h/?access_token=a.b.c').", "(see 'http://h/?access_token=***')."),
+        ("gs://b/o?X-Goog-Signature=dead:beef failed", "gs://b/o?X-Goog-Signature=*** failed"),  # a colon inside
+        ("https://h/p?sig=a%40b&x=1", "https://h/p?sig=***&x=1"),
+    ],
+)
+def test_a_hidden_query_value_keeps_the_sentence_around_it(text, want):
+    assert es.redact(text) == want
+
+
 def test_pip_output_is_redacted_before_it_is_cut(tmp_path):
     """pip's message is cut to its last 3,000 characters; a URL straddling the cut must not leave its token."""
     url = "https://user:SECRETTOKEN123@example.invalid/labkit.tar.gz"
