@@ -428,6 +428,15 @@ assert len(trained) == len(hand) and worst < 1e-5
 # | a host sync | `.item()`, `print(t)`, `if t:` in the loop | `SyncFinder`, `PT_XLA_DEBUG_LEVEL=2` | sum on the device, read once per log interval |
 #
 # Next: notebook 01 trains a ResNet-50 with the Trainer, whose dashboard watches all three for you.
+#
+# **Where this goes next.** torch_xla 2.9 is its last release; its successor TorchTPU (`torch-tpu` on PyPI, not run
+# here: it needs a TPU, torch ≥ 2.11, and has no CPU mode) is eager by default and builds graphs with
+# `torch.compile`.
+# * Ends with torch_xla: the lazy tensor, `torch_xla.sync()`, the IR and HLO dumps, and the metrics report's
+#   counters (`CompileTime`, `aten::*`, `TransferFromDeviceTime`).
+# * Carries over: a new shape is a new graph (under `torch.compile` a guard failure and a recompile), a data-
+#   dependent shape breaks the graph, and a host read per step stalls the chip; padding to buckets, masks instead of
+#   indexing and reading once per log interval are the same fixes.
 
 # %%
 print({k: v for k, v in exercises.results.items() if k.startswith("00.")})

@@ -559,3 +559,8 @@ info = labkit.explain(dash)
 # `torchrun` (README: *Scale out*).
 #
 # Next: `02_transformer_lm.ipynb` trains a GPT-style transformer with the same `labkit` calls.
+#
+# **Where this goes next (TorchTPU, torch_xla's successor; not run here).** Ends with torch_xla: `ParallelLoader`'s
+# upload thread, SPMD through `xs.mark_sharding`, and the metrics `explain` reads. Carries over: WebDataset shards
+# streamed from a bucket, static batch shapes, padded evaluation batches, async checkpoints with exact resume, and
+# data parallelism (there as DTensor / DDP with one process per chip).

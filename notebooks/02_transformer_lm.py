@@ -488,3 +488,7 @@ info = labkit.explain(dash)
 #   parameters as flags), also on a pod slice or under `torchrun` (README: *Scale out*).
 # * The loss in bits per byte compares across tokenizers: a byte-level model at 1.5 bits/byte on English is
 #   doing well for its size.
+# * **Where this goes next** (TorchTPU, torch_xla's successor; not run here). Ends with torch_xla: the lazy step,
+#   the `CompileTime` count behind the recompile checks, and `explain`'s metrics. Carries over: bucketed prompt
+#   lengths, a fixed-size key/value cache that keeps generation to a fixed set of graphs (two here; with
+#   `torch.compile`, guards that keep holding), the 6·N FLOPs per token, MFU, and the memory arithmetic.
