@@ -490,5 +490,5 @@ info = labkit.explain(dash)
 #   doing well for its size.
 # * **Where this goes next** (TorchTPU, torch_xla's successor; not run here). Ends with torch_xla: the lazy step,
 #   the `CompileTime` count behind the recompile checks, and `explain`'s metrics. Carries over: bucketed prompt
-#   lengths, a fixed-size key/value cache that keeps generation to a fixed set of graphs (two here; with
-#   `torch.compile`, guards that keep holding), the 6·N FLOPs per token, MFU, and the memory arithmetic.
+#   lengths, generation over a fixed window read at a device-tensor position (a few graphs, then none: asserted
+#   above; under `torch.compile`, guards that keep holding), the 6·N FLOPs per token, MFU, and the memory arithmetic.
