@@ -26,8 +26,11 @@ JPEG q90; a shared 2-core machine, so +-15 %):
 
 No single decoder wins everywhere: torchvision's decoder is ~1.4x faster than Pillow's on a whole image, but a
 draft decodes 1/16 or 1/64 of the pixels (still paying for the entropy decoding of every coefficient, hence
-"only" 2-6x). Pillow's resize is ~3x slower than torch's on uint8. simplejpeg (libjpeg-turbo with a reduced
-decode) was not installed here and is not timed. PNG and WebP have no reduced decode: Pillow decodes them whole.
+"only" 2-6x). Pillow's resize is ~3x slower than torch's on uint8. simplejpeg 1.9 (libjpeg-turbo with a reduced
+decode, on PyPI; timed by the bench when installed) + Pillow's resize, same run as fit_image: 1.09 vs 0.73 (224) and
+0.51 vs 0.59 (64) on the small photos, 4.96 vs 6.48 (224) and 3.40 vs 5.06 (64) on phone photos: 1.3-1.5x faster
+only where photos are many times the output, slower at ImageNet sizes to 224; it is not a dependency (pre-resize
+such shards instead, see notebook 06). PNG and WebP have no reduced decode: Pillow decodes them whole.
 """
 
 from __future__ import annotations
