@@ -76,7 +76,7 @@ class Params:
     model_axis: int = 2           # devices per tensor-parallel group: the mesh is (devices / model_axis) x model_axis
     loss_tol: float = 1e-2        # nats: how far a sharded run's loss may drift from the one-device run
     seed: int = 0
-    checkpoint_dir: str = ""      # section 10: a local folder or gs://bucket/prefix; "": a new temporary folder
+    checkpoint_dir: str = ""      # section 11: a local folder or gs://bucket/prefix; "": a new temporary folder
     # CI-sized: tiny model, few steps, a high learning rate so the loss visibly falls in 4 steps
     FAST = {"n_layer": 1, "n_head": 4, "n_embd": 32, "block_size": 16, "batch_size": 16, "steps": 4, "lr": 3e-2,
             "loss_tol": 1e-3}
@@ -179,7 +179,95 @@ print(f"{sum(p.numel() for p in probe.parameters()):,} parameters ({PARAM_BYTES 
       f"{P.steps} steps of {P.batch_size} x {P.block_size} tokens, {FLOPS_PER_STEP / 1e9:.3f} GFLOP per step")
 
 # %% [markdown]
-# ## 3. Train four ways
+# ## 3. Shard by hand first
+# Before labkit's strategies do it for you, lay the GPT out yourself. All of GSPMD's interface is two calls:
+#
+# * `xs.Mesh(device_ids, mesh_shape, axis_names)`: the devices arranged as an array whose axes have names. Here
+#   `(devices / 2, 2)` named `("data", "model")`: each row of the array is a *model group* (the devices that split
+#   one layer), each column a *data group* (the devices that hold the same slices and see different sequences).
+# * `xs.mark_sharding(t, mesh, spec)`: a *partition spec* has one entry per dimension of `t`: the name of the mesh
+#   axis to split that dimension over, or `None` to keep it whole. It splits nothing by itself: it annotates the
+#   tensor, and when the step compiles, XLA's SPMD partitioner writes each device's part of the program and inserts
+#   the collectives the layout needs.
+#
+# Megatron's pair for every MLP: `mlp.fc` (4C x C, output by input features) split by its rows, so each device of a
+# model group computes a slice of the hidden units and GELU needs nothing from the others; `mlp.proj` (C x 4C) split
+# by its columns, so each device multiplies its own hidden slice and holds a *partial sum* of the output. Predict
+# before running: completing that sum takes an **all-reduce within each model group** (2 devices), and the weights
+# left whole (attention, embeddings) get gradients summed over the data groups. The batch is split by sequences over
+# `"data"`. Two training steps, then the layout read back and the collectives read from the compiled step's HLO.
+
+# %%
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+
+ids = np.arange(N_DEV)
+hand_mesh = xs.Mesh(ids, (N_DEV // P.model_axis, P.model_axis), ("data", "model"))
+print(f"mesh {dict(zip(hand_mesh.axis_names, hand_mesh.mesh_shape))}; model groups (rows):",
+      ids.reshape(hand_mesh.mesh_shape).tolist())
+
+torch.manual_seed(P.seed)                      # the same initial weights as every strategy below
+hand = GPT(gcfg).to(torch_xla.device())
+for block in hand.blocks:
+    xs.mark_sharding(block.mlp.fc.weight, hand_mesh, ("model", None))    # rows: hidden units split
+    xs.mark_sharding(block.mlp.proj.weight, hand_mesh, (None, "model"))  # columns: partial sums of the output
+opt = torch.optim.AdamW(hand.parameters(), lr=P.lr, betas=(0.9, 0.95), weight_decay=0.0)
+seen = S.dumped(HLO_DIR) if DUMPING else set()
+hand_losses = []
+for xb, yb in batches[:2]:
+    xb, yb = xb.to(torch_xla.device()), yb.to(torch_xla.device())
+    xs.mark_sharding(xb, hand_mesh, ("data", None))   # (B, T): sequences split over "data"
+    xs.mark_sharding(yb, hand_mesh, ("data", None))
+    _, loss = hand(xb, yb)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch_xla.sync()
+    hand_losses.append(loss.detach())
+hand_losses = [float(v) for v in torch.stack(hand_losses).cpu()]
+w = hand.blocks[0].mlp
+hand_layout = {"mlp.fc.weight": S.sharding_of(w.fc.weight), "mlp.proj.weight": S.sharding_of(w.proj.weight),
+               "batch": S.sharding_of(xb)}
+shapes = {"mlp.fc.weight": tuple(w.fc.weight.shape), "mlp.proj.weight": tuple(w.proj.weight.shape),
+          "batch": tuple(xb.shape)}
+for name, spec in hand_layout.items():
+    print(f"{name:16s} {str(shapes[name]):10s} one device holds {S.shard_shape(shapes[name], spec)}:  {spec}")
+print("losses of two steps:", " ".join(f"{v:.4f}" for v in hand_losses))
+assert S.shard_shape(shapes["mlp.fc.weight"], hand_layout["mlp.fc.weight"])[0] == shapes["mlp.fc.weight"][0] // P.model_axis
+assert S.shard_shape(shapes["batch"], hand_layout["batch"])[0] == P.batch_size // (N_DEV // P.model_axis)
+if DUMPING:
+    _, hlo = S.newest_step_graph(HLO_DIR, seen)
+    ops = S.collective_ops(hlo)
+    tally = {}
+    for o in ops:
+        tally.setdefault((o["op"], o["group"]), []).append(o["result"])
+    for (op, group), results_ in sorted(tally.items()):
+        print(f"  {len(results_):3d} x {op:10s} within groups of {group} devices, e.g. {results_[0]}")
+    # predicted: each model-group all-reduce carries one output of the MLP for this device's sequences, (B/data, T, C)
+    per_sum = P.batch_size // (N_DEV // P.model_axis) * P.block_size * P.n_embd * 4
+    mine = [o["bytes"] for o in ops if o["op"] == "all-reduce" and o["group"] == P.model_axis]
+    print(f"predicted {per_sum:,} B per all-reduce within a model group; measured {sorted(set(mine))}")
+    assert mine and per_sum in mine and all(b % per_sum == 0 for b in mine), \
+        "the row-parallel proj's partial sums are completed by an all-reduce within each model group"
+    assert any(o["op"] == "all-reduce" and o["group"] > P.model_axis for o in ops), \
+        "gradients of the weights left whole are summed across the data groups"
+
+# %% [markdown]
+# XLA also added collectives nobody asked for (the all-gathers above): wherever a tensor laid out one way meets an
+# op that needs another, the partitioner moves data; section 7 counts them for every strategy.
+#
+# The strategies below do exactly this for you: `labkit.spmd.make_mesh` builds the same mesh, and the tensor-parallel
+# one marks the same two weights (plus attention's heads), and the batch, the same way. The cell after training
+# checks it: the same sharding strings and, from the same weights and batches, the same losses.
+#
+# *torch_xla's*: `xs.Mesh`, `xs.mark_sharding` and reading the partitioned HLO. *Carries over*: a mesh of named axes
+# and a placement per tensor dimension are DTensor's `DeviceMesh` with `Shard(dim)` / `Replicate()` (TorchTPU's
+# sharding; not run here) and JAX's `NamedSharding` with a `PartitionSpec`.
+
+# %% [markdown]
+# ## 4. Train four ways
 # `labkit.lessons.parallel_gpt.train` builds the model for a strategy, creates AdamW's moments with each weight's
 # sharding before the first step (one compile), runs the steps with the batch marked as split, waits for the
 # device after each step (honest step times), and reads the collectives from the newest compiled step graph.
@@ -194,15 +282,26 @@ for name in STRATEGIES:
     print(f"{name:7s} mesh {r.mesh_shape}: {time.perf_counter() - t0:5.1f} s with compiling; losses "
           + " ".join(f"{v:.3f}" for v in r.losses[:3]) + (" ... " + f"{r.losses[-1]:.3f}" if P.steps > 3 else ""))
 
+# %%
+tp = results["tensor"]
+lib = dict(tp.model.named_parameters())
+lib_layout = {"mlp.fc.weight": S.sharding_of(lib["blocks.0.mlp.fc.weight"]),
+              "mlp.proj.weight": S.sharding_of(lib["blocks.0.mlp.proj.weight"]), "batch": tp.batch_spec}
+drift = max(abs(a - b) for a, b in zip(hand_losses, tp.losses))
+print(f"by hand vs labkit's tensor parallel: same layout {lib_layout == hand_layout}; losses of two steps differ by "
+      f"at most {drift:.1e} nats (tolerance {P.loss_tol:g})")
+assert lib_layout == hand_layout, (lib_layout, hand_layout)
+assert drift <= P.loss_tol, (hand_losses, tp.losses[:2])
+
 # %% [markdown]
-# ## 4. Where the weights and the batch live
+# ## 5. Where the weights and the batch live
 # Below, for each strategy, two weight matrices of block 0 and the batch, split into the slices the devices hold.
 # Not to scale: every tensor fills a box of the same size (its shape is in the title), so the slices show *how* a
 # tensor is split, not how big it is. Colour: the first device holding a slice; grey: every device holds all of it.
 #
 # * **one device**: under SPMD the program with nothing sharded is *replicated*: every device holds all of it
 #   and computes the whole step. On a TPU that takes the time of one chip; on the CPU the 8 copies share the
-#   cores (section 7). It is the reference the other three must agree with.
+#   cores (section 8). It is the reference the other three must agree with.
 # * **data parallel**: the MLP's weights are whole on every device (grey); the batch's rows (sequences) are split
 #   into 8.
 # * **tensor parallel**: `mlp.fc` (4C x C) is split by rows (*column parallel*: each model group half computes
@@ -237,7 +336,7 @@ assert len(S.tile_devices(2, results["data"].batch_spec)) == N_DEV
 assert len(S.tile_devices(2, results["tensor"].batch_spec)) == N_DEV // P.model_axis
 
 # %% [markdown]
-# ## 5. Bytes one device holds
+# ## 6. Bytes one device holds
 # Read from each tensor's sharding (`labkit.spmd.sharding.device_bytes`: the largest shard of each tensor, padding
 # included). AdamW keeps two moments per weight, each with its weight's layout, so optimizer state is twice the
 # parameters in every strategy: 3x the weights in all, plus gradients and activations (not counted here).
@@ -270,7 +369,7 @@ assert results["fsdp"].param_bytes < results["tensor"].param_bytes < single_byte
 #
 # **1.** How many bytes must one data-parallel training step all-reduce? Write `dp_bytes(model)`, from a model's
 # parameters; the check tries it on models of other sizes and dtypes, then on `probe` (the GPT of section 2), before
-# section 6 shows what XLA did.
+# section 7 shows what XLA did.
 
 # %%
 from labkit.lessons import exercises as ex
@@ -325,7 +424,7 @@ ex.check("03.fsdp_shard", lambda: nb03.check_fsdp_shard(fsdp_shard, mesh))
 # `fsdp_bytes(shape, devices, bytes_per=4)`: the bytes one device holds. The check measures its answers on the
 # mesh (tensors of random shapes, float32 and bfloat16, laid out by torch_xla's FSDPv2 and read from their
 # shardings), tries other device counts against the rule on paper, and sums your function over `probe`'s
-# parameters: it must give the FSDP run's bytes per device of section 5, exactly.
+# parameters: it must give the FSDP run's bytes per device of section 6, exactly.
 
 # %%
 def fsdp_bytes(shape, devices, bytes_per=4):
@@ -364,7 +463,7 @@ if ex.solutions_on():
 ex.check("03.megatron", lambda: nb03.check_megatron_bytes(megatron_bytes))
 
 # %% [markdown]
-# ## 6. The collectives, predicted and measured
+# ## 7. The collectives, predicted and measured
 # Under SPMD you never call a collective: XLA's partitioner (GSPMD here; Shardy in newer XLA) inserts them where a
 # sharded computation needs data another device holds. They are visible only in the *optimized* HLO (after
 # partitioning), which XLA dumped; `labkit.spmd.sharding.count_collectives` reads count and bytes (the buffer each
@@ -396,7 +495,7 @@ ex.check("03.megatron", lambda: nb03.check_megatron_bytes(megatron_bytes))
 #   them apart; marking q, k and v's layout inside the attention with `mark_sharding` is the usual remedy (not
 #   tried here);
 # * FSDP: with layers this small GSPMD moves *activations* (all-to-all, collective-permute, activation
-#   all-gathers) and all-reduces gradients, with no reduce-scatter at all. Only the bytes per device (section 5)
+#   all-gathers) and all-reduces gradients, with no reduce-scatter at all. Only the bytes per device (section 6)
 #   are a prediction it honours exactly; below we assert what must hold whichever way XLA goes: the weights are
 #   never replicated, and communication costs more than data parallelism's.
 #
@@ -446,7 +545,7 @@ elif not DUMPING:
     print("no HLO dump (XLA_FLAGS was set after torch_xla started): restart the kernel to count collectives")
 
 # %% [markdown]
-# ## 7. Step time and MFU
+# ## 8. Step time and MFU
 # Median seconds per step after the first (compiling) one, each step waited for. MFU = the model's FLOPs per step
 # (`GPT.flops_per_token`, the same for every strategy) / step time / peak. On a TPU the peak is one chip's rated
 # figure times the chips the strategy uses (one for `single`). On the CPU the 8 virtual devices are threads on the
@@ -467,7 +566,7 @@ assert all(r.step_s > 0 for r in results.values())
 assert all(m is None or 0 < m < 1 for m in mfu.values()), mfu
 
 # %% [markdown]
-# ## 8. The same training, four times
+# ## 9. The same training, four times
 # The sharded runs compute the same sums in another order, so their losses drift from the one-device run by
 # rounding only: within `loss_tol` nats at every step (and the loss fell, so there was something to agree on).
 
@@ -480,7 +579,7 @@ for name, r in results.items():
 assert ref[-1] < ref[0] - 0.3, f"the loss did not fall: {ref[0]:.3f} -> {ref[-1]:.3f}"
 
 # %% [markdown]
-# ## 9. What each strategy costs, and when to pick it
+# ## 10. What each strategy costs, and when to pick it
 # * **Data parallel**: every device holds the whole model and its optimizer state; the gradients (the size of the
 #   model) are all-reduced once per step. The simplest and usually the fastest while the model, its gradients and
 #   AdamW's state (4x the weights in float32) fit one chip. Pick it first.
@@ -518,7 +617,7 @@ for name, b, coll, moved, step, m, loss in rows:
 assert len(rows) == 4
 
 # %% [markdown]
-# ## 10. Save sharded, restore onto another layout
+# ## 11. Save sharded, restore onto another layout
 # A checkpoint of the FSDP run must not gather the model onto one host first (for a model that needs FSDP, the
 # whole of it may not fit there). `labkit.checkpoint.CheckpointManager` sees that the state is split over
 # devices and writes it in the *sharded format*: PyTorch's Distributed Checkpoint (DCP) with torch_xla's SPMD
@@ -578,3 +677,12 @@ print(f"data-parallel model after restore: {len(same)} of {len(want)} weights an
 assert len(same) == len(want), sorted(set(want) - set(same))
 assert len(same_m) == len(moments), sorted(set(moments) - set(same_m))
 assert tiles == {(0, 0): []}, "the target keeps its own layout"
+
+# %% [markdown]
+# **Where this goes next.** TorchTPU, torch_xla's successor (not run here: it needs TPU chips), shards with DTensor
+# and one process per chip instead of GSPMD's one process per host.
+# * Ends with torch_xla: `xs.Mesh`, `xs.mark_sharding`, `SpmdFullyShardedDataParallel`, the SPMD planners of the
+#   sharded checkpoint, and reading the partitioned HLO dump.
+# * Carries over: meshes with named axes, a placement per tensor dimension, the bytes each layout keeps per device
+#   and the collectives it costs (the same arithmetic in sections 6 and 7), and DCP checkpoints that restore onto
+#   another layout.

@@ -53,7 +53,7 @@ def check_dp_bytes(dp_bytes, model, measured_all_reduce_bytes: int | None = None
         require(got == want, f"a model of {len(params)} tensors: you say {got:,} bytes, its gradients are {want:,}")
     note = f"{want:,} B for this GPT"
     if measured_all_reduce_bytes is not None:
-        note += f"; XLA all-reduced {measured_all_reduce_bytes:,} B (section 6 explains the rest)"
+        note += f"; XLA all-reduced {measured_all_reduce_bytes:,} B (section 7 explains the rest)"
     return note
 
 
