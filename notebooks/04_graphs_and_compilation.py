@@ -509,3 +509,58 @@ steady = prof.steps[1:]                      # the first captured step may still
 print("trace files:", *[str(p.relative_to(prof.folder)) for p in labkit.profiling.trace_files(prof.folder)])
 assert [s["step"] for s in prof.steps] == [4, 5, 6, 7]
 assert prof.has_op(), "the profile should contain the MLP's matmuls (aten::addmm / HLO dot)"
+
+# %% [markdown]
+# **Reading the capture yourself.** Every captured step sits inside a span named `labkit_step`: an annotation the
+# loop opens around the step, `xp.Trace`'s TraceMe on XLA (`with torch_xla.debug.profiler.Trace("name"):` around
+# any code of yours puts a span of your own in the same trace) and `torch.profiler.record_function` elsewhere. From
+# the trace labkit reads, per step, the five categories above; where time went *inside* the device is in
+# `prof.op_events`: one entry per execution of an op, `{"name", "ts", "dur_us"}` (device ops on XLA and CUDA; on
+# the CPU, aten ops with their self time). Below: compile vs execute, the idle gaps, the wait for input.
+
+# %%
+cats = {c: sum(s[c + "_s"] for s in prof.steps) for c in labkit.profiling.CATEGORIES}
+total = sum(s["total_s"] for s in prof.steps)
+print(f"{len(prof.steps)} steps, {1e3 * total:.1f} ms: " + ", ".join(f"{c} {v / total:.0%}" for c, v in cats.items()))
+gaps = sorted(((b - a, a) for a, b in prof.intervals["idle"]), reverse=True)
+if gaps:
+    print(f"longest idle gap: {1e3 * gaps[0][0]:.2f} ms, {1e3 * gaps[0][1]:.2f} ms after the first step began")
+print(f"{len(prof.op_events)} op executions; the first three:", prof.op_events[:3])
+assert abs(sum(cats.values()) - total) < 1e-6 * max(total, 1), "the categories split each step exactly"
+
+# %% [markdown]
+# **4. The slowest op, from the trace.** Write `slowest_op(events)`: the name of the op that took the most time,
+# given `prof.op_events`. An op runs many times; XLA numbers each instance of an HLO op in the graph (`fusion.3`,
+# `fusion.7`), and those are one op, `fusion`. The check tries made-up executions first, then captures a fresh
+# profile (an MLP of a width that changes each time) and compares with labkit's own ranking, `prof.ops`.
+
+# %%
+def slowest_op(events):
+    ...   # your code
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
+if ex.solutions_on():
+    import re
+
+    def slowest_op(events):
+        total = {}
+        for e in events:
+            name = re.sub(r"\.\d+$", "", e["name"])   # fusion.3 -> fusion
+            total[name] = total.get(name, 0.0) + e["dur_us"]
+        return max(total, key=total.get)
+
+
+# %%
+if ex.check("04.slowest", lambda: nb04.check_slowest_op(slowest_op, rt)):
+    print("this capture's slowest op:", slowest_op(prof.op_events), "- labkit's ranking:", prof.ops[0][0])
+
+# %% [markdown]
+# **Where this goes next.** TorchTPU, torch_xla's successor (not run here), is eager by default and builds graphs
+# with `torch.compile`.
+# * Ends with torch_xla: lazy tensors and `torch_xla.sync()`, `torch_xla.compile`, the `CompileTime` and transfer
+#   counters behind the detective and the checks, and `torch_xla.debug.profiler`'s trace.
+# * Carries over: a graph per shape (there `torch.compile`'s guards and `TORCH_LOGS=recompiles`), a data-dependent
+#   branch breaking the graph, a `.item()` in the loop stalling the device, `torch.export`, and reading a profile
+#   by steps, categories and top ops (`torch.profiler` on every PyTorch backend).

@@ -82,3 +82,44 @@ def test_branch_free(rt):
         nb04.check_branch_free(lambda h: h * 2, rt)
     with pytest.raises(Wrong, match="your code raised AttributeError"):
         nb04.check_branch_free(lambda h: h.no_such_method(), rt)
+
+
+def _slowest(events):
+    import re
+
+    total = {}
+    for e in events:
+        name = re.sub(r"\.\d+$", "", e["name"])
+        total[name] = total.get(name, 0.0) + e["dur_us"]
+    return max(total, key=total.get)
+
+
+@pytest.mark.parametrize("backend", ["xla-cpu", "cpu"])
+def test_slowest_op(backend):
+    rt = labkit.setup(backend)
+    assert "in a fresh capture" in nb04.check_slowest_op(_slowest, rt)
+    with pytest.raises(Wrong, match="do not take the most frequent op"):  # the op run most often
+        nb04.check_slowest_op(lambda ev: max({e["name"] for e in ev}, key=[e["name"] for e in ev].count), rt)
+    with pytest.raises(Wrong, match="do not take the most frequent op"):  # the longest single run
+        nb04.check_slowest_op(lambda ev: max(ev, key=lambda e: e["dur_us"])["name"], rt)
+
+    def raw_names(ev):  # fusion.1 and fusion.2 summed apart: the numbered instances of one op split its time
+        total = {}
+        for e in ev:
+            total[e["name"]] = total.get(e["name"], 0.0) + e["dur_us"]
+        return max(total, key=total.get)
+
+    with pytest.raises(Wrong, match="count fusion.1, fusion.2 as fusion"):
+        nb04.check_slowest_op(raw_names, rt)
+    with pytest.raises(Wrong, match="labkit's own ranking"):
+
+        def library(ev):
+            from labkit.profiling import analysis
+
+            return analysis.rank_ops(ev, numbered=True)[0][0]
+
+        nb04.check_slowest_op(library, rt)
+    with pytest.raises(Wrong, match="a str"):
+        nb04.check_slowest_op(lambda ev: 3, rt)
+    with pytest.raises(NotDone):
+        nb04.check_slowest_op(lambda ev: None, rt)

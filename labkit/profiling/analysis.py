@@ -66,9 +66,10 @@ def _clip(iv, lo, hi):
     return [(max(a, lo), min(b, hi)) for a, b in iv if b > lo and a < hi]
 
 
-def _self_times(events) -> dict:
-    """Per-name (self seconds, count) of nested complete events, per thread."""
-    out: dict = {}
+def _self_events(events) -> list[dict]:
+    """Each nested complete event with its self time (its duration less its children's, per thread), as
+    {"name", "ts", "dur_us"}: what an op cost by itself, not counting the ops it called."""
+    out: list = []
     by_tid: dict = {}
     for e in events:
         by_tid.setdefault((e.get("pid"), e.get("tid")), []).append(e)
@@ -89,8 +90,23 @@ def _self_times(events) -> dict:
 
 def _close(item, out) -> None:
     end, e, child = item
-    s, n = out.get(e["name"], (0.0, 0))
-    out[e["name"]] = (s + max(e.get("dur", 0) - child, 0.0) / 1e6, n + 1)
+    out.append({"name": e["name"], "ts": e["ts"], "dur_us": max(e.get("dur", 0) - child, 0.0)})
+
+
+def op_name(name: str) -> str:
+    """XLA numbers each instance of an HLO op (`fusion.3`, `dot.12`): the op's name without that suffix."""
+    return re.sub(r"\.\d+$", "", name)
+
+
+def rank_ops(events, numbered: bool = False) -> list[tuple]:
+    """(name, seconds, count) per op name, slowest first: the sum of each execution's `dur_us`.
+    numbered=True (XLA) counts `fusion.3` and `fusion.7` as one op, `fusion`."""
+    agg: dict = {}
+    for e in events:
+        name = op_name(e["name"]) if numbered else e["name"]
+        s, n = agg.get(name, (0.0, 0))
+        agg[name] = (s + e["dur_us"] / 1e6, n + 1)
+    return sorted(((k, s, n) for k, (s, n) in agg.items()), key=lambda o: -o[1])
 
 
 @dataclass
@@ -104,6 +120,9 @@ class Analysis:
     step_edges: list[float]
     ops: list[tuple] = field(default_factory=list)  # (name, seconds, count), device ops first
     host_ops: list[tuple] = field(default_factory=list)  # host-side events by self time
+    # every execution `ops` adds up, {"name", "ts" (us, the trace's clock), "dur_us"}: device ops on XLA and
+    # CUDA (their duration), aten ops with their self time on the CPU (there the host is the device)
+    op_events: list[dict] = field(default_factory=list, repr=False)
 
     def top_ops(self, n: int = 10, host: bool = False) -> list[tuple]:
         return (self.host_ops if host else self.ops)[:n]
@@ -237,11 +256,7 @@ def analyze(folder) -> Analysis:
         rows.append(row)
     busy_all = _union(iv for cat in CATEGORIES[:-1] for iv in intervals[cat])
     intervals["idle"] = _gaps(busy_all, [(t["t0"], t["t5"]) for t in T])
-    agg: dict = {}
-    for e in dev_ev:
-        name = re.sub(r"\.\d+$", "", e["name"]) if xla else e["name"]
-        s, n = agg.get(name, (0.0, 0))
-        agg[name] = (s + e.get("dur", 0) / 1e6, n + 1)
+    dev_events = [{"name": e["name"], "ts": e["ts"], "dur_us": float(e.get("dur", 0))} for e in dev_ev]
     # ops that start while the loop waits for data are the loader's (collate on CPU), not the step's
     waits = intervals["data_wait"]
     starts = [a for a, _ in waits]
@@ -250,12 +265,11 @@ def analyze(folder) -> Analysis:
         i = bisect.bisect_right(starts, iv(e)[0]) - 1
         return i >= 0 and iv(e)[0] < waits[i][1]
 
-    host = _self_times([e for e in host_ev if not in_wait(e)])
-    ops = sorted(((k, s, n) for k, (s, n) in agg.items()), key=lambda o: -o[1])
-    host_ops = sorted(((k, s, n) for k, (s, n) in host.items() if k != STEP_SPAN), key=lambda o: -o[1])
+    host_events = [e for e in _self_events([e for e in host_ev if not in_wait(e)]) if e["name"] != STEP_SPAN]
     if backend == "cpu":  # the host is the device: its ops are the device ops
-        ops, host_ops = host_ops, []
-    return Analysis(folder, backend, rows, intervals, edges, ops, host_ops)
+        dev_events, host_events = host_events, []
+    ops, host_ops = rank_ops(dev_events, numbered=xla), rank_ops(host_events)
+    return Analysis(folder, backend, rows, intervals, edges, ops, host_ops, dev_events)
 
 
 def _python_tid(events, spans):

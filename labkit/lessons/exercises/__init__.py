@@ -192,3 +192,30 @@ def close(got: float, want: float, rel: float, what: str, hint: str = "") -> flo
         + (f"; {hint}" if hint else ""),
     )
     return err
+
+
+@contextlib.contextmanager
+def refusing(targets, why: str):
+    """While the learner's code runs, each (owner, attribute) in `targets` raises Wrong(why): the library function
+    that computes the answer is the measurement (or the very thing the exercise rebuilds), not the learner's work."""
+
+    def refuse(*a, **kw):
+        raise Wrong(why)
+
+    saved = [(owner, name, getattr(owner, name)) for owner, name in targets]
+    for owner, name, _ in saved:
+        setattr(owner, name, refuse)
+    try:
+        yield
+    finally:
+        for owner, name, f in saved:
+            setattr(owner, name, f)
+
+
+def xla_metric(name: str) -> tuple[int, float]:
+    """(samples, summed value) of one torch_xla metric in this process (CompileTime, TransferFromDeviceTime,
+    OutboundData, ...): what the checkers count. (0, 0.0) before the metric's first sample."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data(name)
+    return (int(data[0]), float(data[1])) if data else (0, 0.0)

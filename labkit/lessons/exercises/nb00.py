@@ -20,7 +20,7 @@ import random
 import torch
 import torch.nn.functional as F
 
-from labkit.lessons.exercises import Wrong, call, number, require, todo
+from labkit.lessons.exercises import Wrong, call, number, require, todo, xla_metric
 
 # each call of a checker uses a feature width of its own: graphs compiled by an earlier attempt (XLA caches
 # them) cannot make a later one look compile-free
@@ -36,9 +36,7 @@ def _xla():
 
 def compiles() -> int:
     """Graphs XLA has compiled in this process (samples of the CompileTime metric)."""
-    _, met = _xla()
-    data = met.metric_data("CompileTime")
-    return data[0] if data else 0
+    return xla_metric("CompileTime")[0]
 
 
 def fallbacks() -> dict[str, int]:
@@ -49,9 +47,7 @@ def fallbacks() -> dict[str, int]:
 
 def transfers() -> int:
     """Device->host copies torch_xla has made in this process (its TransferFromDeviceTime metric's count)."""
-    _, met = _xla()
-    data = met.metric_data("TransferFromDeviceTime")
-    return data[0] if data else 0
+    return xla_metric("TransferFromDeviceTime")[0]
 
 
 def _new_fallbacks(before: dict[str, int]) -> dict[str, int]:

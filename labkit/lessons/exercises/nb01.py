@@ -16,7 +16,7 @@ import random
 
 import torch
 
-from labkit.lessons.exercises import Wrong, call, integer, require, todo
+from labkit.lessons.exercises import Wrong, call, integer, require, todo, xla_metric
 
 __all__ = ["check_feed_bytes", "check_graphs", "check_pad_labels", "check_resume_position", "require"]
 
@@ -32,16 +32,12 @@ def _xla_count(name: str) -> int:
 
     if name in met.counter_names():
         return int(met.counter_value(name))
-    data = met.metric_data(name)
-    return int(data[0]) if data else 0
+    return xla_metric(name)[0]
 
 
 def _outbound_bytes() -> int:
     """Bytes torch_xla has copied host -> device in this process (the sum of its OutboundData metric)."""
-    import torch_xla.debug.metrics as met
-
-    data = met.metric_data("OutboundData")
-    return int(data[1]) if data else 0
+    return int(xla_metric("OutboundData")[1])
 
 
 def check_feed_bytes(step_bytes, rt) -> str:

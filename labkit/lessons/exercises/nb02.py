@@ -4,13 +4,22 @@ depth L) all differ, and compares with what a real model has or does."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import random
 
-from labkit.lessons.exercises import Wrong, call, close, integer, number, require, todo
+from labkit.lessons.exercises import Wrong, call, close, integer, number, refusing, require, todo, xla_metric
 
 __all__ = ["check_bucket", "check_gpt_params", "check_step_time"]
+
+
+def _no_gpt_building():
+    """While the learner's prediction runs, building a GPT raises: counting a real model's parameters is the
+    measurement, not the prediction."""
+    from labkit.models import gpt
+
+    why = "predict from the shapes: building the model and counting its parameters is the measurement"
+    return refusing([(gpt.GPT, "__init__")], why)
+
 
 _calls = itertools.count(1)
 
@@ -39,11 +48,9 @@ def check_bucket(bucket, block_size: int = 256, rt=None) -> str:
 
 def _measure_buckets(bucket, block_size: int, rt) -> str:
     import torch
-    import torch_xla.debug.metrics as met
 
     def compiles():
-        data = met.metric_data("CompileTime")
-        return data[0] if data else 0
+        return xla_metric("CompileTime")[0]
 
     k = next(_calls)
     rng = random.Random(k)
@@ -78,24 +85,6 @@ def _configs(k: int):
             )
         )
     return out
-
-
-@contextlib.contextmanager
-def _no_gpt_building():
-    """While the learner's prediction runs, building a GPT raises: counting a real model's parameters is the
-    measurement, not the prediction."""
-    from labkit.models import gpt
-
-    real = gpt.GPT.__init__
-
-    def refuse(self, *a, **kw):
-        raise Wrong("predict from the shapes: building the model and counting its parameters is the measurement")
-
-    gpt.GPT.__init__ = refuse
-    try:
-        yield
-    finally:
-        gpt.GPT.__init__ = real
 
 
 def check_gpt_params(gpt_params) -> str:

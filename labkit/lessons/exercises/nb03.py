@@ -18,7 +18,7 @@ import random
 
 import torch
 
-from labkit.lessons.exercises import Wrong, call, integer, require, todo
+from labkit.lessons.exercises import Wrong, call, integer, require, todo, xla_metric
 from labkit.spmd import sharding as S
 
 __all__ = ["check_dp_bytes", "check_fsdp_bytes", "check_fsdp_shard", "check_megatron_bytes", "fsdpv2_layout"]
@@ -96,10 +96,7 @@ def _fsdp_shapes(rng: random.Random, n: int) -> list[tuple[int, ...]]:
 
 def _transfers() -> int:
     """Device->host copies torch_xla has made in this process (its TransferFromDeviceTime metric's count)."""
-    import torch_xla.debug.metrics as met
-
-    data = met.metric_data("TransferFromDeviceTime")
-    return data[0] if data else 0
+    return xla_metric("TransferFromDeviceTime")[0]
 
 
 def _split_dims(shape, spec: str) -> list[int]:

@@ -7,6 +7,7 @@ compared with what XLA would do, and the note says it was not measured.
     check("04.graphs", lambda: nb04.check_predict_graphs(predict_graphs, rt))
     check("04.reads", lambda: nb04.check_predict_reads(predict_reads, rt))
     check("04.branch", lambda: nb04.check_branch_free(branch_free, rt))
+    check("04.slowest", lambda: nb04.check_slowest_op(slowest_op, rt))
 """
 
 from __future__ import annotations
@@ -17,9 +18,16 @@ import random
 
 import torch
 
-from labkit.lessons.exercises import Wrong, call, integer, require, todo
+from labkit.lessons.exercises import Wrong, call, integer, refusing, require, todo, xla_metric
 
-__all__ = ["check_branch_free", "check_predict_graphs", "check_predict_reads", "guarded_loop", "reference_branchy"]
+__all__ = [
+    "check_branch_free",
+    "check_predict_graphs",
+    "check_predict_reads",
+    "check_slowest_op",
+    "guarded_loop",
+    "reference_branchy",
+]
 
 _calls = itertools.count(1)
 # every measurement uses a feature width no earlier one used: XLA caches graphs by shape, so a width seen before
@@ -27,21 +35,14 @@ _calls = itertools.count(1)
 _widths = itertools.count(50)
 
 
-def _metric(name: str) -> int:
-    import torch_xla.debug.metrics as met
-
-    data = met.metric_data(name)
-    return data[0] if data else 0
-
-
 def compiles() -> int:
     """Graphs XLA has compiled in this process (samples of torch_xla's CompileTime metric)."""
-    return _metric("CompileTime")
+    return xla_metric("CompileTime")[0]
 
 
 def transfers() -> int:
     """Device->host copies torch_xla has made in this process (samples of its TransferFromDeviceTime metric)."""
-    return _metric("TransferFromDeviceTime")
+    return xla_metric("TransferFromDeviceTime")[0]
 
 
 # -- 1. predict the graphs a sequence of lengths compiles ---------------------------------------------------------
@@ -172,3 +173,88 @@ def check_branch_free(branch_free, rt, calls: int = 6) -> str:
     if not rt.is_xla:
         return f"{calls} inputs of both signs: the values are right (reads and graphs not measured: no XLA here)"
     return f"{calls} inputs of both signs: one graph, no read"
+
+
+# -- 4. read a profile: the op that took the most time -------------------------------------------------------------
+
+
+class _ProfileAt:
+    def __init__(self, step: int, steps: int, out_dir: str):
+        self.step, self.steps, self.out_dir = step, steps, out_dir
+
+    def on_step_end(self, trainer, batch):
+        if trainer.step == self.step:
+            trainer.request_profile(steps=self.steps, out_dir=self.out_dir)
+
+
+def _capture(rt, width: int, out_dir: str):
+    """A fresh capture: a small MLP of this width trained for 8 steps, steps 3-6 profiled."""
+    import labkit
+
+    torch.manual_seed(width)
+    xs, ys = torch.randn(128, 48), torch.randint(0, 10, (128,))
+    model = torch.nn.Sequential(torch.nn.Linear(48, width), torch.nn.GELU(), torch.nn.Linear(width, 10))
+    trainer = labkit.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        rt,
+        labkit.TrainConfig(max_steps=8, log_every=0, eval_every=0),
+        torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=16),
+        callbacks=[_ProfileAt(step=2, steps=4, out_dir=out_dir)],
+    )
+    trainer.fit()
+    return trainer.profiles[-1]
+
+
+def _made_up(rng: random.Random) -> tuple[list[dict], str]:
+    """Executions where the op called most often is not the slowest, nor the one with the longest single run, and
+    XLA's numbered instances (fusion.1, fusion.2) are one op: (events, the slowest op's name)."""
+    a, b, c = rng.sample(["dot", "fusion", "convolution", "add", "reduce", "copy"], 3)
+    events = [{"name": f"{a}.{i % 3}", "ts": 0.0, "dur_us": 30.0} for i in range(6)]  # 180 us in 6 short runs
+    events += [{"name": b, "ts": 0.0, "dur_us": 1.0} for _ in range(40)]  # the most calls: 40 us
+    events += [{"name": c, "ts": 0.0, "dur_us": 120.0}]  # the longest single run: 120 us
+    rng.shuffle(events)
+    for i, e in enumerate(events):
+        e["ts"] = 10.0 * i
+    return events, a
+
+
+def check_slowest_op(slowest_op, rt) -> str:
+    """04.slowest: slowest_op(events) -> the name of the op that took the most time in a capture, from its executions
+    ({"name", "ts", "dur_us"}: `Analysis.op_events`), XLA's numbered instances (`fusion.3`) counted as one op.
+    Judged on made-up executions (the most frequent op and the longest single run are not the answer), then on a
+    fresh capture of an MLP whose width changes with every call, against labkit's own ranking (`Analysis.ops`)
+    of that capture; labkit's ranking refuses while the learner's code runs."""
+    import tempfile
+
+    from labkit.profiling import analysis
+
+    todo(slowest_op)
+    rng = random.Random(next(_calls))
+    events, want = _made_up(rng)
+    why = "rank the executions yourself: labkit's own ranking is what the check compares with"
+    with refusing([(analysis, "rank_ops")], why):
+        got = call(slowest_op, [dict(e) for e in events])
+    require(isinstance(got, str), f"return the op's name (a str), not a {type(got).__name__}")
+    total = {}
+    for e in events:
+        total[analysis.op_name(e["name"])] = total.get(analysis.op_name(e["name"]), 0.0) + e["dur_us"]
+    require(
+        str(got) == want,
+        f"you say {got!r}; on made-up executions {want!r} took {total[want]:.0f} us in all, {got!r} "
+        f"{total.get(analysis.op_name(str(got)), 0.0):.0f} us: add up every execution of an op (and count "
+        "fusion.1, fusion.2 as fusion), do not take the most frequent op or the longest single run",
+    )
+    with tempfile.TemporaryDirectory() as d:
+        prof = _capture(rt, rng.choice(range(96, 400, 8)), d)
+        ranked = prof.ops
+        require(bool(ranked), f"the capture in {prof.folder} holds no ops to rank ({prof.backend})")
+        with refusing([(analysis, "rank_ops")], why):
+            got = call(slowest_op, [dict(e) for e in prof.op_events])
+    want, seconds, count = ranked[0]
+    require(
+        isinstance(got, str) and str(got) == want,
+        f"on a fresh capture you say {got!r}; the slowest op is {want!r} ({1e3 * seconds:.2f} ms in {count} runs)",
+    )
+    where = "device ops (XLA)" if prof.backend in ("tpu", "xla-cpu") else f"ops ({prof.backend})"
+    return f"{want!r}: {1e3 * seconds:.2f} ms in {count} runs, of {len(ranked)} {where} in a fresh capture"

@@ -5,35 +5,16 @@ count of device->host transfers."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import random
 
 import torch
 
-from labkit.lessons.exercises import Wrong, call, close, integer, number, require, todo
+from labkit.lessons.exercises import Wrong, call, close, integer, number, refusing, require, todo, xla_metric
 
 __all__ = ["check_dynamic_export", "check_int8_size", "check_kv_cache_bytes", "check_to_host"]
 
 _calls = itertools.count(1)
-
-
-@contextlib.contextmanager
-def _refusing(targets, why: str):
-    """While the learner's code runs, each (owner, attribute) in `targets` raises Wrong(why): the library function
-    that computes the answer is the measurement (or the very thing the exercise rebuilds), not the learner's work."""
-
-    def refuse(*a, **kw):
-        raise Wrong(why)
-
-    saved = [(owner, name, getattr(owner, name)) for owner, name in targets]
-    for owner, name, _ in saved:
-        setattr(owner, name, refuse)
-    try:
-        yield
-    finally:
-        for owner, name, f in saved:
-            setattr(owner, name, f)
 
 
 def _rule(model) -> int:
@@ -128,7 +109,7 @@ def check_kv_cache_bytes(kv_cache_bytes) -> str:
     for _ in range(4):
         L, H = rng.randint(1, 4), rng.choice([2, 4])
         d, T, B = H * rng.choice([8, 16]), rng.choice([24, 40, 72]), rng.randint(1, 5)
-        with _refusing(
+        with refusing(
             [(GPT, "__init__"), (GPT, "empty_cache")],
             "predict from the shapes: allocating the cache is the measurement",
         ):
@@ -146,10 +127,7 @@ def check_kv_cache_bytes(kv_cache_bytes) -> str:
 def _from_device() -> tuple[int, int]:
     """torch_xla's device->host copies in this process: (transfers, bytes), the sample count of its
     TransferFromDeviceTime metric and the total of its InboundData metric (bytes that came in to the host)."""
-    import torch_xla.debug.metrics as met
-
-    n, b = met.metric_data("TransferFromDeviceTime"), met.metric_data("InboundData")
-    return (n[0] if n else 0), int(b[1] if b else 0)
+    return xla_metric("TransferFromDeviceTime")[0], int(xla_metric("InboundData")[1])
 
 
 def check_to_host(to_host, rt) -> str:
@@ -180,7 +158,7 @@ def check_to_host(to_host, rt) -> str:
     before = _from_device() if rt.is_xla else (0, 0)
     library = [(_xla, "to_cpu"), (_xla, "cpu_tensors"), (accumulate, "to_host")]
     library += [(checkpoint_state, "to_cpu"), (checkpoint_state, "to_host")]
-    with _refusing(library, "write the copy yourself: labkit's own to_cpu/to_host is what this exercise rebuilds"):
+    with refusing(library, "write the copy yourself: labkit's own to_cpu/to_host is what this exercise rebuilds"):
         out = call(to_host, state)
     after = _from_device() if rt.is_xla else (0, 0)
     require(isinstance(out, dict), f"return a dict of tensors (name -> tensor), not a {type(out).__name__}")
