@@ -384,7 +384,7 @@ ex.check("02.params", lambda: nb02.check_gpt_params(gpt_params))
 # steps: the weight and Adam's two moments, 12 bytes; during the step its gradient adds 4 more (the loop frees
 # gradients after each step: `zero_grad(set_to_none=True)`), 16 bytes at the peak. Below, that prediction against the
 # bytes this run's model and optimizer really hold, and the same arithmetic on paper for two larger GPTs and one
-# TPU v5e chip (16 GB of HBM; activations come on top and are not counted here).
+# TPU v5e chip (16 GB of HBM; activations, in the cell after, come on top).
 
 # %%
 def state_bytes(model, opt):
@@ -412,6 +412,88 @@ for name, (L_, d_, T_, V_) in {"GPT-2 small shape": (12, 768, 1024, 50257), "1.3
     need = 16 * n
     verdict = "fits one v5e chip" if need < HBM else f"needs FSDP over at least {math.ceil(need / HBM)} chips"
     print(f"{name}: {n / 1e6:,.0f} M parameters, {need / 1e9:.1f} GB of weights + gradients + AdamW state: {verdict}")
+
+# %% [markdown]
+# **Activations, predicted then measured.** The forward pass keeps tensors for the backward pass: the *activations*,
+# which grow with the tokens in the batch, not with the parameters. Count them for labkit's GPT per token, in floats:
+# in each block, the block's input and the first LayerNorm's output (d each), q, k and v (3d), the attention's output
+# and its projection's input (d each), the second LayerNorm's input and output (d each) and the MLP's hidden layer
+# before and after GELU (4d each): **16·d per block**; after the last block the final LayerNorm's input and output
+# (2d) and the log-softmax over the vocabulary (V). So `4 · tokens · (16·L·d + 2·d + V)` bytes in float32, leaving
+# out a few floats per token (LayerNorm's mean and
+# variance, the attention's log-sum-exp per head, the token ids). Measured below with
+# `torch.autograd.graph.saved_tensors_hooks`, which sees every tensor autograd keeps, on the plain CPU (where
+# tensors have storage to measure), for two model sizes at two batch sizes.
+
+# %%
+def saved_for_backward(model, x, y):
+    """Bytes autograd keeps for the backward pass of one forward pass: every saved tensor's storage once,
+    the weights left out (they are there anyway)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in weights:
+            kept[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, y)
+    return sum(kept.values())
+
+
+def activation_bytes(L, d, V, tokens):
+    return 4 * tokens * (16 * L * d + 2 * d + V)
+
+
+for L_, d_, H_ in ((2, 64, 4), (4, 128, 8)):
+    for B_, T_ in ((2, 64), (8, 32)):
+        torch.manual_seed(0)
+        small = GPT(GPTConfig(block_size=T_, n_layer=L_, n_head=H_, n_embd=d_, dropout=0.0))
+        xb, yb = torch.randint(0, 256, (B_, T_)), torch.randint(0, 256, (B_, T_))
+        got, want = saved_for_backward(small, xb, yb), activation_bytes(L_, d_, 256, B_ * T_)
+        print(f"L={L_} d={d_}, {B_} x {T_} tokens: predicted {want / 1e6:.2f} MB, measured {got / 1e6:.2f} MB "
+              f"({got / want - 1:+.1%})")
+        assert abs(got - want) <= 0.03 * want, (L_, d_, B_, T_, got, want)  # what is left out: ~1 %
+
+# %% [markdown]
+# On XLA the compiler decides what stays in memory (it fuses and may recompute), so the saved tensors are what the
+# program *asks* to keep. One difference is visible in them: PyTorch's CPU attention is a fused kernel that keeps
+# only a log-sum-exp per head, while torch_xla's default `scaled_dot_product_attention` is matmul + softmax, which
+# keeps the attention probabilities, (B, H, T, T): **H·T more floats per token per block**, more than 16·d once
+# T > 16·d/H. Flash-attention kernels (on TPU, torch_xla's Pallas kernels) avoid that; not verified here. The cell
+# looks for that tensor on this backend, then does the arithmetic for two GPTs on a v5e chip, with it.
+# At these sizes activations, not weights, decide the verdict: besides more chips, the usual cures are a smaller
+# batch per chip, bf16 activations (half the bytes) and recomputing them in the backward pass instead of keeping
+# them (`torch.utils.checkpoint`; torch_xla has its own `checkpoint`).
+
+# %%
+if rt.is_xla:
+    shapes = []
+
+    def note(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    torch.manual_seed(0)
+    small = GPT(GPTConfig(block_size=32, n_layer=1, n_head=4, n_embd=64, dropout=0.0)).to(rt.device)
+    xb = torch.randint(0, 256, (2, 32)).to(rt.device)
+    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+        small(xb, xb)
+    print("saved by XLA's attention:", [s for s in shapes if s[-2:] == (32, 32)])
+    assert (2, 4, 32, 32) in shapes, "torch_xla's SDPA keeps the (B, H, T, T) probabilities for backward"
+else:
+    print(f"on {rt.kind} attention is a fused kernel here: the (B, H, T, T) probabilities are not kept")
+
+for name, (L_, d_, H_, T_) in {"GPT-2 small shape": (12, 768, 12, 1024), "1.3 B": (24, 2048, 16, 2048)}.items():
+    n = 50257 * d_ + T_ * d_ + L_ * (12 * d_ * d_ + 13 * d_) + 2 * d_
+    for B_ in (8, 32):
+        act = activation_bytes(L_, d_, 50257, B_ * T_) + 4 * B_ * T_ * L_ * H_ * T_  # with the attention matrix
+        need = 16 * n + act
+        verdict = "fits one v5e chip" if need < HBM else f"needs {math.ceil(need / HBM)} chips with FSDP"
+        print(f"{name}, batch {B_} x {T_}: {16 * n / 1e9:.1f} GB of state + {act / 1e9:.1f} GB of activations: "
+              f"{verdict} (v5e figures not verified here)")
 
 # %% [markdown]
 # **3. A step's time, predicted before it is measured.** Write `predict_step_s(V, T, L, d, batch, flops_per_s)`: the
