@@ -1,12 +1,13 @@
 """Which shards each replica and DataLoader worker reads: explicit node and worker splitters.
 
     from data_tools.plan import resolve_replica, split_round_robin
-    rank, world = resolve_replica()                 # torch_xla's global ordinal / world size when set up
+    rank, world = resolve_replica(*rt.data_split())   # what labkit's runtime says (make_loader(rank=, world_size=))
     mine = split_round_robin(range(64), rank, world)
 
 webdataset's default node splitter reads RANK/WORLD_SIZE, which torch_xla's launchers do not set
-(every core would read every shard), so the split is made here from labkit's runtime, which asks
-torch_xla.runtime (global_ordinal, world_size) or the SPMD process index/count.
+(every core would read every shard), so the split is made explicitly: the caller passes (rank, world_size) from
+labkit's runtime (Runtime.data_split: the replica, or the SPMD host); data_tools cannot import labkit's
+training path, so it takes the numbers, not the object. Only when none are given does it read the launchers' globals.
 """
 
 from __future__ import annotations
@@ -19,18 +20,17 @@ import braceexpand
 import torch
 
 
-def resolve_replica(rank=None, world_size=None, rt=None) -> tuple[int, int]:
-    """(rank, world_size): explicit args, else `rt` (labkit's Runtime), else torch_xla's runtime when this
-    process uses XLA, else torch.distributed, else (0, 1)."""
+def resolve_replica(rank=None, world_size=None) -> tuple[int, int]:
+    """(rank, world_size): the explicit args (labkit passes its Runtime's data_split()), else torch_xla's runtime
+    when this process uses XLA, else torch.distributed, else (0, 1)."""
     if rank is not None or world_size is not None:
         if rank is None or world_size is None:
             raise ValueError(f"pass both rank and world_size (got rank={rank}, world_size={world_size})")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
         return int(rank), int(world_size)
-    if rt is not None:  # the backend knows how its processes split the data (labkit.runtime: data_split)
-        return rt.data_split()
-    # no runtime given (data_tools used on its own): ask the launchers' globals
+    # the default, for data_tools used on its own (no numbers from labkit's runtime): the launchers' globals. This
+    # repeats what labkit.runtime's data_split knows, because data_tools may not import it (pyproject's layers)
     if "torch_xla.runtime" in sys.modules and os.environ.get("PJRT_DEVICE"):  # xmp.spawn sets no RANK
         xr = sys.modules["torch_xla.runtime"]
         if xr.is_spmd():  # one process drives every local chip: hosts are the replicas

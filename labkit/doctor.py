@@ -87,7 +87,7 @@ def torch_tpu_warnings(versions: dict) -> list[str]:
     ]
 
 
-def doctor(rt=None, *, quiet: bool = False) -> dict:
+def doctor(rt=None, *, quiet: bool = False) -> dict:  # rt optional: the doctor also runs before setup()
     """Collect versions, platform, devices and warnings; print them unless quiet.
     rt: the Runtime labkit.setup() returned (None: before setup(), the backend it would pick)."""
     versions = {
@@ -106,7 +106,7 @@ def doctor(rt=None, *, quiet: bool = False) -> dict:
             warnings.append(f"{var}={os.environ[var]} is set: {fix}")
     place = where()
     pjrt = os.environ.get("PJRT_DEVICE")
-    backend = rt.kind if rt else None
+    backend = rt.kind if rt else None  # data, not a branch: the report names the backend, tpu_warnings reads it
     if rt is None:
         try:
             backend = _device.resolve_backend()

@@ -70,9 +70,9 @@ class Trainer:
         precision: Precision | None = None,
     ):
         self.rt, self.cfg = rt, cfg or TrainConfig()
-        # labkit.precision.choose(rt, "auto" | "bf16" | "fp16" | "fp32"); None: fp32
-        self.precision = precision or choose(rt, "fp32")
-        self.scaler = self.precision.grad_scaler()  # fp16 only: a GradScaler
+        # labkit.precision.choose(rt, "auto" | "bf16" | "fp16" | "fp32"); None: fp32. Its own copy: under fp16 the
+        # loss scale (a GradScaler's) is this run's state
+        self.precision = (precision or choose(rt, "fp32")).fresh()
         self.optimizer, self.scheduler = optimizer, scheduler
         # on the device (the optimizer follows its parameters); under torchrun wrapped in DDP, which
         # averages gradients during backward, so optimizer_step is a plain step there
@@ -87,7 +87,7 @@ class Trainer:
         self.batch_in_epoch = 0  # batches of the current epoch done
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
-        self.log = StepLog(rt, self.cfg, self.scaler)  # losses summed on the device, read once per interval
+        self.log = StepLog(rt, self.cfg, self.precision)  # losses summed on the device, read once per interval
         self._stop = self._stop_after_epoch = self._save_requested = False
         self._step_offset = 0  # steps trained at another batch size before a resume (see total_steps)
         self.profiler = StepProfiler(rt)  # idle until a capture is requested: one attribute test per step
@@ -104,7 +104,7 @@ class Trainer:
 
     def backward(self, loss) -> None:
         """loss.backward(), scaled first under fp16 (the GradScaler keeps small gradients from flushing to 0)."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        self.precision.backward(loss)
 
     def train_step(self, batch):
         x, y = batch
@@ -114,7 +114,7 @@ class Trainer:
         return loss
 
     def run_optimizer(self):
-        optimizer_step(self.optimizer, self.rt, clip_norm=self.cfg.clip_norm or None, scaler=self.scaler)
+        optimizer_step(self.optimizer, self.rt, clip_norm=self.cfg.clip_norm or None, precision=self.precision)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -338,8 +338,8 @@ class Trainer:
         }
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
-        if self.scaler is not None:
-            state["scaler"] = self.scaler.state_dict()
+        if self.precision.state_dict():  # fp16: the GradScaler's loss scale
+            state["scaler"] = self.precision.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -349,8 +349,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and "scaler" in state:
-            self.scaler.load_state_dict(state["scaler"])
+        if "scaler" in state:
+            self.precision.load_state_dict(state["scaler"])
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.batch_in_epoch = resume.batches_done(state, self.global_batch())  # samples -> this run's batches
         if self.train_loader is not None:  # the step counter goes on; the epochs count samples

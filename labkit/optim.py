@@ -7,6 +7,8 @@
   gradients, then steps.
 - XLA SPMD or one device, CUDA (DDP already reduced the gradients in backward), CPU: a plain
   `optimizer.step()`.
+- Then the step as the run's labkit.precision.Precision takes it (fp32 when none is given): under fp16
+  the GradScaler unscales, the gradients are clipped, the step is taken or skipped, the scale updated.
 - Optional gradient clipping by global norm: torch.nn.utils.clip_grad_norm_, which computes the
   norm and the scale factor as tensors on the device with no `.item()`, so nothing waits for the
   device (on XLA an `.item()` here would force an execution and a device->host transfer every step;
@@ -19,9 +21,9 @@ import math
 
 import torch
 
+from labkit.precision import Precision
 
-def _params(optimizer):
-    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+FP32 = Precision("fp32", "cpu", "no precision given: a plain optimizer.step()")  # no autocast, no scaler
 
 
 def check_lr(optimizer) -> None:
@@ -57,33 +59,15 @@ def reduce_gradients(optimizer, rt) -> None:
     rt.reduce_gradients(optimizer)
 
 
-def optimizer_step(optimizer, rt, *, clip_norm: float | None = None, scaler=None):
+def optimizer_step(optimizer, rt, *, clip_norm: float | None = None, precision=None):
     """Reduce gradients across replicas where needed, clip if asked, step.
 
     Returns the pre-clip gradient norm tensor when clip_norm is set, else None.
     The reduction is the backend's (labkit.runtime): xm.reduce_gradients with several XLA replicas (what
     xm.optimizer_step does before its step), nothing under SPMD (the compiler inserted it) or DDP (done in
-    backward)."""
+    backward). The rest is the precision's (labkit.precision.Precision.step: unscale, clip, step, update)."""
     rt.reduce_gradients(optimizer)  # before clipping: the clip must see the reduced gradients
-    if clip_norm is None:
-        _step(optimizer, scaler)
-        return None
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    # torch's own: the scale factor stays a tensor (clamp(max_norm / norm, max=1)), so no .item() and no
-    # host sync as long as error_if_nonfinite stays False (its default)
-    norm = torch.nn.utils.clip_grad_norm_(_params(optimizer), clip_norm)
-    _step(optimizer, scaler)
-    return norm
-
-
-def _step(optimizer, scaler) -> None:
-    """The optimizer step, through the GradScaler when fp16 needs one (it skips steps with inf grads)."""
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
+    return (precision or FP32).step(optimizer, clip_norm)
 
 
 class WarmupCosine:

@@ -1,8 +1,11 @@
-"""Mixed precision that fits the chip: the one place that decides bf16, fp16 + loss scaling, or fp32.
+"""Mixed precision that fits the chip: the one place that decides bf16, fp16 + loss scaling, or fp32, and
+the one object that carries it out (autocast, the scaled backward, unscale/clip/step/update, the loss scale).
 
     prec = labkit.precision.choose(rt, "auto")     # or "bf16" | "fp16" | "fp32" | "true" | "false"
     trainer = labkit.Trainer(model, opt, rt, cfg, loader, precision=prec)
     peak, _ = labkit.dashboard.flops.peak_flops(rt, prec.name)
+    with prec.autocast(): loss = loss_fn(model(x), y)   # by hand, what the Trainer does:
+    prec.backward(loss); prec.step(optimizer, clip_norm=1.0)
 
 - TPU: bf16 autocast. The MXU multiplies in bf16 natively; bf16 keeps fp32's exponent range, so no
   loss scaling is needed.
@@ -17,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +36,16 @@ class Precision:
     name: str  # "bf16" | "fp16" | "fp32": what the matmuls compute in (flops.peak_flops takes it)
     device_type: str  # autocast's device type: "xla" | "cuda" | "cpu"
     reason: str
+    # fp16 only: the GradScaler this precision steps through (its loss scale is state, saved in checkpoints)
+    scaler: object = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.needs_scaler:
+            object.__setattr__(self, "scaler", torch.amp.GradScaler(self.device_type))
+
+    def fresh(self) -> Precision:
+        """The same choice with its own loss scale: a GradScaler's state belongs to one run (the Trainer's)."""
+        return dataclasses.replace(self)
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -48,8 +62,49 @@ class Precision:
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def grad_scaler(self):
-        """A fresh GradScaler for fp16, else None (bf16 and fp32 need no loss scaling)."""
-        return torch.amp.GradScaler(self.device_type) if self.needs_scaler else None
+        """This precision's GradScaler under fp16, else None (bf16 and fp32 need no loss scaling)."""
+        return self.scaler
+
+    def backward(self, loss) -> None:
+        """loss.backward(), scaled first under fp16: the GradScaler keeps small gradients from flushing to 0."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer, clip_norm: float | None = None):
+        """unscale -> clip -> step -> update. Returns the pre-clip gradient norm tensor when clip_norm is set,
+        else None. Under fp16 the GradScaler skips a step whose gradients hold inf/NaN and lowers its scale."""
+        norm = None
+        if clip_norm is not None:
+            if self.scaler is not None:  # the clip must see the true gradients, not the scaled ones
+                self.scaler.unscale_(optimizer)
+            # torch's own: the scale factor stays a tensor (clamp(max_norm / norm, max=1)), so no .item() and no
+            # host sync as long as error_if_nonfinite stays False (its default)
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+        return norm
+
+    def scale(self) -> float | None:
+        """The loss scale now, as a Python number (fp16), else None. A host read: once per fit(), not per step."""
+        return self.scaler.get_scale() if self.scaler is not None else None
+
+    def scale_tensor(self):
+        """The loss scale after the last step as a device tensor of its own (fp16), else None: no host sync.
+        A step the GradScaler skipped lowered it, so the per-step scales count skipped steps (labkit.steplog).
+        get_scale() would .item() it; _get_scale_async is torch's (checked on 2.9); the scaler updates it in
+        place, hence the copy."""
+        return self.scaler._get_scale_async().detach().clone() if self.scaler is not None else None
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the GradScaler's loss scale and counters under fp16, else {}."""
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
 
     def __str__(self) -> str:
         return f"{self.name} ({self.reason})"

@@ -16,6 +16,9 @@
 | precision_for(mode)        | fp32              | bf16 (>= 8.0) or fp16     | bf16 on TPU, fp32 on XLA:CPU     | same                     |
 | profiler                   | torch.profiler    | + CUDA activities         | torch_xla's trace                | same                     |
 | data_split()               | (rank, world)     | (rank, world)             | (replica, replicas)              | (host, hosts)            |
+| memory() / chip_name()     | None / "cpu"      | allocator / device name   | xm.get_memory_info / device kind | same                     |
+| reads_metrics / uses_ddp   | no / yes          | no / yes                  | yes (torch_xla's) / no           | same                     |
+| devices_per_process()      | 1                 | 1                         | 1                                | every addressable device |
 
 `Runtime("cuda", device, ...)` builds the class for that kind (labkit.device and labkit.torchrun do), so the kind
 string is data (shown, saved in checkpoints), never a branch: the rest of labkit calls these methods.
@@ -24,6 +27,7 @@ docs/backends.md lists each seam on every backend, TorchTPU's included (not run 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +58,12 @@ class Runtime:
     # the step is traced into a graph: optimizers keep their step counts on the device (AdamW(capturable=True)),
     # or a bias correction that rounds to 1.0 one day changes the graph (a recompile)
     capturable_optimizers = False
+    # torch_xla's counters (compiles, executions, device->host transfers) describe this backend's work: the
+    # dashboard's health panel, labkit.explain and the lessons' measurements read them only where this is True
+    reads_metrics = False
+    # several processes average gradients with DistributedDataParallel in backward (labkit.torchrun.wrap_ddp);
+    # XLA replicas reduce in optimizer_step instead, and SPMD's compiler inserts the all-reduce
+    uses_ddp = True
 
     def __new__(cls, *args, **kwargs):
         if cls is Runtime:  # Runtime("tpu", ...) -> the class of that backend
@@ -120,6 +130,20 @@ class Runtime:
     def ddp_device_ids(self):
         """device_ids for DistributedDataParallel under torchrun, or None where DDP does not apply."""
         return None
+
+    def devices_per_process(self) -> int:
+        """Devices one process feeds with each batch: one, except under SPMD (all the host's)."""
+        return 1
+
+    # -- what the dashboard asks (host-side reads: none waits for the device) -----------------------
+    def memory(self) -> dict | None:
+        """{'used': bytes, 'limit': bytes or None, 'peak': bytes or None}, or None where unknown (CPU)."""
+        return None
+
+    def chip_name(self) -> str | None:
+        """The chip's own name ('TPU v5 lite', 'v5litepod-8', 'NVIDIA H100 80GB HBM3', 'cpu'): flops looks up
+        its peak by it."""
+        return "cpu"
 
     # -- the input pipeline ---------------------------------------------------------------------
     def iterate(self, loader, host):
@@ -194,12 +218,26 @@ class CudaRuntime(Runtime):
     def device_names(self) -> list[str]:
         return [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
 
+    def memory(self) -> dict | None:
+        """torch's allocator counters: host-side, no synchronisation."""
+        idx = self.device.index or 0
+        return {
+            "used": torch.cuda.memory_allocated(idx),
+            "peak": torch.cuda.max_memory_allocated(idx),
+            "limit": torch.cuda.get_device_properties(idx).total_memory,
+        }
+
+    def chip_name(self) -> str | None:
+        return torch.cuda.get_device_name(self.device)
+
 
 class XlaRuntime(Runtime):
     """torch_xla (PJRT): lazy tensors on a TPU or on XLA:CPU; one process per chip when there are replicas."""
 
     is_xla = True
     capturable_optimizers = True
+    reads_metrics = True
+    uses_ddp = False
 
     def sync(self) -> None:
         """Cut the lazy graph here, compile it if it is new, and launch it."""
@@ -268,6 +306,30 @@ class XlaRuntime(Runtime):
 
         return [str(d) for d in xm.get_xla_supported_devices()] or [str(self.device)]
 
+    def memory(self) -> dict | None:
+        """PJRT's allocator statistics, kept on the host (TPU); XLA:CPU has none."""
+        import torch_xla.core.xla_model as xm
+
+        try:
+            info = xm.get_memory_info(self.device)
+        except (RuntimeError, AttributeError, KeyError):
+            return None  # XLA:CPU: "GetAllocatorStats is not supported"
+        used = info.get("bytes_used", info.get("kb_total", 0) - info.get("kb_free", 0))
+        return {"used": used, "limit": info.get("bytes_limit"), "peak": info.get("peak_bytes_used")}
+
+    def chip_name(self) -> str | None:
+        if self.kind != "tpu":  # the chip, not the backend: XLA:CPU runs on this machine's CPU
+            return "cpu"
+        try:  # the runtime's device kind, e.g. "TPU v4" (host-side, no device work)
+            import torch_xla.core.xla_model as xm
+
+            name = xm.xla_device_kind(self.device)
+            if name and name.strip().upper() != "TPU":
+                return name
+        except Exception:  # noqa: BLE001 - older torch_xla: fall back to the TPU VM's environment
+            pass
+        return os.environ.get("TPU_ACCELERATOR_TYPE") or "TPU (unknown version)"
+
 
 class SpmdRuntime(XlaRuntime):
     """torch_xla SPMD: one process per host drives all its chips; the compiler (GSPMD) partitions the step and
@@ -281,6 +343,11 @@ class SpmdRuntime(XlaRuntime):
         if op not in ("sum", "mean"):
             raise ValueError(f"all_reduce op must be 'sum' or 'mean', got {op!r}")
         return tensor
+
+    def devices_per_process(self) -> int:
+        import torch_xla.runtime as xr
+
+        return int(xr.addressable_runtime_device_count())  # the host's chips (CPU_NUM_DEVICES on XLA:CPU)
 
     def iterate(self, loader, host):
         # each batch is split over the devices; by default along "data" on a 1-D mesh of every device

@@ -4,7 +4,8 @@
     state = seeding.rng_state(rt)        # weights_only-safe: goes into every checkpoint
     seeding.set_rng_state(state, rt)     # dropout/augmentation draws continue exactly
 
-Runtime.manual_seed delegates here; the Trainer's state_dict captures rng_state, so a run
+Each takes the Runtime: which device generator exists is the backend's (labkit.runtime: seed_device,
+device_rng_state). Runtime.manual_seed delegates here; the Trainer's state_dict captures rng_state, so a run
 resumed from a checkpoint draws the same numbers as one that never stopped.
 """
 
@@ -16,16 +17,15 @@ import numpy as np
 import torch
 
 
-def manual_seed(seed: int, rt=None) -> None:
+def manual_seed(seed: int, rt) -> None:
     """Seed python, numpy and torch, plus the XLA generator on XLA or every CUDA device on CUDA."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    if rt is not None:
-        rt.seed_device(seed)  # the XLA or CUDA generator (labkit.runtime)
+    rt.seed_device(seed)  # the XLA or CUDA generator (labkit.runtime); nothing more on the CPU
 
 
-def rng_state(rt=None) -> dict:
+def rng_state(rt) -> dict:
     """Python, numpy, torch (+ XLA or CUDA) generator states as weights_only-safe values."""
     py = random.getstate()
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -40,21 +40,15 @@ def rng_state(rt=None) -> dict:
         },
         "torch": torch.get_rng_state(),
     }
-    if rt is not None:
-        out.update(rt.device_rng_state())  # {"xla": ...} or {"cuda": ...} (labkit.runtime)
-    elif torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
+    out.update(rt.device_rng_state())  # {"xla": ...} or {"cuda": ...} (labkit.runtime); {} on the CPU
     return out
 
 
-def set_rng_state(state: dict, rt=None) -> None:
+def set_rng_state(state: dict, rt) -> None:
     """Put back what rng_state captured (generators absent from `state` are left alone)."""
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
-    if rt is not None:
-        rt.set_device_rng_state(state)  # the generators of rt's device found in `state`
-    elif "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    rt.set_device_rng_state(state)  # the generators of rt's device found in `state`

@@ -1,6 +1,6 @@
 """The Trainer's records: losses summed on the device each step, read once per log interval in a closure.
 
-    log = StepLog(rt, cfg, scaler)
+    log = StepLog(rt, cfg, precision)
     for batch in log.timed(loader, loader):              # the feed meter: time spent waiting for each batch
         log.add(loss, rows=batch_rows * rt.world_size)   # every step: device tensors only, no host sync
     if log.due(step, total):
@@ -35,8 +35,8 @@ from labkit.accumulate import DeviceAccumulator, read, to_host
 
 
 class StepLog:
-    def __init__(self, rt, cfg, scaler=None):
-        self.rt, self.cfg, self.scaler = rt, cfg, scaler
+    def __init__(self, rt, cfg, precision=None):
+        self.rt, self.cfg, self.precision = rt, cfg, precision
         self._acc = DeviceAccumulator(rt)
         self.last_rows = None  # the last step's rows over all replicas
         self.begin_fit()
@@ -48,7 +48,7 @@ class StepLog:
         self._wait_s, self._interval_t0 = 0.0, self.t0  # the feed meter's interval: data wait, start
         self._problem, self._skips_in_a_row = None, 0
         # the scale before the first step: one read per fit() (a sync on CUDA), never per step
-        self._last_scale = self.scaler.get_scale() if self.scaler is not None else None
+        self._last_scale = self.precision.scale() if self.precision is not None else None
 
     def begin_epoch(self) -> None:
         """The rate since epoch start is timed from the last reading before the epoch (the same clock as the
@@ -82,9 +82,9 @@ class StepLog:
         extra = {}
         if isinstance(loss, dict):
             extra, loss = {k: v for k, v in loss.items() if k != "loss"}, loss["loss"]
-        if self.scaler is not None:  # the scale after this step, a device tensor (updated in place: copy it);
-            # get_scale() would .item() it: a host sync per step. _get_scale_async is torch's (checked on 2.9)
-            extra["_scale"] = self.scaler._get_scale_async().detach().clone()
+        scale = self.precision.scale_tensor() if self.precision is not None else None
+        if scale is not None:  # fp16: the loss scale after this step, a device tensor (no host sync)
+            extra["_scale"] = scale
         self._acc.add(loss=loss.detach(), **extra)
         self.last_rows = rows
         self._interval_steps += 1

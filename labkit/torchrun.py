@@ -63,6 +63,6 @@ def setup_cuda() -> Runtime:
 def wrap_ddp(model, rt):
     """The model in DistributedDataParallel under torchrun (world_size > 1 on cuda or cpu), else as is.
     DDP all-reduces (averages) gradients during backward, so the optimizer step needs no reduction."""
-    if rt.is_xla or rt.world_size <= 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    if not rt.uses_ddp or rt.world_size <= 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model  # XLA replicas reduce in optimizer_step (or GSPMD does): no DDP there
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=rt.ddp_device_ids())

@@ -9,14 +9,17 @@ import pytest
 import torch
 
 from labkit.checkpoint import CheckpointManager, check_compatible, to_cpu
+from labkit.runtime import Runtime
 from labkit.seeding import rng_state, set_rng_state
+
+CPU = Runtime("cpu", torch.device("cpu"))  # rng_state asks the backend for its device generator
 
 
 def _state(step, n=4):
     return {
         "model": {"w": torch.full((n, n), float(step)), "b": torch.arange(n, dtype=torch.float32)},
         "step": step,
-        "rng": rng_state(),
+        "rng": rng_state(CPU),
     }
 
 
@@ -51,10 +54,10 @@ def test_rng_state_roundtrip_is_weights_only_safe(tmp_path):
 
     import numpy as np
 
-    s = rng_state()
+    s = rng_state(CPU)
     torch.save(s, tmp_path / "r.pt")
     a = (random.random(), np.random.rand(), torch.rand(1))
-    set_rng_state(torch.load(tmp_path / "r.pt", weights_only=True))
+    set_rng_state(torch.load(tmp_path / "r.pt", weights_only=True), CPU)
     b = (random.random(), np.random.rand(), torch.rand(1))
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
 

@@ -12,7 +12,10 @@ import torch
 
 from labkit.checkpoint import MARKER, CheckpointManager, ShardedCheckpointManager, folder_name
 from labkit.cloud import gcs
+from labkit.runtime import Runtime
 from labkit.seeding import rng_state
+
+CPU = Runtime("cpu", torch.device("cpu"))  # rng_state asks the backend for its device generator
 
 
 class _Payload:
@@ -32,7 +35,7 @@ def _state(step):
     for p in m.parameters():  # gradients set by hand: no backward here (the autograd engine, once started on
         p.grad = torch.randn_like(p)  # the CPU before torch_xla is imported, has no queue for XLA devices)
     opt.step()
-    return {"model": m.state_dict(), "optim": opt.state_dict(), "step": step, "rng": rng_state()}
+    return {"model": m.state_dict(), "optim": opt.state_dict(), "step": step, "rng": rng_state(CPU)}
 
 
 def _same(a, b):

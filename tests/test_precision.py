@@ -76,10 +76,14 @@ def test_fp16_with_grad_scaler_in_the_trainer():
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     cfg = labkit.TrainConfig(epochs=6, log_every=4, clip_norm=1.0)
     tr = labkit.Trainer(model, opt, rt, cfg, loader, precision=prec)
-    assert tr.scaler is not None and tr.scaler.get_scale() == 65536.0
+    assert tr.precision.scaler is not None and tr.precision.scale() == 65536.0
+    assert tr.precision.scaler is not prec.scaler  # each Trainer its own loss scale
     hist = tr.fit()
     assert hist[-1]["loss"] < hist[0]["loss"] - 0.1, [h["loss"] for h in hist]
     assert "scaler" in tr.state_dict()  # the loss scale survives a checkpoint
+    again = labkit.Trainer(model, opt, rt, cfg, loader, precision=prec)
+    again.load_state_dict(tr.state_dict())
+    assert again.precision.state_dict() == tr.precision.state_dict()
     assert choose(rt, "auto").grad_scaler() is None  # fp32 needs none
 
 

@@ -67,7 +67,7 @@ class CheckpointManager:
         best_metric: str | None = "val_acc",
         mode: str = "max",
         async_save: bool = True,
-        rt=None,
+        rt=None,  # optional: None is one process (no replicas to agree with); a run with replicas passes its own
         save_every: int | None = None,
         retry_deadline_s: float = 60,
         format: str = "auto",

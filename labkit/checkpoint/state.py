@@ -22,7 +22,8 @@ from labkit.cloud import gcs
 # -- state conversion ----------------------------------------------------------------------------
 def to_cpu(state, rt=None):
     """Copy every tensor of a nested state to the CPU. On XLA all tensors go in one batched
-    transfer (what xm.save does), so saving adds no compile and one device->host copy."""
+    transfer (what xm.save does), so saving adds no compile and one device->host copy.
+    rt: not needed (each tensor's own device says how it is copied); accepted because callers pass it."""
     leaves: list = []
 
     def collect(o):

@@ -88,11 +88,13 @@ class Dashboard:
         self.world_size = rt.world_size
         if self._total_given is None:  # not given: follow the trainer (fit() may be called again)
             self.total_steps = trainer.total_steps()
-        if self.finder is not None and self._active and rt.is_xla:
+        if self.finder is not None and self._active and rt.reads_metrics:
             self.finder.start()  # stopped in on_train_end
         if self.health is None:
             self.health = HealthMonitor(
-                rt, warmup_steps=getattr(trainer.cfg, "warmup_steps", 2), finder=self.finder if rt.is_xla else None
+                rt,
+                warmup_steps=getattr(trainer.cfg, "warmup_steps", 2),
+                finder=self.finder if rt.reads_metrics else None,
             )
         else:
             self.health.resync()

@@ -88,7 +88,7 @@ def feed_of(source) -> dict | None:
     return {"data_wait_frac": frac, "data_wait_s": wait / sum(steps), "step_s": wall / sum(steps)}
 
 
-def explain(source=None, verbose: bool = True, report: str | None = None, rt=None) -> dict:
+def explain(source=None, verbose: bool = True, report: str | None = None, rt=None) -> dict:  # rt: or the source's
     """Summarise the XLA metrics of this process (or of `report`, a metrics_report() text).
 
     source: the Dashboard (or its HealthMonitor) that watched the run: then each recompilation
@@ -107,7 +107,7 @@ def explain(source=None, verbose: bool = True, report: str | None = None, rt=Non
             rt = getattr(getattr(source, "health", source), "rt", None)
         snap = xla_health.snapshot(rt)
         if snap is None:
-            where = rt.kind if rt is not None else "no labkit runtime set up"
+            where = rt.kind if rt is not None else "no labkit runtime set up"  # shown, not tested: the backend's name
             d = {
                 "xla": False,
                 "feed": feed,

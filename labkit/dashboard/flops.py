@@ -44,7 +44,7 @@ PEAKS.update(
     }
 )
 PEAK_FLOPS: dict[str, float] = {k: v.get("bf16") or v["fp16"] for k, v in PEAKS.items()}  # 16-bit peaks
-SOURCES = {"tpu": "Google Cloud TPU docs", "cuda": "NVIDIA data sheet"}
+SOURCES = {"TPU": "Google Cloud TPU docs"}  # a table key's first word -> where its figures come from
 
 # Names as the chips report themselves -> PEAK_FLOPS keys, first match wins. XLA's device kind
 # says "TPU v5 lite" for v5e, "TPU v5" for v5p, "TPU v6 lite" for v6e; TPU_ACCELERATOR_TYPE says
@@ -69,25 +69,8 @@ _cpu_peak: float | None = None
 
 
 def detect_chip(rt) -> str | None:
-    """The chip's own name: 'TPU v5 lite', 'v5litepod-8', 'NVIDIA H100 80GB HBM3', 'cpu', or None."""
-    kind = getattr(rt, "kind", None)
-    if kind == "cuda":
-        import torch
-
-        return torch.cuda.get_device_name(rt.device)
-    if kind == "tpu":
-        try:  # the runtime's device kind, e.g. "TPU v4" (host-side, no device work)
-            import torch_xla.core.xla_model as xm
-
-            name = xm.xla_device_kind(rt.device)
-            if name and name.strip().upper() != "TPU":
-                return name
-        except Exception:  # noqa: BLE001 - older torch_xla: fall back to the TPU VM's environment
-            pass
-        return os.environ.get("TPU_ACCELERATOR_TYPE") or "TPU (unknown version)"
-    if kind in ("cpu", "xla-cpu"):
-        return "cpu"
-    return None
+    """The chip's own name: 'TPU v5 lite', 'v5litepod-8', 'NVIDIA H100 80GB HBM3', 'cpu' (labkit.runtime: chip_name)."""
+    return rt.chip_name()
 
 
 def lookup(chip: str | None, dtype: str | None = None) -> tuple[str, float] | None:
@@ -144,7 +127,8 @@ def peak_flops(rt, dtype: str | None = None) -> tuple[float | None, str]:
             return None, f"{known[0]} ({chip}) has no {dtype} peak in the table (no {dtype} matrix units)"
         return None, f"unknown chip {chip!r}: no peak (set LABKIT_PEAK_FLOPS to give one)"
     key, v = found
-    return v, f"{key} ({chip}): {v / 1e12:.1f} TFLOP/s {dtype} dense, {SOURCES.get(rt.kind, 'vendor figure')}"
+    source = SOURCES.get(key.split()[0], "NVIDIA data sheet")
+    return v, f"{key} ({chip}): {v / 1e12:.1f} TFLOP/s {dtype} dense, {source}"
 
 
 def mfu(flops_per_step: float, step_time_s: float, peak: float | None) -> float | None:

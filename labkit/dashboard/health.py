@@ -42,9 +42,10 @@ def _met():
     return met
 
 
-def snapshot(rt=None) -> dict | None:
-    """Totals so far in this process, or None when not running on XLA. Host-only."""
-    if rt is not None and not rt.is_xla:
+def snapshot(rt) -> dict | None:
+    """Totals so far in this process, or None when the backend keeps no torch_xla metrics. Host-only.
+    rt None (no labkit runtime, e.g. labkit.explain() on a bare torch_xla session): whatever torch_xla counted."""
+    if rt is not None and not rt.reads_metrics:
         return None
     met = _met()
     if met is None:
@@ -61,29 +62,9 @@ def compile_count() -> int:
 
 
 def device_memory(rt) -> dict | None:
-    """{'used': bytes, 'limit': bytes or None, 'peak': bytes or None}, or None where unknown.
-
-    TPU: xm.get_memory_info (allocator statistics kept by PJRT on the host). CUDA: torch's
-    allocator counters (host-side, no synchronisation). XLA:CPU and CPU report nothing."""
-    if rt is None:
-        return None
-    try:
-        if rt.kind == "cuda":
-            idx = rt.device.index or 0
-            return {
-                "used": torch.cuda.memory_allocated(idx),
-                "peak": torch.cuda.max_memory_allocated(idx),
-                "limit": torch.cuda.get_device_properties(idx).total_memory,
-            }
-        if rt.is_xla:
-            import torch_xla.core.xla_model as xm
-
-            info = xm.get_memory_info(rt.device)
-            used = info.get("bytes_used", info.get("kb_total", 0) - info.get("kb_free", 0))
-            return {"used": used, "limit": info.get("bytes_limit"), "peak": info.get("peak_bytes_used")}
-    except (RuntimeError, AttributeError, KeyError):
-        return None  # XLA:CPU: "GetAllocatorStats is not supported"
-    return None
+    """{'used': bytes, 'limit': bytes or None, 'peak': bytes or None}, or None where unknown: the backend's
+    (labkit.runtime: memory()). TPU: xm.get_memory_info; CUDA: torch's allocator; XLA:CPU and CPU: nothing."""
+    return rt.memory()
 
 
 def shape_signature(batch) -> tuple:
@@ -150,7 +131,7 @@ class HealthMonitor:
 
     def __init__(self, rt, warmup_steps: int = 2, finder=None):
         self.rt = rt
-        self.enabled = bool(rt is not None and rt.is_xla)
+        self.enabled = bool(rt is not None and rt.reads_metrics)
         self.warmup_steps = warmup_steps
         self.finder = finder
         self.warm_shapes: Counter = Counter()  # signature -> steps seen during warm-up

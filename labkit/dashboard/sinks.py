@@ -11,14 +11,23 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from labkit.config import parse_bool
 from labkit.dashboard.controls import Controls, script_help
 from labkit.dashboard.view import html_header, summary_line
 
-if TYPE_CHECKING:
-    from labkit.dashboard.collector import Dashboard
+
+class Dashboard(Protocol):
+    """What a sink reads from the dashboard it draws for (labkit.dashboard.collector.Dashboard is one): named
+    here so that sinks need not import the collector, which imports them."""
+
+    title: str
+    controls: bool
+    every: float | None
+
+    def png_bytes(self) -> bytes: ...
+
 
 _forced: str | None = None
 _detected: str | None = None

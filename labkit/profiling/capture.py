@@ -184,7 +184,7 @@ class StepProfiler:
             n += 1
             self.folder = root / f"step{step:06d}-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
         self.remaining, self.timers, self._t = steps, [], {}
-        self.kind = self.rt.kind
+        self.kind = self.rt.kind  # data, not a branch: steps.json names the backend the trace came from
         acts = self.rt.profiler_activities()  # torch.profiler's activities; none: torch_xla's own trace
         if not acts:
             import torch_xla.debug.profiler as xp

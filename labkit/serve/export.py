@@ -192,8 +192,9 @@ def stand_in_resnet(workdir: str | os.PathLike, steps: int = 60, seed: int = 0) 
     workdir = Path(workdir)
     for split in ("train", "val"):
         write_dataset("digits", split, str(workdir / split), samples_per_shard=400)
-    train = make_loader(str(workdir / "train" / "manifest.json"), 32, train=True, seed=seed)
-    val = make_loader(str(workdir / "val" / "manifest.json"), 32, train=False, mean=train.mean, std=train.std)
+    one = {"rank": 0, "world_size": 1}  # this process alone trains the stand-in: it reads every shard
+    train = make_loader(str(workdir / "train" / "manifest.json"), 32, train=True, seed=seed, **one)
+    val = make_loader(str(workdir / "val" / "manifest.json"), 32, train=False, mean=train.mean, std=train.std, **one)
     torch.manual_seed(seed)
     model = resnet50_cifar(10, cifar_stem=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from labkit import envsetup
-from labkit.device import addressable_devices  # the SPMD switch itself lives in labkit.device
+from labkit.device import addressable_devices  # noqa: F401  (re-exported: labkit.spmd.addressable_devices)
 
 
 def make_mesh(shape: tuple[int, ...] | None = None, axis_names: tuple[str, ...] = ("data",)):
@@ -86,7 +86,8 @@ def batch_plan(rt, per_chip: int) -> BatchPlan:
     """The batch plan for a Runtime: under SPMD one process feeds all of its addressable devices."""
     if per_chip <= 0:
         raise ValueError(f"batch size per chip must be positive, got {per_chip}")
-    chips = addressable_devices() if rt.spmd else 1
+    chips = rt.devices_per_process()  # labkit.runtime: every addressable device under SPMD, else 1
+    # rt.spmd is read as data here (the plan describes how it was made), not to choose what to run
     return BatchPlan(per_chip=per_chip, chips=chips, hosts=max(1, rt.world_size), spmd=bool(rt.spmd))
 
 

@@ -24,7 +24,7 @@ def _no_gpt_building():
 _calls = itertools.count(1)
 
 
-def check_bucket(bucket, block_size: int = 256, rt=None) -> str:
+def check_bucket(bucket, block_size: int = 256, rt=None) -> str:  # rt optional: without one, the rule only
     """02.bucket: bucket(n) -> the padded length for a prompt of n bytes, so that XLA compiles few graphs:
     at least n, at most block_size, a multiple of 32, and never more than 31 bytes of padding. On XLA (`rt`), prompts
     of random lengths padded by `bucket` run through an embedding lookup and a sum, and torch_xla's compile count must
@@ -40,7 +40,7 @@ def check_bucket(bucket, block_size: int = 256, rt=None) -> str:
         require(b - n < 32, f"bucket({n}) = {b}: {b - n} bytes of padding, more work than needed")
         shapes.add(b)
     note = f"{block_size} prompt lengths -> {len(shapes)} graphs instead of {block_size}"
-    if rt is not None and rt.is_xla:
+    if rt is not None and rt.reads_metrics:  # torch_xla counts the graphs
         return note + "; " + _measure_buckets(bucket, block_size, rt)
     # eager CUDA/CPU compiles nothing per shape: there is no graph count to read, only the rule was checked
     return note + " (no XLA here: the graphs were not counted)"

@@ -59,7 +59,7 @@ def check_predict_graphs(predict_graphs, rt) -> str:
         lengths = [rng.randint(3, 30) for _ in range(rng.randint(6, 12))]
         got = integer(call(predict_graphs, list(lengths), multiple), f"predict_graphs({lengths}, {multiple})")
         padded = [multiple * math.ceil(n / multiple) for n in lengths]
-        if rt.is_xla:
+        if rt.reads_metrics:
             w = torch.randn(next(_widths), 3, device=rt.device)
             rt.sync()
             c0 = compiles()
@@ -76,7 +76,7 @@ def check_predict_graphs(predict_graphs, rt) -> str:
             raise Wrong(f"padded to multiples of {multiple}, several lengths share one padded shape")
         require(got == want, f"lengths {lengths}, multiple {multiple}: you say {got}, XLA compiled {want}")
         notes.append(f"{want} for {len(lengths)} batches (x{multiple})")
-    return ", ".join(notes) + ("" if rt.is_xla else " (not measured: no XLA here)")
+    return ", ".join(notes) + ("" if rt.reads_metrics else " (not measured: no XLA here)")
 
 
 # -- 2. predict the reads of a training loop ----------------------------------------------------------------------
@@ -111,7 +111,7 @@ def check_predict_reads(predict_reads, rt) -> str:
         log_every = rng.randint(2, 6)
         steps = log_every * rng.randint(2, 4) + rng.randint(1, log_every - 1)
         got = integer(call(predict_reads, steps, log_every), f"predict_reads({steps}, {log_every})")
-        if rt.is_xla:
+        if rt.reads_metrics:
             w = torch.randn(16, 16, device=rt.device)
             rt.sync()
             t0 = transfers()
@@ -126,7 +126,7 @@ def check_predict_reads(predict_reads, rt) -> str:
             raise Wrong(f"{steps} steps: an `if` on a device tensor is a read too, every time it runs")
         require(got == want, f"{steps} steps, log every {log_every}: you say {got}, torch_xla counted {want} transfers")
         notes.append(f"{want} for ({steps}, {log_every})")
-    return ", ".join(notes) + ("" if rt.is_xla else " (not measured: no XLA transfer counter here)")
+    return ", ".join(notes) + ("" if rt.reads_metrics else " (not measured: no XLA transfer counter here)")
 
 
 # -- 3. a branch without a branch ----------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def check_branch_free(branch_free, rt, calls: int = 6) -> str:
     g = torch.Generator().manual_seed(k)
     width = next(_widths)  # a graph of its own: the first call compiles, the others must not
     inputs = [torch.randn(4, width, generator=g) + (2.0 if i % 2 else -2.0) for i in range(calls)]
-    outs, c0, t0 = [], None, transfers() if rt.is_xla else 0
+    outs, c0, t0 = [], None, transfers() if rt.reads_metrics else 0
     with SyncFinder() as finder:
         for i, x in enumerate(inputs):
             h = rt.to_device(x)
@@ -157,10 +157,10 @@ def check_branch_free(branch_free, rt, calls: int = 6) -> str:
             require(torch.is_tensor(out), f"return a tensor, got {type(out).__name__}")
             require(out.device.type == rt.device.type, f"the result is on {out.device}: keep it on {rt.device}")
             rt.sync()
-            if i == 0 and rt.is_xla:
+            if i == 0 and rt.reads_metrics:
                 c0 = compiles()
             outs.append(out)
-        reads = max(sum(finder.total.values()), transfers() - t0 if rt.is_xla else 0)
+        reads = max(sum(finder.total.values()), transfers() - t0 if rt.reads_metrics else 0)
     extra = compiles() - c0 if c0 is not None else 0
     lines = "; ".join(f"{n}x {s}" for s, n in finder.total.most_common(2)) or "torch_xla's transfer count"
     require(reads == 0, f"{reads} device->host reads in {calls} calls ({lines}): the branch still reads the device")
@@ -170,7 +170,7 @@ def check_branch_free(branch_free, rt, calls: int = 6) -> str:
             tuple(out.shape) == tuple(x.shape) and bool(torch.allclose(out.cpu(), reference_branchy(x), atol=1e-5)),
             "the values differ from the branch's on some input",
         )
-    if not rt.is_xla:
+    if not rt.reads_metrics:
         return f"{calls} inputs of both signs: the values are right (reads and graphs not measured: no XLA here)"
     return f"{calls} inputs of both signs: one graph, no read"
 

@@ -155,12 +155,12 @@ def check_to_host(to_host, rt) -> str:
             p.normal_()
     state = model.to(rt.device).state_dict()  # the tensors a training run holds on its device
     rt.sync()  # the upload and any pending work done: what is counted below is the learner's copy alone
-    before = _from_device() if rt.is_xla else (0, 0)
+    before = _from_device() if rt.reads_metrics else (0, 0)
     library = [(_xla, "to_cpu"), (_xla, "cpu_tensors"), (accumulate, "to_host")]
     library += [(checkpoint_state, "to_cpu"), (checkpoint_state, "to_host")]
     with refusing(library, "write the copy yourself: labkit's own to_cpu/to_host is what this exercise rebuilds"):
         out = call(to_host, state)
-    after = _from_device() if rt.is_xla else (0, 0)
+    after = _from_device() if rt.reads_metrics else (0, 0)
     require(isinstance(out, dict), f"return a dict of tensors (name -> tensor), not a {type(out).__name__}")
     require(all(type(n) is str for n in out), "the keys must be the state's names (strings)")
     missing, extra = sorted(set(state) - set(out)), sorted(set(out) - set(state))
@@ -175,10 +175,10 @@ def check_to_host(to_host, rt) -> str:
         )
     # the checker's own reference copy, after the counts were read
     tensors = list(state.values())
-    want = dict(zip(state, _xla.to_cpu(tensors) if rt.is_xla else [t.detach().cpu() for t in tensors]))
+    want = dict(zip(state, accumulate.to_host(tensors)))  # the batched copy on XLA, .cpu() elsewhere
     for name in state:
         require(bool(torch.equal(out[name], want[name])), f"{name}: values differ from the device's")
-    if not rt.is_xla:
+    if not rt.reads_metrics:
         where = "the model was already on the host" if rt.device.type == "cpu" else f"on {rt.device.type}"
         return f"right names, shapes and values ({where}; no XLA device here: the transfers were not counted)"
     n, nbytes = after[0] - before[0], after[1] - before[1]

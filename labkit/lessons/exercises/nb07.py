@@ -55,7 +55,7 @@ def check_fixed_step(fixed_step, rt, steps: int = 8) -> str:
         abs(got["accuracy"] - want["accuracy"]) < 1e-6,
         f"accuracy {got['accuracy']:.4f}, want {want['accuracy']:.4f}: count correct labelled rows only",
     )
-    if rt.is_xla:
+    if rt.reads_metrics:
         require(not got["fallbacks"], f"CPU fallbacks after warm-up: {got['fallbacks']} (a boolean index?)")
         require(
             got["compiles_after_warmup"] == 0,
