@@ -216,6 +216,17 @@ class GCSStore(_Staging):
         except exceptions.NotFound:
             raise FileNotFoundError(f"{self.url(name)} does not exist (deleted from the bucket?)") from None
 
+    def open(self, name):
+        """A streaming read of the object (8 MiB ranges). One metadata read first (the reader itself would only
+        find a missing object at the first read, as the client's NotFound): FileNotFoundError here instead."""
+        from google.api_core import exceptions
+
+        try:
+            gcs.blob(self.url(name)).reload(retry=self._retry())
+            return gcs.open_read(self.url(name))
+        except exceptions.NotFound:
+            raise FileNotFoundError(f"{self.url(name)} does not exist (deleted from the bucket?)") from None
+
     def list(self, prefix: str = "") -> list[str]:
         blobs = gcs.client().list_blobs(self.bucket, prefix=self.prefix + prefix, retry=self._retry())
         return sorted(n for n in (b.name[len(self.prefix) :] for b in blobs) if n != LOCK)

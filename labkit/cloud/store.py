@@ -6,8 +6,8 @@
     store.put_if_absent("ckpt-00000100.pt", tmp_path, crc32c_b64)   # create-only; FileExistsError if taken
     store.list("step-"), store.get(name), store.put("latest", b"...")  # put: overwrite, meant (the pointer)
 
-Both stores: list(prefix) / get(name) / put_if_absent(name, path_or_bytes, crc) / put(name, ...) /
-delete(name) / url(name) / local_path(name), the writer lock (acquire_writer / check_writer / release_writer), the
+Both stores: labkit.cloud.protocol.ObjectStore (list / get / open / put_if_absent / put / delete / url), and
+local_path(name), the writer lock (acquire_writer / check_writer / release_writer), the
 `latest` pointer (read_pointer / write_pointer) and staging (temp_file / temp_dir / space_left).
 Names are relative, "/" between folders. A path given to put* is moved in (local) or uploaded (gs://).
 
@@ -210,8 +210,11 @@ class LocalStore(_Staging):
         os.replace(self._staged(name, src), dst)
 
     def get(self, name) -> bytes:
-        with open(self.url(name), "rb") as f:
+        with self.open(name) as f:
             return f.read()
+
+    def open(self, name):
+        return open(self.url(name), "rb")  # noqa: SIM115 -- the caller closes it (a context manager)
 
     def list(self, prefix: str = "") -> list[str]:
         out = []
