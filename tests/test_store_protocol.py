@@ -7,6 +7,7 @@ import pytest
 
 from data_tools.url_store import URLStore
 from labkit.cloud import GCSStore, LocalStore, ObjectStore, ReadStore, open_store
+from labkit.cloud.protocol import VersionConflict, VersionedStore
 
 
 def _stores(tmp_path, gcs_bucket):
@@ -38,6 +39,18 @@ def test_writable_store_follows_the_protocol(where, tmp_path, gcs_bucket):
         with store.open("a/ckpt-00000001.pt") as f:
             f.read()
     assert store.url("x").endswith("run/x")
+
+
+def test_gs_replaces_a_versioned_object_only_at_the_version_read(tmp_path, gcs_bucket):
+    for store in _stores(tmp_path, gcs_bucket):
+        assert isinstance(store, VersionedStore)
+        assert store.get_versioned("latest")[0] is None
+    store = _stores(tmp_path, gcs_bucket)[1]
+    _, v0 = store.get_versioned("latest")
+    v1 = store.put_if_version("latest", b"{}", v0)
+    with pytest.raises(VersionConflict):
+        store.put_if_version("latest", b"{}", v0)  # another writer read v0 too: its write fails
+    assert store.get_versioned("latest") == (b"{}", v1)
 
 
 def test_open_store_picks_the_implementation(tmp_path, gcs_bucket):

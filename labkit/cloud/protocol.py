@@ -59,4 +59,21 @@ class ObjectStore(ReadStore, Protocol):
         ...
 
 
-__all__ = ["ObjectStore", "ReadStore", "Source"]
+class VersionConflict(RuntimeError):
+    """put_if_version found another version than the one it was told to replace."""
+
+
+@runtime_checkable
+class VersionedStore(ObjectStore, Protocol):
+    """An object replaced only if unchanged since it was read (the checkpoint `latest` pointer)."""
+
+    def get_versioned(self, name: str) -> tuple[bytes | None, object]:
+        """(bytes or None when there is none, the version to pass to put_if_version)."""
+        ...
+
+    def put_if_version(self, name: str, data: bytes, version: object) -> object:
+        """Replace `name` only if it is still at `version` (VersionConflict otherwise); the new version."""
+        ...
+
+
+__all__ = ["ObjectStore", "ReadStore", "Source", "VersionConflict", "VersionedStore"]
