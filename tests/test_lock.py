@@ -65,7 +65,7 @@ def test_a_writer_whose_lock_is_taken_mid_save_commits_nothing_more(gcs_bucket, 
     if point == "before the upload":
         old.writer.on_stage = take_over
     else:  # wrap the store call after which the other run takes over
-        name = "put_if_absent" if point == "after the upload" else "write_pointer"
+        name = "put_if_absent" if point == "after the upload" else "put_if_version"  # the pointer's write
         real = getattr(old.store, name)
 
         def then_take_over(*a, **k):

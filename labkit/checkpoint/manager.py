@@ -43,19 +43,17 @@ import warnings
 import torch
 
 from labkit.checkpoint import runs, safe_load
+from labkit.checkpoint.pointer import NAME as _NAME
+from labkit.checkpoint.pointer import Pointer, object_name
+from labkit.checkpoint.pointer import step_of as _step_of
 from labkit.checkpoint.sharded import ShardedCheckpointManager, folder_name, is_sharded
 from labkit.checkpoint.state import ReadFailed, check_compatible, refuse_nonfinite, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
 from labkit.checkpoint.state import read as read_checked
 from labkit.checkpoint.writer import BackgroundWriter, no_space
 from labkit.cloud import gcs, open_store
-from labkit.cloud.store import NAME as _NAME
 
 # "auto": one file, or DCP shards (labkit.checkpoint.sharded) when any tensor of the state is split over devices
 FORMATS = ("auto", "file", "sharded")
-
-
-def object_name(step: int) -> str:
-    return f"ckpt-{int(step):08d}.pt"
 
 
 # -- the manager ----------------------------------------------------------------------------------
@@ -84,12 +82,13 @@ class CheckpointManager:
         self.async_save, self.save_every, self.format = async_save, save_every, format
         self.rt = rt
         self.store = open_store(self.root, retry_deadline_s)
+        self.pointer = Pointer(self.store)  # `latest`: which object is newest, the best, the kept crc32c
         # one background writer for both formats: one pending save, one place its error surfaces
         self.writer = BackgroundWriter("checkpoint", self.root, async_save)
         # where sharded states go: same root, same store (so the same writer lock), the decisions stay here
         self._sharded = ShardedCheckpointManager(self.root, keep=keep, store=self.store, writer=self.writer)
         self.restored: dict | None = None  # the pointer / commit record of what restore() last returned
-        ptr = self.store.read_pointer()  # every replica: the same best value -> the same save decisions
+        ptr = self.pointer.read()  # every replica: the same best value -> the same save decisions
         best = ptr.get("best") if ptr else None
         self.best = best if isinstance(best, dict) and "value" in best else None  # step, name, value, metric, mode
         self._objects = dict(ptr.get("objects") or {}) if ptr else {}  # name -> crc32c of kept objects
@@ -168,7 +167,8 @@ class CheckpointManager:
         if not self._continues:  # a new run in an old run's folder: refused before it mixes the two
             newest = max([_step_of(n) for n in self._names()] + self._sharded.committed_steps(), default=None)
             runs.refuse_older_step(self.root, step, newest)
-            self._continues = self._sharded._continues = True
+            self._continues = True
+            self._sharded.continue_run()
         if self._master:
             self.store.acquire_writer(takeover=self.restored is not None)  # a second writer fails here, before any work
         if self._sharded_format(state):
@@ -229,7 +229,7 @@ class CheckpointManager:
         objects = {n: c for n, c in self._objects.items() if n in kept}
         objects[name] = crc
         self.store.check_writer()  # the commit point: only while the lock is still ours
-        self.store.write_pointer(
+        self.pointer.write(
             {
                 "name": name,
                 "step": int(step),
@@ -264,7 +264,7 @@ class CheckpointManager:
         first's. Ours (saved or restored by this manager) may be replaced."""
         if name in self._mine or (self.restored or {}).get("name") == name:
             return
-        ptr = self.store.read_pointer(track=False) or {}
+        ptr = self.pointer.read(track=False) or {}
         if name == ptr.get("name") or name in (ptr.get("objects") or {}):
             raise RuntimeError(
                 f"{self.store.url(name)} is a checkpoint another run committed (step {step}); this run does not "
@@ -301,8 +301,9 @@ class CheckpointManager:
         for) is read through DCP: into `into`, in place (its tensors keep their device and sharding:
         any mesh, or none) and `into` is returned; without `into`, into new full CPU tensors."""
         self.wait()
-        self._continues = self._sharded._continues = True  # a run that restored may save any step
-        ptr, names = self.store.read_pointer(), self._names()
+        self._continues = True  # a run that restored may save any step
+        self._sharded.continue_run()
+        ptr, names = self.pointer.read(), self._names()
         sharded = self._sharded.steps()
         newest_file = max([_step_of(n) for n in names] + ([int(ptr["step"])] if ptr else []), default=-1)
         if sharded and (step in sharded or (step is None and sharded[-1] > newest_file)):
@@ -347,12 +348,8 @@ class CheckpointManager:
     def latest(self) -> dict | None:
         """The pointer of the newest single-file checkpoint, or the commit record of the newest sharded
         one when that is newer (both carry step and metrics)."""
-        ptr = self.store.read_pointer()
+        ptr = self.pointer.read()
         rec = self._sharded.latest()
         if rec is not None and (ptr is None or rec["step"] > ptr["step"]):
             return rec
         return ptr
-
-
-def _step_of(name: str) -> int:
-    return int(_NAME.match(name).group(1))

@@ -96,6 +96,11 @@ class ShardedCheckpointManager:
         self._continues = False  # restored, or saved above the folder's newest step (labkit.checkpoint.runs)
         self._mine: set[int] = set()  # steps this manager committed: its own to replace
 
+    def continue_run(self) -> None:
+        """This run restored, or passed the refuse-older-step rule already (CheckpointManager's check covers
+        both formats): it may save any step from now on."""
+        self._continues = True
+
     # -- listing ------------------------------------------------------------------------------------
     def _url(self, *parts) -> str:
         return self.store.url("/".join(parts))

@@ -1,5 +1,5 @@
 """A gs:// prefix as a checkpoint store: verified uploads with bounded retries, create-only objects, a
-writer lock object with a lease, and a conditional `latest` pointer. The interface and the local folder are
+writer lock object with a lease, and conditional replacement (the checkpoint `latest` pointer). The interface and the local folder are
 labkit.cloud.store; labkit.cloud.open_store picks one.
 
     store = GCSStore("gs://bucket/run", retry_deadline_s=60)
@@ -14,7 +14,8 @@ import time
 import warnings
 
 from labkit.cloud import gcs
-from labkit.cloud.store import LOCK, _holder, _pid_alive, _Staging, _sweep, parse_pointer
+from labkit.cloud.protocol import VersionConflict
+from labkit.cloud.store import LOCK, _holder, _pid_alive, _Staging, _sweep
 
 # A gs:// lock not renewed for this long (on the server's clock) is taken over: its writer is gone (a preempted
 # VM has a new host name, so "is its pid alive" cannot be asked). The holder renews it at most once a minute at
@@ -24,14 +25,13 @@ LEASE_S = 15 * 60
 
 class GCSStore(_Staging):
     """gs://bucket/prefix: verified uploads with bounded retries, create-only objects, a lock object,
-    and a conditional pointer (if_generation_match: the generation last read, 0 to create)."""
+    and conditional replacement (if_generation_match: the generation last read, 0 to create)."""
 
     def __init__(self, root, retry_deadline_s):
         gcs.ensure_bucket(root)  # missing bucket: FileNotFoundError now, not at the first save
         self.root = root.rstrip("/")
         self.bucket, self.prefix = gcs.parse_url(self.root + "/")
         self.retry_deadline_s = retry_deadline_s
-        self.generation = None  # of `latest` as last read or written; 0: create only
         self._lock: dict | None = None  # our lock object's body while we hold it
         self._tmp = os.path.join(tempfile.gettempdir(), "labkit-ckpt")
         os.makedirs(self._tmp, exist_ok=True)
@@ -216,6 +216,17 @@ class GCSStore(_Staging):
         except exceptions.NotFound:
             raise FileNotFoundError(f"{self.url(name)} does not exist (deleted from the bucket?)") from None
 
+    def open(self, name):
+        """A streaming read of the object (8 MiB ranges). One metadata read first (the reader itself would only
+        find a missing object at the first read, as the client's NotFound): FileNotFoundError here instead."""
+        from google.api_core import exceptions
+
+        try:
+            gcs.blob(self.url(name)).reload(retry=self._retry())
+            return gcs.open_read(self.url(name))
+        except exceptions.NotFound:
+            raise FileNotFoundError(f"{self.url(name)} does not exist (deleted from the bucket?)") from None
+
     def list(self, prefix: str = "") -> list[str]:
         blobs = gcs.client().list_blobs(self.bucket, prefix=self.prefix + prefix, retry=self._retry())
         return sorted(n for n in (b.name[len(self.prefix) :] for b in blobs) if n != LOCK)
@@ -228,37 +239,25 @@ class GCSStore(_Staging):
         except exceptions.NotFound:
             pass
 
-    # -- the pointer --------------------------------------------------------------------------------
-    def read_pointer(self, track: bool = True):
-        """The `latest` pointer, or None. track=True: its generation becomes the one our next pointer write
-        must replace; False (a look only) leaves that alone, so a pointer moved meanwhile still fails it."""
+    # -- a versioned object (the checkpoint pointer: labkit.checkpoint.pointer) --------------------------------
+    def get_versioned(self, name):
+        """(bytes or None, generation; 0 when there is none: the next put_if_version then creates only)."""
         from google.api_core import exceptions
 
-        b = gcs.blob(self.url("latest"))
+        b = gcs.blob(self.url(name))
         try:
             data = b.download_as_bytes(retry=self._retry())
         except exceptions.NotFound:
-            if track:
-                self.generation = 0
-            return None
-        if track:
-            self.generation = b.generation  # even for a garbage pointer: our next write replaces exactly it
-        return parse_pointer(data, self.url("latest"))
+            return None, 0
+        return data, b.generation
 
-    def write_pointer(self, data: dict):
+    def put_if_version(self, name, data, version):
         from google.api_core import exceptions
 
-        if self.generation is None:
-            self.read_pointer()
-        b = gcs.blob(self.url("latest"))
+        b = gcs.blob(self.url(name))
         try:
             # no retry: a retried conditional write could report a 412 for our own first success
-            b.upload_from_string(
-                json.dumps(data), content_type="application/json", if_generation_match=self.generation, retry=None
-            )
+            b.upload_from_string(data, content_type="application/json", if_generation_match=version, retry=None)
         except exceptions.PreconditionFailed:
-            raise RuntimeError(
-                f"{self.url('latest')} was moved by another writer (expected generation "
-                f"{self.generation}); two runs are saving to the same prefix"
-            ) from None
-        self.generation = b.generation
+            raise VersionConflict(f"{self.url(name)}: not at generation {version}") from None
+        return b.generation

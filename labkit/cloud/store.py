@@ -4,11 +4,11 @@
     store.acquire_writer()                           # one writer per root, before the first byte
     store.check_writer()                             # before each commit point: still ours, else RuntimeError
     store.put_if_absent("ckpt-00000100.pt", tmp_path, crc32c_b64)   # create-only; FileExistsError if taken
-    store.list("step-"), store.get(name), store.put("latest", b"...")  # put: overwrite, meant (the pointer)
+    store.list("step-"), store.get(name), store.put("manifest.json", b"...")  # put: overwrite, meant
 
-Both stores: list(prefix) / get(name) / put_if_absent(name, path_or_bytes, crc) / put(name, ...) /
-delete(name) / url(name) / local_path(name), the writer lock (acquire_writer / check_writer / release_writer), the
-`latest` pointer (read_pointer / write_pointer) and staging (temp_file / temp_dir / space_left).
+Both stores: labkit.cloud.protocol.VersionedStore (list / get / open / put_if_absent / put / delete / url, and
+get_versioned / put_if_version, which labkit.checkpoint.pointer keeps `latest` with), local_path(name), the writer
+lock (acquire_writer / check_writer / release_writer) and staging (temp_file / temp_dir / space_left).
 Names are relative, "/" between folders. A path given to put* is moved in (local) or uploaded (gs://).
 
 One writer per root. A folder: an flock on ROOT/.writer.lock (dropped by the kernel when the process
@@ -28,34 +28,15 @@ only by the lock holder), so opening a store never breaks another process's save
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import socket
 import tempfile
 import uuid
-import warnings
 
-NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
 LOCK = ".writer.lock"
 _TEMP = re.compile(r"^\..+\.(\d+)\.[^./]*\.tmp$")  # `.NAME.PID.RANDOM.tmp`: a file or a staging folder
-
-
-def parse_pointer(data: bytes, where: str):
-    """The `latest` JSON as a dict, or None (with a warning naming the file) when it is empty,
-    garbage, or not a pointer: the manager then falls back to the newest verified object."""
-    try:
-        ptr = json.loads(data)
-        if isinstance(ptr, dict) and NAME.match(str(ptr.get("name"))) and isinstance(ptr.get("step"), int):
-            return ptr
-        why = f"not a checkpoint pointer: {str(ptr)[:80]!r}"
-    except (ValueError, UnicodeDecodeError) as e:
-        why = f"{type(e).__name__}: {e}"
-    warnings.warn(
-        f"{where} is unreadable ({why}); ignoring it and falling back to the newest verified checkpoint", stacklevel=2
-    )
-    return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -136,7 +117,6 @@ class LocalStore(_Staging):
     def __init__(self, root):
         self.root = self._tmp = str(root)
         os.makedirs(self.root, exist_ok=True)
-        self.generation = None
         self._lock_fd = None
 
     def url(self, name):
@@ -210,8 +190,11 @@ class LocalStore(_Staging):
         os.replace(self._staged(name, src), dst)
 
     def get(self, name) -> bytes:
-        with open(self.url(name), "rb") as f:
+        with self.open(name) as f:
             return f.read()
+
+    def open(self, name):
+        return open(self.url(name), "rb")  # noqa: SIM115 -- the caller closes it (a context manager)
 
     def list(self, prefix: str = "") -> list[str]:
         out = []
@@ -234,12 +217,12 @@ class LocalStore(_Staging):
                 break
             parent = os.path.dirname(parent)
 
-    def read_pointer(self, track: bool = True):  # track: see GCSStore's
+    def get_versioned(self, name):
+        """Versions are not compared in a folder: its flock keeps every other writer out (version None)."""
         try:
-            data = self.get("latest")
+            return self.get(name), None
         except FileNotFoundError:
-            return None
-        return parse_pointer(data, self.url("latest"))
+            return None, None
 
-    def write_pointer(self, data: dict):
-        self.put("latest", json.dumps(data).encode())
+    def put_if_version(self, name, data, version):
+        self.put(name, data)
