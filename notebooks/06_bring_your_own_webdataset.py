@@ -286,6 +286,12 @@ for workers in (0, 2):
 assert runs[0]["data_wait_frac"] >= INPUT_BOUND, "one loader several times slower than the step: input-bound"
 
 # %% [markdown]
+# Two workers may look almost fine here. In a short run the loader's queues (two batches per worker, and
+# DeviceLoader's own) fill while the first step compiles, and 20 steps barely drain them. A longer run shows the
+# deficit: in a 40-step run on this machine, 2 workers waited 50–80 % of every interval after the first, 4 about
+# half, 8 almost never. The exception was each epoch's start: the DataLoader starts its worker processes anew
+# (`persistent_workers=False` is PyTorch's default), and the chip waited about half a second.
+#
 # **3. How many workers?** One worker builds a batch in `sample_s × batch_size` seconds, one sample after another.
 # Write `workers_needed(sample_s, batch_size, step_s)`: the fewest workers that, side by side, deliver a batch every
 # `step_s` seconds (at least 1).
