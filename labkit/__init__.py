@@ -41,6 +41,7 @@ _HOMES = {
     "warmup_cosine": "labkit.optim",
     "Precision": "labkit.precision",
     "manual_seed": "labkit.seeding",
+    "scratch": "labkit.scratch_dirs",
 }
 MODULES = ("compile_cache", "precision")  # modules reached as labkit.compile_cache, labkit.precision
 WINGS = ("checkpoint", "cloud", "dashboard", "lessons", "models", "profiling", "serve", "spmd")
@@ -84,6 +85,7 @@ __all__ = [
     "manual_seed",
     "optimizer_step",
     "precision",
+    "scratch",
     "setup",
     "warmup_cosine",
     *WINGS,

@@ -85,6 +85,7 @@ class Params:
 HLO_DIR = os.path.join(tempfile.gettempdir(), f"labkit-hlo-{os.getpid()}")   # XLA writes its compiled graphs here
 try:
     import labkit
+    HLO_DIR = labkit.scratch("hlo")   # a fresh folder; the dumps of earlier runs are removed
     P = labkit.from_env(Params)
     print(labkit.spmd.practice_devices(8, HLO_DIR))   # before torch_xla starts
 except (ImportError, AttributeError):  # first run: the set-up cell installs labkit and reads them again
@@ -637,7 +638,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from labkit.checkpoint import CheckpointManager
 from labkit.checkpoint import folder_name, is_sharded
 
-CKPT = P.checkpoint_dir or tempfile.mkdtemp(prefix="labkit-sharded-")
+CKPT = P.checkpoint_dir or labkit.scratch("sharded")
 fsdp, dp = results["fsdp"], results["data"]
 state = {"model": fsdp.model.state_dict(), "optimizer": fsdp.optimizer.state_dict()}
 assert is_sharded(state), "FSDP's weights and AdamW moments are split over the devices"

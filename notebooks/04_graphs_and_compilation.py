@@ -189,12 +189,10 @@ if XLA:
 # kernel holds the chips. This kernel's own cache on a TPU is shown under the table.)
 
 # %%
-import tempfile
-
 compile_cache = labkit.compile_cache
 
 if XLA:
-    folder = os.path.join(tempfile.mkdtemp(), "xla-cache")
+    folder = os.path.join(labkit.scratch("04"), "xla-cache")
     cold = labkit.lessons.first_step_in_child(folder, "mlp", "xla-cpu")
     warm = labkit.lessons.first_step_in_child(folder, "mlp", "xla-cpu")
     for name, r in (("cold", cold), ("warm", warm)):

@@ -157,8 +157,6 @@ ART = export.artifacts_dir()
 RESNET = P.resnet_checkpoint or str(ART / "resnet50_cifar.pt")
 STAND_IN = not os.path.exists(RESNET)
 if STAND_IN:
-    import tempfile
-
     from data_tools import make_loader, write_dataset
 
     print("!" * 100)
@@ -166,7 +164,7 @@ if STAND_IN:
     print("!!! Training a STAND-IN here (ResNet-50, ImageNet stem, 60 CPU steps on digits): the figures below")
     print("!!! are then about this stand-in, not about the model notebook 01 trains.")
     print("!" * 100)
-    tmp = tempfile.mkdtemp(prefix="labkit-05-")
+    tmp = labkit.scratch("05")  # a fresh folder; earlier runs' folders are removed (labkit.scratch)
     for split in ("train", "val"):
         write_dataset("digits", split, f"{tmp}/{split}", samples_per_shard=400)
     tl = make_loader(f"{tmp}/train/manifest.json", 32, train=True, seed=P.seed)

@@ -113,7 +113,7 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 # this works offline. `sample_photos` cuts them into many crops of 160–427 px a side; the label says which photo.
 
 # %%
-import io, math, tempfile
+import io, math
 
 import torch
 from PIL import Image
@@ -160,7 +160,7 @@ ex.check("06.to_sample", lambda: nb06.check_to_sample(to_sample))
 
 # %%
 write = to_sample if ex.results.get("06.to_sample") else nb06.reference_sample
-folder = tempfile.mkdtemp(prefix="photos-")
+folder = labkit.scratch("photos")  # a fresh folder; earlier runs' folders are removed
 urls = nb06.write_reference(folder, images, labels, CLASSES, to_sample=write, per_shard=P.per_shard)
 mb = sum(os.path.getsize(u) for u in urls) / 1e6
 print("writer:", "yours" if write is to_sample else "the reference", f"| {len(urls)} shards, {mb:.1f} MB")

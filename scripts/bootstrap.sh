@@ -11,10 +11,21 @@ fi
 stamp=.venv/.labkit-installed
 want=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "[bootstrap] installing pinned requirements into .venv (first time: ~2 min, ~7.5 GB)" >&2
+  # The venv takes ~8.5 GB (torch 2.9's CUDA wheels, which torch_xla on PyPI needs): refuse early, by name,
+  # where pip would stop half-way with "No space left on device".
+  need_gb=${LABKIT_VENV_GB:-9}
+  free_gb=$(df -Pk .venv | awk 'NR == 2 { printf "%d", $4 / 1048576 }')
+  if ! compgen -G ".venv/lib/python3*/site-packages/torch" > /dev/null && [ "$free_gb" -lt "$need_gb" ]; then
+    echo "[bootstrap] not enough disk for .venv: $free_gb GB free on $(df -P .venv | awk 'NR == 2 {print $6}')," \
+      "the pinned venv needs about $need_gb GB (make test builds the simulated images in .venvs/ too: ~17 GB more)." \
+      "Free some space, or set LABKIT_VENV_GB to try anyway." >&2
+    exit 1
+  fi
+  echo "[bootstrap] installing pinned requirements into .venv (first time: ~2 min, ~8.5 GB)" >&2
   start=$(date +%s)
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -r requirements.txt
+  # --no-cache-dir: pip would also keep a second copy of every wheel (~3.5 GB) in ~/.cache/pip
+  .venv/bin/python -m pip install --quiet --no-cache-dir --upgrade pip
+  .venv/bin/python -m pip install --quiet --no-cache-dir -r requirements.txt
   .venv/bin/python -m pip install --quiet --no-deps -e . > .venv/labkit-editable.log 2>&1 || { cat .venv/labkit-editable.log >&2; exit 1; }
   .venv/bin/python -c "import labkit, data_tools" || { echo "[bootstrap] editable install of labkit failed" >&2; exit 1; }
   echo "$want" > "$stamp"

@@ -240,6 +240,21 @@ def _lock():
         yield
 
 
+# GB a new venv takes (torch's wheels and what they pin), measured here with `make images --du`; a build is refused
+# below it, by name, rather than failing half-way in uv with "No space left on device"
+NEEDS_GB = {"colab-tpu": 7.5, "colab-gpu": 5.0, "kaggle-tpu": 4.0}
+
+
+def check_disk(name: str, gb: float) -> None:
+    """Raise, naming the folder and the figures, when the disk holding .venvs/ has less than `gb` free."""
+    free = shutil.disk_usage(VENVS).free / 1e9
+    if free < gb:
+        raise RuntimeError(
+            f"not enough disk to build the {name} venv in {VENVS}: {free:.1f} GB free, it needs about "
+            f"{gb:.1f} GB (uv's cache {CACHE} shares files with it by hardlinks). Free some space."
+        )
+
+
 def build(img: Image, *, log=print) -> dict:
     """Create or reuse img.venv with exactly the pinned packages; returns what it did and how long it took."""
     t0 = time.perf_counter()
@@ -252,6 +267,7 @@ def build(img: Image, *, log=print) -> dict:
             log(f"[image_venv] {img.name}: building {img.venv} with Python {img.python} from {img.pin_file.name}")
             if img.venv.exists():
                 shutil.rmtree(img.venv)
+            check_disk(img.name, NEEDS_GB.get(img.name, 5.0))
             _run([*uv(), "venv", "--quiet", "--python", find_python(img.python), str(img.venv)])
             _run([*uv(), "pip", "install", "--quiet", "--python", str(img.python_bin), "-r", str(img.pin_file)])
             if img.colab:

@@ -10,6 +10,15 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("LABKIT_CONSOLE", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# labkit.scratch() folders of the notebooks and tests run here (and in their kernels): one folder, removed at exit
+if "LABKIT_SCRATCH" not in os.environ:
+    os.environ["LABKIT_SCRATCH"] = tempfile.mkdtemp(prefix="labkit-test-scratch-")
+    atexit.register(shutil.rmtree, os.environ["LABKIT_SCRATCH"], True)
+
 import uuid
 
 import pytest

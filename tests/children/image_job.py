@@ -151,6 +151,7 @@ def image_run(name: str) -> dict:
     jupyter_dir = tmp / "jupyter"
     os.environ["JUPYTER_PATH"] = str(jupyter_dir)  # the driver finds the image's kernelspec here
     kernel = write_kernelspec(img, jupyter_dir)
+    os.environ["LABKIT_SCRATCH"] = str(tmp / "scratch")  # the notebooks' labkit.scratch() folders, removed below
     out_dir = ROOT / "artifacts" / "images" / name
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)

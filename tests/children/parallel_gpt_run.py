@@ -1,13 +1,16 @@
 """Run in a subprocess (SPMD and the HLO dump must be set before torch_xla starts): a 1-layer GPT trained
 four ways on 8 virtual CPU devices; prints one line per check for tests/test_parallel_gpt.py."""
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
 os.environ["PJRT_DEVICE"] = "CPU"
 os.environ["CPU_NUM_DEVICES"] = "8"
 DUMP = tempfile.mkdtemp(prefix="hlo-")
+atexit.register(shutil.rmtree, DUMP, True)  # ~60 MB of HLO text a run
 os.environ["XLA_FLAGS"] = f"--xla_dump_to={DUMP} --xla_dump_hlo_as_text"
 
 import torch  # noqa: E402

@@ -2,7 +2,9 @@
 on a 2x4 ("data", "model") mesh (tiles replicated over "data", a shape that does not divide evenly, a
 2-D split) saved and restored onto other layouts of a 1-D mesh. Prints RESULT and exits 1 on a mismatch."""
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -28,6 +30,7 @@ xs.mark_sharding(saved["a"], m2, ("model", None))  # each tile on 2 devices
 xs.mark_sharding(saved["b"], m2, ("model", None))  # 10 rows over 4: padded tiles
 xs.mark_sharding(saved["c"], m2, ("data", "model"))
 root = tempfile.mkdtemp(prefix="mesh2d-")
+atexit.register(shutil.rmtree, root, True)
 ck = ShardedCheckpointManager(root)
 ck.save(1, saved)
 ck.close()
