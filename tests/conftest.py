@@ -18,6 +18,8 @@ import tempfile  # noqa: E402
 if "LABKIT_SCRATCH" not in os.environ:
     os.environ["LABKIT_SCRATCH"] = tempfile.mkdtemp(prefix="labkit-test-scratch-")
     atexit.register(shutil.rmtree, os.environ["LABKIT_SCRATCH"], True)
+    # torch.compile's cache (~2 GB after a run of the suite) goes there too, not to /tmp/torchinductor_<user>
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.environ["LABKIT_SCRATCH"], "inductor"))
 
 import uuid
 
