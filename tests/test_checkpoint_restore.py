@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from labkit.checkpoint import CheckpointManager, ShardedCheckpointManager
-from labkit.checkpoint import sharded as sharded_module
+from labkit.checkpoint import dcp as sharded_module
 
 
 @pytest.fixture(autouse=True, scope="module")

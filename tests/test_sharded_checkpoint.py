@@ -182,7 +182,7 @@ def test_kill_9_before_the_marker_restores_previous_step(tmp_path, request, wher
     script = [sys.executable, "-c", _KILLED_SAVE.format(repo=str(REPO)), root]
     _kill_during_save(root, tmp_path, 2, script)
     ck = ShardedCheckpointManager(root)
-    listing = ck._listing()
+    listing = ck.formats["sharded"].listing()
     assert MARKER not in listing[2] and "__0_0.distcp" in listing[2]  # the files are there, the commit is not
     assert ck.latest()["step"] == 1
     target = _state(0)
@@ -252,7 +252,7 @@ def test_trainer_killed_and_resumed_from_sharded_checkpoints_is_exact(tmp_path):
 def test_planner_named_in_the_commit_record(tmp_path, monkeypatch):
     """Without torch_xla installed DCP's own planners write (and must read) the checkpoint; the commit
     record says which, and an unknown one is named."""
-    import labkit.checkpoint.sharded as sc
+    import labkit.checkpoint.dcp as sc  # the sharded format
 
     monkeypatch.setattr(sc, "_planner_kind", lambda: "default")
     ck = ShardedCheckpointManager(tmp_path)
@@ -325,6 +325,35 @@ def test_checkpoint_manager_writes_and_reads_the_sharded_format(tmp_path):
     _equal(CheckpointManager(tmp_path, rt=None).restore(into=_state(0)), _state(5))
     with pytest.raises(ValueError, match="format='dcp'"):
         CheckpointManager(tmp_path, format="dcp", rt=None)
+
+
+def test_one_manager_keeps_and_falls_back_over_both_formats(tmp_path):
+    """A run whose state becomes sharded part-way (one file, then DCP folders, then one file again): `keep`
+    counts steps of both formats together, and a damaged newest one-file step falls back to the sharded
+    step before it, not to an older one-file step (one retention rule, one fallback, whatever the format)."""
+    from labkit.checkpoint import CheckpointManager, object_name
+
+    ck = CheckpointManager(tmp_path, keep=2, best_metric=None, format="file", rt=None, async_save=False)
+    ck.save(1, _state(1))
+    ck.format = "sharded"  # e.g. the model moved to FSDP: "auto" would pick this for a split state
+    ck.save(2, _state(2))
+    ck.save(3, _state(3))
+    ck.format = "file"
+    ck.save(4, _state(4))
+    ck.close()
+    names = sorted(n for n in os.listdir(tmp_path) if n.startswith(("ckpt-", "step-")))
+    assert names == [object_name(4), folder_name(3)], "the newest 2 steps of either format are kept"
+    with open(tmp_path / object_name(4), "r+b") as f:  # flip a byte in the middle of the newest step
+        f.seek(os.path.getsize(tmp_path / object_name(4)) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    again = CheckpointManager(tmp_path, best_metric=None, rt=None)
+    target = _state(0)
+    with pytest.warns(UserWarning, match=r"ckpt-00000004.pt is unreadable.*falling back"):
+        assert again.restore(into=target) is target
+    assert again.restored["step"] == 3 and again.restored["planner"]
+    _equal(target, _state(3))
 
 
 def test_sharded_format_refuses_several_processes(tmp_path):

@@ -3,15 +3,18 @@
     ckpt = labkit.CheckpointManager("gs://bucket/run1", keep=3)   # or a local folder
     labkit.Trainer(..., checkpoint=ckpt).fit()                    # saves; cfg.resume=True restores
 
-manager.py: CheckpointManager (one file per step, or the sharded format when the state is split over devices);
-sharded.py: the sharded format (torch.distributed.checkpoint folders with a COMMITTED marker);
+manager.py: CheckpointManager, the one manager: when to save, the lock, retention over both formats, the best,
+the refuse-older-step rule, the restore fallback; formats.py: what a format is, and the one-file format
+(one torch.save per step, committed by the `latest` pointer); dcp.py: the sharded format (torch.distributed.checkpoint
+folders committed by a COMMITTED marker), which the manager picks when the state is split over devices;
+sharded.py: why that format is built so, and ShardedCheckpointManager (the manager with format="sharded");
 shards.py: what that format writes (is_sharded, the CPU copy of this host's shards, DCP's planners);
 writer.py: the one background writer both formats use (one save at a time, errors surface, test hook);
 state.py: what a checkpoint holds and how it is checked (to_cpu, verify, check_compatible).
 safe_load.py: reading runs no code (DCP metadata through a restricted unpickler, plain values weights_only)
 and writes only into its temp folder; runs.py: a run that did not restore may not save below the folder's newest step.
 Where the bytes go (a local folder or a GCS prefix) is labkit.cloud.store: one interface for both.
-Both managers restore the same way: restore(into=state) fills live tensors where it can and returns
+Both restore the same way: restore(into=state) fills live tensors where it can and returns
 the state; restore() returns CPU tensors; None when there is nothing.
 """
 

@@ -12,7 +12,11 @@ create-only; on GCS the pointer is written with if_generation_match (the generat
 create). Old objects (beyond the last `keep`, except the best) are deleted after the pointer moved.
 Saves run in one background thread (labkit.checkpoint.writer), at most one pending; their errors
 surface on the next save(), wait() or close(). A full disk is an OSError(ENOSPC) naming the folder
-and the MB free, and leaves nothing behind. The folder/GCS specifics live in labkit.cloud.store.
+and the MB free, and leaves nothing behind. The store (a folder, gs://, s3://) is labkit.cloud's.
+
+One manager, two formats: this class owns every decision (when to save, the lock, the refuse-older-step
+rule, which steps are kept over both formats: the newest `keep` and the best, the restore fallback);
+a format (labkit.checkpoint.formats: OneFile; labkit.checkpoint.dcp: Sharded) owns only its bytes.
 
 Every state restore() returns was verified, whichever object it came from (the pointer's, a
 fallback, an explicit step): the whole object against the crc32c the pointer recorded when it
@@ -36,27 +40,23 @@ one file (the whole state gathered on the host), "sharded" forces the sharded fo
 
 from __future__ import annotations
 
-import os
-import time
 import warnings
 
 import torch
 
-from labkit.checkpoint import runs, safe_load
-from labkit.checkpoint.pointer import NAME as _NAME
-from labkit.checkpoint.pointer import Pointer, object_name
-from labkit.checkpoint.pointer import step_of as _step_of
-from labkit.checkpoint.sharded import ShardedCheckpointManager, folder_name, is_sharded
+from labkit.checkpoint import runs
+from labkit.checkpoint.dcp import Sharded, folder_name  # noqa: F401  (folder_name: also public here)
+from labkit.checkpoint.formats import OneFile
+from labkit.checkpoint.pointer import object_name  # noqa: F401  (also public here: labkit.checkpoint.object_name)
+from labkit.checkpoint.shards import is_sharded
 from labkit.checkpoint.state import ReadFailed, check_compatible, refuse_nonfinite, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
-from labkit.checkpoint.state import read as read_checked
-from labkit.checkpoint.writer import BackgroundWriter, no_space
-from labkit.cloud import gcs, open_store
+from labkit.checkpoint.writer import BackgroundWriter
+from labkit.cloud import open_store
 
-# "auto": one file, or DCP shards (labkit.checkpoint.sharded) when any tensor of the state is split over devices
+# "auto": one file, or DCP shards (labkit.checkpoint.dcp) when any tensor of the state is split over devices
 FORMATS = ("auto", "file", "sharded")
 
 
-# -- the manager ----------------------------------------------------------------------------------
 class CheckpointManager:
     def __init__(
         self,
@@ -82,23 +82,14 @@ class CheckpointManager:
         self.async_save, self.save_every, self.format = async_save, save_every, format
         self.rt = rt
         self.store = open_store(self.root, retry_deadline_s)
-        self.pointer = Pointer(self.store)  # `latest`: which object is newest, the best, the kept crc32c
-        # one background writer for both formats: one pending save, one place its error surfaces
-        self.writer = BackgroundWriter("checkpoint", self.root, async_save)
-        # where sharded states go: same root, same store (so the same writer lock), the decisions stay here
-        self._sharded = ShardedCheckpointManager(self.root, keep=keep, store=self.store, writer=self.writer)
+        self.formats = {"file": OneFile(self.store), "sharded": Sharded(self.store)}
+        what = "sharded checkpoint" if format == "sharded" else "checkpoint"
+        self.writer = BackgroundWriter(what, self.root, async_save)  # one pending save, its error surfaces
         self.restored: dict | None = None  # the pointer / commit record of what restore() last returned
-        ptr = self.pointer.read()  # every replica: the same best value -> the same save decisions
-        best = ptr.get("best") if ptr else None
-        self.best = best if isinstance(best, dict) and "value" in best else None  # step, name, value, metric, mode
-        self._objects = dict(ptr.get("objects") or {}) if ptr else {}  # name -> crc32c of kept objects
-        if ptr and ptr.get("crc32c"):
-            self._objects.setdefault(ptr["name"], ptr["crc32c"])
-        rec = self._sharded.latest()  # a sharded run: its best lives in the commit record
-        if rec and isinstance(rec.get("best"), dict) and (ptr is None or rec["step"] > ptr.get("step", -1)):
-            self.best = rec["best"]
-        self.best = self._same_best(self.best)
-        self._mine: set[str] = set()  # objects this manager uploaded: its own to replace
+        rec = self.latest()  # every replica: the same best value -> the same save decisions
+        best = rec.get("best") if rec else None
+        self.best = self._same_best(best if isinstance(best, dict) and "value" in best else None)
+        self._mine: set[str] = set()  # steps this manager stored (names): its own to replace
         self._continues = False  # restored, or saved above the folder's newest step (labkit.checkpoint.runs)
 
     def _same_best(self, best):
@@ -127,16 +118,14 @@ class CheckpointManager:
         """The step whose upload is still running, or None."""
         return self.writer.pending
 
-    def _names(self) -> list[str]:
-        return [n for n in self.store.list("ckpt-") if _NAME.match(n)]
+    def _entries(self) -> list[tuple[int, object, bool]]:
+        """(step, format, committed) of every step in the store, both formats, oldest first."""
+        return sorted((s, f, c) for f in self.formats.values() for s, c in f.steps().items())
 
-    def _sharded_format(self, state) -> bool:
-        if self.format != "auto":
-            return self.format == "sharded"
-        return is_sharded(state)
-
-    def _ranking(self) -> dict:
-        return {"metric": self.best_metric, "mode": self.mode}
+    def _format_of(self, state):
+        if self.format == "auto":
+            return self.formats["sharded" if is_sharded(state) else "file"]
+        return self.formats[self.format]
 
     def _improved(self, value) -> bool:
         if value is None or value != value:
@@ -165,111 +154,68 @@ class CheckpointManager:
         if not (force or periodic or improved):
             return False
         if not self._continues:  # a new run in an old run's folder: refused before it mixes the two
-            newest = max([_step_of(n) for n in self._names()] + self._sharded.committed_steps(), default=None)
+            newest = max((s for s, _, committed in self._entries() if committed), default=None)
             runs.refuse_older_step(self.root, step, newest)
             self._continues = True
-            self._sharded.continue_run()
         if self._master:
             self.store.acquire_writer(takeover=self.restored is not None)  # a second writer fails here, before any work
-        if self._sharded_format(state):
-            return self._save_sharded(step, state, metrics, improved, value)
+        fmt = self._format_of(state)
+        cpu = fmt.stage(state, self.rt)  # the CPU copy, on this thread (every replica: identical XLA graphs)
+        refuse_nonfinite(cpu, self.root, step)  # a NaN since the loss was last read is never saved
         if improved:
-            self.best = {"step": int(step), "name": object_name(step), "value": value, **self._ranking()}
-        cpu = to_cpu(state, self.rt)  # every replica: keeps XLA graphs identical across replicas
-        refuse_nonfinite(cpu, self.root, step)  # every replica holds the same weights: all refuse alike
+            self.best = {"step": int(step), "name": fmt.name(step), "value": value}
+            self.best.update(metric=self.best_metric, mode=self.mode)
         if not self._master:
             return True
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
-        self.writer.submit(step, self._write, step, cpu, meta, dict(self.best or {}))
+        self.writer.submit(step, self._write, fmt, int(step), cpu, meta, dict(self.best or {}))
         return True
 
-    def _save_sharded(self, step, state, metrics, improved, value) -> bool:
-        """State split over devices (SPMD): each host's shards go to `step-N/` through DCP, never
-        gathered into one tensor (labkit.checkpoint.sharded); the best step is kept by its pruning."""
-        if self.rt is not None and self.rt.world_size > 1:
-            raise RuntimeError(
-                f"checkpoint to {self.root}: the sharded format is written by one process (one host with all "
-                f"its devices, SPMD); this run has {self.rt.world_size} processes. Use format='file', or SPMD "
-                "(labkit.setup(spmd='on')) instead of one process per device"
-            )
-        self.writer.wait()
-        if improved:
-            self.best = {"step": int(step), "name": folder_name(step), "value": value, **self._ranking()}
-        self._sharded.pinned = {self.best["step"]} if self.best and self.best["name"].startswith("step-") else set()
-        return self._sharded.save(step, state, metrics, best=dict(self.best) if self.best else None)
-
-    def _write(self, step, cpu_state, metrics, best):
-        name = object_name(step)
-        tmp = self.store.temp_file(name)  # its name carries our pid: only a dead writer's is swept
+    def _write(self, fmt, step, cpu_state, metrics, best):
+        """In the writer's thread: store the bytes, prove the lock, commit, prune."""
+        name = fmt.name(step)
         try:
-            try:
-                with open(tmp, "wb") as f:
-                    torch.save(cpu_state, f)
-            except Exception as e:
-                if no_space(e, self.store) is None:
-                    raise
-                os.remove(tmp)  # the partial file first: the message then says what is really free
-                raise no_space(e, self.store) from e
-            crc, size = gcs.crc32c_b64(tmp), os.path.getsize(tmp)  # the one crc pass of this save
-            self.writer.staged(step, tmp)
-            try:  # create-only: one request, and no other writer's object is ever overwritten
-                self.store.put_if_absent(name, tmp, crc)
-            except FileExistsError:
-                # this run's own earlier save of the step, or one a killed writer uploaded without moving
-                # the pointer: replacing it is what is meant. A step another run committed is not
-                self._refuse_committed(name, step)
-                self.store.check_writer()  # the lock is still ours right before the overwrite
-                self.store.put(name, tmp, crc)
+            info = fmt.upload(step, cpu_state, self.writer.staged, lambda: self._may_replace(fmt, step))
             self._mine.add(name)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        self.writer.check_abandon(step)  # uploaded but not pointed at: invisible, pruned by the next save
-        kept = self._retained(name, best)
-        objects = {n: c for n, c in self._objects.items() if n in kept}
-        objects[name] = crc
-        self.store.check_writer()  # the commit point: only while the lock is still ours
-        self.pointer.write(
-            {
-                "name": name,
-                "step": int(step),
-                "crc32c": crc,
-                "size": size,
-                "metrics": metrics,
-                "best": best or None,
-                "objects": objects,
-                "time": time.time(),
-            }
-        )
-        self._objects = objects
-        self._prune(kept)
+            self.writer.check_abandon(step)  # stored but not committed: invisible, pruned by the next save
+            kept = self._retained(step, best)
+            self.store.check_writer()  # the commit point: only while the lock is still ours
+            fmt.commit(step, info, {"metrics": metrics, "best": best or None}, kept)
+        except BaseException:
+            fmt.abort(step)
+            raise
+        self._prune(step, kept)
 
-    def _retained(self, newest, best) -> set:
-        names = sorted(set(self._names()) | {newest})
-        keep = set(names[-self.keep :]) | {newest}
-        if best and best.get("name"):
-            keep.add(best["name"])
-        return keep
-
-    def _prune(self, keep):
-        doomed = [n for n in self._names() if n not in keep]
-        if doomed:
-            self.store.check_writer()  # a writer whose lock was taken deletes nothing
-        for n in doomed:
-            self.store.delete(n)
-
-    def _refuse_committed(self, name, step):
-        """RuntimeError when `name` is a checkpoint another run committed (the pointer names it or keeps
-        it): two runs resumed from one step both save the next one, and the second would replace the
-        first's. Ours (saved or restored by this manager) may be replaced."""
-        if name in self._mine or (self.restored or {}).get("name") == name:
-            return
-        ptr = self.pointer.read(track=False) or {}
-        if name == ptr.get("name") or name in (ptr.get("objects") or {}):
+    def _may_replace(self, fmt, step) -> None:
+        """`step` exists already: this run's own earlier save, or one a killed writer stored without
+        committing, may be replaced. A step another run committed is not (two runs resumed from one step
+        both save the next one, and the second would replace the first's): RuntimeError."""
+        name = fmt.name(step)
+        if name not in self._mine and (self.restored or {}).get("step") != step and fmt.committed(step):
             raise RuntimeError(
                 f"{self.store.url(name)} is a checkpoint another run committed (step {step}); this run does not "
                 "overwrite it. Two runs are saving to one prefix: stop one, or resume from the newest step"
             )
+        self.store.check_writer()  # the lock is still ours right before the old bytes go
+
+    def _retained(self, newest: int, best) -> set:
+        """Names kept after a save of `newest`: the newest `keep` committed steps of either format, `newest`
+        itself and the best."""
+        committed = sorted({s for s, _, c in self._entries() if c} | {newest})
+        steps = set(committed[-self.keep :]) | {newest}
+        keep = {f.name(s) for f in self.formats.values() for s in steps}
+        if best and best.get("name"):
+            keep.add(best["name"])
+        return keep
+
+    def _prune(self, newest: int, keep: set) -> None:
+        """Drop every step not kept, but not an uncommitted one newer than `newest` (another save's, in flight
+        or killed: its own next save replaces it)."""
+        doomed = [(s, f) for s, f, c in self._entries() if f.name(s) not in keep and (c or s < newest)]
+        if doomed:
+            self.store.check_writer()  # a writer whose lock was taken deletes nothing
+        for s, f in doomed:
+            f.remove(s)
 
     def wait(self) -> None:
         """Block until the pending save finished; re-raise its error."""
@@ -277,8 +223,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish the pending upload, then give up the writer lock. An interrupt while waiting
-        abandons the upload cleanly (the pointer does not move; temp files are removed) and is
-        re-raised."""
+        abandons the upload cleanly (nothing is committed; temp files are removed) and is re-raised."""
         try:
             self.writer.close()
         finally:
@@ -286,70 +231,55 @@ class CheckpointManager:
                 self.store.release_writer()
 
     # -- reading -----------------------------------------------------------------------------------
-    def _load(self, name, expect_crc=None, map_location="cpu"):
-        data = read_checked(self.store, name)  # a failed read raises ReadFailed: no fallback
-        verify(data, self.store.url(name), expect_crc)
-        return safe_load.torch_load(data, self.store.url(name), map_location)  # weights_only: runs no code
-
     def restore(self, step: int | None = None, map_location="cpu", into: dict | None = None):
-        """The verified state dict of `latest` (or of `step`), or None when nothing was saved (the pointer
-        or commit record of what was loaded: self.restored). A
-        corrupt newest object warns and falls back to the previous verified one; a corrupt
-        explicit `step` raises IOError.
+        """The verified state of the newest committed step (or of `step`), or None when nothing was saved;
+        the pointer or commit record of what was loaded is then self.restored. A damaged newest step warns
+        and falls back to the previous committed one, whichever format; a damaged explicit `step` raises.
+        A store that could not be read raises ReadFailed: an older step would quietly undo progress.
 
-        A checkpoint in the sharded format (newer than the newest single file, or the `step` asked
-        for) is read through DCP: into `into`, in place (its tensors keep their device and sharding:
-        any mesh, or none) and `into` is returned; without `into`, into new full CPU tensors."""
+        A step in the sharded format is read through DCP into `into`, in place (its tensors keep their
+        device and sharding: any mesh, or none), and `into` is returned; without `into`, into new full CPU
+        tensors. A one-file step returns the loaded CPU state."""
         self.wait()
         self._continues = True  # a run that restored may save any step
-        self._sharded.continue_run()
-        ptr, names = self.pointer.read(), self._names()
-        sharded = self._sharded.steps()
-        newest_file = max([_step_of(n) for n in names] + ([int(ptr["step"])] if ptr else []), default=-1)
-        if sharded and (step in sharded or (step is None and sharded[-1] > newest_file)):
-            got = self._sharded.restore(into=into, step=step)
-            if got is not None:
-                self.restored = self._sharded.restored
-                return got
-        recorded = dict(self._objects)
-        if ptr is not None:
-            recorded.update(ptr.get("objects") or {})
-            if ptr.get("crc32c"):
-                recorded[ptr["name"]] = ptr["crc32c"]
+        entries = self._entries()
         if step is not None:
-            name = object_name(step)
-            if name not in names:
-                raise FileNotFoundError(f"no checkpoint {self.store.url(name)}")
-            self.restored = {"name": name, "step": int(step)}
-            return self._load(name, recorded.get(name), map_location)
-        if ptr is None and not names:
-            return None
-        candidates = []
-        if ptr is not None:
-            candidates.append(ptr["name"])
-        newest = _step_of(ptr["name"]) if ptr else None
-        candidates += [n for n in reversed(names) if newest is None or _step_of(n) < newest]
-        for name in candidates:
+            found = [(s, f, c) for s, f, c in entries if s == step]
+            if not found:
+                fmt = self.formats["sharded" if self.format == "sharded" else "file"]
+                raise FileNotFoundError(f"checkpoint {self.store.url(fmt.name(step))} does not exist")
+            s, fmt, committed = max(found, key=lambda e: e[2])
+            if not committed and fmt.unfinished(step):  # a one-file step verifies on its own; a DCP folder does not
+                raise FileNotFoundError(f"checkpoint {self.store.url(fmt.name(step))}: {fmt.unfinished(step)}")
+            state, self.restored = fmt.read(step, into, map_location)
+            return state
+        tried = []
+        for s, fmt, committed in reversed(entries):
+            if not committed:  # a save that did not finish (a crash, a kill -9)
+                if fmt.unfinished(s):
+                    warnings.warn(f"ignoring {self.store.url(fmt.name(s))}: {fmt.unfinished(s)}", stacklevel=2)
+                continue
+            tried.append(fmt.name(s))
             try:
-                state = self._load(name, recorded.get(name), map_location)
+                state, record = fmt.read(s, into, map_location)
             except ReadFailed:
                 raise  # unreachable is not damaged: an older step would quietly undo progress
             except Exception as e:
-                warnings.warn(
-                    f"checkpoint {self.store.url(name)} is unreadable ({type(e).__name__}: {e}); "
-                    "falling back to the previous one",
-                    stacklevel=2,
-                )
+                if not fmt.damaged(e):
+                    raise
+                warnings.warn(fmt.fallback_message(s, e), stacklevel=2)
                 continue
-            self.restored = ptr if ptr is not None and ptr["name"] == name else {"name": name, "step": _step_of(name)}
+            self.restored = record
             return state
-        raise RuntimeError(f"no readable checkpoint under {self.root} (tried {candidates})")
+        if tried:
+            raise RuntimeError(f"no readable checkpoint under {self.root} (tried {tried})")
+        return None
 
     def latest(self) -> dict | None:
-        """The pointer of the newest single-file checkpoint, or the commit record of the newest sharded
-        one when that is newer (both carry step and metrics)."""
-        ptr = self.pointer.read()
-        rec = self._sharded.latest()
+        """The record of the newest commit: the `latest` pointer (one file) or the COMMITTED record of the
+        newest sharded step, whichever is newer (both carry step and metrics)."""
+        ptr = self.formats["file"].record()
+        rec = self.formats["sharded"].record()
         if rec is not None and (ptr is None or rec["step"] > ptr["step"]):
             return rec
         return ptr
