@@ -40,43 +40,16 @@ def _leading_dim(batch):
 
 
 class _HostSide:
-    """Iterates the host loader, drops partial batches, counts what was pulled."""
+    """What the backend iterates (DeviceLoader.host_batches), with the host loader's length."""
 
     def __init__(self, owner: DeviceLoader):
         self.owner = owner
 
     def __iter__(self):
-        o = self.owner
-        size = short = None  # rows of the first batch; (index, rows) of a short batch held back
-        skip, o.skip_batches = o.skip_batches, 0
-        try:
-            for i, batch in enumerate(o.loader):
-                if i < skip:  # resuming mid-epoch: skipped on the host, never copied to the device
-                    continue
-                n = _leading_dim(batch)
-                size = n if size is None else size
-                if o.drop_partial and (short is not None or (n is not None and n > size)):
-                    j, rows = short if short is not None else (i, n)
-                    raise ValueError(
-                        f"batch {j} has {rows} rows, batch {skip} had {size}: on XLA every batch but a short "
-                        "last one must have the same size (each new size is a new graph); fix the sampler, or "
-                        "pass drop_partial=False to accept the recompilations"
-                    )
-                if o.drop_partial and n is not None and n < size:
-                    short = (i, n)  # dropped if it is the last batch, an error if another follows
-                    continue
-                with o._lock:
-                    o.fetched += 1
-                yield batch
-            if short is not None:
-                o.dropped += 1
-        except GeneratorExit:  # the consumer stopped early (break, max_steps): not an error
-            raise
-        except BaseException as e:  # in torch_xla's loader thread: hand it to the consumer
-            o._error = e
+        return self.owner.host_batches()
 
     def __len__(self):
-        return len(self.owner)
+        return len(self.owner.loader)
 
 
 class DeviceLoader:
@@ -132,6 +105,37 @@ class DeviceLoader:
         err, self._error = self._error, None
         if err is not None:
             raise err  # the same object: its traceback still points into the host loader
+
+    def host_batches(self):
+        """The host loader's batches, partial ones dropped, counted; runs in torch_xla's loader thread on XLA,
+        so an exception is kept for __iter__ to re-raise after the batches already queued."""
+        size = short = None  # rows of the first batch; (index, rows) of a short batch held back
+        skip, self.skip_batches = self.skip_batches, 0
+        try:
+            for i, batch in enumerate(self.loader):
+                if i < skip:  # resuming mid-epoch: skipped on the host, never copied to the device
+                    continue
+                n = _leading_dim(batch)
+                size = n if size is None else size
+                if self.drop_partial and (short is not None or (n is not None and n > size)):
+                    j, rows = short if short is not None else (i, n)
+                    raise ValueError(
+                        f"batch {j} has {rows} rows, batch {skip} had {size}: on XLA every batch but a short "
+                        "last one must have the same size (each new size is a new graph); fix the sampler, or "
+                        "pass drop_partial=False to accept the recompilations"
+                    )
+                if self.drop_partial and n is not None and n < size:
+                    short = (i, n)  # dropped if it is the last batch, an error if another follows
+                    continue
+                with self._lock:
+                    self.fetched += 1
+                yield batch
+            if short is not None:
+                self.dropped += 1
+        except GeneratorExit:  # the consumer stopped early (break, max_steps): not an error
+            raise
+        except BaseException as e:  # in torch_xla's loader thread: hand it to the consumer
+            self._error = e
 
     def data_parallel_sharding(self):
         """The batch split along "data" over a 1-D mesh of every device (SPMD's default)."""

@@ -1,0 +1,155 @@
+"""torch_xla's backends: XLA:CPU, the TPU chip, and SPMD on either (labkit.runtime's table)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from labkit import precision as _precision
+from labkit.runtime.base import Runtime
+
+
+class XlaRuntime(Runtime):
+    """torch_xla (PJRT) on XLA:CPU: lazy tensors compiled for this machine's CPU; TpuRuntime is the chip."""
+
+    backs = (("xla-cpu", False),)
+
+    is_xla = True
+    capturable_optimizers = True
+    reads_metrics = True
+    uses_ddp = False
+
+    def sync(self) -> None:
+        """Cut the lazy graph here, compile it if it is new, and launch it."""
+        import torch_xla
+
+        torch_xla.sync()
+
+    def wait(self) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+
+    def add_step_closure(self, fn, args=()) -> None:
+        """Run fn(*args) after the current step's graph has executed. Reading a tensor there costs one
+        device->host transfer but no extra graph execution: the values are already computed."""
+        import torch_xla.core.xla_model as xm
+
+        xm.add_step_closure(fn, args=args)
+
+    def reduce_gradients(self, optimizer) -> None:
+        if self.world_size > 1:
+            import torch_xla.core.xla_model as xm
+
+            xm.reduce_gradients(optimizer)
+
+    def rendezvous(self, tag: str) -> None:
+        if self.world_size > 1:
+            import torch_xla.core.xla_model as xm
+
+            xm.rendezvous(tag)
+
+    def _all_reduce_sum(self, tensor):
+        import torch_xla.core.xla_model as xm
+
+        return xm.all_reduce(xm.REDUCE_SUM, tensor)
+
+    def iterate(self, loader, host):
+        return loader.xla_batches(host, loader.input_sharding)  # uploaded ahead by pl.ParallelLoader
+
+    def seed_device(self, seed: int) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(seed, device=self.device)
+
+    def device_rng_state(self) -> dict:
+        import torch_xla.core.xla_model as xm
+
+        return {"xla": int(xm.get_rng_state())}
+
+    def set_device_rng_state(self, state: dict) -> None:
+        if "xla" in state:
+            import torch_xla.core.xla_model as xm
+
+            xm.set_rng_state(int(state["xla"]))
+
+    def precision_for(self, mode: str, want) -> _precision.Precision:
+        return _precision.for_xla_cpu(mode, want)  # no bf16 matrix units: fp32
+
+    def profiler_activities(self) -> list:
+        return []  # torch_xla's own trace (labkit.profiling.capture), not torch.profiler
+
+    def device_names(self) -> list[str]:
+        import torch_xla.core.xla_model as xm
+
+        return [str(d) for d in xm.get_xla_supported_devices()] or [str(self.device)]
+
+    def memory(self) -> dict | None:
+        """PJRT's allocator statistics, kept on the host (TPU); XLA:CPU has none."""
+        import torch_xla.core.xla_model as xm
+
+        try:
+            info = xm.get_memory_info(self.device)
+        except (RuntimeError, AttributeError, KeyError):
+            return None  # XLA:CPU: "GetAllocatorStats is not supported"
+        used = info.get("bytes_used", info.get("kb_total", 0) - info.get("kb_free", 0))
+        return {"used": used, "limit": info.get("bytes_limit"), "peak": info.get("peak_bytes_used")}
+
+    def chip_name(self) -> str | None:
+        return "cpu"  # XLA:CPU runs on this machine's CPU
+
+
+class _OnTpu:
+    """What the TPU chip changes on top of torch_xla: bf16 by default, and the chip's name."""
+
+    def precision_for(self, mode: str, want) -> _precision.Precision:
+        return _precision.for_tpu(mode, want)
+
+    def chip_name(self) -> str | None:
+        try:  # the runtime's device kind, e.g. "TPU v4" (host-side, no device work)
+            import torch_xla.core.xla_model as xm
+
+            name = xm.xla_device_kind(self.device)
+            if name and name.strip().upper() != "TPU":
+                return name
+        except Exception:  # noqa: BLE001 - older torch_xla: fall back to the TPU VM's environment
+            pass
+        return os.environ.get("TPU_ACCELERATOR_TYPE") or "TPU (unknown version)"
+
+
+class TpuRuntime(_OnTpu, XlaRuntime):
+    """torch_xla on TPU chips: one process per chip when there are replicas (xmp.spawn / torchrun)."""
+
+    backs = (("tpu", False),)
+
+
+class SpmdRuntime(XlaRuntime):
+    """torch_xla SPMD: one process per host drives all its chips; the compiler (GSPMD) partitions the step and
+    inserts the collectives, so nothing is reduced by hand and world_size counts hosts. On XLA:CPU here."""
+
+    backs = (("xla-cpu", True),)
+
+    def reduce_gradients(self, optimizer) -> None:
+        """Nothing: the partitioned graph already all-reduces the gradients."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Identity: a tensor under SPMD is one global value, whatever devices hold its pieces."""
+        if op not in ("sum", "mean"):
+            raise ValueError(f"all_reduce op must be 'sum' or 'mean', got {op!r}")
+        return tensor
+
+    def devices_per_process(self) -> int:
+        import torch_xla.runtime as xr
+
+        return int(xr.addressable_runtime_device_count())  # the host's chips (CPU_NUM_DEVICES on XLA:CPU)
+
+    def iterate(self, loader, host):
+        # each batch is split over the devices; by default along "data" on a 1-D mesh of every device
+        return loader.xla_batches(host, loader.input_sharding or loader.data_parallel_sharding())
+
+
+class TpuSpmdRuntime(_OnTpu, SpmdRuntime):
+    """SPMD over a host's TPU chips."""
+
+    backs = (("tpu", True),)
