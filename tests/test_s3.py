@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
 from data_tools import load_source, make_loader, write_shards
 from data_tools.stream import PAD_LABEL
+from tests.s3_moto import free_port, moto_s3
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -20,44 +16,11 @@ pytest.importorskip("moto")
 BUCKET = "labkit-shards"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_server():
-    """moto's S3 server on a free loopback port; the AWS_* variables point every client (boto3, s3fs, the
-    DataLoader's worker processes) at it, as they would at MinIO or R2."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"moto's S3 server did not start on {url} (exit {proc.poll()})")
-            time.sleep(0.2)
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    os.environ.update(AWS_ENDPOINT_URL_S3=url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    yield url
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    proc.kill()
-    proc.wait()
+    """moto's S3 server on a free loopback port (tests/s3_moto.py)."""
+    with moto_s3() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +83,7 @@ def test_missing_s3_shard_and_manifest_are_named(shards_on_s3, s3_server):
 def test_unreachable_s3_endpoint_is_a_connection_error_naming_the_url(monkeypatch, shards_on_s3):
     from data_tools import urls
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setattr(urls.time, "sleep", lambda s: None)  # the backoff between tries
     with pytest.raises(ConnectionError, match=r"cannot read s3://labkit-shards/digits/train/manifest.json: 3 attempts"):
         urls.read_bytes(f"s3://{BUCKET}/digits/train/manifest.json", timeout=2)

@@ -1,22 +1,41 @@
 """Every store implements the declared interface (labkit.cloud.protocol) and behaves as it says: create-only
-puts refuse a taken name, get/open read what put wrote, list and delete see it."""
+puts refuse a taken name, get/open read what put wrote, list and delete see it. The s3:// case runs against
+moto's S3 server on 127.0.0.1; S3Store's own tests are tests/test_s3_store.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from data_tools.url_store import URLStore
-from labkit.cloud import GCSStore, LocalStore, ObjectStore, ReadStore, open_store
+from labkit.cloud import GCSStore, LocalStore, ObjectStore, ReadStore, S3Store, open_store
 from labkit.cloud.protocol import VersionConflict, VersionedStore
+from tests.s3_moto import moto_s3
 
 
 def _stores(tmp_path, gcs_bucket):
     return [LocalStore(tmp_path / "run"), GCSStore(f"gs://{gcs_bucket}/run", retry_deadline_s=10)]
 
 
-@pytest.mark.parametrize("where", ["local", "gs"])
-def test_writable_store_follows_the_protocol(where, tmp_path, gcs_bucket):
-    store = _stores(tmp_path, gcs_bucket)[where == "gs"]
+@pytest.fixture(scope="module")
+def s3_bucket():
+    """A bucket on moto's S3 server on 127.0.0.1 (tests/s3_moto.py), for this module's s3:// case."""
+    pytest.importorskip("moto")
+    import boto3
+
+    with moto_s3():
+        boto3.client("s3").create_bucket(Bucket="labkit-protocol")
+        yield "labkit-protocol"
+
+
+def _writable(where, tmp_path, request):
+    if where == "s3":
+        return S3Store(f"s3://{request.getfixturevalue('s3_bucket')}/run", retry_deadline_s=10)
+    return _stores(tmp_path, request.getfixturevalue("gcs_bucket"))[where == "gs"]
+
+
+@pytest.mark.parametrize("where", ["local", "gs", "s3"])
+def test_writable_store_follows_the_protocol(where, tmp_path, request):
+    store = _writable(where, tmp_path, request)
     assert isinstance(store, ObjectStore) and isinstance(store, ReadStore)
     store.put_if_absent("a/ckpt-00000001.pt", b"one")
     with pytest.raises(FileExistsError, match="already exists"):

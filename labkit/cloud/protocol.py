@@ -3,9 +3,10 @@
     from labkit.cloud.protocol import ObjectStore, ReadStore
     assert isinstance(labkit.cloud.open_store("gs://bucket/run"), ObjectStore)
 
-Names are relative to the store's root, "/" between folders. Implementations: a local folder
-(labkit.cloud.store.LocalStore), a gs:// prefix (labkit.cloud.gcs_store.GCSStore), and, read-only, any URL
-prefix that data_tools.urls opens (file, gs://, s3://, http(s)://: data_tools.url_store.URLStore).
+Names are relative to the store's root, "/" between folders. Writable (VersionedStore): a local folder
+(labkit.cloud.store.LocalStore), a gs:// prefix (labkit.cloud.gcs_store.GCSStore) and an s3:// prefix
+(labkit.cloud.s3_store.S3Store: AWS S3 or an S3-compatible server). Read-only: any URL prefix that
+data_tools.urls opens (file, gs://, s3://, http(s)://: data_tools.url_store.URLStore); http(s) stays read-only.
 
 `runtime_checkable` checks only that the methods exist; tests/test_store_protocol.py checks what they do
 (put_if_absent refuses a taken name on every writable store).
@@ -16,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import BinaryIO, Protocol, runtime_checkable
 
-Source = bytes | str | os.PathLike  # bytes, or a local file that is moved in (folder) or uploaded (gs://)
+Source = bytes | str | os.PathLike  # bytes, or a local file that is moved in (folder) or uploaded (gs://, s3://)
 
 
 @runtime_checkable

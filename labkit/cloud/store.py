@@ -1,12 +1,12 @@
-"""Where checkpoints live: a local folder or gs://bucket/prefix, behind one small interface.
+"""Where checkpoints live: a local folder, gs://bucket/prefix or s3://bucket/prefix, behind one small interface.
 
-    store = labkit.cloud.open_store("gs://bucket/run")   # or a folder: LocalStore (here) / GCSStore (gcs_store.py)
+    store = labkit.cloud.open_store("gs://bucket/run")   # LocalStore (here), GCSStore, S3Store (s3_store.py)
     store.acquire_writer()                           # one writer per root, before the first byte
     store.check_writer()                             # before each commit point: still ours, else RuntimeError
     store.put_if_absent("ckpt-00000100.pt", tmp_path, crc32c_b64)   # create-only; FileExistsError if taken
     store.list("step-"), store.get(name), store.put("manifest.json", b"...")  # put: overwrite, meant
 
-Both stores: labkit.cloud.protocol.VersionedStore (list / get / open / put_if_absent / put / delete / url, and
+Every store: labkit.cloud.protocol.VersionedStore (list / get / open / put_if_absent / put / delete / url, and
 get_versioned / put_if_version, which labkit.checkpoint.pointer keeps `latest` with), local_path(name), the writer
 lock (acquire_writer / check_writer / release_writer) and staging (temp_file / temp_dir / space_left).
 Names are relative, "/" between folders. A path given to put* is moved in (local) or uploaded (gs://).
@@ -19,7 +19,8 @@ still holds it (check_writer: its generation is the one it wrote), and it delete
 it is still its own. One left by a dead pid on this host is taken over, one from another host is
 refused (nothing here can tell if that machine still runs) unless this run resumed or its lease ran
 out on the server's clock. Checkpoint objects are create-only too: real GCS enforces it on every
-upload, the loopback fake-gcs-server only on small (multipart) ones, hence the lock.
+upload, the loopback fake-gcs-server only on small (multipart) ones, hence the lock. An s3:// prefix does
+the same with If-None-Match / If-Match on the ETag (labkit.cloud.s3_store).
 
 Staging: a local store stages beside the target (a move is a rename), a GCS store in
 <tmp>/labkit-ckpt/. Temp names carry the writer's pid and are swept only when it is gone (locally,
