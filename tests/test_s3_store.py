@@ -174,3 +174,28 @@ def test_checkpoint_manager_saves_and_restores_on_s3(root, s3):
     assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{store.prefix}.writer.lock")  # released
     got = CheckpointManager(root, keep=2, best_metric=None, format="file").restore()
     assert got["step"] == 3 and torch.equal(got["model"]["w"], state(3)["model"]["w"])
+
+
+def test_a_dataset_is_written_to_s3_and_rewritten_through_the_same_store(s3):
+    """data_tools' writer goes through the one store interface: a dataset written to s3://, streamed back, then
+    rewritten smaller (the stale shard goes, nothing staged is left); a shard that no labkit write made is
+    refused by name and kept."""
+    from data_tools import load_manifest, load_source, make_loader, write_shards
+
+    url = f"s3://{BUCKET}/digits-{uuid.uuid4().hex[:6]}/val"
+    prefix = url.split(f"{BUCKET}/", 1)[1] + "/"
+    x, y, names = load_source("digits", "val")
+    m = write_shards(x[:60], y[:60], url, split="val", class_names=names, samples_per_shard=25)
+    listed = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"])
+    assert listed == [prefix + n for n in ("manifest.json", "val-000000.tar", "val-000001.tar", "val-000002.tar")]
+    back = load_manifest(url + "/manifest.json")
+    assert back["shards"] == m["shards"] and back["num_samples"] == 60
+    labels = torch.cat([b[1] for b in make_loader(url + "/manifest.json", 20, train=False)])
+    assert sorted(labels.tolist()) == sorted(int(v) for v in y[:60])
+    write_shards(x[:30], y[:30], url, split="val", class_names=names, samples_per_shard=25)
+    listed = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"])
+    assert listed == [prefix + n for n in ("manifest.json", "val-000000.tar", "val-000001.tar")], listed
+    s3.put_object(Bucket=BUCKET, Key=prefix + "val-000007.tar", Body=b"\0" * 1024)  # someone else's file
+    with pytest.raises(ValueError, match="val-000007.tar, which no labkit manifest lists"):
+        write_shards(x[:30], y[:30], url, split="val", class_names=names, samples_per_shard=25)
+    assert s3.head_object(Bucket=BUCKET, Key=prefix + "val-000007.tar")["ContentLength"] == 1024

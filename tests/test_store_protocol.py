@@ -49,6 +49,13 @@ def test_writable_store_follows_the_protocol(where, tmp_path, request):
     with store.open("a/ckpt-00000001.pt") as f:
         assert f.read() == b"replaced"
     assert store.list("a/") == ["a/ckpt-00000001.pt"]
+    store.put(".staging-x/s.tar", b"staged")  # move: the writer's publish step (a rename, or a server-side copy)
+    store.put("s.tar", b"old")
+    store.move(".staging-x/s.tar", "s.tar")
+    assert store.get("s.tar") == b"staged" and store.list(".staging-x") == []
+    with pytest.raises(FileNotFoundError):
+        store.move(".staging-x/s.tar", "t.tar")
+    store.delete("s.tar")
     store.delete("a/ckpt-00000001.pt")
     store.delete("a/ckpt-00000001.pt")  # missing: no error
     assert store.list() == []

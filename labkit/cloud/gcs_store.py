@@ -194,7 +194,7 @@ class GCSStore(_Staging):
             raise FileExistsError(f"{self.url(name)} already exists: another writer saved this name") from None
         except Exception as e:  # connection errors are OSErrors too: name the object either way
             raise OSError(
-                f"upload of checkpoint {self.url(name)} failed after retries "
+                f"upload of {self.url(name)} failed after retries "
                 f"(deadline {self.retry_deadline_s}s): {type(e).__name__}: {e}"
             ) from e
         if crc is not None and b.crc32c != crc:
@@ -238,6 +238,17 @@ class GCSStore(_Staging):
             gcs.blob(self.url(name)).delete(retry=self._retry())
         except exceptions.NotFound:
             pass
+
+    def move(self, src, dst):
+        """GCS has no rename: a copy inside the bucket (made by the server), then the delete."""
+        from google.api_core import exceptions
+
+        b = gcs.blob(self.url(src))
+        try:
+            b.bucket.copy_blob(b, b.bucket, self.prefix + dst, retry=self._retry())
+        except exceptions.NotFound:
+            raise FileNotFoundError(f"{self.url(src)} does not exist (deleted from the bucket?)") from None
+        self.delete(src)
 
     # -- a versioned object (the checkpoint pointer: labkit.checkpoint.pointer) --------------------------------
     def get_versioned(self, name):

@@ -59,6 +59,11 @@ class ObjectStore(ReadStore, Protocol):
         """Remove `name`; a missing one is no error."""
         ...
 
+    def move(self, src: str, dst: str) -> None:
+        """Rename `src` to `dst`, replacing it: a rename in a folder (atomic); on gs:// and s3:// a copy made by
+        the server (no bytes through this host) and then a delete of `src`. FileNotFoundError for a missing src."""
+        ...
+
 
 class VersionConflict(RuntimeError):
     """put_if_version found another version than the one it was told to replace."""

@@ -5,9 +5,10 @@ lock object with a lease, and conditional replacement (the checkpoint `latest` p
 
 Credentials and the endpoint come from the usual AWS settings, read by botocore itself (AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY or AWS_PROFILE / ~/.aws; AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL for MinIO, R2 or a
-local server), as data_tools reads s3:// shards. Needs boto3 (requirements.txt pins it; `pip install boto3`).
+local server), as data_tools reads s3:// shards. Needs boto3 >= 1.36 (the `[s3]` extra; requirements.txt pins it).
 
-How each guarantee is made (S3 conditional writes: If-None-Match since Aug 2024, If-Match since Nov 2024):
+How each guarantee is made (S3 conditional writes: If-None-Match since Aug 2024, If-Match since Nov 2024;
+conditional deletes on general-purpose buckets since Sep 2025, per AWS's announcements, not verified here):
   put_if_absent   PutObject If-None-Match: * ; 412 -> FileExistsError, unless the object there carries our
                   crc (a retry of our own upload whose reply was lost).
   put_if_version  PutObject If-Match: ETAG (If-None-Match: * to create); 412 -> VersionConflict.
@@ -214,6 +215,14 @@ class S3Store(_Staging):
     def delete(self, name):
         with self._errors(name, "DeleteObject"):  # S3 answers 204 for a missing key too
             self._s3.delete_object(Bucket=self.bucket, Key=self._key(name))
+
+    def move(self, src, dst):
+        """S3 has no rename: CopyObject (made by the server, up to 5 GiB), then the delete."""
+        with self._errors(src, "CopyObject"):
+            self._s3.copy_object(
+                Bucket=self.bucket, Key=self._key(dst), CopySource={"Bucket": self.bucket, "Key": self._key(src)}
+            )
+        self.delete(src)
 
     # -- a versioned object (the checkpoint pointer: labkit.checkpoint.pointer) --------------------------------
     def get_versioned(self, name):

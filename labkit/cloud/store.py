@@ -188,7 +188,19 @@ class LocalStore(_Staging):
     def put(self, name, src, crc=None):
         dst = self.url(name)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
-        os.replace(self._staged(name, src), dst)
+        path = self._staged(name, src)  # bytes: a fresh temp file (never a planted link), then one rename
+        try:
+            os.replace(path, dst)
+        except BaseException:
+            if isinstance(src, bytes):
+                _remove(path)  # a full disk or Ctrl-C leaves no temp file behind
+            raise
+
+    def move(self, src, dst):
+        target = self.url(dst)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(self.url(src), target)  # atomic on one file system; a missing src: FileNotFoundError
+        self._drop_empty_parents(src)
 
     def get(self, name) -> bytes:
         with self.open(name) as f:
@@ -210,6 +222,9 @@ class LocalStore(_Staging):
 
     def delete(self, name):
         _remove(self.url(name))
+        self._drop_empty_parents(name)
+
+    def _drop_empty_parents(self, name):
         parent = os.path.dirname(self.url(name))
         while os.path.abspath(parent) != os.path.abspath(self.root):  # an emptied folder goes too
             try:
