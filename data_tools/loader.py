@@ -121,8 +121,8 @@ def make_loader(
     crop in training, resized shorter side + centre crop in evaluation); transform=a torchvision.transforms.v2
     pipeline instead (see the module docstring). Without image_size and transform, images must have the
     manifest's size (labkit's own shards, 32x32): the CIFAR recipe, as fast as before.
-    persistent_workers keeps worker processes between epochs, but then set_epoch() no longer
-    reaches them (they hold their own copy of the stream): leave it off unless epochs don't matter."""
+    persistent_workers=True keeps the worker processes between epochs (no restart at each epoch's start: the
+    chip does not wait for them); set_epoch() still reaches them (the epoch is a shared value)."""
     stream = ShardStream(source, batch_size, train=train, num_workers=num_workers, **options)
     kw = {}
     if num_workers > 0:

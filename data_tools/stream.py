@@ -17,14 +17,9 @@ same number everywhere (collectives stay in step, shapes stay static). A worker 
 fewer samples than its share reads them again (re-shuffled); extra samples are left for the next
 epoch's shuffle. Shard order is a permutation seeded by (seed, epoch), the sample shuffle buffer by
 (seed, epoch, rank, worker): the same seed, epoch, world size and num_workers give the same batches.
-Iterating again without set_epoch() advances the epoch by itself.
-
-Augmentation (training): a random crop from the image padded by `crop_padding`, and a horizontal
-flip only where the manifest says a mirror image keeps its label ("hflip": CIFAR-10 yes, digits
-no; `flip=` overrides).
-
-Any WebDataset (shards no labkit code wrote): `image_size=`, `label=`, `classes=`, `transform=`; see
-data_tools.loader for how they combine, data_tools.shard_reader.count_samples for shards without a manifest.
+Iterating again without set_epoch() advances the epoch by itself. Augmentation: a random crop of the
+image padded by `crop_padding`, a horizontal flip where the manifest allows it ("hflip"; `flip=`).
+Any WebDataset (no labkit manifest): `image_size=`, `label=`, `classes=`, `transform=` (data_tools.loader).
 
 Evaluation: each replica reads its shards once, in order. Every sample is seen exactly once across
 replicas. `last_batch="pad"` (default) pads each worker's last batch to full size with zero images
@@ -153,9 +148,10 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.flip = bool(flip if flip is not None else m.get("hflip", HFLIP.get(m.get("source"), False)))
         self.generation = m.get("generation")
         self.num_classes = m.get("num_classes") or (max(self.class_index.values()) + 1 if classes else None)
-        self.epoch = 0
         self._decoded = 0  # per process: detects a pass with nothing readable
-        self._skipped = mp.Value("q", 0)  # shared with DataLoader workers (they run in other processes)
+        # shared with DataLoader workers (other processes): the skips they count, and the epoch, which persistent
+        # workers (they keep their copy of this object between epochs) read at each epoch's start
+        self._skipped, self._epoch = mp.Value("q", 0), mp.Value("q", 0)
         S, R, W = len(self.urls), self.world_size, self.num_workers
         if S < R * W:
             raise ValueError(
@@ -204,8 +200,11 @@ class ShardStream(torch.utils.data.IterableDataset):
         """Corrupt samples skipped so far (skip_corrupt=True), summed over workers."""
         return int(self._skipped.value)
 
+    # the epoch lives in shared memory (see __init__): read and set as a plain int
+    epoch = property(lambda self: int(self._epoch.value), lambda self, e: setattr(self._epoch, "value", int(e)))
+
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        self.epoch = epoch
 
     def __len__(self) -> int:
         if self.train:

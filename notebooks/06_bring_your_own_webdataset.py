@@ -291,6 +291,9 @@ assert runs[0]["data_wait_frac"] >= INPUT_BOUND, "one loader several times slowe
 # deficit: in a 40-step run on this machine, 2 workers waited 50–80 % of every interval after the first, 4 about
 # half, 8 almost never. The exception was each epoch's start: the DataLoader starts its worker processes anew
 # (`persistent_workers=False` is PyTorch's default), and the chip waited about half a second.
+# `make_loader(..., persistent_workers=True)` keeps them; `set_epoch()` still reaches them (the epoch is a shared
+# value, tested), so each epoch reshuffles as with fresh workers. How much of that half second it saves was not
+# measured here.
 #
 # **3. How many workers?** One worker builds a batch in `sample_s × batch_size` seconds, one sample after another.
 # Write `workers_needed(sample_s, batch_size, step_s)`: the fewest workers that, side by side, deliver a batch every

@@ -113,6 +113,27 @@ def test_same_seed_and_epoch_same_order_other_epoch_differs(even):
     assert ld.epoch == 1 and e0 != e1 and sorted(e0) == sorted(e1)
 
 
+def test_persistent_workers_see_each_new_epoch(even):
+    """persistent_workers=True keeps the worker processes (no restart at each epoch's start), and each epoch
+    still reshuffles: set_epoch() and a plain loop's own next epoch reach the workers (a shared value), so
+    every epoch is exactly what fresh workers would give."""
+    man = str(even / "manifest.json")
+
+    def epochs(persistent, set_epoch):
+        ld = make_loader(man, 16, train=True, num_workers=2, return_keys=True, persistent_workers=persistent)
+        out = []
+        for e in range(3):
+            if set_epoch:
+                ld.set_epoch(e)
+            out.append([k for b in _keys(ld) for k in b])
+        return out
+
+    fresh = epochs(False, True)
+    assert fresh[0] != fresh[1] != fresh[2] and sorted(fresh[0]) == sorted(fresh[2])
+    assert epochs(True, True) == fresh, "set_epoch() reaches persistent workers"
+    assert epochs(True, False) == fresh, "a plain loop's next epoch reaches them too"
+
+
 def test_train_batches_are_augmented_and_normalised(even):
     man = str(even / "manifest.json")
     m = json.loads((even / "manifest.json").read_text())
