@@ -68,6 +68,8 @@ def kernel_env(img, workdir: Path) -> dict[str, str]:
         LABKIT_SOLUTIONS="0",
         LABKIT_PIP_SPEC=str(ROOT),  # the set-up cell installs labkit from this checkout
         IPYTHONDIR=str(workdir / "ipython"),  # no profile of this machine's user
+        LABKIT_SCRATCH=str(workdir / "scratch"),  # labkit.scratch() folders: removed with workdir, not left in /tmp
+        TORCHINDUCTOR_CACHE_DIR=str(workdir / "inductor"),
         PYTHONNOUSERSITE="1",
     )
     return env
@@ -151,7 +153,6 @@ def image_run(name: str) -> dict:
     jupyter_dir = tmp / "jupyter"
     os.environ["JUPYTER_PATH"] = str(jupyter_dir)  # the driver finds the image's kernelspec here
     kernel = write_kernelspec(img, jupyter_dir)
-    os.environ["LABKIT_SCRATCH"] = str(tmp / "scratch")  # the notebooks' labkit.scratch() folders, removed below
     out_dir = ROOT / "artifacts" / "images" / name
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
