@@ -265,24 +265,49 @@ print(f"a step takes {step_s * 1e3:.0f} ms with data in memory; waiting: {feed_o
 assert feed_of(free)["data_wait_frac"] < INPUT_BOUND
 
 # %% [markdown]
-# Now stream from a **slow link**: every photo takes `delay` seconds to arrive before it is decoded (a sleep, as a
-# remote bucket's latency would cost; it uses no CPU, so the experiment works the same on a 2-core machine, where the
-# model and real decoders would fight over the same cores). The delay makes one loader `P.slowness` times slower
+# Now stream from a **slow link**: every photo takes `slow.delay_s` seconds to arrive before it is decoded (a sleep,
+# as a remote bucket's latency would cost; it uses no CPU, so the experiment works the same on a 2-core machine, where
+# the model and real decoders would fight over the same cores). The delay makes one loader `P.slowness` times slower
 # than a step. Then add workers: each DataLoader worker process reads its own shards and builds whole batches.
+#
+# Timing on a shared machine is noisy: the step time measured above holds only while the machine's load stays the
+# same. So runs that are compared are measured side by side, and each run also says how long its steps computed
+# (step minus wait); when that is more than 2x off the step time the delay was set from, the runs are measured
+# again, and the notebook says so.
 
 # %%
-delay = P.slowness * step_s / P.batch  # seconds per photo
-slow = nb06.SlowLink(v2.Compose([v2.RandomResizedCrop(P.size, antialias=True), v2.PILToTensor()]), delay)
+slow = nb06.SlowLink(v2.Compose([v2.RandomResizedCrop(P.size, antialias=True), v2.PILToTensor()]), delay_s=0.0)
 
 
 def stream(workers):
     return make_loader(urls, P.batch, train=True, transform=slow, flip=True, num_workers=workers, seed=P.seed)
 
 
-runs = {}
-for workers in (0, 2):
-    runs[workers] = feed_of(fit(stream(workers), f"{workers} workers"))
-    print(f"{workers} workers: {runs[workers]['data_wait_frac']:.0%} of the step waiting for data")
+def busy_s(feed):  # the part of a step not spent waiting: the pace the loader has to keep up with
+    return feed["step_s"] - feed["data_wait_s"]
+
+
+def feed_runs(worker_counts, tries=3):
+    """One run per worker count, side by side, with the slow link set from `step_s`. A shared machine's load
+    can change between the measurement of `step_s` and these runs (CI runs this notebook beside other work):
+    when a run's busy time is more than 2x off `step_s`, the premise of the experiment is gone, so `step_s` is
+    taken from what the runs measured and all of them run again (said, at most `tries` times)."""
+    global step_s
+    for attempt in range(tries):
+        slow.delay_s = P.slowness * step_s / P.batch  # seconds per photo: one loader is P.slowness x too slow
+        dashes = {w: fit(stream(w), f"{w} workers") for w in worker_counts}
+        busy = sorted(busy_s(feed_of(d)) for d in dashes.values())
+        if all(0.5 <= b / step_s <= 2 for b in busy):
+            break
+        print(f"the steps computed in {busy[0] * 1e3:.0f}-{busy[-1] * 1e3:.0f} ms, not the {step_s * 1e3:.0f} ms "
+              "the delay was set from: the machine's load changed; measuring again")
+        step_s = busy[len(busy) // 2]
+    return dashes
+
+
+runs = {w: feed_of(d) for w, d in feed_runs([0, 2]).items()}
+for workers, r in runs.items():
+    print(f"{workers} workers: {r['data_wait_frac']:.0%} of the step waiting for data")
 assert runs[0]["data_wait_frac"] >= INPUT_BOUND, "one loader several times slower than the step: input-bound"
 
 # %% [markdown]
@@ -319,15 +344,16 @@ ex.check("06.workers", lambda: nb06.check_workers_needed(workers_needed))
 # %% [markdown]
 # With just enough workers the loader only keeps pace on average: worker start-up and jitter still leave steps
 # waiting. So give it twice what the arithmetic says (your answer if it passed, else the reference), and watch the
-# meter go quiet. (On XLA the host runs ahead of the device, and the batch's upload can queue behind the previous
+# meter go quiet, beside a fresh run with one loader. (On XLA the host runs ahead of the device, and the batch's upload can queue behind the previous
 # step's execution: a compute-bound run still shows a little wait, which is why the meter speaks only above 25 %.)
 
 # %%
-need = workers_needed(delay, P.batch, step_s) if ex.results.get("06.workers") else math.ceil(P.slowness)
+need = workers_needed(slow.delay_s, P.batch, step_s) if ex.results.get("06.workers") else math.ceil(P.slowness)
 many = min(2 * need, len(urls))  # every worker needs a shard of its own
-print(f"{delay * 1e3:.0f} ms per photo x {P.batch} photos, {step_s * 1e3:.0f} ms per step: {need} workers needed")
-dash = fit(stream(many), f"{many} workers")
-runs[many] = feed_of(dash)
+print(f"{slow.delay_s * 1e3:.0f} ms per photo x {P.batch} photos, {step_s * 1e3:.0f} ms per step: {need} workers needed")
+dashes = feed_runs([0, many])  # measured again beside one loader, so that the two compare
+dash = dashes[many]
+runs.update({w: feed_of(d) for w, d in dashes.items()})
 for w, r in runs.items():
     print(f"{w:2d} workers: {r['data_wait_frac']:5.0%} waiting, {r['step_s'] * 1e3:5.0f} ms per step")
 assert runs[many]["data_wait_frac"] < INPUT_BOUND, "enough workers: compute-bound"
