@@ -293,7 +293,7 @@ def feed_runs(worker_counts, tries=3):
     when a run's busy time is more than 2x off `step_s`, the premise of the experiment is gone, so `step_s` is
     taken from what the runs measured and all of them run again (said, at most `tries` times)."""
     global step_s
-    for attempt in range(tries):
+    for _ in range(tries):
         slow.delay_s = P.slowness * step_s / P.batch  # seconds per photo: one loader is P.slowness x too slow
         dashes = {w: fit(stream(w), f"{w} workers") for w in worker_counts}
         busy = sorted(busy_s(feed_of(d)) for d in dashes.values())

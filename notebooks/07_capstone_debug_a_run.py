@@ -298,19 +298,28 @@ if XLA:
 # The prediction against the measurement. The roofline is a floor: the step also updates every weight (a
 # memory-bound pass over the parameters and gradients, see the bandwidth above), launches its work and syncs.
 # Stated tolerance, asserted: the measured step is at least 0.7× and at most 10× the matmul prediction (10×
-# leaves room for a loaded 2-core CI machine; on an idle one it was 3×).
+# leaves room for a loaded 2-core CI machine; on an idle one it was 2.4–3.1×). The matmul rate and the step were
+# measured a minute apart; on a shared machine other work can start or stop in between, so when the ratio falls
+# outside the tolerance both are measured again, side by side (at most twice, and said).
 
 # %%
 flops_step = 6 * P.batch * capstone.weights(model)
-pred = roofline.predict(flops_step, bytes_moved=6 * 4 * sum(p.numel() for p in model.parameters()), machine=here)
-compute_s = fixed["step_s"] * (1 - fixed["wait_share"])
-print(
-    f"predicted {pred['s'] * 1e3:.1f} ms ({pred['bound']}-bound: {pred['compute_s'] * 1e3:.1f} ms of matmuls, "
-    f"{pred['memory_s'] * 1e3:.1f} ms moving the weights); measured {compute_s * 1e3:.1f} ms "
-    f"({compute_s / pred['compute_s']:.1f}x the matmuls alone)"
-)
+weight_bytes = 6 * 4 * sum(p.numel() for p in model.parameters())  # float32, about 6 passes: forward, backward, grads, update
+for _ in range(3):
+    pred = roofline.predict(flops_step, bytes_moved=weight_bytes, machine=here)
+    compute_s = fixed["step_s"] * (1 - fixed["wait_share"])
+    print(
+        f"predicted {pred['s'] * 1e3:.1f} ms ({pred['bound']}-bound: {pred['compute_s'] * 1e3:.1f} ms of matmuls, "
+        f"{pred['memory_s'] * 1e3:.1f} ms moving the weights); measured {compute_s * 1e3:.1f} ms "
+        f"({compute_s / pred['compute_s']:.1f}x the matmuls alone)"
+    )
+    if 0.7 <= compute_s / pred["compute_s"] <= 10:
+        break
+    print("outside the tolerance: measuring the matmul rate and the fixed step again, side by side")
+    here = roofline.measure(rt)
+    fixed = capstone.measure(rt, capstone.make_model(rt, P.width), step_fn, make_loader(data, P.batch), steps=P.steps)
 assert 0.7 <= compute_s / pred["compute_s"] <= 10, (compute_s, pred)
-v5e = roofline.predict(flops_step, 6 * 4 * sum(p.numel() for p in model.parameters()), roofline.V5E)
+v5e = roofline.predict(flops_step, weight_bytes, roofline.V5E)
 print(
     f"on paper, one TPU v5e chip: {v5e['s'] * 1e6:.0f} µs ({v5e['bound']}-bound, intensity "
     f"{v5e['intensity']:.0f} FLOPs/byte vs the chip's ridge at {roofline.V5E.ridge:.0f}; not verified here)"
