@@ -7,15 +7,13 @@ labkit.cloud.store; labkit.cloud.open_store picks one.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
-import time
-import warnings
 
 from labkit.cloud import gcs
+from labkit.cloud.lease import ObjectLock
 from labkit.cloud.protocol import VersionConflict
-from labkit.cloud.store import LOCK, _holder, _pid_alive, _Staging, _sweep
+from labkit.cloud.store import LOCK, _Staging, _sweep
 
 # A gs:// lock not renewed for this long (on the server's clock) is taken over: its writer is gone (a preempted
 # VM has a new host name, so "is its pid alive" cannot be asked). The holder renews it at most once a minute at
@@ -23,7 +21,7 @@ from labkit.cloud.store import LOCK, _holder, _pid_alive, _Staging, _sweep
 LEASE_S = 15 * 60
 
 
-class GCSStore(_Staging):
+class GCSStore(ObjectLock, _Staging):
     """gs://bucket/prefix: verified uploads with bounded retries, create-only objects, a lock object,
     and conditional replacement (if_generation_match: the generation last read, 0 to create)."""
 
@@ -32,7 +30,7 @@ class GCSStore(_Staging):
         self.root = root.rstrip("/")
         self.bucket, self.prefix = gcs.parse_url(self.root + "/")
         self.retry_deadline_s = retry_deadline_s
-        self._lock: dict | None = None  # our lock object's body while we hold it
+        self._rm_hint = "remove it with `gcloud storage rm"
         self._tmp = os.path.join(tempfile.gettempdir(), "labkit-ckpt")
         os.makedirs(self._tmp, exist_ok=True)
         _sweep(self._tmp)  # a killed run otherwise leaks one checkpoint-sized file per kill
@@ -51,10 +49,34 @@ class GCSStore(_Staging):
             predicate=DEFAULT_RETRY._predicate, initial=0.2, maximum=5.0, multiplier=2.0, timeout=self.retry_deadline_s
         )
 
-    # -- one writer ---------------------------------------------------------------------------------
-    def _read_lock(self, b):
-        """(body, generation, age in seconds on the server's clock) of the lock object, or None when
-        there is none. A body that is not a JSON object is refused by name: it is no lock labkit wrote."""
+    # -- one writer: the rules are labkit.cloud.lease's; here, its five operations on the lock object -------------
+    def acquire_writer(self, takeover: bool = False) -> None:
+        """Take the lock object (create-only, if_generation_match=0) before the first byte; takeover=True (a run
+        that resumed this root) replaces another holder's lock with a warning; one not renewed for LEASE_S on the
+        server's clock, or left by a dead pid on this host, is taken over too (labkit.cloud.lease)."""
+        self._acquire(takeover, LEASE_S)
+
+    def check_writer(self) -> None:
+        """Prove we still hold the lock, right before a commit point (an object replaced, a marker, the pointer,
+        a prune): its generation must be the one we wrote, else RuntimeError and nothing is committed. No grace
+        window. Cost: one metadata read per commit point; the lock is rewritten (renewed, generation
+        precondition) at most once a minute, since GCS allows about one write per second to one object."""
+        self._check(LEASE_S)
+
+    def _lock_create(self, body):
+        from google.api_core import exceptions
+
+        b = gcs.blob(self.url(LOCK))
+        try:
+            b.upload_from_string(body, if_generation_match=0, retry=self._retry())
+        except exceptions.PreconditionFailed:
+            return None
+        return b.generation
+
+    def _lock_read(self):
+        """Its age: the server's `updated` against the Date of the same server's reply (never this host's
+        clock). Date has whole seconds, `updated` microseconds: a lock written this second reads as up to 1 s
+        young."""
         from google.api_core import exceptions
 
         meta, now = gcs.stat_with_server_time(self.url(LOCK))
@@ -62,116 +84,36 @@ class GCSStore(_Staging):
             return None
         gen = int(meta["generation"])
         try:  # exactly the generation just looked at (the emulator ignores this on reads; GCS honours it)
-            data = b.download_as_bytes(if_generation_match=gen, retry=self._retry())
+            data = gcs.blob(self.url(LOCK)).download_as_bytes(if_generation_match=gen, retry=self._retry())
         except (exceptions.NotFound, exceptions.PreconditionFailed):
             return None  # replaced or released meanwhile: the caller looks again
-        try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            body = None
-        if not isinstance(body, dict):
-            raise RuntimeError(
-                f"{self.url(LOCK)} is not a labkit writer lock (its body is {data[:80]!r}, not a JSON object): "
-                f"remove it with `gcloud storage rm {self.url(LOCK)}` once no run writes to {self.root}"
-            )
-        # Date has whole seconds, `updated` microseconds: a lock written this second reads as up to 1 s young
-        return body, gen, max(0.0, (now - gcs.parse_time(meta["updated"])).total_seconds())
+        return data, gen, (now - gcs.parse_time(meta["updated"])).total_seconds()
 
-    def acquire_writer(self, takeover: bool = False) -> None:
-        """Take the lock object (create-only) before the first byte (held already: nothing to do). takeover=True
-        (a run that resumed this root) replaces another holder's lock, with a warning: resuming says the old
-        run is over. A lock older than LEASE_S (on the server's clock), or left by a dead pid on this host,
-        is taken over too. A takeover is a conditional overwrite of the generation looked at: of two runs
-        taking one lock over at once, one wins and the other looks again."""
+    def _lock_version(self):
         from google.api_core import exceptions
 
-        b = gcs.blob(self.url(LOCK))
-        if self._lock is not None:  # held: each commit point of the save proves it (check_writer)
-            return
-        me = _holder()
-        for _ in range(5):
-            try:  # create-only: a retry after our own lost success reads back our id below
-                b.upload_from_string(json.dumps(me), if_generation_match=0, retry=self._retry())
-                self._lock, self._lock_gen, self._renewed = me, b.generation, time.monotonic()
-                return
-            except exceptions.PreconditionFailed:
-                pass
-            found = self._read_lock(b)
-            if found is None:
-                continue  # released meanwhile: try again
-            held, gen, age = found
-            if held.get("id") == me["id"]:
-                self._lock, self._lock_gen, self._renewed = me, gen, time.monotonic()
-                return
-            dead = held.get("host") == me["host"] and isinstance(held.get("pid"), int) and not _pid_alive(held["pid"])
-            if not (dead or age >= LEASE_S or takeover):
-                raise RuntimeError(
-                    f"{self.root} is being written by another checkpoint writer (host {held.get('host')} pid "
-                    f"{held.get('pid')}, lock renewed {age / 60:.0f} min ago); two runs saving to one prefix would "
-                    f"overwrite each other's checkpoints. Use another prefix, close() the other manager, or resume "
-                    f"this run (TrainConfig.resume=True) to take over; a lock not renewed for {LEASE_S // 60} min "
-                    f"is taken over by itself"
-                )
-            try:  # replaces exactly the lock looked at; a 412 means another run changed it first
-                b.upload_from_string(json.dumps(me), if_generation_match=gen, retry=None)
-            except exceptions.PreconditionFailed:
-                continue
-            if not dead:
-                why = "this run resumed it" if takeover else f"not renewed for {age / 60:.0f} min"
-                warnings.warn(
-                    f"{self.url(LOCK)}: taking over the writer lock of host {held.get('host')} pid "
-                    f"{held.get('pid')} ({why})",
-                    stacklevel=3,
-                )
-            self._lock, self._lock_gen, self._renewed = me, b.generation, time.monotonic()
-            return
-        raise RuntimeError(f"could not take the writer lock {self.url(LOCK)} (other writers kept changing it)")
-
-    def check_writer(self) -> None:
-        """Prove we still hold the lock, right before a commit point (an object replaced, a marker, the
-        pointer, a prune): its generation must be the one we wrote, else RuntimeError and nothing is
-        committed. No grace window: a writer whose lock was taken over a second ago stops here. Cost: one
-        metadata read per commit point; the lock is rewritten (renewed, generation precondition) at most
-        once a minute, since GCS allows about one write per second to one object."""
-        from google.api_core import exceptions
-
-        if self._lock is None:
-            raise RuntimeError(f"{self.url(LOCK)}: this writer does not hold the lock (released, or taken over)")
         b = gcs.blob(self.url(LOCK))
         try:
             b.reload(retry=self._retry())
-            ours = b.generation == self._lock_gen
         except exceptions.NotFound:
-            ours = False
-        if ours and time.monotonic() - self._renewed >= 60:
-            try:  # the renewal: its age then says we are alive
-                b.upload_from_string(json.dumps(self._lock), if_generation_match=self._lock_gen, retry=None)
-                self._lock_gen, self._renewed = b.generation, time.monotonic()
-            except (exceptions.PreconditionFailed, exceptions.NotFound):
-                ours = False
-        if not ours:
-            self._lock = None
-            raise RuntimeError(
-                f"{self.url(LOCK)} was taken over by another writer (a resumed run, this one silent for "
-                f"{LEASE_S // 60} min, or the lock deleted by hand): this run stops saving here rather than "
-                "overwrite its checkpoints"
-            )
+            return None
+        return b.generation
 
-    def release_writer(self) -> None:
-        """Delete the lock only while it is still ours (generation precondition); a lock another run took
-        over stays, with a warning."""
+    def _lock_replace(self, body, generation):
         from google.api_core import exceptions
 
-        if self._lock is None:
-            return
+        b = gcs.blob(self.url(LOCK))
+        try:  # no retry: a retried conditional write could read a 412 for its own first success
+            b.upload_from_string(body, if_generation_match=generation, retry=None)
+        except (exceptions.PreconditionFailed, exceptions.NotFound):
+            return None
+        return b.generation
+
+    def _lock_delete(self, generation):
+        from google.api_core import exceptions
+
         try:
-            self.check_writer()
-        except RuntimeError as e:
-            warnings.warn(f"{e} (left in place)", stacklevel=3)
-            return
-        self._lock = None
-        try:
-            gcs.blob(self.url(LOCK)).delete(if_generation_match=self._lock_gen, retry=self._retry())
+            gcs.blob(self.url(LOCK)).delete(if_generation_match=generation, retry=self._retry())
         except (exceptions.NotFound, exceptions.PreconditionFailed):
             pass
 

@@ -29,16 +29,14 @@ it). One PutObject carries at most 5 GiB; larger needs a multipart upload, not w
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
-import time
-import warnings
 from email.utils import parsedate_to_datetime
 
 from labkit.cloud.gcs_store import LEASE_S
+from labkit.cloud.lease import ObjectLock
 from labkit.cloud.protocol import VersionConflict
-from labkit.cloud.store import LOCK, _holder, _pid_alive, _Staging, _sweep
+from labkit.cloud.store import LOCK, _Staging, _sweep
 
 MAX_PUT = 5 << 30  # S3's limit for one PutObject
 META = "labkit-crc32c"  # user metadata: the crc32c an upload was sent with (how a retry finds its own object)
@@ -73,7 +71,7 @@ def _client(session, timeout: float, attempts: int):
     return session.client("s3", config=cfg)
 
 
-class S3Store(_Staging):
+class S3Store(ObjectLock, _Staging):
     """s3://bucket/prefix: create-only objects (If-None-Match), a lock object, and conditional replacement
     (If-Match: the ETag last read; None to create)."""
 
@@ -93,7 +91,7 @@ class S3Store(_Staging):
         self.endpoint = self._s3.meta.endpoint_url
         with self._errors(None, "ListBucket"):  # missing bucket: FileNotFoundError now, not at the first save
             self._s3.head_bucket(Bucket=self.bucket)
-        self._lock: dict | None = None  # our lock object's body while we hold it
+        self._rm_hint = "remove it with `aws s3 rm"
         self._tmp = os.path.join(tempfile.gettempdir(), "labkit-ckpt")
         os.makedirs(self._tmp, exist_ok=True)
         _sweep(self._tmp)  # a killed run otherwise leaks one checkpoint-sized file per kill
@@ -243,111 +241,48 @@ class S3Store(_Staging):
                     raise VersionConflict(f"{self.url(name)}: not at version {version}") from None
                 raise
 
-    # -- one writer ---------------------------------------------------------------------------------
-    def _read_lock(self):
-        """(body, ETag, age in seconds on the server's clock) of the lock object, or None when there is none.
-        One GetObject gives all three: LastModified and the reply's Date header come from the same server."""
-        with self._errors(LOCK, "GetObject"):
-            r = self._quiet(self._s3.get_object, _MISSING, LOCK)
-            if r is None:
-                return None  # released meanwhile: the caller looks again
-            data = r["Body"].read()
-        date = r["ResponseMetadata"].get("HTTPHeaders", {}).get("date")
-        # no Date header (a proxy dropped it): age 0, i.e. never stale; both have whole seconds
-        age = (parsedate_to_datetime(date) - r["LastModified"]).total_seconds() if date else 0.0
-        try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            body = None
-        if not isinstance(body, dict):
-            raise RuntimeError(
-                f"{self.url(LOCK)} is not a labkit writer lock (its body is {data[:80]!r}, not a JSON object): "
-                f"remove it with `aws s3 rm {self.url(LOCK)}` once no run writes to {self.root}"
-            )
-        return body, r["ETag"], max(0.0, age)
-
-    def _hold(self, me, etag):
-        self._lock, self._lock_etag, self._renewed = me, etag, time.monotonic()
-
+    # -- one writer: the rules are labkit.cloud.lease's; here, its five operations on the lock object -------------
     def acquire_writer(self, takeover: bool = False) -> None:
-        """Take the lock object (create-only) before the first byte, as GCSStore does: takeover=True (a run that
-        resumed this root) replaces another holder's lock with a warning; a lock older than LEASE_S on the
-        server's clock, or left by a dead pid on this host, is taken over too. A takeover is a conditional
-        overwrite (If-Match) of the ETag looked at: of two runs taking one lock over at once, one wins."""
-        if self._lock is not None:  # held: each commit point of the save proves it (check_writer)
-            return
-        me = _holder()
-        body = json.dumps(me).encode()
-        for _ in range(5):
-            with self._errors(LOCK, "PutObject"):  # create-only: a retry after our own lost success reads our id
-                r = self._quiet(self._s3.put_object, _TAKEN | _RACE, LOCK, Body=body, IfNoneMatch="*")
-            if r is not None:
-                return self._hold(me, r["ETag"])
-            found = self._read_lock()
-            if found is None:
-                continue
-            held, etag, age = found
-            if held.get("id") == me["id"]:
-                return self._hold(me, etag)
-            dead = held.get("host") == me["host"] and isinstance(held.get("pid"), int) and not _pid_alive(held["pid"])
-            if not (dead or age >= LEASE_S or takeover):
-                raise RuntimeError(
-                    f"{self.root} is being written by another checkpoint writer (host {held.get('host')} pid "
-                    f"{held.get('pid')}, lock renewed {age / 60:.0f} min ago); two runs saving to one prefix would "
-                    f"overwrite each other's checkpoints. Use another prefix, close() the other manager, or resume "
-                    f"this run (TrainConfig.resume=True) to take over; a lock not renewed for {LEASE_S // 60} min "
-                    f"is taken over by itself"
-                )
-            with self._errors(LOCK, "PutObject"):  # exactly the lock looked at; 412/404: another run changed it
-                r = self._quiet(self._once.put_object, _TAKEN | _RACE | _MISSING, LOCK, Body=body, IfMatch=etag)
-            if r is None:
-                continue
-            if not dead:
-                why = "this run resumed it" if takeover else f"not renewed for {age / 60:.0f} min"
-                warnings.warn(
-                    f"{self.url(LOCK)}: taking over the writer lock of host {held.get('host')} pid "
-                    f"{held.get('pid')} ({why})",
-                    stacklevel=3,
-                )
-            return self._hold(me, r["ETag"])
-        raise RuntimeError(f"could not take the writer lock {self.url(LOCK)} (other writers kept changing it)")
+        """Take the lock object (create-only, If-None-Match: *) before the first byte, as GCSStore does:
+        takeover=True (a run that resumed this root) replaces another holder's lock with a warning; one older
+        than LEASE_S on the server's clock, or left by a dead pid on this host, is taken over too."""
+        self._acquire(takeover, LEASE_S)
 
     def check_writer(self) -> None:
         """Prove we still hold the lock right before a commit point: its ETag must be the one we wrote, else
         RuntimeError and nothing is committed. Cost: one HeadObject per commit point; the lock is rewritten
-        (If-Match, the renewal its age is read from) at most once a minute."""
-        if self._lock is None:
-            raise RuntimeError(f"{self.url(LOCK)}: this writer does not hold the lock (released, or taken over)")
+        (If-Match, the renewal its age is read from) at most once a minute. release_writer deletes it with
+        If-Match: our ETag; a server that ignores If-Match on a delete (older S3-compatible ones) would delete
+        a lock taken over between that check and the delete: the check narrows that window."""
+        self._check(LEASE_S)
+
+    def _lock_create(self, body):
+        with self._errors(LOCK, "PutObject"):
+            r = self._quiet(self._s3.put_object, _TAKEN | _RACE, LOCK, Body=body, IfNoneMatch="*")
+        return None if r is None else r["ETag"]
+
+    def _lock_read(self):
+        """One GetObject gives all three: the age is its LastModified against the same reply's Date header."""
+        with self._errors(LOCK, "GetObject"):
+            r = self._quiet(self._s3.get_object, _MISSING, LOCK)
+            if r is None:
+                return None
+            data = r["Body"].read()
+        date = r["ResponseMetadata"].get("HTTPHeaders", {}).get("date")
+        # no Date header (a proxy dropped it): age 0, i.e. never stale; both have whole seconds
+        age = (parsedate_to_datetime(date) - r["LastModified"]).total_seconds() if date else 0.0
+        return data, r["ETag"], age
+
+    def _lock_version(self):
         with self._errors(LOCK, "GetObject"):
             head = self._quiet(self._s3.head_object, _MISSING, LOCK)
-            ours = head is not None and head["ETag"] == self._lock_etag
-            if ours and time.monotonic() - self._renewed >= 60:  # the renewal: its age then says we are alive
-                body = json.dumps(self._lock).encode()
-                r = self._quiet(
-                    self._once.put_object, _TAKEN | _RACE | _MISSING, LOCK, Body=body, IfMatch=self._lock_etag
-                )
-                ours = r is not None
-                if ours:
-                    self._hold(self._lock, r["ETag"])
-        if not ours:
-            self._lock = None
-            raise RuntimeError(
-                f"{self.url(LOCK)} was taken over by another writer (a resumed run, this one silent for "
-                f"{LEASE_S // 60} min, or the lock deleted by hand): this run stops saving here rather than "
-                "overwrite its checkpoints"
-            )
+        return None if head is None else head["ETag"]
 
-    def release_writer(self) -> None:
-        """Delete the lock only while it is still ours (DeleteObject If-Match our ETag); a lock another run
-        took over stays, with a warning. A server that ignores If-Match on a delete (older S3-compatible
-        ones) would delete a lock taken over between our check and the delete: the check narrows that window."""
-        if self._lock is None:
-            return
-        try:
-            self.check_writer()
-        except RuntimeError as e:
-            warnings.warn(f"{e} (left in place)", stacklevel=3)
-            return
-        self._lock = None
+    def _lock_replace(self, body, etag):
+        with self._errors(LOCK, "PutObject"):  # no retries (_once): a retry could read a 412 for our own success
+            r = self._quiet(self._once.put_object, _TAKEN | _RACE | _MISSING, LOCK, Body=body, IfMatch=etag)
+        return None if r is None else r["ETag"]
+
+    def _lock_delete(self, etag):
         with self._errors(LOCK, "DeleteObject"):  # 412: taken over since the check; 404: gone already
-            self._quiet(self._s3.delete_object, _TAKEN | _RACE | _MISSING, LOCK, IfMatch=self._lock_etag)
+            self._quiet(self._s3.delete_object, _TAKEN | _RACE | _MISSING, LOCK, IfMatch=etag)
