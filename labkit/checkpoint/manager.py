@@ -178,13 +178,14 @@ class CheckpointManager:
             info = fmt.upload(step, cpu_state, self.writer.staged, lambda: self._may_replace(fmt, step))
             self._mine.add(name)
             self.writer.check_abandon(step)  # stored but not committed: invisible, pruned by the next save
-            kept = self._retained(step, best)
+            entries = self._entries()  # listed once: the lock keeps other writers out until the prune
+            kept = self._retained(step, best, entries)
             self.store.check_writer()  # the commit point: only while the lock is still ours
             fmt.commit(step, info, {"metrics": metrics, "best": best or None}, kept)
         except BaseException:
             fmt.abort(step)
             raise
-        self._prune(step, kept)
+        self._prune(step, kept, entries)
 
     def _may_replace(self, fmt, step) -> None:
         """`step` exists already: this run's own earlier save, or one a killed writer stored without
@@ -198,20 +199,21 @@ class CheckpointManager:
             )
         self.store.check_writer()  # the lock is still ours right before the old bytes go
 
-    def _retained(self, newest: int, best) -> set:
+    def _retained(self, newest: int, best, entries) -> set:
         """Names kept after a save of `newest`: the newest `keep` committed steps of either format, `newest`
         itself and the best."""
-        committed = sorted({s for s, _, c in self._entries() if c} | {newest})
+        committed = sorted({s for s, _, c in entries if c} | {newest})
         steps = set(committed[-self.keep :]) | {newest}
         keep = {f.name(s) for f in self.formats.values() for s in steps}
         if best and best.get("name"):
             keep.add(best["name"])
         return keep
 
-    def _prune(self, newest: int, keep: set) -> None:
+    def _prune(self, newest: int, keep: set, entries) -> None:
         """Drop every step not kept, but not an uncommitted one newer than `newest` (another save's, in flight
-        or killed: its own next save replaces it)."""
-        doomed = [(s, f) for s, f, c in self._entries() if f.name(s) not in keep and (c or s < newest)]
+        or killed: its own next save replaces it). `entries` were listed before the commit of `newest`: only
+        its own flag changed since, and `newest` is kept."""
+        doomed = [(s, f) for s, f, c in entries if f.name(s) not in keep and (c or s < newest)]
         if doomed:
             self.store.check_writer()  # a writer whose lock was taken deletes nothing
         for s, f in doomed:
