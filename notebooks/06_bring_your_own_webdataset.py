@@ -256,7 +256,7 @@ from labkit import Dashboard, TrainConfig, Trainer
 
 if rt.device.type == "cpu":
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-print(f"the model runs on {rt.device} with {torch.get_num_threads()} host threads")
+print(f"the model runs on {rt.device}; host threads for its ops: {torch.get_num_threads()}")
 
 
 def fit(loader, title):
