@@ -281,10 +281,10 @@ assert feed_of(free)["data_wait_frac"] < INPUT_BOUND
 # the model and real decoders would fight over the same cores). The delay makes one loader `P.slowness` times slower
 # than a step. Then add workers: each DataLoader worker process reads its own shards and builds whole batches.
 #
-# Timing on a shared machine is noisy: the step time measured above holds only while the machine's load stays the
-# same. So runs that are compared are measured side by side, and each run also says how long its steps computed
-# (step minus wait); when that is more than 2x off the step time the delay was set from, the runs are measured
-# again, and the notebook says so.
+# Timing is noisy: the step time measured above holds only while nothing else takes the model's cores (on a
+# small host the loader's own workers do). So runs that are compared are measured side by side, and each run also
+# says how long its steps computed (step minus wait); when that is more than 2x off the step time the delay was
+# set from, the runs are measured again, and the notebook says so.
 
 # %%
 slow = nb06.SlowLink(v2.Compose([v2.RandomResizedCrop(P.size, antialias=True), v2.PILToTensor()]), delay_s=0.0)
@@ -299,10 +299,11 @@ def busy_s(feed):  # the part of a step not spent waiting: the pace the loader h
 
 
 def feed_runs(worker_counts, tries=3):
-    """One run per worker count, side by side, with the slow link set from `step_s`. A shared machine's load
-    can change between the measurement of `step_s` and these runs (CI runs this notebook beside other work):
-    when a run's busy time is more than 2x off `step_s`, the premise of the experiment is gone, so `step_s` is
-    taken from what the runs measured and all of them run again (said, at most `tries` times)."""
+    """One run per worker count, side by side, with the slow link set from `step_s`. The model's step time
+    can change between the measurement of `step_s` and these runs (a shared machine's other work, or on a
+    small host the workers' own decoding takes cores from the model): when a run's busy time is more than 2x
+    off `step_s`, the premise of the experiment is gone, so `step_s` is taken from what the runs measured and
+    all of them run again (said; the last of `tries` stands)."""
     global step_s
     for attempt in range(tries):
         slow.delay_s = P.slowness * step_s / P.batch  # seconds per photo: one loader is P.slowness x too slow
@@ -311,7 +312,8 @@ def feed_runs(worker_counts, tries=3):
         if all(0.5 <= b / step_s <= 2 for b in busy) or attempt == tries - 1:
             return dashes
         print(f"the steps computed in {busy[0] * 1e3:.0f}-{busy[-1] * 1e3:.0f} ms, not the {step_s * 1e3:.0f} ms "
-              "the delay was set from: the machine's load changed; measuring again")
+              "the delay was set from (other work, or the workers themselves, took cores from the model): "
+              "measuring again with the delay set from these")
         step_s = busy[len(busy) // 2]
 
 
