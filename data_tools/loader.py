@@ -32,9 +32,37 @@ num_samples= skips the count.
 
 from __future__ import annotations
 
+import operator
+import os
+
 import torch
 
 from .stream import ShardStream
+
+
+def auto_workers() -> int:
+    """Loader worker processes for this training process: the host cores it may run on (its CPU affinity),
+    shared among the training processes of this host (LOCAL_WORLD_SIZE, which torchrun sets), less one core
+    each for the training process itself. A 2-core Colab VM gets 1; 8 cores under torchrun with 4 processes, 1 each."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if not local.isdigit() or int(local) < 1:
+        raise ValueError(f"num_workers='auto': LOCAL_WORLD_SIZE={local!r} is not a count of processes >= 1")
+    return max(0, cores // int(local) - 1)
+
+
+def _worker_count(num_workers) -> int:
+    if isinstance(num_workers, str) and num_workers == "auto":
+        return auto_workers()
+    try:
+        if isinstance(num_workers, bool):
+            raise TypeError
+        n = operator.index(num_workers)
+    except TypeError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"make_loader: num_workers={num_workers!r}: give a count >= 0, or 'auto'")
+    return n
 
 
 class ShardLoader(torch.utils.data.DataLoader):
@@ -104,7 +132,7 @@ def make_loader(
     batch_size: int,
     *,
     train: bool,
-    num_workers: int = 0,
+    num_workers: int | str = 0,
     prefetch_factor: int | None = None,
     persistent_workers: bool = False,
     **options,
@@ -121,8 +149,12 @@ def make_loader(
     crop in training, resized shorter side + centre crop in evaluation); transform=a torchvision.transforms.v2
     pipeline instead (see the module docstring). Without image_size and transform, images must have the
     manifest's size (labkit's own shards, 32x32): the CIFAR recipe, as fast as before.
+    num_workers: loader worker processes (0: decode in the training process); "auto" gives one per host core
+    this process may use, less one for training (auto_workers()). The batches' order depends on the count, so
+    a run that must repeat its batches on another host passes a number.
     persistent_workers=True keeps the worker processes between epochs (no restart at each epoch's start: the
     chip does not wait for them); set_epoch() still reaches them (the epoch is a shared value)."""
+    num_workers = _worker_count(num_workers)
     stream = ShardStream(source, batch_size, train=train, num_workers=num_workers, **options)
     kw = {}
     if num_workers > 0:

@@ -200,7 +200,7 @@ def feed_finding(wait_frac, wait_s=None, step_s=None) -> list[Finding]:
     )
     advice = (
         f"{short}. The chip idles while the host decodes: raise make_loader's num_workers "
-        "(one per free host core), store images near the size you train at, or lower image_size; "
+        "(one per free host core: num_workers='auto'), store images near the size you train at, or lower image_size; "
         "bench/bench_feed.py measures images/s per core."
     )
     return [Finding("input_bound", short, advice)]
