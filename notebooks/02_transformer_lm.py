@@ -524,18 +524,37 @@ ex.check("02.step_time", lambda: nb02.check_step_time(predict_step_s))
 # %%
 from labkit.profiling import roofline
 
-measured_step = TOKENS_PER_STEP / RATE["per_chip"]
-for _ in range(3):  # the matmul rate is timed over about a second: other work on a shared machine can move it
-    here = roofline.measure(rt)
+
+def time_steps(steps=6, warmup=2):
+    """Seconds per training step now: the same step on a twin built as the trained model was (which is left as it is)."""
+    twin_model, twin_opt, _ = recipes.build_gpt(gcfg, P.lr, P.weight_decay, P.max_steps, P.seed, rt)
+    twin = labkit.LMTrainer(twin_model, twin_opt, rt, cfg, train_batches, precision=PREC)
+    batches = iter(twin.train_loader)
+    for i in range(warmup + steps):
+        if i == warmup:
+            t0 = time.perf_counter()
+        twin.train_step(next(batches))
+        twin.run_optimizer()
+        rt.sync()
+    return (time.perf_counter() - t0) / steps
+
+
+measured_step = TOKENS_PER_STEP / RATE["per_chip"]   # the training run's median step
+here = roofline.measure(rt)
+for attempt in range(3):
     predicted = FLOPS_PER_TOKEN * TOKENS_PER_STEP / here.flops
     print(f"{here.name}: {here.flops / 1e9:.0f} GFLOP/s on a large matmul; one step predicted {predicted * 1e3:.1f} ms, "
           f"measured {measured_step * 1e3:.1f} ms ({measured_step / predicted:.1f}x)")
-    if 0.7 <= measured_step / predicted <= 30:
+    if 0.7 <= measured_step / predicted <= 30 or attempt == 2:
         break
-    print("outside the stated tolerance: timing the matmul again")
+    # the step was timed during training, the matmul just now: other work on a shared machine can start or stop
+    # in between (on a CPU both slow down with it), so time both again, side by side
+    print("outside the stated tolerance: timing the step and the matmul again, side by side")
+    measured_step = time_steps()
+    here = roofline.measure(rt)
 # stated tolerance: the roofline is a floor (>= 0.7x allows for noise); small matrices, softmax, LayerNorms and the
 # optimizer's memory-bound update keep a small model well above it (<= 30x, on a loaded 2-core machine; 5.5-10x
-# measured on 2-core machines)
+# measured on 2-core machines on XLA:CPU; the CI-sized model on the plain CPU, quiet: ~13 ms for 4.9 ms, 2.6x)
 assert 0.7 <= measured_step / predicted <= 30, (measured_step, predicted)
 
 # %% [markdown]
