@@ -545,7 +545,8 @@ for attempt in range(3):
     predicted = FLOPS_PER_TOKEN * TOKENS_PER_STEP / here.flops
     print(f"{here.name}: {here.flops / 1e9:.0f} GFLOP/s on a large matmul; one step predicted {predicted * 1e3:.1f} ms, "
           f"measured {measured_step * 1e3:.1f} ms ({measured_step / predicted:.1f}x)")
-    if 0.7 <= measured_step / predicted <= 30 or attempt == 2:
+    high = roofline.upper_bound(predicted, 30)   # no upper bound when the matmuls take under a millisecond
+    if 0.7 <= measured_step / predicted <= high or attempt == 2:
         break
     # the step was timed during training, the matmul just now: other work on a shared machine can start or stop
     # in between (on a CPU both slow down with it), so time both again, side by side
@@ -554,8 +555,12 @@ for attempt in range(3):
     here = roofline.measure(rt)
 # stated tolerance: the roofline is a floor (>= 0.7x allows for noise); small matrices, softmax, LayerNorms and the
 # optimizer's memory-bound update keep a small model well above it (<= 30x, on a loaded 2-core machine; 5.5-10x
-# measured on 2-core machines on XLA:CPU; the CI-sized model on the plain CPU, quiet: ~13 ms for 4.9 ms, 2.6x)
-assert 0.7 <= measured_step / predicted <= 30, (measured_step, predicted)
+# measured on 2-core machines on XLA:CPU; the CI-sized model on the plain CPU, quiet: ~13 ms for 4.9 ms, 2.6x). On a
+# fast chip a small model's matmuls take microseconds and launching its kernels sets the step: only the floor holds
+if high == float("inf"):
+    print(f"launch-bound: {predicted * 1e3:.2f} ms of matmuls is under {roofline.LAUNCH_FLOOR_S * 1e3:.0f} ms; "
+          "kernel launches and Python set this step's time, so only the roofline's floor is checked")
+assert 0.7 <= measured_step / predicted <= high, (measured_step, predicted)
 
 # %% [markdown]
 # ### Use your own bucket

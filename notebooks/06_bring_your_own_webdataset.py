@@ -358,8 +358,17 @@ ex.check("06.workers", lambda: nb06.check_workers_needed(workers_needed))
 # waiting. So give it twice what the arithmetic says (your answer if it passed, else the reference), and watch the
 # meter go quiet, beside a fresh run with one loader. (On XLA the host runs ahead of the device, and the batch's upload can queue behind the previous
 # step's execution: a compute-bound run still shows a little wait, which is why the meter speaks only above 25 %.)
+# The arithmetic counts the link alone; the cell also times the host's own work per photo, and where even the
+# doubled workers cannot deliver a batch per step (a GPU's step of a few ms: one shard per worker runs out first)
+# it says so and checks only that the wait fell.
 
 # %%
+import time
+
+link_s, slow.delay_s = slow.delay_s, 0.0  # time the host's own part first: reading, decoding and cropping a photo
+t0 = time.perf_counter()
+_ = [b for _, b in zip(range(2), stream(0))]
+photo_s, slow.delay_s = (time.perf_counter() - t0) / (2 * P.batch), link_s
 need = workers_needed(slow.delay_s, P.batch, step_s) if ex.results.get("06.workers") else math.ceil(P.slowness)
 many = min(2 * need, len(urls))  # every worker needs a shard of its own
 print(f"{slow.delay_s * 1e3:.0f} ms per photo x {P.batch} photos, {step_s * 1e3:.0f} ms per step: {need} workers needed")
@@ -368,7 +377,14 @@ dash = dashes[many]
 runs.update({w: feed_of(d) for w, d in dashes.items()})
 for w, r in runs.items():
     print(f"{w:2d} workers: {r['data_wait_frac']:5.0%} waiting, {r['step_s'] * 1e3:5.0f} ms per step")
-assert runs[many]["data_wait_frac"] < INPUT_BOUND, "enough workers: compute-bound"
+per_batch = (slow.delay_s + photo_s) * P.batch  # one worker's time for a batch: the link, then the decode
+if many * step_s >= per_batch:  # the workers can deliver a batch per step
+    assert runs[many]["data_wait_frac"] < INPUT_BOUND, "enough workers: compute-bound"
+else:
+    print(f"{many} workers (one per shard) cannot keep up with a {step_s * 1e3:.0f} ms step: each needs "
+          f"{per_batch * 1e3:.0f} ms per batch ({photo_s * 1e3:.1f} ms per photo of host work besides the link). "
+          "A chip this fast needs more shards and workers, or photos stored near the size it trains at")
+    assert runs[many]["data_wait_frac"] < runs[0]["data_wait_frac"], "more workers, less waiting"
 assert runs[many]["step_s"] < runs[0]["step_s"], "and every step is faster"
 info = labkit.explain(dash)
 

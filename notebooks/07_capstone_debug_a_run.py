@@ -33,7 +33,7 @@
 # ## Parameters
 
 # %% tags=["parameters"]
-import dataclasses, os, sys
+import dataclasses, math, os, sys
 
 
 @dataclasses.dataclass
@@ -158,13 +158,16 @@ for ev in broken["recompile_events"][:3]:
 print("CPU fallbacks:", broken["fallbacks"])
 print("reads per line:", broken["read_lines"])
 print(f"waiting for batches: {broken['wait_s'] * 1e3:.0f} ms per step ({broken['wait_share']:.0%} of the step)")
-assert broken["reads"] >= broken["steps"], "a read in every step"
 sequential = P.batch * P.delay_ms / 1e3  # decoding a whole batch, one sample after another
 assert broken["wait_s"] >= 0.7 * sequential, "each step waits for a whole batch to be decoded"
 assert len(set(broken["shapes"])) > 1, "batches of many sizes"
-if XLA:
+if XLA:  # the sync finder, the recompile detective and the fallback counters read torch_xla's metrics
+    assert broken["reads"] >= broken["steps"], "a read in every step"
     assert broken["compiles_after_warmup"] > 0 and broken["recompile_events"], "new graphs after warm-up"
     assert "aten::nonzero" in broken["fallbacks"], "the boolean index ran on the CPU"
+else:
+    print(f"not on XLA ({rt.kind}): the sync finder, the recompile detective and the fallback counters are "
+          "torch_xla's; here a .item() still waits for the device, but nothing counts it")
 
 # %% [markdown]
 # What the tools say, in words:
@@ -289,10 +292,19 @@ print(
     f"step time {broken['step_s'] * 1e3:.0f} ms -> {fixed['step_s'] * 1e3:.0f} ms "
     f"({broken['step_s'] / fixed['step_s']:.1f}x faster)"
 )
-assert fixed["reads"] == 0 and len(set(fixed["shapes"])) == 1
-assert fixed["wait_share"] < 0.3, f"still waiting {fixed['wait_share']:.0%} of the step"
+assert len(set(fixed["shapes"])) == 1
+compute_s = fixed["step_s"] * (1 - fixed["wait_share"])  # the part of a step not spent waiting
+if compute_s >= 0.02:  # exercise 2 sized the loader for a step of 20 ms
+    assert fixed["wait_share"] < 0.3, f"still waiting {fixed['wait_share']:.0%} of the step"
+else:  # a fast chip: the same loader cannot keep up, and that is the finding
+    print(
+        f"this device computes a step in {compute_s * 1e3:.1f} ms, under the 20 ms the loader was sized for: it still "
+        f"waits {fixed['wait_share']:.0%} of the step; keeping up would take about "
+        f"{math.ceil(P.batch * P.delay_ms / 1e3 / compute_s)} workers"
+    )
+    assert fixed["wait_s"] < broken["wait_s"], "the workers cut the wait"
 if XLA:
-    assert fixed["compiles_after_warmup"] == 0 and not fixed["fallbacks"]
+    assert fixed["reads"] == 0 and fixed["compiles_after_warmup"] == 0 and not fixed["fallbacks"]
 
 # %% [markdown]
 # The prediction against the measurement. The roofline is a floor: the step also updates every weight (a
@@ -313,12 +325,15 @@ for _ in range(3):
         f"{pred['memory_s'] * 1e3:.1f} ms moving the weights); measured {compute_s * 1e3:.1f} ms "
         f"({compute_s / pred['compute_s']:.1f}x the matmuls alone)"
     )
-    if 0.7 <= compute_s / pred["compute_s"] <= 10:
+    high = roofline.upper_bound(pred["compute_s"], 10)  # none when the matmuls take under a millisecond
+    if 0.7 <= compute_s / pred["compute_s"] <= high:
         break
     print("outside the tolerance: measuring the matmul rate and the fixed step again, side by side")
     here = roofline.measure(rt)
     fixed = capstone.measure(rt, capstone.make_model(rt, P.width), step_fn, make_loader(data, P.batch), steps=P.steps)
-assert 0.7 <= compute_s / pred["compute_s"] <= 10, (compute_s, pred)
+if high == float("inf"):
+    print("launch-bound: under a millisecond of matmuls, kernel launches and Python set the step; only the floor is checked")
+assert 0.7 <= compute_s / pred["compute_s"] <= high, (compute_s, pred)
 v5e = roofline.predict(flops_step, weight_bytes, roofline.V5E)
 print(
     f"on paper, one TPU v5e chip: {v5e['s'] * 1e6:.0f} µs ({v5e['bound']}-bound, intensity "
