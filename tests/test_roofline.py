@@ -16,13 +16,13 @@ def test_predict_says_which_term_bounds_the_time():
     assert roofline.V5E.ridge == pytest.approx(197e12 / 819e9) and "not verified" in roofline.V5E.name
 
 
-@pytest.mark.parametrize("backend", ["xla-cpu", "cpu"])
 def test_a_launch_bound_step_keeps_only_the_floor():
     assert roofline.upper_bound(5e-3, 30) == 30  # 5 ms of matmuls: the stated factor holds
     assert roofline.upper_bound(roofline.LAUNCH_FLOOR_S, 10) == 10
     assert roofline.upper_bound(2e-5, 30) == float("inf")  # 0.02 ms: kernel launches and Python set the time
 
 
+@pytest.mark.parametrize("backend", ["xla-cpu", "cpu"])
 def test_measure_on_this_device(backend):
     rt = labkit.setup(backend)
     here = roofline.measure(rt, n=256, mb=8, repeats=3)
