@@ -52,17 +52,11 @@ def auto_workers() -> int:
 
 
 def _worker_count(num_workers) -> int:
-    if isinstance(num_workers, str) and num_workers == "auto":
+    if num_workers == "auto":
         return auto_workers()
-    try:
-        if isinstance(num_workers, bool):
-            raise TypeError
-        n = operator.index(num_workers)
-    except TypeError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"make_loader: num_workers={num_workers!r}: give a count >= 0, or 'auto'")
-    return n
+    if not isinstance(num_workers, bool) and hasattr(num_workers, "__index__") and operator.index(num_workers) >= 0:
+        return operator.index(num_workers)
+    raise ValueError(f"make_loader: num_workers={num_workers!r}: give a count >= 0, or 'auto'")
 
 
 class ShardLoader(torch.utils.data.DataLoader):

@@ -294,7 +294,7 @@ print(
 )
 assert len(set(fixed["shapes"])) == 1
 compute_s = fixed["step_s"] * (1 - fixed["wait_share"])  # the part of a step not spent waiting
-if compute_s >= 0.02:  # exercise 2 sized the loader for a step of 20 ms
+if compute_s >= nb07.LOADER_STEP_S:  # exercise 2 sized the loader for a step of 20 ms
     assert fixed["wait_share"] < 0.3, f"still waiting {fixed['wait_share']:.0%} of the step"
 else:  # a fast chip: the same loader cannot keep up, and that is the finding
     print(

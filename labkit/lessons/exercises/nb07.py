@@ -66,7 +66,10 @@ def check_fixed_step(fixed_step, rt, steps: int = 8) -> str:
     return f"{got['steps']} steps, no new graph, no fallback, no read"
 
 
-def check_fixed_loader(fixed_loader, compute_s: float = 0.02, delay_s: float = 0.0006, steps: int = 10) -> str:
+LOADER_STEP_S = 0.02  # the step (seconds of device work) exercise 2's loader must keep fed
+
+
+def check_fixed_loader(fixed_loader, compute_s: float = LOADER_STEP_S, delay_s: float = 0.0006, steps: int = 10) -> str:
     """07.fix_loader: fixed_loader(dataset, batch_size) -> an iterable of (x, y, index) batches. Judged by: every
     batch has batch_size rows (one shape, unlabelled rows kept), no sample twice in an epoch, and, with `compute_s`
     of work per step (a sleep standing for the device), under 30 % of the step spent waiting for batches."""
