@@ -1,12 +1,15 @@
-"""Step time of labkit's Trainer vs a hand-written torch_xla loop, same model, same run.
+"""Step time of labkit's Trainer vs a hand-written loop, same model, same run, on the default backend.
 
     PJRT_DEVICE=CPU .venv/bin/python bench/bench_loop.py [--model resnet50] [--steps 12] [--trials 3]
+        [--batch 8] [--size 32] [--precision fp32|auto|bf16|fp16] [--backend tpu|cuda|xla-cpu|cpu]
 
-Both loops: torchvision model (10 classes), SGD+momentum, batches of 8x3x32x32 from an in-memory
-dataset through a background device loader (torch_xla's MpDeviceLoader by hand, labkit.DeviceLoader), loss read every 20 steps in a step closure. Trials
-alternate (hand, labkit, hand, labkit, ...) after each loop's own warm-up (its compiles), so slow
-drifts of this noisy machine hit both. Prints per-trial times and the ratio labkit / hand-written
-(goal <= 1.01).
+Both loops: torchvision model (10 classes), SGD+momentum, batches of BATCHx3xSIZExSIZE from an in-memory
+dataset, loss read every 20 steps. On XLA the hand-written loop is pytorch/xla's examples' (MpDeviceLoader,
+xm.optimizer_step, the loss read in a step closure, torch_xla.sync()); on CUDA and the CPU it is plain PyTorch
+(a pinned DataLoader, non_blocking copies, torch.autocast at the same dtype labkit chose, a GradScaler under
+fp16, loss.item()). Trials alternate (hand, labkit, labkit, hand, ...) after each loop's own warm-up (its
+compiles), so slow drifts of a noisy machine hit both. Each timed run ends by waiting for the device. Prints
+per-trial times and the ratio labkit / hand-written (goal <= 1.01).
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ import torchvision
 import labkit
 
 
-def make_data(n, bs):
+def make_data(n, bs, size, pin=False):
     g = torch.Generator().manual_seed(0)
-    ds = torch.utils.data.TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
-    return torch.utils.data.DataLoader(ds, batch_size=bs, drop_last=True)
+    x, y = torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
+    ds = torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.DataLoader(ds, batch_size=bs, drop_last=True, pin_memory=pin)
 
 
 def make_model(name):
@@ -39,7 +43,8 @@ def make_model(name):
 class HandLoop:
     """What a careful torch_xla user writes by hand (pytorch/xla examples style)."""
 
-    def __init__(self, model_name, rt, data):
+    def __init__(self, model_name, rt, data, precision):
+        assert precision.dtype is None, "the hand-written XLA loop is fp32 (pass --precision fp32)"
         import torch_xla.distributed.parallel_loader as pl
 
         self.rt = rt
@@ -65,20 +70,50 @@ class HandLoop:
         xm.wait_device_ops()
 
 
+class EagerHandLoop:
+    """What a careful PyTorch user writes by hand for CUDA or the CPU (eager: each op runs as it is called)."""
+
+    def __init__(self, model_name, rt, data, precision):
+        self.device, self.dtype = rt.device, precision.dtype  # the same autocast dtype labkit chose (or fp32)
+        self.model = make_model(model_name).to(self.device)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16 else None
+        self.data = data
+        self.losses = []
+
+    def run(self, steps):
+        it = iter(self.data)
+        for i in range(steps):
+            x, y = next(it)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            self.opt.zero_grad(set_to_none=True)
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+                loss = F.cross_entropy(self.model(x), y)
+            if self.scaler is None:
+                loss.backward()
+                self.opt.step()
+            else:
+                self.scaler.scale(loss).backward()
+                self.scaler.step(self.opt)
+                self.scaler.update()
+            if (i + 1) % 20 == 0:
+                self.losses.append(loss.item())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
 class LabkitLoop:
-    def __init__(self, model_name, rt, data):
+    def __init__(self, model_name, rt, data, precision):
         model = make_model(model_name)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         cfg = labkit.TrainConfig(epochs=10**6, log_every=20, eval_every=0)
-        self.tr = labkit.Trainer(model, opt, rt, cfg, data)
+        self.tr = labkit.Trainer(model, opt, rt, cfg, data, precision=precision)
 
     def run(self, steps):
-        import torch_xla.core.xla_model as xm
-
         self.tr.cfg.max_steps = self.tr.step + steps
         self.tr.batch_in_epoch = 0  # start the (synthetic) epoch afresh: nothing to skip
         self.tr.fit()
-        xm.wait_device_ops()
+        self.tr.rt.wait()  # the device has finished what the steps queued
 
 
 def timed(loop, steps):
@@ -93,10 +128,15 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--size", type=int, default=32, help="image side in pixels")
+    ap.add_argument("--precision", default="fp32", help="labkit.precision.choose's want: fp32 | auto | bf16 | fp16")
+    ap.add_argument("--backend", default=None, help="labkit.setup's: tpu | cuda | xla-cpu | cpu (default: detected)")
     a = ap.parse_args()
-    rt = labkit.setup()
-    data = make_data(a.batch * (a.steps + 4), a.batch)
-    loops = {"hand-written": HandLoop(a.model, rt, data), "labkit": LabkitLoop(a.model, rt, data)}
+    rt = labkit.setup(a.backend)
+    precision = labkit.precision.choose(rt, a.precision)
+    data = make_data(a.batch * (a.steps + 4), a.batch, a.size, pin=rt.device.type == "cuda")
+    hand = HandLoop if rt.is_xla else EagerHandLoop  # the two ways a careful user writes a loop
+    loops = {"hand-written": hand(a.model, rt, data, precision), "labkit": LabkitLoop(a.model, rt, data, precision)}
     for name, loop in loops.items():
         t = time.perf_counter()
         loop.run(3)  # compiles: step 0, step 1 (optimizer state appears), steady state
@@ -108,7 +148,7 @@ def main():
         print(f"trial {trial}: " + ", ".join(f"{k} {v[-1] * 1000:.0f} ms/step" for k, v in times.items()), flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(
-        f"{rt.kind} {a.model} batch {a.batch}: hand-written {med['hand-written'] * 1000:.0f} ms/step, "
+        f"{rt.kind} ({rt.chip_name()}) {a.model} batch {a.batch} at {a.size} px, {precision.name}: hand-written {med['hand-written'] * 1000:.0f} ms/step, "
         f"labkit {med['labkit'] * 1000:.0f} ms/step"
     )
     print(f"RATIO labkit/hand-written step time = {med['labkit'] / med['hand-written']:.3f} (goal <= 1.01)")

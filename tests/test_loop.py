@@ -115,6 +115,27 @@ def test_loop_reads_loss_once_per_interval_on_xla():
     assert xla_counts()[1] - t0 == 4
 
 
+def test_an_intervals_values_come_back_in_one_copy_per_dtype_off_xla(monkeypatch):
+    """Off XLA the log's read stacks one-element tensors and copies them once per device and dtype (on CUDA each
+    copy is a wait for the device); larger tensors are copied one by one. Values, shapes and dtypes unchanged."""
+    from labkit.accumulate import read, to_host
+
+    losses = [torch.tensor(0.5 * i) for i in range(20)]
+    extra = {"correct": torch.tensor(7), "acc": [torch.tensor([0.25]), torch.tensor([0.75])], "hist": torch.arange(3.0)}
+    copies = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(tuple(t.shape)) or real_cpu(t, *a, **k))
+    vals = read({"loss": losses, **extra})
+    assert vals == {"loss": sum(0.5 * i for i in range(20)), "correct": 7, "acc": 1.0, "hist": [0.0, 1.0, 2.0]}
+    assert sorted(copies) == [(1,), (3,), (22,)], copies  # the int64 count, the vector, the 22 float32 scalars
+    mixed = [torch.tensor([[1.5]], dtype=torch.bfloat16), torch.tensor(2.0), torch.ones(2, 3), torch.tensor([4])]
+    copies.clear()
+    back = to_host(mixed)
+    assert len(copies) == 4  # bf16, float32, int64: one each; the 2x3 on its own
+    for a, b in zip(mixed, back):
+        assert b.device.type == "cpu" and b.shape == a.shape and b.dtype == a.dtype and torch.equal(a, b)
+
+
 def test_checkpoint_every_zero_saves_at_each_epoch_end(tmp_path):
     from labkit.checkpoint import CheckpointManager
 
