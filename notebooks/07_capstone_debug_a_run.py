@@ -19,11 +19,12 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/07_capstone_debug_a_run.ipynb)
 #
 # A colleague hands you a training run that "works": the loss falls, nothing crashes. It is also several times
-# slower than it should be. Four faults that learners meet in practice are planted in it: a recompile on almost
-# every step, an op that falls back to the CPU, a read from the device in every step, and a loader that starves
-# the chip. Find each with the tools of the earlier notebooks (the recompile detective and the sync finder of
-# 04, torch_xla's counters of 00, the time spent waiting for batches), fix it, and let the checkers measure your
-# fixed run. Then predict the fixed step's time from this machine's FLOP/s (the roofline) and measure it.
+# slower than it should be. Five faults that learners meet in practice are planted in it: a recompile on almost
+# every step, an op that falls back to the CPU, a read from the device in every step, a loader that starves
+# the chip, and, in the plan for the multi-chip run, a sharding that replicates the largest weight. Find each with
+# the tools of the earlier notebooks (the recompile detective and the sync finder of 04, torch_xla's counters of
+# 00, the time spent waiting for batches, the bytes each device holds of 03), fix it, and let the checkers measure
+# your fixed run. Then predict the fixed step's time from this machine's FLOP/s (the roofline) and measure it.
 #
 # Which lessons carry over: a starving input pipeline, a host read per step and a roofline prediction are the
 # same on every backend. Recompiles on a new shape and CPU fallbacks are torch_xla's story; with TorchTPU (eager
@@ -42,6 +43,8 @@ class Params:
     width: int = 2048  # the MLP's hidden width: wide enough that matmuls, not Python, set the step time
     delay_ms: float = 0.5  # time to read and decode one sample (a sleep: no CPU used)
     steps: int = 14  # steps per measured run (the first two are warm-up)
+    mesh_width: int = 512  # the MLP's width in the sharded run of section 5
+    mesh_devices: int = 4  # virtual XLA:CPU devices it runs on
     FAST = {}  # the run is already CI-sized
 
 
@@ -95,7 +98,7 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 import torch
 import torch.nn.functional as F
 
-from labkit.lessons import capstone
+from labkit.lessons import capstone, capstone_mesh
 from labkit.lessons import exercises as ex
 from labkit.lessons.exercises import nb07
 from labkit.profiling import roofline
@@ -341,10 +344,108 @@ print(
 )
 
 # %% [markdown]
+# ## 5. The plan for several chips
+# The colleague also wrote the plan for the multi-chip run (a Kaggle v5e-8, a TPU VM): FSDP, every weight split
+# over the chips along one dimension, the batch split over the same axis, so that each chip holds 1/N of the model.
+# The plan is a rule, written once for every model:
+
+# %%
+def colleague_plan(model, devices):
+    """Split each weight matrix over the chips along its larger dimension; biases are small: keep them whole."""
+    plan = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and p.shape[0] > p.shape[1]:
+            plan[name] = ("fsdp", None)
+        elif p.dim() == 2 and p.shape[1] > p.shape[0]:
+            plan[name] = (None, "fsdp")
+        else:
+            plan[name] = (None,) * p.dim()  # whole on every chip
+    return plan
+
+
+# %% [markdown]
+# This process already drives its own device (one chip on Colab's v5e-1), and a process cannot switch to a mesh
+# of several, so `capstone_mesh.run` trains the model under the plan in a fresh Python process on
+# `P.mesh_devices` virtual XLA:CPU devices: XLA's partitioning and the bytes each device holds are real, the
+# timings are not a TPU's. It reads the layout with notebook 03's tools (`labkit.spmd.sharding.layout_table` and
+# `device_bytes`) and also trains a replicated copy on the same batches: a layout must not change the losses.
+
+# %%
+MESH = capstone_mesh.available() is None
+if MESH:
+    handed = capstone_mesh.run(
+        colleague_plan(capstone.make_model(None, P.mesh_width), P.mesh_devices), P.mesh_width, P.mesh_devices
+    )
+    print(capstone_mesh.describe(handed))
+    even = handed["bytes_total"] / handed["devices"]
+    worst = max(handed["rows"], key=lambda row: row[4])
+    print(f"the largest share: {worst[0]} {tuple(worst[1])}, {worst[4]:,d} bytes on every device ({worst[3]})")
+    assert worst[0] == "2.weight" and worst[3] == "{replicated}", worst
+    assert handed["bytes_per_device"] > 2 * even, "most of the model is on every device"
+    same = all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(handed["losses"], handed["replicated_losses"]))
+    assert same, ("a layout is not maths: the losses must be the same", handed["losses"], handed["replicated_losses"])
+else:
+    print(capstone_mesh.available() + "; this section and exercise 4 need torch_xla")
+
+# %% [markdown]
+# The table says it: the hidden layer's weight is square, neither of the rule's comparisons holds, and the rule
+# replicated it, the largest weight of the model, on every chip. Nothing fails and the losses are the same as
+# before: the cost is memory. A model sized to fit only when split N ways stops with an out-of-memory error on
+# the first step, and a smaller one runs with N copies of its biggest matrix, less room for activations and
+# batch. The fix is the tie rule of FSDPv2 (notebook 03): on a tie, split the first dimension; and split only a
+# dimension that divides over the chips (the output layer has 10 rows).
+#
+# **4. Fix the plan.** Write `fixed_plan(model, devices)`: `{parameter name: spec}` with every weight matrix split
+# over the `"fsdp"` axis along a dimension that divides by `devices` (the larger one when both do, the first on
+# a tie); biases may stay whole. The check runs it on the virtual devices for a model of another width and
+# reads what each device holds before the first step and after the last.
+
+
+# %%
+def fixed_plan(model, devices): ...  # your code
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
+if ex.solutions_on():
+
+    def fixed_plan(model, devices):
+        plan = {}
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                fits = [d for d in (0, 1) if p.shape[d] % devices == 0]
+                d = max(fits, key=lambda d: (p.shape[d], -d))  # the larger; the first on a tie
+                plan[name] = ("fsdp", None) if d == 0 else (None, "fsdp")
+        return plan
+
+
+# %%
+if MESH:
+    ex.check("07.fix_plan", lambda: nb07.check_fixed_plan(fixed_plan, P.mesh_devices))
+else:
+    print("exercise 4 is not checked here:", capstone_mesh.available())
+
+# %% [markdown]
+# The plan of the multi-chip run, yours if it passed, else the reference fix:
+
+# %%
+if MESH:
+    plan_fn = fixed_plan if ex.results.get("07.fix_plan") else capstone_mesh.reference_plan
+    print("plan:", "yours" if plan_fn is fixed_plan else "the reference fix")
+    split = capstone_mesh.run(plan_fn(capstone.make_model(None, P.mesh_width), P.mesh_devices), P.mesh_width, P.mesh_devices)
+    print(capstone_mesh.describe(split))
+    even = split["bytes_total"] / split["devices"]
+    print(f"per device: {handed['bytes_per_device']:,d} -> {split['bytes_per_device']:,d} bytes "
+          f"({handed['bytes_per_device'] / split['bytes_per_device']:.1f}x less)")
+    assert split["bytes_per_device"] <= 1.05 * even, (split["bytes_per_device"], even)
+    assert all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(split["losses"], split["replicated_losses"]))
+
+# %% [markdown]
 # ## Where this goes next
 # * Carries over to TorchTPU and any backend: static batch shapes, masks instead of boolean indexing, no host
 #   read per step, workers that keep the chip fed, and the roofline arithmetic (FLOPs ÷ FLOP/s, bytes ÷ bandwidth).
 # * Ends with torch_xla: the lazy-graph counters (`CompileTime`, `aten::` fallbacks) and `torch_xla.sync()`;
 #   TorchTPU runs eagerly, so its "recompile" is a `torch.compile` guard failure, read with `TORCH_LOGS=recompiles`.
-# * Not planted here: a sharding that replicates the largest weight (notebook 03's bytes-per-device check finds
-#   it); it needs a mesh of several devices, which this notebook does not set up.
+# * The sharding plan carries over as an idea: TorchTPU shards with DTensor (`distribute_tensor` with `Shard(d)` or
+#   `Replicate()` placements on a `DeviceMesh`), where a `Replicate()` on the largest weight costs the same memory;
+#   `mark_sharding` and the HLO's sharding strings are torch_xla's.

@@ -104,3 +104,65 @@ def test_predict_step():
     with pytest.raises(Wrong, match="count the weights yourself"):
         nb07.check_predict_step(lambda b, m, mach: 6 * b * capstone.weights(m) / mach.flops)
     assert capstone.weights(torch.nn.Linear(3, 2)) == 6  # put back after the check
+
+
+def larger_dim_plan(model, devices):
+    """The handed-over rule of notebook 07: a square weight matches neither comparison and stays whole."""
+    plan = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and p.shape[0] > p.shape[1]:
+            plan[name] = ("fsdp", None)
+        elif p.dim() == 2 and p.shape[1] > p.shape[0]:
+            plan[name] = (None, "fsdp")
+        else:
+            plan[name] = (None,) * p.dim()
+    return plan
+
+
+def test_fixed_plan():
+    """Run on 4 virtual XLA:CPU devices in a child process: the fix passes; a replicated weight, one that XLA only
+    split after the first update, and plans that cannot run are each named."""
+    from labkit.lessons import capstone_mesh
+
+    def right(model, devices):
+        plan = {}
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                d = max((d for d in (0, 1) if p.shape[d] % devices == 0), key=lambda d: (p.shape[d], -d))
+                plan[name] = ("fsdp", None) if d == 0 else (None, "fsdp")
+        return plan
+
+    assert "(1.00x an even split), the same losses as replicated" in nb07.check_fixed_plan(right)
+    with pytest.raises(Wrong, match=r"2.weight \((\d+), \1\): each device holds .*\{replicated\}"):
+        nb07.check_fixed_plan(larger_dim_plan)
+    with pytest.raises(Wrong, match=r"2.weight .* before the first step"):
+        nb07.check_fixed_plan(lambda m, d: {k: v for k, v in right(m, d).items() if k != "2.weight"})
+    with pytest.raises(NotDone):
+        nb07.check_fixed_plan(lambda m, d: ...)
+    for plan, message in [
+        ({"2.weight": ("model", None)}, "dimension 0 names 'model'"),
+        ({"4.weight": ("fsdp", None)}, "4.weight: dimension 0 has 10 rows"),
+        ({"3.weight": ("fsdp", None)}, "no parameter '3.weight'"),
+        ({"2.weight": "fsdp"}, "one entry per dimension"),
+        ([("2.weight", ("fsdp", None))], "return a dict"),
+    ]:
+        with pytest.raises(Wrong, match=message):
+            nb07.check_fixed_plan(lambda m, d, plan=plan: plan)
+    with pytest.raises(Wrong, match="write the rule yourself"):
+        nb07.check_fixed_plan(lambda m, d: capstone_mesh.reference_plan(m, d))
+    assert capstone_mesh.reference_plan(capstone.make_model(None, 8), 4) == {  # (8, 64), (8, 8), (10, 8)
+        "0.weight": (None, "fsdp"),
+        "2.weight": ("fsdp", None),
+        "4.weight": (None, "fsdp"),
+    }  # put back after the check
+
+
+def test_a_failed_sharded_run_says_why(monkeypatch):
+    from labkit.lessons import capstone_mesh
+
+    with pytest.raises(RuntimeError, match="sharding specs name parameters the model lacks"):
+        capstone_mesh.run({"9.weight": ("fsdp", None)}, width=16, steps=1)
+    monkeypatch.setattr(capstone_mesh.importlib.util, "find_spec", lambda name: None)
+    assert "torch_xla is not installed" in capstone_mesh.available()
+    with pytest.raises(RuntimeError, match="torch_xla is not installed"):
+        capstone_mesh.run({}, width=16)

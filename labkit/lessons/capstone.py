@@ -63,7 +63,8 @@ def drop_unlabelled(items):
 
 
 def make_model(rt, width: int = 512, seed: int = 0) -> torch.nn.Module:
-    """An MLP 64 -> width -> width -> 10 on rt.device: wide enough that its matmuls, not Python, set the step time."""
+    """An MLP 64 -> width -> width -> 10 on rt.device (rt None: on the host): wide enough that its matmuls, not
+    Python, set the step time."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, width),
@@ -72,7 +73,7 @@ def make_model(rt, width: int = 512, seed: int = 0) -> torch.nn.Module:
         torch.nn.ReLU(),
         torch.nn.Linear(width, 10),
     )
-    return model.to(rt.device)
+    return model.to(rt.device) if rt is not None else model
 
 
 def weights(model) -> int:

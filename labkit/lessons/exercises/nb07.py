@@ -11,9 +11,9 @@ import time
 import torch
 
 from labkit.lessons import capstone
-from labkit.lessons.exercises import Wrong, call, close, number, require, todo
+from labkit.lessons.exercises import Wrong, call, close, number, refusing, require, todo
 
-__all__ = ["check_fixed_loader", "check_fixed_step", "check_predict_step"]
+__all__ = ["check_fixed_loader", "check_fixed_plan", "check_fixed_step", "check_predict_step"]
 
 _calls = itertools.count(1)
 
@@ -150,3 +150,66 @@ def check_predict_step(predict_step_s) -> str:
             hint="2 FLOPs per multiply-add, one multiply-add per weight per sample, backward = 2 x forward",
         )
     return "6 x batch x weights / FLOP/s, on four models and machines"
+
+
+def _validated(plan, model, devices: int) -> dict:
+    """The learner's plan as {name: tuple spec}, every fault named before anything runs."""
+    from labkit.lessons.capstone_mesh import AXIS
+
+    require(isinstance(plan, dict), f"return a dict (parameter name -> spec), not a {type(plan).__name__}")
+    params = dict(model.named_parameters())
+    unknown = sorted(str(k) for k in plan if k not in params)
+    if unknown:
+        raise Wrong(f"the model has no parameter {unknown[0]!r} (its names: {', '.join(params)})")
+    out = {}
+    for name, spec in plan.items():
+        p = params[name]
+        require(
+            isinstance(spec, (tuple, list)) and len(spec) == p.dim(),
+            f"{name}: a spec is a tuple with one entry per dimension ({p.dim()} here), got {spec!r}",
+        )
+        for d, a in enumerate(spec):
+            require(a is None or a == AXIS, f"{name}: dimension {d} names {a!r}; the mesh has one axis, {AXIS!r}")
+            require(
+                a is None or p.shape[d] % devices == 0,
+                f"{name}: dimension {d} has {p.shape[d]} rows, which do not split over {devices} devices",
+            )
+        out[name] = tuple(spec)
+    return out
+
+
+def check_fixed_plan(fixed_plan, devices: int = 4) -> str:
+    """07.fix_plan: fixed_plan(model, devices) -> {parameter name: spec over the "fsdp" axis}. Judged by what the
+    plan does on `devices` virtual XLA:CPU devices (labkit.lessons.capstone_mesh, in a child process): every
+    weight matrix split over all devices (each holds 1/devices of it) from the start and after the steps, and the losses of the sharded run equal to
+    those of a replicated one. Biases may stay whole. The model's width changes on every call."""
+    from labkit.lessons import capstone_mesh
+
+    todo(fixed_plan)
+    k = next(_calls)
+    width = (96, 160, 224)[k % 3]
+    model = capstone.make_model(None, width=width, seed=k)  # on the host: the plan reads names and shapes
+    with refusing([(capstone_mesh, "reference_plan")], "write the rule yourself: reference_plan is the answer"):
+        plan = _validated(call(fixed_plan, model, devices), model, devices)
+    got = capstone_mesh.run(plan, width=width, devices=devices, steps=2, seed=k)
+    for name, shape, _shard, spec, nbytes in got["rows"]:
+        if len(shape) == 2:
+            whole = shape[0] * shape[1] * 4
+            require(
+                nbytes * devices == whole,
+                f"{name} {tuple(shape)}: each device holds {nbytes:,d} of its {whole:,d} bytes ({spec}): "
+                f"split it over the {devices} devices",
+            )
+            was, was_bytes = got["start"][name]
+            require(
+                was_bytes * devices == whole,
+                f"{name} {tuple(shape)}: {was} before the first step, {was_bytes:,d} bytes on every device (XLA split "
+                "it only after the first update): a model sized for the split would not fit at the start; name it",
+            )
+    for i, (a, b) in enumerate(zip(got["losses"], got["replicated_losses"])):
+        require(abs(a - b) <= 1e-4 * max(1.0, abs(b)), f"step {i}: loss {a:.5f} sharded, {b:.5f} replicated")
+    even = got["bytes_total"] / devices
+    return (
+        f"width {width}: each of {devices} devices holds {got['bytes_per_device']:,d} bytes "
+        f"({got['bytes_per_device'] / even:.2f}x an even split), the same losses as replicated"
+    )
