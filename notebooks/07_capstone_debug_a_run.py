@@ -390,9 +390,9 @@ else:
 # %% [markdown]
 # The table says it: the hidden layer's weight is square, neither of the rule's comparisons holds, and the rule
 # replicated it, the largest weight of the model, on every chip. Nothing fails and the losses are the same as
-# before: the cost is memory. A model sized to fit only when split N ways stops with an out-of-memory error on
-# the first step, and a smaller one runs with N copies of its biggest matrix, less room for activations and
-# batch. The fix is the tie rule of FSDPv2 (notebook 03): on a tie, split the first dimension; and split only a
+# before: the cost is memory, N copies of the biggest matrix. A model sized to fit only when split N ways would
+# not fit on a chip at all (not shown here: the virtual devices share the host's memory), and a smaller one
+# keeps less room for activations and batch. The fix is the tie rule of FSDPv2 (notebook 03): on a tie, split the first dimension; and split only a
 # dimension that divides over the chips (the output layer has 10 rows).
 #
 # **4. Fix the plan.** Write `fixed_plan(model, devices)`: `{parameter name: spec}` with every weight matrix split
