@@ -49,25 +49,16 @@ def upper_bound(predicted_s: float, factor: float) -> float:
 def _timed(rt, fn, repeats: int) -> float:
     """Seconds per call of fn(), after one untimed call (the compile, on XLA); the device is synced and waited
     for at both ends, so the time is the device's work, not the time to queue it."""
-    out = fn()
+    out = fn()  # held until after the sync: on XLA a tensor nobody holds is not computed at all
     rt.sync()
-    _wait(rt, out)
+    rt.wait()  # the backend's own wait: XLA and CUDA run asynchronously, the CPU has finished already
     t0 = time.perf_counter()
     for _ in range(repeats):
         out = fn()
         rt.sync()
-    _wait(rt, out)
+    rt.wait()
+    del out
     return (time.perf_counter() - t0) / repeats
-
-
-def _wait(rt, t) -> None:
-    """Block until `t` is computed: one tiny device->host read (XLA and CUDA run asynchronously)."""
-    if rt.device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-    else:
-        t.reshape(-1)[0].item()
 
 
 def measure(rt, n: int = 1024, mb: int = 64, repeats: int = 8) -> Machine:
