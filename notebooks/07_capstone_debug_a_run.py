@@ -382,8 +382,7 @@ if MESH:
     print(f"the largest share: {worst[0]} {tuple(worst[1])}, {worst[4]:,d} bytes on every device ({worst[3]})")
     assert worst[0] == "2.weight" and worst[3] == "{replicated}", worst
     assert handed["bytes_per_device"] > 2 * even, "most of the model is on every device"
-    same = all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(handed["losses"], handed["replicated_losses"]))
-    assert same, ("a layout is not maths: the losses must be the same", handed["losses"], handed["replicated_losses"])
+    assert capstone_mesh.same_losses(handed), ("a layout is not maths", handed["losses"], handed["replicated_losses"])
 else:
     print(capstone_mesh.available() + "; this section and exercise 4 need torch_xla")
 
@@ -438,7 +437,7 @@ if MESH:
     print(f"per device: {handed['bytes_per_device']:,d} -> {split['bytes_per_device']:,d} bytes "
           f"({handed['bytes_per_device'] / split['bytes_per_device']:.1f}x less)")
     assert split["bytes_per_device"] <= 1.05 * even, (split["bytes_per_device"], even)
-    assert all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(split["losses"], split["replicated_losses"]))
+    assert capstone_mesh.same_losses(split), (split["losses"], split["replicated_losses"])
 
 # %% [markdown]
 # ## Where this goes next

@@ -9,9 +9,10 @@ A plan is FSDP-style: each named parameter is split over the mesh's one axis, "f
 its spec names, or kept whole on every device (replicated) where its spec is all None; the batch is split over
 the same axis. A parameter the plan does not name is left to XLA's sharding propagation: measured here (torch_xla
 2.9), the capstone's unnamed hidden weight came out of its first in-place SGD update split like its gradient, so
-an omission is not what replicates a weight; a spec that says so is. The run needs several XLA devices in one SPMD process, and the process that runs a
-notebook has already started torch_xla on its own device (one chip on Colab's v5e-1), which a process cannot
-change. So the plan runs in a fresh Python process on `devices` virtual XLA:CPU devices (PJRT_DEVICE=CPU,
+an omission is not what replicates a weight; a spec that says so is.
+
+The run needs several XLA devices in one SPMD process, and the process that runs a notebook has already started
+torch_xla on its own device (one chip on Colab's v5e-1), which a process cannot change. So the plan runs in a fresh Python process on `devices` virtual XLA:CPU devices (PJRT_DEVICE=CPU,
 CPU_NUM_DEVICES): the partitioning and the bytes each device holds are XLA's real ones, the timings are not a
 TPU's. The same process also trains a fully replicated copy of the model on the same batches, so the report
 says whether the plan changed the losses (it must not: a layout is not maths).
@@ -65,7 +66,7 @@ def run(
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # labkit's parent folder
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(int(devices)), LABKIT_BACKEND="xla-cpu")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's per-compile Shardy notice (see labkit.spmd.practice_devices)
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-m", "labkit.lessons.capstone_mesh"],
         input=json.dumps(job),
@@ -86,11 +87,17 @@ def reference_plan(model, devices: int) -> dict:
     one, the first on a tie (FSDPv2's rule); biases left whole."""
     plan = {}
     for name, p in model.named_parameters():
-        fits = [d for d in range(p.dim()) if p.dim() == 2 and p.shape[d] % devices == 0]
+        fits = [d for d in (0, 1) if p.dim() == 2 and p.shape[d] % devices == 0]
         if fits:
             d = max(fits, key=lambda d: (p.shape[d], -d))
-            plan[name] = tuple(AXIS if i == d else None for i in range(p.dim()))
+            plan[name] = (AXIS, None) if d == 0 else (None, AXIS)
     return plan
+
+
+def same_losses(report: dict, rel: float = 1e-4) -> bool:
+    """The plan's losses equal the replicated run's, step by step, within `rel` (a layout is not maths)."""
+    pairs = zip(report["losses"], report["replicated_losses"])
+    return all(abs(a - b) <= rel * max(1.0, abs(b)) for a, b in pairs)
 
 
 def describe(report: dict) -> str:
@@ -137,8 +144,7 @@ def _child(job: dict) -> dict:
             rt.sync()
             losses.append(loss)
         report[label] = [float(v) for v in torch.stack(losses).cpu()]
-        if label == "losses":
-            params = dict(model.named_parameters())  # the same tensors, updated in place
+        if label == "losses":  # `params` are the same tensors, updated in place
             report["start"] = start  # {name: [sharding, bytes per device]} before the first step
             report["rows"] = [
                 [name, list(shape), list(shard), spec, sharding.device_bytes([params[name]])]
