@@ -2,7 +2,7 @@
 the same plans under GSPMD on 4 virtual XLA:CPU devices: bytes per device, layouts, losses, collectives.
 
     from labkit.lessons import dtensor_mesh
-    report = dtensor_mesh.run()                  # ~1 min on 2 cores: one torchrun of 4 gloo processes + one XLA child
+    report = dtensor_mesh.run()     # ~90 s of CPU (1.5-3.5 min on a busy 2-core machine): a torchrun + an XLA child
     print(dtensor_mesh.describe(report))         # per plan: bytes per device on both engines, losses, collectives
     dtensor_mesh.compare(report)                 # [{"plan", "dtensor_bytes", "gspmd_bytes", "loss_diff", ...}]
 
@@ -183,14 +183,17 @@ def describe(report: dict) -> str:
             )
             for name, dt, gs in row["layout_differs"]:
                 lines.append(f"  {name}: DTensor splits dims {dt}, GSPMD dims {gs}")
-        pred = {k: v["count"] for k, v in d["predicted"].items()}
-        lines.append(f"  collectives in one step: {d['collectives']} (predicted {pred})")
+        lines.append(f"  collectives in one step: {_ops(d['collectives'])}; predicted: {_ops(d['predicted'])}")
     p = report["padding"]
     lines.append(
         f"uneven: a {tuple(p['shape'])} weight under FSDP2 on {n} devices: rows per device {p['rows_by_rank']}, "
         f"each stores {p['padded_rows']} rows (padding)"
     )
     return "\n".join(lines)
+
+
+def _ops(ops: dict) -> str:
+    return ", ".join(f"{v['count']} {k} ({v['bytes']:,d} bytes)" for k, v in sorted(ops.items())) or "none"
 
 
 def _fmt(losses) -> str:

@@ -6,7 +6,7 @@ from XLA's optimized HLO, and pictures of layouts. torch_xla-specific; the ideas
     mesh = labkit.spmd.make_mesh((2, 4), ("data", "model"))
 """
 
-from labkit.spmd import sharding
+from labkit.spmd import dtensor_plans, sharding
 from labkit.spmd.mesh import (
     BatchPlan,
     addressable_devices,
@@ -24,6 +24,7 @@ __all__ = [
     "addressable_devices",
     "batch_plan",
     "draw_layouts",
+    "dtensor_plans",
     "make_mesh",
     "practice_choice",
     "practice_devices",
