@@ -46,20 +46,24 @@ def run(
     devices: int = 4,
     model_axis: int = 2,
     plans=PLANS,
-    gspmd: bool = True,
+    gspmd: bool | None = None,
     timeout_s: float = 600,
 ) -> dict:
     """Train GPTConfig(**cfg) (default FAST_GPT) for `steps` AdamW steps under each plan, on `devices` gloo
-    processes (one torchrun) and, with gspmd=True, under parallel_gpt's same-named strategies on `devices` virtual
-    XLA:CPU devices. batches: a list of (x, y) int64 tensors of the global batch; default `steps` random batches of
-    `batch_size` sequences over 8 symbols (seeded), so the loss falls visibly in 3 steps.
+    processes (one torchrun) and under parallel_gpt's strategies of the same names on `devices` virtual XLA:CPU
+    devices (gspmd=None: wherever torch_xla is installed, which Colab's GPU image is not). batches: a list of (x, y)
+    int64 tensors of the global batch; by default `steps` seeded random batches of `batch_size` sequences over 8
+    symbols, so the loss falls visibly in 3 steps.
 
-    Returns {"devices", "config", "single_losses" (one process, whole batch), "dtensor": {plan: {"mesh",
-    "rows": [[name, shape, local shape, placement, split dims, bytes]], "param_bytes" (fullest device),
-    "bytes_by_rank", "padded_bytes" (FSDP2's own padded storage, or None), "opt_bytes", "losses", "collectives":
-    {op: count} over the last step, "predicted": {op: {"count", "bytes"}}}}, "padding": an uneven weight under
-    FSDP2, "gspmd": {plan: {"param_bytes", "opt_bytes", "losses", "rows": [[name, shape, per-device shape,
-    sharding, split dims]]}} ({} without gspmd), "seconds": {"dtensor", "gspmd"}}.
+    Returns {"devices", "config", "single_losses" (one process, whole batch),
+    "dtensor": {plan: {"mesh", "rows": [[name, shape, local shape, placement, split dims, bytes]],
+        "param_bytes" (the fullest device), "bytes_by_rank", "padded_bytes" (FSDP2's own padded storage, or None),
+        "opt_bytes", "losses", "collectives": {op: {"count", "bytes"}} of the last step (CommDebugMode),
+        "predicted" (dtensor_plans.predict_collectives), "textbook" (notebook 03's per-parameter prediction)}},
+    "padding": a (10, 3) weight under FSDP2 {"shape", "rows_by_rank", "padded_rows"},
+    "gspmd": {plan: {"param_bytes", "opt_bytes", "losses", "rows": [[name, shape, per-device shape, sharding,
+        split dims]]}} ({} when GSPMD did not run, and "gspmd_skipped" says why),
+    "seconds": {"dtensor", "gspmd"}: each child's wall time}.
     Raises RuntimeError with the failing child's last lines."""
     import torch
 
@@ -85,9 +89,12 @@ def run(
         torch.save([(x.cpu(), y.cpu()) for x, y in batches], job["batches"])
         report = {"devices": int(devices), "config": cfg, "seconds": {}, "gspmd": {}}
         children = []
-        if gspmd:  # both children at once: on a machine with cores to spare the run takes the longer of the two
-            if importlib.util.find_spec("torch_xla") is None:
-                raise RuntimeError("torch_xla is not installed here: run(gspmd=False) runs the DTensor side alone")
+        no_xla = "torch_xla is not installed here" if importlib.util.find_spec("torch_xla") is None else None
+        if gspmd and no_xla:
+            raise RuntimeError(no_xla + ": run(gspmd=False) runs the DTensor side alone")
+        if gspmd is False or no_xla:
+            report["gspmd_skipped"] = no_xla or "gspmd=False"
+        else:  # both children at once: on a machine with cores to spare the run takes the longer of the two
             env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(int(devices)), "LABKIT_BACKEND": "xla-cpu"}
             env["TF_CPP_MIN_LOG_LEVEL"] = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")
             children.append(_start([sys.executable], "gspmd", job, tmp, env))
@@ -296,25 +303,9 @@ def _dtensor_child(job: dict) -> dict | None:
             "predicted": D.predict_collectives(plan, cfg, world, global_batch, job["model_axis"]),
             "textbook": D.textbook_collectives(plan, cfg, world, global_batch, job["model_axis"]),
         }
-    report["padding"] = _padding_demo(world)
+    report["padding"] = D.padding_probe(world)
     dist.destroy_process_group()
     return report if rank == 0 else None
-
-
-def _padding_demo(world: int) -> dict:
-    """A (10, 3) weight fully_shard'ed on `world` processes: its rows per process (to_local) and what FSDP2 stores."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    from labkit.spmd import dtensor_plans as D
-
-    lin = torch.nn.Linear(3, 10, bias=False)
-    fully_shard(lin, mesh=D.make_mesh("fsdp", world))
-    rows = [None] * world
-    dist.all_gather_object(rows, D.local(lin.weight).shape[0])
-    stored = D.padded_bytes(lin)
-    return {"shape": [10, 3], "rows_by_rank": rows, "padded_rows": None if stored is None else stored // (3 * 4)}
 
 
 def _gspmd_child(job: dict) -> dict:

@@ -261,6 +261,24 @@ def padded_bytes(model) -> int | None:
     return total if seen else None
 
 
+def padding_probe(devices: int, rows: int = 10, cols: int = 3) -> dict:
+    """A (rows, cols) weight fully_shard'ed over `devices` processes: the rows each process's to_local() holds and
+    the rows FSDP2 stores on each (padded to a multiple of the devices). Call it on every process."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    lin = torch.nn.Linear(cols, rows, bias=False)
+    fully_shard(lin, mesh=make_mesh("fsdp", devices))
+    held = [None] * devices
+    dist.all_gather_object(held, local(lin.weight).shape[0])
+    stored = padded_bytes(lin)
+    return {
+        "shape": [rows, cols],
+        "rows_by_rank": held,
+        "padded_rows": None if stored is None else stored // (cols * lin.weight.element_size()),
+    }
+
+
 def comm_mode():
     """A CommDebugMode that also adds up the bytes of each collective (read comm_counts(mode) after the step)."""
     from torch.distributed.tensor.debug import CommDebugMode
