@@ -1,0 +1,731 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # The compiled engine: `torch.compile` and DTensor, the step GPUs and TorchTPU run
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/08_the_compiled_engine.ipynb)
+#
+# Notebooks 00–07 taught one engine: torch_xla's lazy tensors, traced and compiled by XLA. This notebook teaches
+# the other one, the engine a GPU runs today and TorchTPU runs on a TPU: eager PyTorch, compiled where you ask with
+# `torch.compile`, sharded with DTensor. Everything is written by hand with torch's own public APIs first. By the
+# end you can:
+#
+# - compile a whole training step (model, backward, optimizer) with `torch.compile(dynamic=False)`, say which graphs
+#   it is made of and why, and check that it computes the eager losses;
+# - find a graph break with `torch._dynamo.explain` (its reason and line) and a recompile with the guard that
+#   failed, fix both and prove there are none left (`torch.compiler.set_stance("fail_on_recompile")`);
+# - keep an optimizer's state on the device (`capturable=True`, a tensor learning rate) so a schedule does not
+#   compile a new graph each step;
+# - place tensors and a model on a device mesh with DTensor (`Shard`, `Replicate`, `distribute_tensor`) and FSDP2
+#   (`fully_shard`), and say how FSDP2's layout differs from torch_xla's FSDPv2.
+#
+# **Time**: 2–3 minutes of run time in fast mode on a busy 2-core CPU (measured 2 min 12 s to 2 min 42 s under
+# nbval, solutions on and off, with the machine's load at 12–17; 20–30 s of it is one Inductor compile of the step
+# in section 2, the rest compiles with `backend="aot_eager"` or `"eager"`); full mode about 3 minutes; 30–45 minutes
+# to read and do the three exercises.
+#
+# Every claim below is checked by an `assert`. The exercises print ✓ or ✗ and never stop *Run all*; their
+# solutions are in collapsed cells that run only with `LABKIT_SOLUTIONS=1` (as the test suite does).
+
+# %% [markdown]
+# ## Parameters
+
+# %% tags=["parameters"]
+import dataclasses, os, sys
+
+
+@dataclasses.dataclass
+class Params:
+    batch_size: int = 64          # digits images per step (8x8 pixels, 64 features)
+    hidden: int = 128             # width of the MLP's hidden layer
+    steps: int = 20               # steps of each run
+    lr: float = 3e-3              # AdamW
+    warmup: int = 5               # linear warm-up steps of section 4's schedule
+    seed: int = 0
+    backend: str = "inductor"     # section 2's compiler; "tpu" would be TorchTPU's (needs a TPU VM and torch >= 2.11)
+    FAST = {"steps": 8, "hidden": 64, "warmup": 3}
+
+
+try:
+    import labkit
+    P = labkit.from_env(Params)
+except (ImportError, AttributeError):  # first run: the set-up cell installs labkit and reads them again
+    P = Params()
+P
+
+# %% [markdown]
+# ## Set-up
+# Runs wherever you opened this (Colab TPU or GPU, Kaggle, a TPU VM, a laptop) and never replaces what the runtime
+# already has: it keeps the image's torch (and torch_xla when the pair matches), installs only what is missing,
+# and prints what it found and chose (`labkit setup: platform=... choice=...`). Only where torch and torch_xla are
+# missing or do not match (a bare TPU VM, a torch upgraded by hand) it installs the pair together and asks you to
+# restart the runtime; then run the notebook again.
+
+# %% tags=["setup"]
+# Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
+import importlib.util, os, subprocess, sys
+
+def _labkit_dir():
+    spec = importlib.util.find_spec("labkit")
+    d = spec and spec.submodule_search_locations and list(spec.submodule_search_locations)[0]
+    return d if d and os.path.exists(os.path.join(d, "envsetup.py")) else None
+
+if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours (no dependencies yet)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run(pip + ["uninstall", "-y", "labkit"], capture_output=True)
+    spec = os.environ.get("LABKIT_PIP_SPEC") or "labkit-xla @ git+https://github.com/labkit/labkit"
+    if spec.lstrip().startswith("-"):  # pip would read it as an option
+        raise SystemExit("LABKIT_PIP_SPEC starts with '-': give a path, a URL or a requirement, not a pip option")
+    r = subprocess.run(pip + ["install", "--no-deps", spec])
+    if r.returncode:  # not check=True: its message would print the spec, which may carry a token
+        raise SystemExit(f"installing labkit failed (pip exit {r.returncode}): pip's message is above")
+    importlib.invalidate_caches()
+    for m in [m for m in sys.modules if m == "labkit" or m.startswith("labkit.")]:
+        del sys.modules[m]
+_spec = importlib.util.spec_from_file_location("labkit_envsetup", os.path.join(_labkit_dir(), "envsetup.py"))
+envsetup = sys.modules["labkit_envsetup"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(envsetup)
+envsetup.main()  # prints "labkit setup: platform=... / choice=..."; asks for a restart if one is needed
+import labkit
+P = labkit.from_env(Params)
+print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
+
+# %% [markdown]
+# ## 1. Why a second engine
+# torch_xla 2.9 is the last torch_xla release on PyPI so far, and PyTorch/XLA's README says TorchTPU will replace
+# it. TorchTPU (`pip install torch_tpu`, github.com/google-pytorch/torch_tpu) does not trace lazily: it runs **eager
+# by default** on `torch.device("tpu")`, compiles what you wrap with `torch.compile(backend="tpu", dynamic=False)`,
+# and shards with DTensor on a `DeviceMesh`, one process per chip. That is the engine a GPU already runs with
+# `torch.compile` (Inductor) and DTensor/FSDP2. TorchTPU **cannot run here** (it needs a TPU VM and has no CPU
+# mode): every claim about it below is *not verified here*; its source is its own documentation (its
+# `torch.compile` guide says PyTorch 2.10 or later; its package requires torch ≥ 2.11; this notebook relies on the
+# package's requirement, torch ≥ 2.11, for anything TorchTPU).
+#
+# What carries over from the earlier notebooks, and what was torch_xla's:
+#
+# | lesson | torch_xla (00, 03, 04) | this engine (GPU, TorchTPU) |
+# |---|---|---|
+# | one graph per input shape; pad to buckets, mask instead of indexing | yes | yes: `dynamic=False` compiles a graph per shape, guarded |
+# | a host read stalls the device | `.item()` cuts the trace and syncs | `.item()` is a **graph break** and a sync |
+# | a Python number that changes | passed to the device as data (only 0 and 1 are written into the graph: notebook 02) | with `dynamic=False`, a constant **guarded by value**: a new graph per value |
+# | `torch_xla.sync()`, the lazy IR, the metrics report, `PT_XLA_DEBUG_LEVEL` | torch_xla's | none: `torch._dynamo.explain`, guards, `TORCH_LOGS` |
+# | meshes with named axes, shard/replicate, bytes per device | `xs.Mesh`, `mark_sharding`, GSPMD | `DeviceMesh`, `Shard`/`Replicate`, DTensor, FSDP2 |
+# | FSDP's layout | FSDPv2: the largest dimension | FSDP2: dim 0, padded |
+#
+# This notebook runs on the plain CPU (or a GPU where there is one), not on XLA.
+
+# %%
+import inspect, math, time
+
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch._dynamo.utils import counters
+
+from labkit.lessons import exercises  # check(), solutions_on(), results
+from labkit.lessons.exercises import nb08  # this notebook's checkers
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+rt = labkit.setup(device.type)  # plain torch on this device (not XLA): the engine TorchTPU and GPUs run
+backends = torch._dynamo.list_backends()
+print(f"torch {torch.__version__} on {device}; torch.compile's backends here: {backends}")
+print("TorchTPU's 'tpu' backend installed here:", "tpu" in backends, "(TorchTPU: not verified here)")
+assert "inductor" in backends and rt.device.type == device.type
+
+# %% [markdown]
+# ## 2. A whole training step, compiled by hand
+# The data and model of notebook 00: scikit-learn's digits (1,797 real 8×8 images, no download) and a small MLP,
+# trained with AdamW. First the eager step, whose losses are the reference.
+
+# %%
+digits = load_digits()
+X = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+Y = torch.tensor(digits.target)
+B = P.batch_size
+batches = [(X[i : i + B].to(device), Y[i : i + B].to(device)) for i in range(0, P.steps * B, B)]
+
+
+def make_model():
+    torch.manual_seed(P.seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, P.hidden), torch.nn.ReLU(), torch.nn.Linear(P.hidden, 10)
+    ).to(device)
+
+
+def eager_run():
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=P.lr)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())  # stays on the device: one read at the end
+    return torch.stack(losses).tolist()
+
+
+eager = eager_run()
+print("eager losses:", [round(v, 4) for v in eager])
+assert eager[-1] < eager[0]
+
+# %% [markdown]
+# **Try the obvious thing first**: hand the whole step to Dynamo, `torch.compile`'s front end, and ask it what it
+# captured. `torch._dynamo.explain(fn)(*args)` runs `fn` once under Dynamo and reports the graphs it made and every
+# *graph break*: a place where Dynamo stops capturing, lets Python run the code, and starts a new graph after it.
+
+# %%
+model = make_model()
+opt = torch.optim.AdamW(model.parameters(), lr=P.lr)
+
+
+def whole_step(x, y):
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+ex = torch._dynamo.explain(whole_step)(*batches[0])
+ops = [sum(n.op == "call_function" for n in g.graph.nodes) for g in ex.graphs]
+print(f"{ex.graph_count} graphs of {ops} ops, {ex.graph_break_count} graph break(s):")
+for r in ex.break_reasons:
+    where = r.user_stack[-1] if r.user_stack else None
+    print(" -", r.reason.splitlines()[0], f"(line {where.lineno}: {where.line.strip()})" if where else "")
+assert ex.graph_count == 2 and ex.graph_break_count == 1
+assert "backward" in ex.break_reasons[0].reason, "loss.backward() inside the function is a graph break"
+assert ops[0] < ops[1], "the first graph is the forward and the loss; the second, AdamW's update (more ops)"
+torch._dynamo.reset()
+
+# %% [markdown]
+# Two graphs and one break: the forward with its loss, then (after the break) AdamW's update. `loss.backward()`
+# inside a compiled function is a graph break: Dynamo does not trace `Tensor.backward()` (only with *compiled
+# autograd*, `torch._dynamo.config.compiled_autograd = True`, which this notebook leaves off), so the backward ran
+# eagerly, outside any graph. The way
+# that works is to compile **the function that computes the loss**: AOTAutograd then traces its backward ahead of
+# time and compiles forward and backward together, so `loss.backward()` (plain Python) runs the compiled backward.
+# The optimizer is compiled on its own, and `Optimizer.step` breaks around itself **on purpose**: `_use_grad` in
+# `torch/optim/optimizer.py` calls `torch._dynamo.graph_break()` before and after the update, so the update is
+# compiled as an inference graph that updates the parameters in place (hence `fullgraph=True` on `opt.step()`
+# raises). `explain` does not list those two breaks (nothing is captured on their far side); torch's counters
+# (`torch._dynamo.utils.counters["graph_break"]`) do. A compiled step is therefore **two graphs**: the loss (forward +
+# backward) and the optimizer's update, and two breaks, both torch's own.
+#
+# `dynamic=False`: every shape is a constant, as on XLA; a new shape compiles a new graph instead of a graph with
+# symbolic sizes. It is what TorchTPU's guide asks for (not verified here), and what makes the step's graphs
+# predictable. The backend is one
+# argument (`P.backend`: Inductor here, `"tpu"` on TorchTPU).
+
+# %%
+torch._dynamo.reset()
+counters.clear()
+model = make_model()
+opt = torch.optim.AdamW(model.parameters(), lr=P.lr)
+
+
+@torch.compile(dynamic=False, backend=P.backend)
+def loss_of(x, y):  # forward and loss: one graph; AOTAutograd compiles its backward with it
+    return F.cross_entropy(model(x), y)
+
+
+@torch.compile(dynamic=False, backend=P.backend)
+def opt_step():  # the update: its own graph (Optimizer.step breaks around itself)
+    opt.step()
+
+
+def compiled_step(x, y):
+    opt.zero_grad(set_to_none=True)
+    loss = loss_of(x, y)
+    loss.backward()  # runs the compiled backward
+    opt_step()
+    return loss.detach()
+
+
+t0 = time.perf_counter()
+losses = [compiled_step(*batches[0])]
+first_s = time.perf_counter() - t0
+t0 = time.perf_counter()
+losses += [compiled_step(x, y) for x, y in batches[1:]]
+compiled = torch.stack(losses).tolist()
+steady_s = (time.perf_counter() - t0) / max(1, len(batches) - 1)
+graphs = counters["stats"]["unique_graphs"]
+breaks = dict(counters["graph_break"])
+worst = max(abs(a - b) for a, b in zip(eager, compiled))
+print(f"{P.backend}: first step {first_s:.1f} s (compiling), then {steady_s * 1e3:.1f} ms a step")
+print(f"{graphs} graphs; graph breaks: {[k.splitlines()[0] for k in breaks]} x {list(breaks.values())}")
+print(f"largest |eager - compiled| loss over {len(compiled)} steps: {worst:.2e}")
+assert graphs == 2, "one graph for the loss (with its backward), one for the optimizer's update"
+assert sum(breaks.values()) == 2 and all("graph_break()" in k for k in breaks), "only _use_grad's two breaks"
+assert worst < 1e-4  # the same maths; Inductor fuses and reorders float sums, so not bit for bit
+
+# %% [markdown]
+# ### The same step in `labkit.Trainer`
+# labkit's Trainer compiles its step the same way when `TrainConfig(compile="on")` (off XLA; `compile_backend`
+# picks the compiler): the loss with its backward, and `opt.step`. Its losses must be those of the hand-compiled
+# step. (`compile_backend="aot_eager"` here: the same graphs as Inductor without a second C++ compile.)
+
+# %%
+if "compile" in {f.name for f in dataclasses.fields(labkit.TrainConfig)}:
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(X[: P.steps * B], Y[: P.steps * B]), batch_size=B, shuffle=False, drop_last=True
+    )
+    model_t = make_model()
+    opt_t = torch.optim.AdamW(model_t.parameters(), lr=P.lr)
+    cfg = labkit.TrainConfig(
+        epochs=1, max_steps=P.steps, log_every=1, eval_every=0, compile="on", compile_backend="aot_eager"
+    )
+    history = labkit.Trainer(model_t, opt_t, rt, cfg, loader).fit()
+    trained = [r["loss"] for r in history]
+    worst_t = max(abs(a - b) for a, b in zip(compiled, trained))
+    print(f"{len(trained)} Trainer steps, largest |hand-compiled - Trainer| = {worst_t:.2e}")
+    assert len(trained) == len(compiled) and worst_t < 1e-4
+else:
+    print("this labkit's TrainConfig has no compile setting: the Trainer's compiled step is not shown")
+
+# %% [markdown]
+# ## 3. A graph break and a recompile, planted, found and fixed
+# From here on the lessons are about Dynamo (what it captures, what it guards), which runs before any backend. So
+# the rest compiles with `backend="aot_eager"`: the same capture and the same AOTAutograd forward/backward as
+# Inductor, run with eager kernels, so a compile costs milliseconds instead of Inductor's seconds of C++.
+#
+# **A graph break.** Someone wants to watch the largest activation and writes it down as a Python float.
+
+# %%
+DYNAMO = "aot_eager"
+
+
+class Watched(torch.nn.Module):
+    """The MLP, with a watch on its largest hidden activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+        self.peak = 0.0
+
+    def forward(self, x):
+        h = self.net[:2](x)
+        self.peak = max(self.peak, h.abs().max().item())  # the planted fault: a host read in the forward
+        return self.net[2:](h)
+
+
+ex = torch._dynamo.explain(Watched())(batches[0][0])
+(reason,) = ex.break_reasons
+where = reason.user_stack[-1]
+print(f"{ex.graph_count} graphs, {ex.graph_break_count} break: {reason.reason.splitlines()[0]}")
+print(f"at line {where.lineno} of its cell: {where.line.strip()}")
+src, start = inspect.getsourcelines(Watched.forward)
+planted_line = start + next(i for i, s in enumerate(src) if ".item()" in s)
+assert ex.graph_break_count == 1 and "item" in reason.reason and where.lineno == planted_line
+
+# %% [markdown]
+# `.item()` needs the number on the host, so Dynamo stops the graph there, the device finishes what came before, the
+# value is copied back (a host sync, as on XLA), Python runs `max`, and a second graph starts. The fix keeps the
+# watch on the device: a buffer updated with tensor ops, read once when someone looks at it.
+
+# %%
+class WatchedOnDevice(torch.nn.Module):
+    """The same watch, kept on the device: no read, no break."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+        self.register_buffer("peak", torch.zeros((), device=device))
+
+    def forward(self, x):
+        h = self.net[:2](x)
+        self.peak.copy_(torch.maximum(self.peak, h.detach().abs().max()))
+        return self.net[2:](h)
+
+
+watched = WatchedOnDevice()
+ex = torch._dynamo.explain(watched)(batches[0][0])
+print(f"{ex.graph_count} graph, {ex.graph_break_count} breaks; peak so far {watched.peak.item():.3f} (read once, here)")
+assert ex.graph_count == 1 and ex.graph_break_count == 0
+torch._dynamo.reset()
+
+# %% [markdown]
+# **A recompile.** A label smoothing that anneals over training is passed to `F.cross_entropy` as a Python float that
+# changes every step, and the last batch of the epoch is smaller. With `dynamic=False` both are constants of the
+# graph, checked by a *guard* before each call; when a guard fails, Dynamo compiles again. torch says which guard
+# failed and on which line: `torch._logging.set_logs(recompiles=True)` (or `TORCH_LOGS=recompiles`) prints it, and
+# the same text is kept in `torch._dynamo.utils.guard_failures`.
+
+# %%
+# an epoch of at most 6 steps whose last batch is short (fewer graphs than the recompile limit, 8: section 4)
+ragged = batches[: min(5, len(batches) - 1)] + [(batches[-1][0][:12], batches[-1][1][:12])]
+
+
+def smoothing_at(step):
+    return 0.1 * (1 - step / len(ragged))
+
+
+def run_loss(loss_fn, steps, *, as_tensor=False, stance_after_first=None):
+    """Run `loss_fn(model, x, y, smoothing)` compiled, forward and backward, the smoothing a Python float (or a
+    tensor); return (losses, graphs, guard failures)."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model()
+    f = torch.compile(loss_fn, dynamic=False, backend=DYNAMO)
+    out = []
+    for step, (x, y) in enumerate(steps):
+        s = torch.tensor(smoothing_at(step), device=device) if as_tensor else smoothing_at(step)
+        stance = stance_after_first if (stance_after_first and step > 0) else "default"
+        with torch.compiler.set_stance(stance):
+            loss = f(model, x, y, s)
+        loss.backward()
+        out.append(loss.detach())
+    failures = [r for rs in torch._dynamo.utils.guard_failures.values() for r in rs]
+    return torch.stack(out).tolist(), counters["stats"]["unique_graphs"], failures
+
+
+def smoothed_loss(model, x, y, smoothing):
+    return F.cross_entropy(model(x), y, label_smoothing=smoothing)  # the planted fault: a new float every step
+
+
+def guard_and_line(reason):
+    """'guard  <- line N: code' from one of guard_failures' texts ('guard  # code  # file:line in fn')."""
+    parts = [p.strip() for p in reason.split("#")]
+    line = parts[-1].split(":")[-1].split()[0] if len(parts) > 2 else "?"
+    return f"{parts[0]}  <- line {line}: {parts[1]}" if len(parts) > 2 else parts[0]
+
+
+torch._logging.set_logs(recompiles=True)
+planted, graphs, failures = run_loss(smoothed_loss, ragged)
+torch._logging.set_logs()
+print(f"{len(ragged)} steps, {graphs} graphs ({graphs - 1} recompiles); the guards that failed, first each time:")
+for r in dict.fromkeys(guard_and_line(r) for r in failures):
+    print("  ", r)
+assert graphs == len(ragged)
+assert any("smoothing ==" in r and "label_smoothing=smoothing" in r for r in failures)
+assert any("size mismatch at index 0" in r for r in failures)
+
+# %% [markdown]
+# The guard names the constant (`... == 0.1`) and the line that used it. The fix: make the changing number a
+# *tensor* (its value is data, not a guard) — `F.cross_entropy` wants a float, so the smoothing is written out:
+# `(1 - s) · NLL + s · mean(−log p)`, which is what `label_smoothing=s` computes. Then the short batch alone still
+# recompiles (`size mismatch at index 0`), so that is found next and fixed by dropping it (`drop_last=True`) — or by
+# padding it to the batch size with labels the loss ignores, as notebook 00 did.
+
+# %%
+def smoothed_loss_fixed(model, x, y, smoothing):  # smoothing: a tensor, a new value each step, the same graph
+    logp = F.log_softmax(model(x), dim=-1)
+    return (1 - smoothing) * F.nll_loss(logp, y) - smoothing * logp.mean()
+
+
+fixed_once, graphs, failures = run_loss(smoothed_loss_fixed, ragged, as_tensor=True)
+print(f"tensor smoothing, ragged epoch: {graphs} graphs; failed: {[r.split('#')[0].strip() for r in failures]}")
+assert graphs == 2 and all("size mismatch at index 0" in r for r in failures)
+worst = max(abs(a - b) for a, b in zip(planted, fixed_once))
+assert worst < 1e-5, f"the written-out smoothing is the same loss ({worst:.1e})"
+
+even = ragged[:-1]  # drop_last=True
+fixed, graphs, failures = run_loss(smoothed_loss_fixed, even, as_tensor=True, stance_after_first="fail_on_recompile")
+print(f"fixed: {len(even)} steps, {graphs} graph, {len(failures)} guard failures; "
+      "after the first step it ran under set_stance('fail_on_recompile'), which raises on any recompile")
+assert graphs == 1 and not failures
+torch._dynamo.reset()
+
+# %% [markdown]
+# ### The same findings from `labkit.explain()`
+# labkit's `explain()` reads torch.compile's own record off XLA: graphs, recompiles with the guard that failed and
+# the line, graph breaks with their reason and line, and the time spent compiling. Here it reads the planted runs
+# again.
+
+# %%
+torch._dynamo.reset()
+torch.compile(Watched(), dynamic=False, backend=DYNAMO)(batches[0][0])  # the planted break, compiled
+run_loss(smoothed_loss, ragged)  # the planted recompiles (run_loss resets Dynamo first: the break is run again after)
+torch.compile(Watched(), dynamic=False, backend=DYNAMO)(batches[0][0])
+found = labkit.explain(verbose=True, rt=rt)
+if "nothing to explain" in found["text"]:
+    print("this labkit's explain() reads torch_xla's record only: see the findings above instead")
+else:
+    assert "item" in found["text"] and "smoothing ==" in found["text"], "the break and the guard, named"
+    assert f"line {planted_line}" in found["text"] or f":{planted_line}" in found["text"], "the planted break's line"
+torch._dynamo.reset()
+
+# %% [markdown]
+# ### Exercise 1 (08.guard): which guard does a change fail?
+# A function is compiled with `dynamic=False` and called once as `f(x, scale)`: `x` a float32 CPU tensor of shape
+# (16, 64) that does not require grad, `scale = 0.5` a Python float, grad mode on, no autocast. Then a second call
+# makes one change. For each change below, say which guard fails: one of `nb08.GUARD_KINDS` (`"none"`: the cached
+# graph runs again). Some changes need a GPU: reason them out from what you saw; the checker refuses `torch.compile`
+# while your answer runs, and asks for a different set of changes each time.
+
+# %%
+for key, (text, _, _) in nb08.CHANGES.items():
+    print(f"{key:>13}: {text}")
+print("kinds:", nb08.GUARD_KINDS)
+
+# %%
+# your turn: the kind of guard each change fails
+def failing_guard(change):
+    answers = {
+        "batch_12": ...,
+        "transposed": ...,
+        "float64": ...,
+        "bfloat16": ...,
+        "on_gpu": ...,
+        "other_gpu": ...,
+        "needs_grad": ...,
+        "no_grad": ...,
+        "autocast_gpu": ...,
+        "autocast_cpu": ...,
+        "scale": ...,
+        "same_scale": ...,
+        "new_values": ...,
+    }
+    return answers[change]
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# solution (runs only with LABKIT_SOLUTIONS=1)
+if exercises.solutions_on():
+    def failing_guard(change):
+        return {
+            "batch_12": "size", "transposed": "stride", "float64": "dtype", "bfloat16": "dtype",
+            "on_gpu": "device", "other_gpu": "device", "needs_grad": "requires_grad", "no_grad": "global",
+            "autocast_gpu": "global", "autocast_cpu": "global", "scale": "value", "same_scale": "none",
+            "new_values": "none",
+        }[change]
+
+# %%
+exercises.check("08.guard", lambda: nb08.check_failing_guard(failing_guard))
+
+# %% [markdown]
+# ## 4. An optimizer whose state stays on the device
+# A learning-rate schedule is the changing Python number every training loop has. With a float `lr`, the compiled
+# `opt.step` bakes the value into its graph and guards it: a warm-up that changes `lr` each step compiles a new
+# optimizer graph each step (past `torch._dynamo.config.recompile_limit`, 8, Dynamo gives up and runs it eagerly).
+# The fix is an `lr` that is a **tensor** — the scheduler writes the new value into it (`fill_`) — with
+# `capturable=True`, which keeps the optimizer's `step` counter a tensor on the parameters' device and computes the
+# bias corrections there, so the whole update can stay one device graph (the name comes from CUDA graph capture).
+# Without it, on a GPU, Adam's `step` is a CPU tensor and the bias corrections are Python numbers worked out on the
+# host every update. torch.compile turns `capturable` on by itself for CUDA parameters
+# (`torch/_dynamo/variables/optimizer.py`); on this CPU the host *is* the device, so the difference shows only on a
+# GPU (the cell's last assert runs there).
+
+# %%
+def warmup(step):
+    return min(1.0, (step + 1) / P.warmup)
+
+
+def run_schedule(lr, *, compiled=True, capturable=False):
+    """AdamW with a linear warm-up (LambdaLR), the step of section 2; returns (losses, graphs, failures, opt)."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=capturable)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    loss_of = lambda x, y: F.cross_entropy(model(x), y)  # noqa: E731
+    opt_step = opt.step
+    if compiled:
+        loss_of = torch.compile(loss_of, dynamic=False, backend=DYNAMO)
+        # backend="eager": Dynamo's capture and guards only. The update has no backward for AOTAutograd to trace,
+        # and each aot_eager compile of it costs seconds here; the graphs and guards counted are the same
+        opt_step = torch.compile(opt.step, dynamic=False, backend="eager")
+    out = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(x, y)
+        loss.backward()
+        opt_step()
+        sched.step()
+        out.append(loss.detach())
+    failures = [r for rs in torch._dynamo.utils.guard_failures.values() for r in rs]
+    return torch.stack(out).tolist(), counters["stats"]["unique_graphs"], failures, opt
+
+
+reference, _, _, _ = run_schedule(P.lr, compiled=False)
+_, graphs, failures, _ = run_schedule(P.lr)
+lr_values = min(P.warmup, P.steps)
+print(f"float lr, warm-up over {P.warmup} steps: {graphs} graphs (1 loss + {graphs - 1} optimizer)")
+print("   first guard that failed:", failures[0].split("#")[0].strip())
+assert graphs == 1 + lr_values and any("['lr']" in r for r in failures)
+
+with_tensor, graphs, failures, opt = run_schedule(torch.tensor(P.lr, device=device), capturable=True)
+state = opt.state[opt.param_groups[0]["params"][0]]
+worst = max(abs(a - b) for a, b in zip(reference, with_tensor))
+lr_now = opt.param_groups[0]["lr"]
+print(f"tensor lr, capturable: {graphs} graphs, {len(failures)} guard failures; lr is still a tensor: {lr_now!r}")
+print(f"   AdamW's step counter: {state['step']} on {state['step'].device}; largest |eager - compiled| = {worst:.1e}")
+assert graphs == 2 and not failures and worst < 1e-4 and torch.is_tensor(lr_now)
+assert state["step"].device == opt.param_groups[0]["params"][0].device
+if device.type == "cuda":  # what capturable changes: without it, eager Adam keeps `step` on the host
+    _, _, _, eager_opt = run_schedule(P.lr, compiled=False)
+    assert next(iter(eager_opt.state.values()))["step"].device.type == "cpu"
+torch._dynamo.reset()
+
+# %% [markdown]
+# ### Exercise 2 (08.graphs): how many graphs will this step compile?
+# Section 2's step (the loss compiled with `dynamic=False`, AdamW with a **float** lr, `opt.step` compiled with
+# `dynamic=False`), run so that step *i* trains on a batch of `batches[i]` rows with learning rate `lrs[i]`.
+# Write `predict_graphs(batches, lrs)`: the number of graphs Dynamo compiles in the whole run (the recompile limit is
+# 8 graphs per compiled function). The checker asks about schedules and batch sizes this notebook never ran, new ones
+# each time, and refuses `torch.compile` while your answer runs.
+
+# %%
+# your turn
+def predict_graphs(batches, lrs):
+    return ...
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# solution (runs only with LABKIT_SOLUTIONS=1)
+if exercises.solutions_on():
+    def predict_graphs(batches, lrs):
+        limit = 8  # torch._dynamo.config.recompile_limit: then the function runs eagerly
+        return min(limit, len(set(batches))) + min(limit, len(set(lrs)))  # loss+backward per shape; update per lr
+
+# %%
+exercises.check("08.graphs", lambda: nb08.check_predict_graphs(predict_graphs))
+
+# %% [markdown]
+# ## 5. Placing a model with DTensor
+# On torch_xla one process drove every device and `mark_sharding` told GSPMD how to split a tensor (notebook 03). On
+# this engine each device has its own process (torchrun, one rank per GPU or TPU chip), they join a process group,
+# and a `DeviceMesh` arranges the ranks in a grid with named axes. A **DTensor** is a tensor whose *placements* say,
+# per mesh axis, how it is laid out: `Shard(d)` (split along dimension d), `Replicate()` (a whole copy on each),
+# `Partial()` (each holds a part of a sum, pending a reduction). `distribute_tensor(t, mesh, placements)` lays a tensor
+# out; each rank keeps only its piece (`.to_local()`).
+#
+# One process here stands in for rank 0 — and then rank 7 — of a mesh of 8, with torch's own test backend `"fake"`
+# (`torch.testing._internal.distributed.fake_pg`: the process group accepts every collective and does nothing). The
+# shapes each rank holds are real; the values are not, so nothing here trains. A gloo mesh of one process would
+# show nothing (every shard is the whole tensor). Real multi-process runs, with losses, come after the exercise.
+
+# %%
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+WORLD = 8
+w = torch.randn(30, 12)  # 30 rows: they do not divide over 8
+local = {}
+for rank in (0, WORLD - 1):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
+    for name, placement in (("Shard(0)", Shard(0)), ("Shard(1)", Shard(1)), ("Replicate()", Replicate())):
+        local[rank, name] = tuple(distribute_tensor(w, mesh, [placement]).to_local().shape)
+    mesh2 = init_device_mesh("cpu", (2, 4), mesh_dim_names=("data", "model"))  # Megatron's column split, per data slice
+    local[rank, "(Replicate(), Shard(0)) on 2x4"] = tuple(
+        distribute_tensor(w, mesh2, [Replicate(), Shard(0)]).to_local().shape
+    )
+    dist.destroy_process_group()
+for (rank, name), shape in local.items():
+    print(f"rank {rank}: {name:>32} -> {shape}")
+chunks = [len(c) for c in torch.arange(30).chunk(WORLD)]
+print("torch.chunk(30 rows, 8):", chunks)
+assert local[0, "Shard(0)"] == (chunks[0], 12) and local[WORLD - 1, "Shard(0)"] == (chunks[-1], 12)
+assert local[0, "Shard(1)"] == (30, 2) and local[0, "Replicate()"] == (30, 12)
+assert local[0, "(Replicate(), Shard(0)) on 2x4"] == (8, 12)
+
+# %% [markdown]
+# `Shard(0)` splits like `torch.chunk`: ⌈30/8⌉ = 4 rows to each rank until the rows run out, so rank 7 holds 2
+# (and `Shard(1)`'s 12 columns, 2 per rank, run out at rank 5: ranks 6 and 7 hold none).
+# **FSDP2** (`fully_shard`) puts every parameter of a module on such a mesh as a DTensor, `Shard(0)`, and allocates
+# each rank's piece **padded** to ⌈rows/devices⌉ rows, so every rank's buffer has the same size (the all-gather
+# that rebuilds the weight needs equal pieces). torch_xla's FSDPv2 split each weight along its **largest**
+# dimension instead (notebook 03). For a (10, 300) weight over 8 devices the two differ a lot: FSDP2 gives each
+# device 2 padded rows of 300 (and ranks 5–7 only padding); FSDPv2 splits the 300 columns, 38 per device.
+#
+# `reshard_after_forward` says whether a module's gathered weights are freed right after its forward (and gathered
+# again for the backward: less memory, one more all-gather). Its default in torch 2.9 is `None`: `True` for every
+# module below the root, `False` for the root, whose weights the backward needs first anyway.
+
+# %%
+for rank in (0, WORLD - 1):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(12, 30), torch.nn.ReLU(), torch.nn.Linear(30, 300), torch.nn.Linear(300, 10))
+    fully_shard(net[0])  # a child: resharded after its forward (default None -> True below the root)
+    fully_shard(net)  # the root owns the rest (net[2], net[3]): kept gathered after the forward (None -> False)
+    rows = {n: (tuple(p.to_local().shape), p.to_local().untyped_storage().nbytes()) for n, p in net.named_parameters()}
+    assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in net.parameters())
+    print(f"rank {rank}:", {n: f"{s} in {b} B" for n, (s, b) in rows.items()})
+    assert rows["0.weight"][1] == math.ceil(30 / WORLD) * 12 * 4  # padded: the same buffer on every rank
+    assert rows["3.weight"][1] == math.ceil(10 / WORLD) * 300 * 4  # (10, 300): 2 rows of 300, ranks 5-7 padding only
+    net(torch.randn(4, 12))  # a forward on the fake group: shapes real, values not
+    assert isinstance(net[0].weight, DTensor), "a child is resharded after its forward"
+    assert not isinstance(net[3].weight, DTensor), "the root keeps its gathered weights for the backward"
+    dist.destroy_process_group()
+assert inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
+print(f"FSDPv2 would give a (10, 300) weight {math.ceil(300 / WORLD) * 10 * 4} B per device; FSDP2 gives "
+      f"{math.ceil(10 / WORLD) * 300 * 4} B")
+
+# %% [markdown]
+# ### Exercise 3 (08.fsdp2_bytes): bytes per device under FSDP2, on meshes this machine does not have
+# Write `fsdp2_bytes(shape, devices, bytes_per)`: the bytes ONE device allocates for its shard of a parameter of
+# that shape when `fully_shard` splits it over `devices` ranks (elements of `bytes_per` bytes). The checker asks
+# about 8, 16 and 64 devices, shapes that do not divide and biases shorter than the mesh, new ones each time, and
+# refuses `fully_shard`, `distribute_tensor`, process groups and meshes while your answer runs.
+
+# %%
+# your turn
+def fsdp2_bytes(shape, devices, bytes_per):
+    return ...
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# solution (runs only with LABKIT_SOLUTIONS=1)
+if exercises.solutions_on():
+    def fsdp2_bytes(shape, devices, bytes_per):
+        rows = -(-shape[0] // devices)  # dim 0, padded up to a multiple of the devices
+        return rows * math.prod(shape[1:]) * bytes_per
+
+# %%
+if exercises.check("08.fsdp2_bytes", lambda: nb08.check_fsdp2_bytes(fsdp2_bytes)):
+    # and on the layout measured above (rank 7 of 8): your rule gives the padded buffers fully_shard allocated
+    assert fsdp2_bytes((30, 12), WORLD, 4) == rows["0.weight"][1] and fsdp2_bytes((10, 300), WORLD, 4) == rows["3.weight"][1]
+
+# %% [markdown]
+# ### The plans of notebook 03 on 4 real processes
+# labkit runs notebook 03's plans (data parallel, FSDP2, Megatron's tensor-parallel MLP) written with DTensor and
+# `fully_shard` on a `DeviceMesh` of 4 CPU processes over gloo, in a child `torchrun`, and compares bytes per
+# device and losses with GSPMD's on the same model.
+
+# %%
+import importlib.util
+
+if importlib.util.find_spec("labkit.lessons.dtensor_mesh") is not None:
+    from labkit.lessons import dtensor_mesh
+
+    mesh_run = dtensor_mesh.run()
+    print(mesh_run)
+    assert mesh_run["losses"] and mesh_run["gspmd_losses"]
+    assert max(abs(a - b) for a, b in zip(mesh_run["losses"], mesh_run["gspmd_losses"])) < 1e-4
+else:
+    print("this labkit has no DTensor runner (labkit.lessons.dtensor_mesh): the 4-process run is not shown")
+
+# %% [markdown]
+# ## What you saw
+# | | caused by | seen with | fixed by |
+# |---|---|---|---|
+# | a graph break | `loss.backward()` in a compiled function; `.item()` in a forward; `Optimizer.step` (on purpose) | `torch._dynamo.explain` (reason, line), `counters["graph_break"]` | compile the loss (AOTAutograd compiles its backward); keep values on the device |
+# | a recompile | a Python number that changes (a smoothing, a float lr), a new shape | the failed guard: `TORCH_LOGS=recompiles`, `guard_failures` | tensors for changing numbers, fixed shapes (`drop_last`, padding); `set_stance("fail_on_recompile")` proves it |
+# | optimizer state on the host | `capturable=False` on a GPU, a float lr | the guard on `param_groups[0]['lr']` | `lr=torch.tensor(...)`, `capturable=True` |
+# | a layout | `Shard(0)` / FSDP2 (dim 0, padded) vs FSDPv2 (largest dimension) | `.to_local()`, `.placements`, the padded buffers | choose the plan per weight |
+#
+# On TorchTPU (not verified here) the same code runs with `backend="tpu"` and a `"tpu"` process group, one process
+# per chip; on a GPU, with Inductor and NCCL.
+
+# %%
+passed = sum(exercises.results.get(n, False) for n in ("08.guard", "08.graphs", "08.fsdp2_bytes"))
+print(f"exercises passed: {passed} of 3")

@@ -1,0 +1,197 @@
+"""Notebook 08's checkers: a right answer passes, wrong ones fail with "not yet" and a reason, measuring is refused,
+and each checker's truth is itself measured here against torch.compile and FSDP2 (a fake process group of 8 ranks:
+torch's own test backend, shapes real, collectives no-ops), so a rule that drifts from torch fails this file."""
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+
+from labkit.lessons.exercises import NotDone, Wrong, check, nb08
+
+
+def right_graphs(batches, lrs):
+    return min(8, len(set(batches))) + min(8, len(set(lrs)))
+
+
+def test_predict_graphs_right_and_wrong():
+    assert "four step configurations" in nb08.check_predict_graphs(right_graphs)
+    with pytest.raises(Wrong, match="counted the model only"):
+        nb08.check_predict_graphs(lambda b, lrs: min(8, len(set(b))))
+    with pytest.raises(Wrong, match="recompile_limit"):
+        nb08.check_predict_graphs(lambda b, lrs: len(set(b)) + len(set(lrs)))
+    with pytest.raises(Wrong, match="AOTAutograd"):
+        nb08.check_predict_graphs(lambda b, lrs: 2 * min(8, len(set(b))) + min(8, len(set(lrs))))
+    with pytest.raises(Wrong, match="must be a number"):
+        nb08.check_predict_graphs(lambda b, lrs: str(right_graphs(b, lrs)))
+    with pytest.raises(NotDone):
+        nb08.check_predict_graphs(...)
+
+
+def test_measuring_is_refused_by_code_object():
+    def measured(batches, lrs):
+        compile_ = torch.compile  # an alias: still the same code object
+        compile_(lambda x: x + 1, backend="eager")
+        return right_graphs(batches, lrs)
+
+    with pytest.raises(Wrong, match="your code called torch.compile"):
+        nb08.check_predict_graphs(measured)
+    from torch.distributed.fsdp import fully_shard as fs
+
+    def sharded(shape, devices, bytes_per):
+        with contextlib.suppress(Exception):
+            fs(torch.nn.Linear(2, 2))  # fails without a process group; the call is what counts
+        return nb08.fsdp2_rule(shape, devices, bytes_per)
+
+    with pytest.raises(Wrong, match="your code called fully_shard"):
+        nb08.check_fsdp2_bytes(sharded)
+
+
+def _measure_graphs(batches, lrs):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    opt = torch.optim.AdamW(m.parameters(), lr=lrs[0])
+    cm = torch.compile(m, dynamic=False, backend="eager")
+
+    @torch.compile(dynamic=False, backend="eager")
+    def opt_step():
+        opt.step()
+
+    for b, lr in zip(batches, lrs):
+        opt.param_groups[0]["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(cm(torch.randn(b, 8)), torch.randint(0, 3, (b,))).backward()
+        opt_step()
+    n = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    return n
+
+
+def test_graphs_rule_is_what_torch_compile_does():
+    """The checker's rule against a real compiled step: a new batch size and a new float lr each compile a graph;
+    past the limit a function runs eagerly (shown with a limit of 3, to keep it cheap)."""
+    assert torch._dynamo.config.recompile_limit == nb08.RECOMPILE_LIMIT
+    batches, lrs = [4, 4, 6, 4], [1e-3, 2e-3, 2e-3, 1e-3]  # sizes and lrs that come back: no new graph for them
+    assert _measure_graphs(batches, lrs) == nb08.graphs_rule(batches, lrs) == 4
+    with torch._dynamo.config.patch(recompile_limit=3):  # the cap, cheaply: 5 sizes and 4 lrs, 3 graphs each at most
+        batches, lrs = [2, 3, 4, 5, 6], [1e-3, 2e-3, 3e-3, 4e-3, 4e-3]
+        assert _measure_graphs(batches, lrs) == nb08.graphs_rule(batches, lrs, limit=3) == 6
+
+
+def right_guard(key):
+    return nb08.CHANGES[key][1]
+
+
+def test_failing_guard_right_and_wrong():
+    assert "one of them on a GPU" in nb08.check_failing_guard(right_guard)
+    with pytest.raises(Wrong):
+        nb08.check_failing_guard(lambda key: "size")
+    with pytest.raises(Wrong, match="not its values"):  # every change recompiles: wrong for the no-guard changes
+        nb08.check_failing_guard(lambda key: "value" if right_guard(key) == "none" else right_guard(key))
+    with pytest.raises(Wrong, match="answer one of"):
+        nb08.check_failing_guard(lambda key: "shape")
+    with pytest.raises(Wrong, match="must be a str"):
+        nb08.check_failing_guard(lambda key: 3)
+
+
+def _fn(x, scale=0.5):
+    return torch.sin(x) * scale
+
+
+def _second_call(key):
+    """(args, context) of the second call for each change that runs on a CPU."""
+    x = torch.randn(16, 64)
+    null = contextlib.nullcontext()
+    return {
+        "batch_12": ((torch.randn(12, 64), 0.5), null),
+        "transposed": ((torch.randn(64, 16).t(), 0.5), null),
+        "float64": ((x.double(), 0.5), null),
+        "bfloat16": ((x.bfloat16(), 0.5), null),
+        "needs_grad": ((x.clone().requires_grad_(True), 0.5), null),
+        "no_grad": ((x, 0.5), torch.no_grad()),
+        "autocast_cpu": ((x, 0.5), torch.autocast("cpu", dtype=torch.bfloat16)),
+        "scale": ((x, 0.25), null),
+        "same_scale": ((x, 1 / 2), null),
+        "new_values": ((torch.randn(16, 64), 0.5), null),
+    }[key]
+
+
+def _kind(reason: str) -> str:
+    for marker, kind in [
+        ("size mismatch", "size"),
+        ("stride mismatch", "stride"),
+        ("dtype mismatch", "dtype"),
+        ("device mismatch", "device"),
+        ("requires_grad mismatch", "requires_grad"),
+        ("GLOBAL_STATE", "global"),
+        ("scale ==", "value"),
+    ]:
+        if marker in reason:
+            return kind
+    return f"unknown: {reason}"
+
+
+def test_guard_answers_are_what_torch_compile_reports():
+    cpu = [k for k, (_, _, on_cpu) in nb08.CHANGES.items() if on_cpu]
+    assert len(cpu) >= 8 and set(nb08.GUARD_KINDS) - {"device"} <= {nb08.CHANGES[k][1] for k in cpu}
+    for key in cpu:
+        torch._dynamo.reset()
+        f = torch.compile(_fn, dynamic=False, backend="eager")
+        f(torch.randn(16, 64), 0.5)
+        args, ctx = _second_call(key)
+        with ctx:
+            f(*args)
+        reasons = [r for rs in torch._dynamo.utils.guard_failures.values() for r in rs]
+        got = _kind(reasons[0]) if reasons else "none"
+        assert got == nb08.CHANGES[key][1], (key, reasons)
+    torch._dynamo.reset()
+
+
+def right_bytes(shape, devices, bytes_per):
+    return math.ceil(shape[0] / devices) * math.prod(shape[1:]) * bytes_per
+
+
+def test_fsdp2_bytes_right_and_wrong():
+    assert "over 8, 16 and 64 devices" in nb08.check_fsdp2_bytes(right_bytes)
+    with pytest.raises(Wrong, match="pads dim 0"):
+        nb08.check_fsdp2_bytes(lambda s, n, b: math.prod(s) * b // n)
+    with pytest.raises(Wrong, match="FSDPv2"):
+        nb08.check_fsdp2_bytes(nb08._fsdpv2_rule)
+    with pytest.raises(Wrong, match="rounded down"):
+        nb08.check_fsdp2_bytes(lambda s, n, b: s[0] // n * math.prod(s[1:]) * b)
+    with pytest.raises(Wrong, match="elements"):
+        nb08.check_fsdp2_bytes(lambda s, n, b: math.ceil(s[0] / n) * math.prod(s[1:]))
+
+
+def test_fsdp2_rule_is_what_fully_shard_allocates():
+    """On a fake process group of 8 ranks (rank 0 and the last rank): the padded storage fully_shard gives each
+    rank's shard equals the rule, for shapes that do not divide and a bias shorter than the mesh."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    shapes = [(30, 12), (5,), (203, 4, 4), (13, 100)]
+    for rank in (0, 7):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+        try:
+            for shape in shapes:
+                holder = torch.nn.Module()
+                holder.p = torch.nn.Parameter(torch.randn(shape))
+                fully_shard(holder)
+                local = holder.p.to_local()
+                assert local.untyped_storage().nbytes() == nb08.fsdp2_rule(shape, 8, 4), (rank, shape)
+                chunks = torch.arange(shape[0]).chunk(8)  # what DTensor's Shard(0) shows: torch.chunk, unpadded
+                assert local.shape[0] == (len(chunks[rank]) if rank < len(chunks) else 0), (rank, shape)
+        finally:
+            dist.destroy_process_group()
+
+
+def test_check_prints_not_yet_for_a_wrong_answer(capsys, monkeypatch):
+    monkeypatch.setenv("LABKIT_SOLUTIONS", "0")
+    assert not check("08.fsdp2_bytes", lambda: nb08.check_fsdp2_bytes(lambda s, n, b: math.prod(s) * b // n))
+    assert "not yet" in capsys.readouterr().out
