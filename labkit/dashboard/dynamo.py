@@ -93,8 +93,8 @@ def guard_source(guard: str, file: str | None) -> Site | None:
         return None
     path, line = m.group(1), int(m.group(2))
     if file and os.path.basename(file) == os.path.basename(path):  # Dynamo cut the path's start: put it back
-        path = file
-    return Site(path, line, parts[-2])
+        return _site(file, line)  # the line as the file has it (Dynamo's copy is cut at the code's own comments)
+    return Site(path, line, parts[1])
 
 
 def parse_break(payload: str) -> dict | None:
