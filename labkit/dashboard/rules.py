@@ -118,7 +118,7 @@ def break_findings(breaks: list[dict]) -> list[Finding]:
     not passed here): each splits the compiled function in two, with Python running between the graphs."""
     out = []
     for b in breaks:
-        why = f" {b['explanation']}" if b.get("explanation") else ""
+        why = f" {b['explanation'].rstrip('.')}." if b.get("explanation") else ""
         out.append(
             Finding(
                 f"break:{b['file']}:{b['line']}",
