@@ -5,14 +5,18 @@ recompiles with their cause, CPU fallbacks, host syncs per line of your code), i
     labkit.Trainer(..., callbacks=[dash]).fit()
     labkit.explain(dash)                          # explain.py, with the diagnosis rules of rules.py
 
-controls.py: the buttons (profile, stop after this epoch, save now); health.py: XLA's counters per interval and
-the recompile detective; syncs.py: the host-sync finder; flops.py: peak FLOP/s per chip and MFU; feed_of and
+controls.py: the buttons (profile, stop after this epoch, save now); health.py: the health panel's numbers per
+interval and the recompile detective, read from XLA's counters on XLA and from torch.compile's record elsewhere
+(dynamo.py: recompiles with the failed guard and line, graph breaks with reason and line; cuda_syncs.py: host syncs
+per line on CUDA); syncs.py: the host-sync finder; flops.py: peak FLOP/s per chip and MFU; feed_of and
 INPUT_BOUND: the feed meter (the share of step time spent waiting for data, labkit.steplog).
 """
 
 from labkit.dashboard import flops
 from labkit.dashboard.collector import Dashboard
 from labkit.dashboard.controls import Controls, fit_with_buttons
+from labkit.dashboard.cuda_syncs import HostSyncCounter
+from labkit.dashboard.dynamo import CompileRecord
 from labkit.dashboard.explain import explain, feed_of, parse_report
 from labkit.dashboard.health import HealthMonitor, compile_count
 from labkit.dashboard.rules import INPUT_BOUND
@@ -21,6 +25,8 @@ from labkit.dashboard.syncs import SyncFinder
 
 __all__ = [
     "INPUT_BOUND",
+    "CompileRecord",
+    "HostSyncCounter",
     "ConsoleSink",
     "Controls",
     "Dashboard",

@@ -91,13 +91,18 @@ class Dashboard:
         if self.finder is not None and self._active and rt.reads_metrics:
             self.finder.start()  # stopped in on_train_end
         if self.health is None:
+            from labkit.dashboard import cuda_syncs
+
             self.health = HealthMonitor(
                 rt,
                 warmup_steps=getattr(trainer.cfg, "warmup_steps", 2),
                 finder=self.finder if rt.reads_metrics else None,
+                host_syncs=cuda_syncs.HostSyncCounter() if self.finder is not None and cuda_syncs.applies(rt) else None,
             )
         else:
             self.health.resync()
+        if self.health.host_syncs is not None and self._active:
+            self.health.host_syncs.start()  # stopped in on_train_end
         if self.sink is None and self._active:
             self.sink = ConsoleSink() if environment() == "console" else NotebookSink()
         if self.peak_flops is None and self.flops_per_step:
@@ -143,9 +148,12 @@ class Dashboard:
             row["tflops_per_replica"] = self.flops_per_step * sps / 1e12
             row["mfu"] = self.flops_per_step * sps / self.peak_flops if self.peak_flops else None
         h = self.health.interval(steps)
-        row.update(
-            {f"xla_{k}": h[k] for k in ("compiles", "compile_s", "graphs_total", "transfers") if h.get(k) is not None}
-        )
+        # XLA's counters as xla_*, torch.compile's record as dynamo_* (once something was compiled)
+        pre = "xla_" if h.get("xla") else "dynamo_" if h.get("graphs_total") else None
+        if pre:
+            row.update(
+                {pre + k: h[k] for k in ("compiles", "compile_s", "graphs_total", "transfers") if h.get(k) is not None}
+            )
         if h.get("memory"):
             row["memory_used"] = h["memory"]["used"]
         # the feed meter (labkit.steplog): live, so it goes away again once the loader keeps up
@@ -182,6 +190,8 @@ class Dashboard:
             self._draw(final=True)
         if self.finder is not None:
             self.finder.stop()
+        if self.health is not None and self.health.host_syncs is not None:
+            self.health.host_syncs.stop()
         if self._tb is not None:
             self._tb.flush()
         if self._active and hasattr(self.sink, "end"):

@@ -7,7 +7,9 @@
 
 It reads the same host-side counters as the dashboard (no device sync): compile vs execute time,
 compiles and recompilations (with the causes and lines the dashboard saw, when given one), aten:: ops that
-fell back to the CPU, and device->host transfers. On CUDA/CPU it says it is not running on XLA. Given
+fell back to the CPU, and device->host transfers. On CUDA/CPU it reads torch.compile's record instead
+(labkit.dashboard.dynamo): frames compiled and the time it took, each recompile with the guard that failed and its
+line, graph breaks in your code with their reason and line, and torch's own boundaries named apart. Given
 the Dashboard, it also says whether the run was input-bound (the feed meter of labkit.steplog, over the
 whole run but its first log interval, which holds the compiles and the loader's start).
 """
@@ -17,7 +19,15 @@ from __future__ import annotations
 import re
 
 from labkit.dashboard import health as xla_health
-from labkit.dashboard.rules import counts_from, feed_finding, findings
+from labkit.dashboard.rules import (
+    GUARD_REASON,
+    _fix_for,
+    break_findings,
+    counts_from,
+    feed_finding,
+    findings,
+    recompile_findings,
+)
 
 _TIME = re.compile(r"(\d+(?:\.\d+)?)(ns|us|ms|s|m|h|d)")
 _UNIT = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -88,6 +98,48 @@ def feed_of(source) -> dict | None:
     return {"data_wait_frac": frac, "data_wait_s": wait / sum(steps), "step_s": wall / sum(steps)}
 
 
+def _explain_compiled(source, rt, events, fed, feed, verbose) -> dict:
+    """Off XLA: torch.compile's record, the Dashboard's (from its first step) or the whole process's."""
+    from labkit.dashboard.dynamo import CompileRecord, recompile_text
+
+    health = getattr(source, "health", source)
+    record = getattr(health, "record", None) or CompileRecord(since_process_start=True)
+    s = record.snapshot()
+    where = rt.kind if rt is not None else "no labkit runtime set up"  # shown, not tested: the backend's name
+    recs = record.recompiles()
+    breaks = record.breaks("yours") + record.breaks("labkit")
+    own = record.breaks("torch")
+    d = dict(s, xla=False, engine="torch.compile", feed=feed, status=record.status)
+    d["recompile_events"] = events or [dict(e, reason=f"{GUARD_REASON} in {e['frame']}: {e['guard']}") for e in recs]
+    d["breaks"], d["torch_breaks"] = breaks, own
+    if not (s["compiles"] or breaks or own):
+        d["advice"] = [
+            f"not running on XLA ({where}) and nothing was compiled with torch.compile here: nothing to explain; "
+            "on CUDA use torch.profiler, on CPU time the step directly"
+        ] + [f.advice for f in fed]
+        d["text"] = "\n- ".join(d["advice"])
+        if verbose:
+            print(d["text"])
+        return d
+    found = recompile_findings(events) if events else []
+    advice = [f.advice for f in fed + found + break_findings(breaks)]
+    if not events:  # no Dashboard: every recompile of the process, each with its guard and line
+        advice += [f"Recompile: {recompile_text(e)}. Fix: {_fix_for(GUARD_REASON + ': ' + e['guard'])}." for e in recs]
+    advice += [f"torch's own boundary (not yours) at {b['site']}: {b['torch_boundary']}." for b in own]
+    if s["failed"]:
+        advice.append(f"Dynamo gave up on {s['failed']} frame(s): they run eagerly ({record.status}).")
+    d["advice"] = advice or ["Nothing to fix: no recompiles, no graph breaks in your code."]
+    d["text"] = (
+        f"not running on XLA ({where}): torch.compile compiled {s['compiles']} frames in {s['compile_s']:.2f} s, "
+        f"{len(d['recompile_events'])} recompiles{' after warm-up' if events or health is not None else ''}, "
+        f"{len(breaks)} graph breaks in your code, {len(own)} of torch's own\n"
+        + "\n".join(f"- {a}" for a in d["advice"])
+    )
+    if verbose:
+        print(d["text"])
+    return d
+
+
 def explain(source=None, verbose: bool = True, report: str | None = None, rt=None) -> dict:  # rt: or the source's
     """Summarise the XLA metrics of this process (or of `report`, a metrics_report() text).
 
@@ -106,6 +158,8 @@ def explain(source=None, verbose: bool = True, report: str | None = None, rt=Non
         if rt is None:  # the run's own Runtime: the Dashboard's (or HealthMonitor's) when given one
             rt = getattr(getattr(source, "health", source), "rt", None)
         snap = xla_health.snapshot(rt)
+        if snap is None and (rt is None or not rt.reads_metrics):
+            return _explain_compiled(source, rt, events, fed, feed, verbose)
         if snap is None:
             where = rt.kind if rt is not None else "no labkit runtime set up"  # shown, not tested: the backend's name
             d = {

@@ -17,6 +17,12 @@ Each recompilation event names the inputs that changed (old -> new shape and dty
 labkit.dashboard.syncs.SyncFinder is active (the Dashboard runs one on XLA), the user's line that made XLA
 compile: a read in the step (`if t:`, `.item()`) or the sync that ended it. The rules that turn
 these numbers into warnings live in labkit.dashboard.rules (shared with labkit.dashboard.explain).
+
+Off XLA the same monitor reads torch.compile's own record instead (labkit.dashboard.dynamo.CompileRecord; the runtime's
+`reads_metrics` chooses): frames compiled and their compile time per interval, each recompile after warm-up with the
+guard that failed and its line, graph breaks in the code's own lines (torch's own boundaries listed apart, never
+warned about), and on CUDA the host syncs per line (labkit.dashboard.cuda_syncs, given as `host_syncs`). The interval
+dict then has engine="torch.compile", breaks=[...], torch_breaks=[...]; on XLA engine="xla".
 """
 
 from __future__ import annotations
@@ -27,7 +33,16 @@ from collections import Counter
 
 import torch
 
-from labkit.dashboard.rules import BRANCH_REASON, SAME_SHAPES_REASON, counts_from, findings
+from labkit.dashboard.rules import (
+    BRANCH_REASON,
+    GUARD_REASON,
+    SAME_SHAPES_REASON,
+    break_findings,
+    counts_from,
+    findings,
+    reads_finding,
+    recompile_findings,
+)
 
 _BRANCH_READS = ("__bool__", "__int__", "__index__", "__float__", "item")  # reads whose value steers Python
 
@@ -129,9 +144,17 @@ class HealthMonitor:
     then each recompilation also names the user line that triggered it, and the transfer warning
     names the lines that read from the device."""
 
-    def __init__(self, rt, warmup_steps: int = 2, finder=None):
+    def __init__(self, rt, warmup_steps: int = 2, finder=None, host_syncs=None):
         self.rt = rt
         self.enabled = bool(rt is not None and rt.reads_metrics)
+        # off XLA: torch.compile's record (process-wide; this monitor reads what happens from now on)
+        self.record = None
+        if rt is not None and not rt.reads_metrics:
+            from labkit.dashboard.dynamo import CompileRecord
+
+            self.record = CompileRecord()
+        self.host_syncs = host_syncs  # labkit.dashboard.cuda_syncs.HostSyncCounter on CUDA, else None
+        self._last_compiled = self.record.snapshot() if self.record is not None else None
         self.warmup_steps = warmup_steps
         self.finder = finder
         self.warm_shapes: Counter = Counter()  # signature -> steps seen during warm-up
@@ -148,6 +171,9 @@ class HealthMonitor:
     def on_step(self, step: int, batch) -> None:
         """Call after the step's rt.sync(): XLA compiles synchronously inside sync, so a change
         of the counter since the previous call belongs to this step."""
+        if self.record is not None:
+            self._on_compiled_step(step, batch)
+            return
         if not self.enabled:
             return
         sig = shape_signature(batch)
@@ -184,8 +210,37 @@ class HealthMonitor:
             self.events.append(ev)
             self._new_events.append(ev)
 
+    def _on_compiled_step(self, step: int, batch) -> None:
+        """torch.compile compiles inside the call, so the record's new events belong to this step."""
+        sig = shape_signature(batch)
+        new = self.record.take()
+        self.steps_seen += 1
+        if self.steps_seen <= self.warmup_steps:
+            self.warm_shapes[sig] += 1
+            return
+        for e in new:
+            if e["kind"] != "compile" or not e["guard"]:
+                continue
+            known = sig in self.warm_shapes
+            ref = self.warm_shapes.most_common(1)[0][0] if self.warm_shapes else sig
+            ev = {
+                "step": step,
+                "compiles": 1,
+                "reason": f"{GUARD_REASON} in {e['frame']}: {e['guard']}",
+                "guard": e["guard"],
+                "frame": e["frame"],
+                "shapes": [list(s) for _, s, _ in sig],
+                "changes": [] if known else input_changes(ref, sig),
+                "site": e["guard_site"] or e["call"],
+                "via": "recompile",
+            }
+            self.events.append(ev)
+            self._new_events.append(ev)
+
     def resync(self) -> None:
         """Forget compiles since the last step (e.g. evaluation graphs): they are not recompilations."""
+        if self.record is not None:
+            self.record.take()
         if self.enabled:
             self._last_compiles = compile_count()
             if self.finder is not None:
@@ -196,6 +251,7 @@ class HealthMonitor:
         """Counters since the previous call, totals, memory and the current warnings."""
         out = {
             "xla": self.enabled,
+            "engine": "xla" if self.enabled else None,
             "compiles": None,
             "compile_s": None,
             "graphs_total": None,
@@ -207,6 +263,8 @@ class HealthMonitor:
             "syncs": [],
         }
         self._new_events = []
+        if self.record is not None:
+            return self._compiled_interval(out, steps)
         now = snapshot(self.rt)
         if now is not None and self._last is not None:
             prev = self._last
@@ -229,6 +287,33 @@ class HealthMonitor:
                 for s, n in sorted(self.syncs.items(), key=lambda kv: -kv[1])
             ]
             self._update_warnings(out, steps)
+        out["warnings"] = list(self.warnings.values())
+        return out
+
+    def _compiled_interval(self, out: dict, steps: int) -> dict:
+        """The interval off XLA: torch.compile's record and, on CUDA, the host syncs per line."""
+        now, prev = self.record.snapshot(), self._last_compiled
+        self._last_compiled = now
+        breaks = self.record.breaks("yours") + self.record.breaks("labkit")
+        out.update(
+            xla=False,
+            engine="torch.compile",
+            compiles=now["compiles"] - prev["compiles"],
+            compile_s=now["compile_s"] - prev["compile_s"],
+            graphs_total=now["compiles"],
+            breaks=[{k: b[k] for k in ("site", "reason", "explanation", "owner", "count")} for b in breaks],
+            torch_breaks=[{"site": b["site"], "why": b["torch_boundary"]} for b in self.record.breaks("torch")],
+            record_status=self.record.status,
+        )
+        found = recompile_findings(self.events) + break_findings(breaks)
+        if self.host_syncs is not None:
+            self.syncs = self.host_syncs.take()
+            mine = {s: n for s, n in self.syncs.items() if s is not None}  # None: labkit's own batched read
+            out["transfers"] = sum(self.syncs.values())
+            out["syncs"] = [(str(s), n) for s, n in sorted(mine.items(), key=lambda kv: -kv[1])]
+            found += reads_finding(sum(mine.values()), max(steps, 1), None, mine)
+        for f in found:
+            self.warnings[f.key] = f.short
         out["warnings"] = list(self.warnings.values())
         return out
 

@@ -31,6 +31,7 @@ SAME_SHAPES_REASON = (
 
 
 BRANCH_REASON = "graph changed after Python branched on a device value (data-dependent control flow)"
+GUARD_REASON = "guard failed"  # torch.compile's recompiles: "guard failed in f (a.py:3): lr == 0.1"
 # counted by torch_xla under aten:: but not a fallback: the op behind .item()/bool(t), i.e. a read
 NOT_FALLBACKS = ("aten::_local_scalar_dense",)
 
@@ -66,6 +67,19 @@ def counts_from(metric_data, counter_value, counter_names) -> dict:
 
 
 def _fix_for(reason: str) -> str:
+    if reason.startswith(GUARD_REASON):  # torch.compile: Dynamo named the guard that failed
+        guard = reason.split(": ", 1)[-1]
+        if "size mismatch" in guard or "stride mismatch" in guard or "dtype mismatch" in guard:
+            return (
+                "keep shapes fixed (pad to a fixed batch size or drop_last=True; bucket variable lengths), or mark "
+                "the dimension dynamic (torch._dynamo.mark_dynamic) when it must vary"
+            )
+        if "==" in guard or "is " in guard:
+            return (
+                "a Python value the graph was specialised on changed: pass it as a tensor (e.g. torch.tensor(lr) "
+                "on the device) or keep it constant"
+            )
+        return "the guard says what changed between calls: keep it the same from step to step"
     if reason not in (SAME_SHAPES_REASON, BRANCH_REASON):  # an input's shape or dtype changed
         return (
             "pad to a fixed batch size or use drop_last=True (a short last batch compiles a new graph); "
@@ -94,6 +108,24 @@ def recompile_findings(events: list[dict]) -> list[Finding]:
                 f"recompiled {times} after warm-up: {reason}{at}",
                 f"Recompiled {n} time(s) after warm-up (steps {', '.join(map(str, steps[:6]))}"
                 f"{'...' if n > 6 else ''}): {reason}{at}. Fix: {_fix_for(reason)}.",
+            )
+        )
+    return out
+
+
+def break_findings(breaks: list[dict]) -> list[Finding]:
+    """torch.compile's graph breaks in the code's own lines (labkit.dashboard.dynamo; torch's own boundaries are
+    not passed here): each splits the compiled function in two, with Python running between the graphs."""
+    out = []
+    for b in breaks:
+        why = f" {b['explanation'].rstrip('.')}." if b.get("explanation") else ""
+        out.append(
+            Finding(
+                f"break:{b['file']}:{b['line']}",
+                f"graph break at {b['site']}: {b['reason']}",
+                f"Graph break at {b['site']}: {b['reason']}.{why} The compiled function splits into two graphs "
+                "here and Python runs in between. Fix: move it out of the compiled function, or use a tensor op "
+                "(torch.where instead of `if t:`; no print(), .item() or .tolist() inside).",
             )
         )
     return out

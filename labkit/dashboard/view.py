@@ -62,6 +62,12 @@ def summary_line(f: dict) -> str:
         parts.append(
             f"compiles {h['compiles']} ({h['compile_s']:.1f}s) graphs {h['graphs_total']} xfers {h['transfers']}"
         )
+    elif h.get("engine") == "torch.compile" and h.get("graphs_total"):
+        parts.append(
+            f"graphs {h['graphs_total']} (+{h['compiles']}, {h['compile_s']:.1f}s) recompiles {h['recompiles']} "
+            f"breaks {len(h.get('breaks', []))}"
+            + (f" syncs {h['transfers']}" if h.get("transfers") is not None else "")
+        )
     if h.get("memory"):
         m = h["memory"]
         parts.append(f"mem {_fmt_n(m['used'], 'B')}" + (f"/{_fmt_n(m['limit'], 'B')}" if m.get("limit") else ""))
@@ -70,14 +76,26 @@ def summary_line(f: dict) -> str:
 
 
 def health_lines(f: dict) -> list[str]:
-    """The XLA health panel as lines: counts, the recompile detective's findings, the sync lines."""
+    """The health panel as lines: counts, the recompile detective's findings, graph breaks, the sync lines. XLA's
+    counters on XLA, torch.compile's record elsewhere (nothing when nothing was compiled)."""
     h = f["health"]
-    if not h.get("xla"):
+    if h.get("engine") == "torch.compile" and (h.get("graphs_total") or h.get("breaks")):
+        lines = [
+            f"torch.compile: {h['compiles']} frames compiled ({h['compile_s']:.2f} s) last interval, "
+            f"{h['graphs_total']} in all, {h['recompiles']} recompiles after warm-up, "
+            f"{len(h.get('breaks', []))} graph breaks in your code"
+            + (f", {h['transfers']} host syncs" if h.get("transfers") is not None else "")
+        ]
+        lines += [f"graph break at {b['site']}: {b['reason']}" for b in h.get("breaks", [])[:3]]
+        if h.get("torch_breaks"):
+            lines.append(f"torch's own boundaries (not yours): {len(h['torch_breaks'])}")
+    elif not h.get("xla"):
         return []
-    lines = [
-        f"XLA: {h['compiles']} compiles ({h['compile_s']:.2f} s) last interval, {h['graphs_total']} graphs "
-        f"in all, {h['recompiles']} recompiles after warm-up, {h['transfers']} transfers"
-    ]
+    else:
+        lines = [
+            f"XLA: {h['compiles']} compiles ({h['compile_s']:.2f} s) last interval, {h['graphs_total']} graphs "
+            f"in all, {h['recompiles']} recompiles after warm-up, {h['transfers']} transfers"
+        ]
     for ev in f.get("recompiles", [])[-3:]:
         what = ", ".join(f"{c['input']} {c['old']} -> {c['new']}" for c in ev.get("changes", [])) or ev["reason"]
         lines.append(f"recompiled at step {ev['step']}: {what}" + (f"  [{ev['site']}]" if ev.get("site") else ""))
@@ -159,19 +177,22 @@ def render(data: dict):
         feed.set_ylabel("% of step waiting for data", color="tab:purple", fontsize=8)
         feed.legend(fontsize=8, loc="lower right")
     ax = fig.add_subplot(gs[1, 0])
-    if any("xla_compiles" in r for r in rows):
+    pre = "xla_" if any("xla_compiles" in r for r in rows) else "dynamo_"
+    if any(pre + "compiles" in r for r in rows):
         ax.bar(
             steps,
-            [r.get("xla_compiles", 0) for r in rows],
+            [r.get(pre + "compiles", 0) for r in rows],
             width=max(1, (steps[-1] - steps[0]) / max(len(steps), 1) * 0.4) if len(steps) > 1 else 1,
             label="compiles",
             color="tab:red",
         )
-        ax.plot(steps, [r.get("xla_transfers", 0) for r in rows], "k.-", label="device->host transfers")
+        if pre == "xla_" or any(pre + "transfers" in r for r in rows):
+            ax.plot(steps, [r.get(pre + "transfers", 0) for r in rows], "k.-", label="device->host transfers")
         for i, ev in enumerate(f["recompiles"]):
             ax.axvline(ev["step"], color="tab:orange", lw=0.8, ls=":", label="recompile" if i == 0 else None)
         ax.legend(fontsize=8)
-        ax.set(title="XLA per interval", xlabel="step", ylabel="count per log interval")
+        title = "XLA per interval" if pre == "xla_" else "torch.compile per interval"
+        ax.set(title=title, xlabel="step", ylabel="count per log interval")
     else:
         ax.text(0.5, 0.5, "not running on XLA", ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set(title="XLA", xticks=[], yticks=[])
