@@ -306,20 +306,21 @@ class ShardStream(torch.utils.data.IterableDataset):
                 + (f"0..{k - 1} ({k} classes)" if k else "0.. (no manifest, no classes)")
             )
         try:  # the header's size is checked before any pixel is decoded (a PNG may claim gigapixels)
-            return self._image(s[ext], rng), label
+            return self._image(s[ext], rng, ext), label
         except Exception as e:
-            raise ShardError(f"shard {url}: sample {key!r} cannot be decoded: {e}") from e
+            raise ShardError(f"shard {url}: sample {key!r} cannot be decoded: {e} (field {ext!r})") from e
 
-    def _image(self, data: bytes, rng):
+    def _image(self, data: bytes, rng, field: str):
         if self.transform is not None:  # the caller's pipeline: its output must keep one shape
-            x = as_chw(self.transform(rgb_image(data)))
+            x = as_chw(self.transform(rgb_image(data, field)))
             self._shape = self._shape or tuple(x.shape)
             if tuple(x.shape) != self._shape:
                 raise ValueError(f"transform gave shape {tuple(x.shape)}, expected {self._shape} (static shapes)")
             return x
         if self.resize:  # any stored size -> image_size (ImageNet recipe)
-            return fit_image(data, self.image_size, rng, train=self.augment, flip=self.flip, scale=self.crop_scale)
-        img = decode_image(data, size=self.image_size)  # labkit's own shards: one stored size
+            kw = dict(train=self.augment, flip=self.flip, scale=self.crop_scale, field=field)
+            return fit_image(data, self.image_size, rng, **kw)
+        img = decode_image(data, size=self.image_size, field=field)  # labkit's own shards: one stored size
         return augment(img, rng, self.crop_padding, flip=self.flip) if self.augment else img
 
     def _collate(self, items):

@@ -1,0 +1,268 @@
+"""Hostile input, round 4: untrusted bytes start no program (a field is read only by the decoder its extension
+names), resumed http reads are the same object, and settings, labels and stray files that used to crash unnamed
+are named. Real files, a real http server on 127.0.0.1, Pillow's real plugins."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+
+import numpy as np
+import pytest
+
+from data_tools import ShardError, make_loader
+
+EPS = (
+    b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 32 32\n%%EndComments\n"
+    b"newpath 0 0 moveto 32 32 lineto stroke\nshowpage\n%%EOF\n"
+)
+
+
+def _tar(members) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        for name, data in members:
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _image(fmt="PNG", size=(32, 32), **save) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((size[1], size[0], 3), np.uint8)).save(buf, format=fmt, **save)
+    return buf.getvalue()
+
+
+def _read_all(path, **kw):
+    for _ in make_loader(str(path), 1, train=False, **kw):
+        pass
+
+
+# -- 1. image decoders allow-listed per field ---------------------------------------------------------
+@pytest.fixture
+def fake_ghostscript(tmp_path, monkeypatch):
+    """A `gs` first on PATH that leaves a mark when run; Pillow looks it up afresh."""
+    from PIL import EpsImagePlugin
+
+    bin_dir, mark = tmp_path / "bin", tmp_path / "gs-ran"
+    bin_dir.mkdir()
+    (bin_dir / "gs").write_text(f"#!/bin/sh\ntouch {mark}\nexit 1\n")
+    (bin_dir / "gs").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(EpsImagePlugin, "gs_binary", None)
+    return mark
+
+
+@pytest.mark.parametrize("field", ["jpg", "png"])
+def test_eps_bytes_in_an_image_field_never_start_ghostscript(tmp_path, fake_ghostscript, field):
+    p = tmp_path / "s-000000.tar"
+    p.write_bytes(_tar([("k1.cls", b"1"), (f"k1.{field}", EPS)]))
+    for kw in ({}, {"image_size": 16}):  # the fixed-size path and the photo path
+        with pytest.raises(ShardError) as e:
+            _read_all(p, **kw)
+        text = str(e.value)
+        assert "s-000000.tar" in text and "'k1'" in text and f"'{field}'" in text, text
+        assert "holds EPS data" in text, text
+    assert not fake_ghostscript.exists(), "Ghostscript was started on a shard's bytes"
+
+
+def test_a_field_is_read_only_by_its_own_decoder(tmp_path):
+    p = tmp_path / "s-000000.tar"
+    p.write_bytes(_tar([("k1.cls", b"1"), ("k1.jpg", _image("PNG"))]))  # a PNG under .jpg: refused by name
+    with pytest.raises(ShardError, match=r"'jpg' field holds PNG data, not JPEG"):
+        _read_all(p)
+    p.write_bytes(_tar([("k1.cls", b"1"), ("k1.png", _image("TIFF"))]))
+    with pytest.raises(ShardError, match=r"'png' field holds TIFF data, not PNG"):
+        _read_all(p, image_size=8)
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    from PIL import Image
+
+    from data_tools.transforms import decode_image
+
+    im = Image.fromarray(np.zeros((16, 32, 3), np.uint8))  # stored 32 wide, 16 high
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90: the camera meant 16 wide, 32 high
+    buf = io.BytesIO()
+    im.save(buf, format="JPEG", exif=exif)
+    assert decode_image(buf.getvalue(), field="jpg").shape == (32, 16, 3)
+    p = tmp_path / "s-000000.tar"
+    p.write_bytes(_tar([("k1.cls", b"1"), ("k1.jpg", buf.getvalue())]))
+    _read_all(p, image_size=(32, 16))  # eval: the upright photo, as it is
+
+
+def test_an_animated_png_gives_its_first_frame():
+    from PIL import Image
+
+    from data_tools.transforms import decode_image
+
+    frames = [Image.fromarray(np.full((8, 8, 3), v, np.uint8)) for v in (10, 200)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="PNG", save_all=True, append_images=frames[1:])
+    assert Image.open(io.BytesIO(buf.getvalue())).n_frames == 2
+    assert (decode_image(buf.getvalue(), field="png") == 10).all()
+
+
+# -- 3. a resumed http read is the same object ------------------------------------------------------------
+class _Versioned:
+    """An http server on 127.0.0.1 whose object can be replaced between requests. The first GET sends `cut`
+    bytes and closes; `mode` says how later requests answer: "if-range" (RFC 9110: If-Range that no longer
+    matches gives the whole new object, 200), "ignore-if-range" (206 from the new object), "no-range" (always
+    200, from byte 0), "bad-start" (206 whose Content-Range starts elsewhere); etag=False sends no validator."""
+
+    def __init__(self, body, mode="if-range", etag=True, cut=1000):
+        import http.server
+        import threading
+
+        self.body, self.version, self.mode, self.requests = body, 1, mode, 0
+        outer = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                outer.requests += 1
+                first = outer.requests == 1
+                if self.path.startswith("/redirect"):
+                    self.send_response(302)
+                    self.send_header("Location", "ftp://127.0.0.1/x.tar")
+                    self.end_headers()
+                    return
+                body, tag = outer.body, f'"v{outer.version}"'
+                rng, cond = self.headers.get("Range"), self.headers.get("If-Range")
+                start = int(rng.split("=")[1].rstrip("-")) if rng else 0
+                if outer.mode == "no-range" or (outer.mode == "if-range" and cond and cond != tag):
+                    start = 0
+                if start:
+                    self.send_response(206)
+                    first_byte = start + 7 if outer.mode == "bad-start" else start
+                    self.send_header("Content-Range", f"bytes {first_byte}-{len(body) - 1}/{len(body)}")
+                else:
+                    self.send_response(200)
+                if etag:
+                    self.send_header("ETag", tag)
+                self.send_header("Content-Length", str(len(body) - start))
+                self.end_headers()
+                self.wfile.write(body[start : outer.cut_at if first else None] if first else body[start:])
+                self.wfile.flush()
+                self.close_connection = True
+
+        self.cut_at = cut
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://u:PA55@127.0.0.1:{self.httpd.server_address[1]}/x.tar?token=TOKEN123"
+
+    def replace(self, body):
+        self.body, self.version = body, self.version + 1
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _read_resumed(server, replace=None):
+    from data_tools.urls import open_url
+
+    with open_url(server.url, timeout=5) as f:
+        head = f.read(1000)
+        if replace is not None:
+            server.replace(replace)
+        return head + f.read()
+
+
+@pytest.mark.parametrize("mode", ["if-range", "ignore-if-range", "no-range"])
+def test_an_object_replaced_between_resumes_is_named_never_spliced(mode):
+    from data_tools.urls import ObjectChanged
+
+    old, new = bytes(range(256)) * 20, bytes(reversed(range(256))) * 20
+    s = _Versioned(old, mode)
+    try:
+        with pytest.raises(ObjectChanged, match=r"http://\*\*\*@127.0.0.1:\d+/x.tar\?token=\*\*\* changed") as e:
+            _read_resumed(s, replace=new)
+        assert "PA55" not in str(e.value) and "TOKEN123" not in str(e.value)
+    finally:
+        s.close()
+
+
+def test_a_server_ignoring_range_is_read_once_from_the_start_or_refused():
+    body = bytes(range(256)) * 20
+    s = _Versioned(body, "no-range")
+    try:
+        assert _read_resumed(s) == body  # the same ETag: the first 1000 bytes skipped, never handed on twice
+    finally:
+        s.close()
+    s = _Versioned(body, "no-range", etag=False)
+    try:
+        with pytest.raises(ConnectionError, match=r"ignored the Range request .* names no version"):
+            _read_resumed(s)
+    finally:
+        s.close()
+
+
+def test_a_206_starting_elsewhere_is_refused():
+    from data_tools.urls import ObjectChanged
+
+    s = _Versioned(bytes(range(256)) * 20, "bad-start")
+    try:
+        with pytest.raises(ObjectChanged, match=r"asked for bytes 1000-, got Content-Range 'bytes 1007-"):
+            _read_resumed(s)
+    finally:
+        s.close()
+
+
+def test_a_redirect_to_ftp_is_refused_by_name():
+    from data_tools.urls import open_url
+
+    s = _Versioned(b"x")
+    try:
+        url = s.url.replace("/x.tar", "/redirect")
+        with pytest.raises(ValueError, match=r"redirects to ftp://127.0.0.1/x.tar .*only http\(s\)"):
+            open_url(url, timeout=5)
+    finally:
+        s.close()
+
+
+def test_a_trickle_into_a_large_read_fails_by_its_rate(monkeypatch):
+    import http.server
+    import threading
+    import time
+
+    from data_tools import urls
+
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            end = time.monotonic() + 8  # then silence: the old buffered read would wait for a full block
+            try:
+                while time.monotonic() < end:
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.01)
+            except OSError:
+                pass
+
+    monkeypatch.setattr(urls._HttpStream, "GRACE_S", 1.0)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        t = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"bytes in \d+ s, under 16,384 bytes/s"):
+            with urls.open_url(f"http://127.0.0.1:{server.server_address[1]}/s.tar", 30) as f:
+                f.read(1 << 20)  # one large read: the rate is checked after every receive inside it
+        assert time.monotonic() - t < 5
+    finally:
+        server.shutdown()
+        server.server_close()
