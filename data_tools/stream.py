@@ -62,6 +62,9 @@ from .transforms import (
     IMAGENET_STD,
     as_chw,
     augment,
+    check_crop_scale,
+    check_image_size,
+    class_index,
     decode_image,
     fit_image,
     parse_label,
@@ -129,19 +132,15 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.augment, self.crop_padding = augment and train, int(crop_padding)
         m = self.manifest or {}
         # photos at a size of our choosing (image_size=) or through the caller's transform, else the stored size
-        self.resize = image_size is not None
-        if isinstance(image_size, int):
-            image_size = (image_size, image_size)
-        self.image_size = tuple(image_size) if self.resize else tuple(m.get("image_size", (32, 32)))
-        self.transform, self.crop_scale, self.label = transform, tuple(crop_scale), str(label)
+        self.resize, image_size = image_size is not None, check_image_size(image_size)
+        self.image_size = image_size if self.resize else tuple(m.get("image_size", (32, 32)))
+        self.transform, self.crop_scale, self.label = transform, check_crop_scale(crop_scale), str(label)
         self._shape = (3, *self.image_size) if self.resize else None  # what a user transform must return
         photo_mean, photo_std = (IMAGENET_MEAN, IMAGENET_STD) if self.resize else (CIFAR_MEAN, CIFAR_STD)
         self.mean = tuple(mean if mean is not None else m.get("mean", photo_mean))
         self.std = tuple(std if std is not None else m.get("std", photo_std))
         names = list(classes) if classes is not None else m.get("class_names")
-        self.class_index = (
-            dict(classes) if isinstance(classes, dict) else {str(c): i for i, c in enumerate(names or [])}
-        )
+        self.class_index = class_index(classes if isinstance(classes, dict) else names or [])
         self.class_names = names
         # horizontal flips only where a mirror image keeps its label: the manifest says (CIFAR-10 yes,
         # digits no); a manifest written before it said so: by its source; no manifest: no flips

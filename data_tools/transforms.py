@@ -38,6 +38,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import warnings
 
 import numpy as np
@@ -253,13 +254,20 @@ def augment(img: np.ndarray, rng, padding: int = 4, flip: bool = False) -> np.nd
 
 
 # -- labels ----------------------------------------------------------------------------------
+_INDEX = re.compile(r"[+-]?[0-9]+")  # int() also takes "1_0" (10) and other scripts' digits: a label does not
+MAX_CLASSES = 2**31  # a class index past it is no class (and overflows the int64 collate on the way)
+
+
 def parse_label(sample: dict, field: str, classes: dict) -> int:
-    """The class index in `field` ("cls", "txt", ..., or "json:key.subkey"): an integer, or a class name
-    found in `classes` (name -> index)."""
+    """The class index in `field` ("cls", "txt", ..., or "json:key.subkey"): an integer (ASCII digits only:
+    "1_0" is refused, not read as 10), or a class name found in `classes` (name -> index)."""
     name, _, path = field.partition(":")
     value = sample[name]
     if path:
-        value = json.loads(value)
+        try:
+            value = json.loads(value)
+        except RecursionError:  # a label nested thousands deep: damaged, named (skip_corrupt skips it)
+            raise ValueError(f"{name} is JSON nested too deep to read") from None
         for k in path.split("."):
             if not isinstance(value, dict) or k not in value:
                 raise ValueError(f"{name} has no key {path!r}")
@@ -270,8 +278,48 @@ def parse_label(sample: dict, field: str, classes: dict) -> int:
         raise TypeError(f"label {value!r:.40} in {field!r} is neither a class index nor a class name")
     if isinstance(value, str) and value in classes:
         return classes[value]
-    try:
-        return int(value)
-    except ValueError:
+    if isinstance(value, str) and not _INDEX.fullmatch(value):
         where = f"not one of the {len(classes)} classes given" if classes else "pass classes=[names] to map names"
-        raise ValueError(f"label {value!r:.40} in {field!r} is no class index: {where}") from None
+        raise ValueError(f"label {value!r:.40} in {field!r} is no class index: {where}")
+    index = int(value)
+    if not -MAX_CLASSES < index < MAX_CLASSES:
+        raise ValueError(f"label {str(value):.40} in {field!r} is too large for a class index")
+    return index
+
+
+def class_index(classes) -> dict:
+    """`classes` (a list of names, or a dict name -> index) as a dict name -> index; duplicate names, and
+    indices that are not non-negative ints (a bool, a string, a float), are refused naming the setting."""
+    if isinstance(classes, dict):
+        bad = {k: v for k, v in classes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0}
+        if bad:
+            raise ValueError(f"classes: indices must be ints >= 0, got {dict(list(bad.items())[:3])!r}")
+        return {str(k): v for k, v in classes.items()}
+    names = [str(c) for c in classes]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"classes: names given twice: {dup[:5]} (each name must map to one index)")
+    return {n: i for i, n in enumerate(names)}
+
+
+def check_image_size(image_size):
+    """image_size= as (height, width) of positive ints, or None; anything else refused naming the setting."""
+    if image_size is None:
+        return None
+    size = (image_size, image_size) if isinstance(image_size, int) and not isinstance(image_size, bool) else image_size
+    if (
+        not isinstance(size, (tuple, list))
+        or len(size) != 2
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in size)
+    ):
+        raise ValueError(f"image_size={image_size!r}: expected a positive int or (height, width) of positive ints")
+    return tuple(size)
+
+
+def check_crop_scale(scale) -> tuple:
+    """crop_scale= as (low, high) area shares with 0 < low <= high <= 1, else refused naming the setting."""
+    ok = isinstance(scale, (tuple, list)) and len(scale) == 2
+    ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in scale)
+    if not ok or not 0 < scale[0] <= scale[1] <= 1:
+        raise ValueError(f"crop_scale={scale!r}: expected (low, high) with 0 < low <= high <= 1 (shares of the area)")
+    return (float(scale[0]), float(scale[1]))

@@ -266,3 +266,110 @@ def test_a_trickle_into_a_large_read_fails_by_its_rate(monkeypatch):
     finally:
         server.shutdown()
         server.server_close()
+
+
+# -- 4. checkpoint roots with dot segments or doubled slashes: refused alike by every store ----------------
+@pytest.mark.parametrize("tail", ["runs/../exp", "a//b", "c/./d"])
+def test_every_store_refuses_dot_segments_and_doubled_slashes(tmp_path, tail):
+    from labkit.cloud import open_store
+
+    for root in (f"{tmp_path}/{tail}", f"gs://bucket/{tail}", f"s3://bucket/{tail}"):
+        with pytest.raises(ValueError, match=r"checkpoint root .* holds (an empty|a '\.\.'|a '\.') path segment"):
+            open_store(root)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()  # refused before anything is made
+    assert open_store(f"{tmp_path}/ok/").root.endswith("ok/")  # a trailing / is no segment
+
+
+# -- 5. crashes that named nothing ---------------------------------------------------------------------------
+def test_a_stray_temp_file_or_lock_with_a_huge_pid_is_left_alone(tmp_path):
+    from labkit.cloud import LocalStore
+    from labkit.cloud.store import _pid_alive
+
+    (tmp_path / ".x.99999999999999999999.abc.tmp").write_bytes(b"")
+    LocalStore(tmp_path)  # sweeps temp files of dead writers: this name is no pid, so it stays
+    assert (tmp_path / ".x.99999999999999999999.abc.tmp").exists()
+    assert _pid_alive(1234567890123) and _pid_alive(0)  # a lock body's 13-digit pid: never "dead", no OverflowError
+
+
+@pytest.mark.parametrize(
+    "members, kw, match",
+    [
+        ([("k1.json", b"[" * 100000 + b"]" * 100000)], {"label": "json:cls"}, r"'k1': json is JSON nested too deep"),
+        ([("k1.cls", b"12345678901234567890")], {}, r"'k1': label 12345678901234567890 .* too large"),
+        ([("k1.cls", b"1_0")], {}, r"'k1': label '1_0' in 'cls' is no class index"),
+    ],
+)
+def test_labels_that_crashed_unnamed_are_named_and_skippable(tmp_path, members, kw, match):
+    p = tmp_path / "s-000000.tar"
+    png = _image("PNG")
+    good = ("k2.json", b'{"cls": 1}') if kw else ("k2.cls", b"1")
+    p.write_bytes(_tar([*members, ("k1.png", png), good, ("k2.png", png)]))
+    with pytest.raises(ShardError, match=match):
+        _read_all(p, **kw)
+    loader = make_loader(str(p), 1, train=False, skip_corrupt=True, **kw)
+    assert [len(y) for _, y in loader] == [1] and loader.skipped == 1  # k1 skipped, k2 read
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"image_size": 0}, "image_size=0"),
+        ({"image_size": -3}, "image_size=-3"),
+        ({"image_size": True}, "image_size=True"),
+        ({"image_size": "224"}, "image_size='224'"),
+        ({"image_size": (224,)}, r"image_size=\(224,\)"),
+        ({"image_size": (22.5, 22.5)}, r"image_size=\(22.5, 22.5\)"),
+        ({"image_size": 8, "crop_scale": (2, 3)}, r"crop_scale=\(2, 3\)"),
+        ({"image_size": 8, "crop_scale": (0.5,)}, r"crop_scale=\(0.5,\)"),
+        ({"classes": ["cat", "dog", "cat"]}, r"classes: names given twice: \['cat'\]"),
+        ({"classes": {"cat": True, "dog": 1}}, r"classes: indices must be ints >= 0"),
+        ({"classes": {"cat": "0", "dog": "1"}}, r"classes: indices must be ints >= 0"),
+    ],
+)
+def test_settings_are_checked_where_given_naming_the_setting(tmp_path, kw, match):
+    p = tmp_path / "s-000000.tar"
+    p.write_bytes(_tar([("k1.cls", b"1"), ("k1.png", _image("PNG"))]))
+    with pytest.raises(ValueError, match=match):
+        make_loader(str(p), 1, train=False, **kw)
+
+
+def test_a_wrong_mesh_axis_is_named_with_the_axes_there():
+    import torch
+    import torch_xla.distributed.spmd as xs
+
+    from labkit.spmd.sharding import apply_specs, shard_batch
+
+    mesh = xs.Mesh(np.arange(1), (1,), ("data",))
+    with pytest.raises(ValueError, match=r"mesh axis 'dta' .* its axes: \('data',\)"):
+        shard_batch((torch.zeros(2),), mesh, "dta")
+    with pytest.raises(ValueError, match=r"mesh axis 'model' .* its axes: \('data',\)"):
+        apply_specs(torch.nn.Linear(2, 2), mesh, {"weight": ("model", None)})
+
+
+class _Expired(OSError):
+    """Like s3fs's FileExpired: an OSError whose constructor takes other arguments than a message."""
+
+    def __init__(self, filename, e_tag):
+        super().__init__(5, f"the remote file {filename} with ETag {e_tag} no longer exists")
+
+
+def test_a_read_error_keeps_its_own_message(tmp_path, monkeypatch):
+    from data_tools import urls
+
+    data = _tar([("k1.cls", b"1"), ("k1.png", _image("PNG")), ("k2.cls", b"1"), ("k2.png", _image("PNG"))])
+
+    class Dying(io.BytesIO):
+        def read(self, n=-1):
+            if self.tell() > 600:
+                raise _Expired("x.tar", '"abc"')
+            return super().read(n)
+
+    def opener(url, timeout):
+        if url.endswith("manifest.json"):
+            raise FileNotFoundError(url)  # no manifest: the shard alone
+        return Dying(data)
+
+    monkeypatch.setitem(urls.SCHEMES, "dying", opener)
+    with pytest.raises(OSError, match=r"dying://h/s-000000.tar: read failed .*_Expired: .*ETag \"abc\" no longer") as e:
+        _read_all("dying://h/s-000000.tar")
+    assert isinstance(e.value.__cause__, _Expired)

@@ -37,7 +37,7 @@ from labkit.cloud.gcs import check_bucket
 from labkit.cloud.gcs_store import LEASE_S
 from labkit.cloud.lease import ObjectLock
 from labkit.cloud.protocol import VersionConflict
-from labkit.cloud.store import LOCK, _Staging, _sweep
+from labkit.cloud.store import LOCK, _Staging, _sweep, check_root
 from labkit.redact import redact
 
 MAX_PUT = 5 << 30  # S3's limit for one PutObject
@@ -79,7 +79,7 @@ class S3Store(ObjectLock, _Staging):
     (If-Match: the ETag last read; None to create)."""
 
     def __init__(self, root, retry_deadline_s: float = 60):
-        self.root = str(root).rstrip("/")
+        self.root = check_root(root).rstrip("/")
         self.bucket, self.prefix = parse_url(self.root)
         try:  # a session of its own: boto3's default one keeps the credentials it found first
             import boto3
