@@ -20,7 +20,7 @@ import warnings
 from webdataset.tariterators import group_by_keys
 
 from .manifest import GROUP_PREFIX, HashingReader, ShardError, check_digest
-from .tario import MAX_MEMBER, TarFormatError, TarGroupError, iter_tar
+from .tario import MAX_MEMBER, CompressedTar, TarFormatError, TarGroupError, iter_tar
 from .text import cache_dir
 from .urls import DEFAULT_TIMEOUT, ObjectChanged, is_not_found, open_url, redact, scheme_of
 
@@ -51,11 +51,23 @@ def read_shard(url: str, entry, *, generation, verify, timeout, skip_corrupt: bo
         stream, hasher = open_shard(url, entry, verify, timeout)
         with stream:
             members = ({"fname": name, "data": data, "__url__": url} for name, data in iter_tar(stream, group, limit))
+            seen = set()  # a key met again later (members appended with `tar -r`) would train one sample twice
             for sample in group_by_keys(members):
+                if sample["__key__"] in seen:
+                    msg = (
+                        f"shard {shown}: key {sample['__key__']!r} appears again after {n} sample(s) (appended later?)"
+                    )
+                    if not skip_corrupt:
+                        raise ShardError(msg)
+                    count_skip()
+                    continue
+                seen.add(sample["__key__"])
                 n, key = n + 1, sample["__key__"]
                 yield sample
             if hasher is not None:
                 hasher.finish(url, entry)
+    except CompressedTar as e:  # never skipped: every sample of it would be lost
+        raise ShardError(f"shard {shown}: {e}") from None
     except TarGroupError as e:
         raise ShardError(
             f"shard {shown} is not from the write that manifest.json describes (generation "

@@ -249,13 +249,10 @@ class ShardStream(torch.utils.data.IterableDataset):
         )
 
     def _samples(self, worker: int):
-        """Raw samples of this worker: training cycles its shards until its batch quota is met."""
+        """Raw samples of this worker: evaluation reads its shards once, training cycles them until its batch quota
+        is met. A pass that gives nothing readable (empty shards, folders only, every sample skipped) is an error."""
         shards = self._worker_shards(worker)
-        if not self.train:
-            for i in shards:
-                yield from self._read_tar(i)
-            return
-        # Endless passes; the quota stops the pipeline, so a pass is only started when needed and
+        # Training: endless passes; the quota stops the pipeline, so a pass is only started when needed and
         # samples skipped as corrupt are made up for from the next pass. webdataset's shuffle
         # flushes its buffer at the end of its input: a pass never leaks into the next one.
         for p in itertools.count():
@@ -264,13 +261,15 @@ class ShardStream(torch.utils.data.IterableDataset):
             order = shards if p == 0 else rng.sample(shards, len(shards))
             before = self._decoded
             samples = (s for i in order for s in self._read_tar(i))
+            shuffle = self.train and self.shuffle_buffer > 1
             yield from (
-                wds.filters._shuffle(samples, self.shuffle_buffer, self.shuffle_buffer, rng)
-                if self.shuffle_buffer > 1
-                else samples
+                wds.filters._shuffle(samples, self.shuffle_buffer, self.shuffle_buffer, rng) if shuffle else samples
             )
             if self._decoded == before:
-                raise ShardError(f"no readable samples in shards {[redact(self.urls[i]) for i in shards]}")
+                what = "" if self.train else " to evaluate (empty, or folders only?)"
+                raise ShardError(f"no readable samples{what} in shards {[redact(self.urls[i]) for i in shards]}")
+            if not self.train:
+                return
 
     def _decode(self, samples, rng):
         for s in samples:

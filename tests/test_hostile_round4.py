@@ -373,3 +373,130 @@ def test_a_read_error_keeps_its_own_message(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=r"dying://h/s-000000.tar: read failed .*_Expired: .*ETag \"abc\" no longer") as e:
         _read_all("dying://h/s-000000.tar")
     assert isinstance(e.value.__cause__, _Expired)
+
+
+# -- 6. silent no more ---------------------------------------------------------------------------------------
+def test_a_key_appended_later_is_refused_or_counted(tmp_path):
+    p = tmp_path / "s-000000.tar"
+    png = _image("PNG")
+    p.write_bytes(_tar([("k1.cls", b"1"), ("k1.png", png), ("k2.cls", b"2"), ("k2.png", png), ("k1.cls", b"3")]))
+    with pytest.raises(ShardError, match=r"s-000000.tar: key 'k1' appears again after 2 sample"):
+        _read_all(p)
+    loader = make_loader(str(p), 1, train=False, skip_corrupt=True)
+    assert [int(y[0]) for _, y in loader] == [1, 2] and loader.skipped == 1
+
+
+def test_a_compressed_shard_is_said_to_be_compressed(tmp_path):
+    import gzip
+
+    p = tmp_path / "s-000000.tar.gz"
+    p.write_bytes(gzip.compress(_tar([("k1.cls", b"1"), ("k1.png", _image("PNG"))])))
+    for kw in ({}, {"skip_corrupt": True}):  # never skipped as corrupt: every sample would be lost
+        with pytest.raises(ShardError, match=r"s-000000.tar.gz: a gzip-compressed tar: not supported; decompress"):
+            _read_all(p, **kw)
+
+
+@pytest.mark.parametrize("members", [[], [("dir/", None)]])
+def test_an_empty_evaluation_shard_is_said(tmp_path, members):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        for name, _ in members:
+            ti = tarfile.TarInfo(name)
+            ti.type = tarfile.DIRTYPE
+            tf.addfile(ti)
+    p = tmp_path / "s-000000.tar"
+    p.write_bytes(buf.getvalue())
+    with pytest.raises(ShardError, match=r"no readable samples to evaluate \(empty, or folders only\?\) in shards"):
+        _read_all(p)
+
+
+def test_the_dashboard_json_after_a_nan_loss_is_json():
+    import json
+
+    from labkit.dashboard import ConsoleSink, Dashboard
+
+    dash = Dashboard(sink=ConsoleSink(io.StringIO()), find_syncs=False, controls=False)
+    dash.history += [{"step": 1, "loss": float("nan")}, {"step": 2, "loss": float("inf")}, {"step": 3, "loss": 0.5}]
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    data = json.loads(dash.to_json(), parse_constant=refuse)
+    assert [r["loss"] for r in data["history"]] == [None, None, 0.5] and data["nonfinite"] == 2
+
+
+def test_a_network_error_reading_the_pointer_is_retried_then_read_failed_never_a_fallback(gcs_bucket, monkeypatch):
+    import warnings
+
+    import torch
+
+    from labkit.checkpoint import CheckpointManager
+    from labkit.checkpoint.state import ReadFailed
+
+    root = f"gs://{gcs_bucket}/run"
+    m = CheckpointManager(root, keep=3, rt=None, best_metric=None, async_save=False, format="file")
+    for s in (1, 2):
+        m.save(s, {"w": torch.full((2,), float(s)), "step": s})
+    m.close()
+    m = CheckpointManager(root, rt=None, best_metric=None)
+    real, calls = m.store.get_versioned, []
+
+    def drops_once(name):
+        calls.append(name)
+        if len(calls) == 1:
+            raise ConnectionError("connection reset by peer")
+        return real(name)
+
+    monkeypatch.setattr(m.store, "get_versioned", drops_once)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "falling back" warning
+        assert m.restore()["step"] == 2  # read again: not step 1 with a warning
+
+    def always_down(name):
+        raise ConnectionError("connection refused")
+
+    monkeypatch.setattr(m.store, "get_versioned", always_down)
+    with pytest.raises(ReadFailed, match=r"run/latest failed 3 times .*instead of falling back"):
+        m.restore()
+
+
+def test_a_dcp_metadata_declaring_an_absurd_size_is_refused_before_allocating(tmp_path):
+    import json
+    import pickle
+
+    import torch
+
+    from labkit.checkpoint.safe_load import CheckpointRefused
+    from labkit.checkpoint.sharded import MARKER, ShardedCheckpointManager, folder_name
+    from labkit.cloud import gcs
+
+    ck = ShardedCheckpointManager(tmp_path)
+    ck.save(1, {"w": torch.ones(4), "step": 1})
+    ck.close()
+    folder = tmp_path / folder_name(1)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    meta.state_dict_metadata["w"].size = torch.Size([1 << 40])  # 4 TB of float32
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    rec = json.loads((folder / MARKER).read_text())  # the commit record made to agree: only the size is wrong
+    rec["files"][".metadata"] = {
+        "crc32c": gcs.crc32c_b64(folder / ".metadata"),
+        "size": (folder / ".metadata").stat().st_size,
+    }
+    (folder / MARKER).write_text(json.dumps(rec))
+    with pytest.raises(
+        CheckpointRefused, match=r"w declares \(1099511627776,\) torch.float32 .* the metadata is damaged"
+    ):
+        ShardedCheckpointManager(tmp_path).restore(step=1)  # no template: every entry would be allocated
+
+
+def test_a_gs_object_replaced_mid_read_is_said_to_have_changed_not_to_be_missing(gcs_bucket):
+    from data_tools.urls import ObjectChanged, open_url
+    from labkit.cloud import gcs
+
+    url = f"gs://{gcs_bucket}/x.bin"
+    gcs.blob(url).upload_from_string(b"a" * (9 << 20))  # past the reader's 8 MiB chunk: a second request follows
+    with open_url(url, 10) as f:
+        assert f.read(1 << 20) == b"a" * (1 << 20)
+        gcs.blob(url).upload_from_string(b"b" * (9 << 20))  # a new generation
+        with pytest.raises(ObjectChanged, match=rf"gs://{gcs_bucket}/x.bin changed while it was read"):
+            f.read()

@@ -63,9 +63,22 @@ def test_the_decision_line_hides_a_password_with_raw_separators(password):
     assert "PA55" not in line and "github.com/labkit/labkit" in line, line
 
 
-def test_a_blank_pip_spec_is_unset(monkeypatch):
+def test_a_blank_pip_spec_is_unset_in_envsetup_and_in_the_set_up_cell(monkeypatch):
+    import subprocess
+
     monkeypatch.setenv("LABKIT_PIP_SPEC", "   ")
     assert es.pip_spec() == f"{es.DIST_NAME} @ {es.PUBLISHED}"
+    # the cell, run by a Python without labkit, its pip calls recorded instead of run
+    code = (
+        "import subprocess\ncalls = []\n"
+        "subprocess.run = lambda cmd, **kw: calls.append(cmd) or type('R', (), {'returncode': 0})()\n"
+        + es.SETUP_CELL.split("importlib.invalidate_caches()")[0]
+        + "\nprint(calls[-1][-1])"
+    )
+    env = {**os.environ, "LABKIT_PIP_SPEC": "   ", "PYTHONPATH": ""}
+    cmd = ["/usr/bin/env", "-u", "VIRTUAL_ENV", "python3", "-I", "-c", code]  # a Python without labkit
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/", timeout=120)
+    assert r.stdout.strip() == f"{es.DIST_NAME} @ {es.PUBLISHED}", (r.stdout, r.stderr[-500:])
 
 
 @pytest.mark.parametrize(
