@@ -154,8 +154,8 @@ class HttpStream(Wrapper):
             if self.length is not None and m.group(3) != "*" and int(m.group(3)) != self.length:
                 raise self._changed(f"length {self.length}, now {m.group(3)}")
             return
-        if not kind:  # a 200: the whole body again, and nothing says it is the same object
-            raise ConnectionError(
+        if not kind:  # a 200: the whole body again, nothing says it is the same object (no retry: it stays so)
+            raise OSError(
                 f"{redact(self.url)}: the server ignored the Range request (HTTP {r.status}) and names no version "
                 "(no ETag, no Last-Modified): the rest cannot be checked to be the same object; refused"
             )
