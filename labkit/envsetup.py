@@ -167,11 +167,14 @@ def tpu_holders(root: str | None = None) -> list[tuple[int, str]]:
 
 
 def process_command(pid: int, root: str | None = None) -> str:
+    """Another process's command line, as text safe to show: through redact_command (a URL password, a signed URL,
+    a `--token` value of someone else's run never reaches a message)."""
     try:
         with open(os.path.join(root or host_root(), f"proc/{pid}/cmdline"), "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip() or "?"
+            args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
     except OSError:
         return "?"
+    return redact_command(args) or "?"
 
 
 def detect_platform(tpu: Tpu | None = None, env=None, modules=None) -> str:
@@ -354,8 +357,7 @@ def tpu_error_advice(message: str, root: str | None = None) -> str | None:
     if not m and not busy:
         return None
     holders = [(int(m.group(1)), process_command(int(m.group(1)), root))] if m else tpu_holders(root)
-    # another process's command line may carry a URL password or a signed URL: shown through redact_command
-    who = ", ".join(f"process {pid} ({redact_command(cmd)})" for pid, cmd in holders) or "another process"
+    who = ", ".join(f"process {pid} ({cmd})" for pid, cmd in holders) or "another process"  # cmd: redacted
     pids = " ".join(str(pid) for pid, _ in holders) or "PID"
     return (
         f"the TPU is already in use by {who}: only one process can use a host's TPU chips. Stop it "

@@ -54,6 +54,10 @@ def test_the_tpu_busy_advice_hides_the_other_process_secrets(tmp_path):
     (proc / "cmdline").write_bytes(b"\0".join(a.encode() for a in args) + b"\0")
     advice = es.tpu_error_advice("The TPU is already in use by process with pid 4242", root=str(tmp_path))
     assert "4242" in advice and "train.py" in advice and _clean(advice), advice
+    (proc / "fd").mkdir()
+    (proc / "fd" / "3").symlink_to("/dev/accel0")  # what the doctor lists: every holder of a TPU device
+    (holder,) = es.tpu_holders(str(tmp_path))
+    assert holder[0] == 4242 and "train.py" in holder[1] and _clean(holder[1]), holder
 
 
 @pytest.mark.parametrize("password", ["PA55/x", "PA55#x", "PA55?x"])

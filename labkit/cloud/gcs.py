@@ -158,7 +158,7 @@ def client():
                 try:
                     creds, cred_project = google.auth.default()
                 except DefaultCredentialsError as e:
-                    raise _no_credentials(str(e).splitlines()[0]) from None
+                    raise _no_credentials(redact(str(e).splitlines()[0])) from None
                 # project=None explicitly (not left out): the client then works without a project for
                 # existing buckets instead of raising "Project was not passed and could not be determined"
                 _client = storage.Client(
@@ -214,7 +214,7 @@ def _forbidden(bucket: str, permission: str, role: str, e) -> GCSPermissionError
     return GCSPermissionError(
         f"{who} may not use gs://{bucket}: it lacks {permission} (HTTP 403). The role {role} has it; "
         + ROLE_HINT.format(bucket=bucket, role=role)
-        + f" (or pick a bucket you own). [{str(e).splitlines()[0][:200]}]"
+        + f" (or pick a bucket you own). [{redact(str(e).splitlines()[0])[:200]}]"  # redacted, then cut
     )
 
 
@@ -292,9 +292,9 @@ def ensure_bucket(url_or_bucket: str):
     except exceptions.NotFound:
         raise _missing(name, url_or_bucket) from None
     except exceptions.Unauthorized as e:
-        raise _no_credentials(str(e).splitlines()[0][:200]) from None
+        raise _no_credentials(redact(str(e).splitlines()[0])[:200]) from None
     except RefreshError as e:
-        raise _no_credentials(f"credentials expired or revoked: {e}") from None
+        raise _no_credentials(f"credentials expired or revoked: {redact(e)}") from None
     except exceptions.Forbidden:
         pass  # objectAdmin-only: fall through to an object-level check
     try:
