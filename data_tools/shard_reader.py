@@ -20,9 +20,9 @@ import warnings
 from webdataset.tariterators import group_by_keys
 
 from .manifest import GROUP_PREFIX, HashingReader, ShardError, check_digest
-from .tario import MAX_MEMBER, TarFormatError, TarGroupError, iter_tar
+from .tario import MAX_MEMBER, CompressedTar, TarFormatError, TarGroupError, iter_tar
 from .text import cache_dir
-from .urls import DEFAULT_TIMEOUT, is_not_found, open_url, redact, scheme_of
+from .urls import DEFAULT_TIMEOUT, ObjectChanged, is_not_found, open_url, redact, scheme_of
 
 
 def open_shard(url: str, entry, verify, timeout):
@@ -51,11 +51,23 @@ def read_shard(url: str, entry, *, generation, verify, timeout, skip_corrupt: bo
         stream, hasher = open_shard(url, entry, verify, timeout)
         with stream:
             members = ({"fname": name, "data": data, "__url__": url} for name, data in iter_tar(stream, group, limit))
+            seen = set()  # a key met again later (members appended with `tar -r`) would train one sample twice
             for sample in group_by_keys(members):
+                if sample["__key__"] in seen:
+                    msg = (
+                        f"shard {shown}: key {sample['__key__']!r} appears again after {n} sample(s) (appended later?)"
+                    )
+                    if not skip_corrupt:
+                        raise ShardError(msg)
+                    count_skip()
+                    continue
+                seen.add(sample["__key__"])
                 n, key = n + 1, sample["__key__"]
                 yield sample
             if hasher is not None:
                 hasher.finish(url, entry)
+    except CompressedTar as e:  # never skipped: every sample of it would be lost
+        raise ShardError(f"shard {shown}: {e}") from None
     except TarGroupError as e:
         raise ShardError(
             f"shard {shown} is not from the write that manifest.json describes (generation "
@@ -84,7 +96,10 @@ def read_shard(url: str, entry, *, generation, verify, timeout, skip_corrupt: bo
     except OSError as e:  # the network or the disk failed: never a corrupt sample, never skipped
         if is_not_found(e):
             raise FileNotFoundError(f"shard not found: {shown}") from None
-        raise type(e)(f"shard {shown}: read failed after {n} sample(s): {e}") from e
+        # the same type where it takes a message (s3fs's FileExpired does not: `type(e)(msg)` would lose what it
+        # said), else OSError; the original stays attached as the cause
+        kind = type(e) if type(e).__module__ in ("builtins", ObjectChanged.__module__) else OSError
+        raise kind(f"shard {shown}: read failed after {n} sample(s): {type(e).__name__}: {redact(e)}") from e
     except Exception as e:
         if is_not_found(e):  # google-cloud-storage's NotFound is no OSError
             raise FileNotFoundError(f"shard not found: {shown}") from None
@@ -104,17 +119,19 @@ def _count_key(url: str) -> str:
         path = url.removeprefix("file://")
         st = os.stat(path)
         return f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
-    return url
+    return redact(url)  # never a password or a signature in a file: the redacted URL names the same object
 
 
 def count_samples(urls: list[str], timeout: float = DEFAULT_TIMEOUT) -> list[int]:
     """Samples per shard, for shards without a manifest: each shard is read once (every byte, nothing
-    decoded; 8 at a time) and its count kept in LABKIT_CACHE/shard-counts.json for the next run."""
+    decoded; 8 at a time) and its count kept in LABKIT_CACHE/shard-counts.json for the next run (keyed by the
+    redacted URL: no credential is stored; the file is created private, mode 0600)."""
     path = cache_dir() / COUNTS_FILE
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
         cache = {}
+    cache = {k: v for k, v in cache.items() if redact(k) == k}  # an older file's keys with credentials: dropped
     keys = [_count_key(u) for u in urls]
     todo = [i for i, k in enumerate(keys) if not isinstance(cache.get(k), int)]
 
@@ -131,7 +148,10 @@ def count_samples(urls: list[str], timeout: float = DEFAULT_TIMEOUT) -> list[int
         try:  # a cache that cannot be written costs a recount next time, nothing else
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)  # an older file of that name keeps its mode through O_CREAT
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(cache))
             os.replace(tmp, path)
         except OSError:
             pass

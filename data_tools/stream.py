@@ -62,6 +62,9 @@ from .transforms import (
     IMAGENET_STD,
     as_chw,
     augment,
+    check_crop_scale,
+    check_image_size,
+    class_index,
     decode_image,
     fit_image,
     parse_label,
@@ -129,19 +132,15 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.augment, self.crop_padding = augment and train, int(crop_padding)
         m = self.manifest or {}
         # photos at a size of our choosing (image_size=) or through the caller's transform, else the stored size
-        self.resize = image_size is not None
-        if isinstance(image_size, int):
-            image_size = (image_size, image_size)
-        self.image_size = tuple(image_size) if self.resize else tuple(m.get("image_size", (32, 32)))
-        self.transform, self.crop_scale, self.label = transform, tuple(crop_scale), str(label)
+        self.resize, image_size = image_size is not None, check_image_size(image_size)
+        self.image_size = image_size if self.resize else tuple(m.get("image_size", (32, 32)))
+        self.transform, self.crop_scale, self.label = transform, check_crop_scale(crop_scale), str(label)
         self._shape = (3, *self.image_size) if self.resize else None  # what a user transform must return
         photo_mean, photo_std = (IMAGENET_MEAN, IMAGENET_STD) if self.resize else (CIFAR_MEAN, CIFAR_STD)
         self.mean = tuple(mean if mean is not None else m.get("mean", photo_mean))
         self.std = tuple(std if std is not None else m.get("std", photo_std))
         names = list(classes) if classes is not None else m.get("class_names")
-        self.class_index = (
-            dict(classes) if isinstance(classes, dict) else {str(c): i for i, c in enumerate(names or [])}
-        )
+        self.class_index = class_index(classes if isinstance(classes, dict) else names or [])
         self.class_names = names
         # horizontal flips only where a mirror image keeps its label: the manifest says (CIFAR-10 yes,
         # digits no); a manifest written before it said so: by its source; no manifest: no flips
@@ -250,13 +249,10 @@ class ShardStream(torch.utils.data.IterableDataset):
         )
 
     def _samples(self, worker: int):
-        """Raw samples of this worker: training cycles its shards until its batch quota is met."""
+        """Raw samples of this worker: evaluation reads its shards once, training cycles them until its batch quota
+        is met. A pass that gives nothing readable (empty shards, folders only, every sample skipped) is an error."""
         shards = self._worker_shards(worker)
-        if not self.train:
-            for i in shards:
-                yield from self._read_tar(i)
-            return
-        # Endless passes; the quota stops the pipeline, so a pass is only started when needed and
+        # Training: endless passes; the quota stops the pipeline, so a pass is only started when needed and
         # samples skipped as corrupt are made up for from the next pass. webdataset's shuffle
         # flushes its buffer at the end of its input: a pass never leaks into the next one.
         for p in itertools.count():
@@ -265,13 +261,15 @@ class ShardStream(torch.utils.data.IterableDataset):
             order = shards if p == 0 else rng.sample(shards, len(shards))
             before = self._decoded
             samples = (s for i in order for s in self._read_tar(i))
+            shuffle = self.train and self.shuffle_buffer > 1
             yield from (
-                wds.filters._shuffle(samples, self.shuffle_buffer, self.shuffle_buffer, rng)
-                if self.shuffle_buffer > 1
-                else samples
+                wds.filters._shuffle(samples, self.shuffle_buffer, self.shuffle_buffer, rng) if shuffle else samples
             )
             if self._decoded == before:
-                raise ShardError(f"no readable samples in shards {[redact(self.urls[i]) for i in shards]}")
+                what = "" if self.train else " to evaluate (empty, or folders only?)"
+                raise ShardError(f"no readable samples{what} in shards {[redact(self.urls[i]) for i in shards]}")
+            if not self.train:
+                return
 
     def _decode(self, samples, rng):
         for s in samples:
@@ -306,20 +304,21 @@ class ShardStream(torch.utils.data.IterableDataset):
                 + (f"0..{k - 1} ({k} classes)" if k else "0.. (no manifest, no classes)")
             )
         try:  # the header's size is checked before any pixel is decoded (a PNG may claim gigapixels)
-            return self._image(s[ext], rng), label
+            return self._image(s[ext], rng, ext), label
         except Exception as e:
-            raise ShardError(f"shard {url}: sample {key!r} cannot be decoded: {e}") from e
+            raise ShardError(f"shard {url}: sample {key!r} cannot be decoded: {e} (field {ext!r})") from e
 
-    def _image(self, data: bytes, rng):
+    def _image(self, data: bytes, rng, field: str):
         if self.transform is not None:  # the caller's pipeline: its output must keep one shape
-            x = as_chw(self.transform(rgb_image(data)))
+            x = as_chw(self.transform(rgb_image(data, field)))
             self._shape = self._shape or tuple(x.shape)
             if tuple(x.shape) != self._shape:
                 raise ValueError(f"transform gave shape {tuple(x.shape)}, expected {self._shape} (static shapes)")
             return x
         if self.resize:  # any stored size -> image_size (ImageNet recipe)
-            return fit_image(data, self.image_size, rng, train=self.augment, flip=self.flip, scale=self.crop_scale)
-        img = decode_image(data, size=self.image_size)  # labkit's own shards: one stored size
+            kw = dict(train=self.augment, flip=self.flip, scale=self.crop_scale, field=field)
+            return fit_image(data, self.image_size, rng, **kw)
+        img = decode_image(data, size=self.image_size, field=field)  # labkit's own shards: one stored size
         return augment(img, rng, self.crop_padding, flip=self.flip) if self.augment else img
 
     def _collate(self, items):

@@ -23,6 +23,13 @@ class TarGroupError(ValueError):
     """A member's group name differs from the one the caller expects (see iter_tar's `group`)."""
 
 
+class CompressedTar(ValueError):
+    """The shard is a compressed tar (.tar.gz, .tar.bz2, .tar.xz, .tar.zst): not read; never taken for a corrupt one."""
+
+
+COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+
+
 def _read_exact(f, n: int) -> bytes:
     data = f.read(n)
     while len(data) < n:  # streams (gs://, pipes) may return short reads
@@ -57,6 +64,9 @@ def iter_tar(f, group: str | None = None, max_member: int = MAX_MEMBER):
     while True:
         h = _read_exact(f, 512)
         start = offset  # this member's header
+        kind = next((k for magic, k in COMPRESSED.items() if offset == 0 and h.startswith(magic)), None)
+        if kind:
+            raise CompressedTar(f"a {kind}-compressed tar: not supported; decompress it (shards are read as plain tar)")
         if h == b"\0" * 512:
             return  # end-of-archive blocks (what follows is padding)
         if not h:  # tar writers always end with zero blocks: a clean cut between members is truncation

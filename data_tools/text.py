@@ -25,12 +25,11 @@ new shape, i.e. a recompilation).
 from __future__ import annotations
 
 import os
-import urllib.request
 from pathlib import Path
 
 import torch
 
-from .urls import http_request, redact
+from .urls import http_opener, http_request, redact
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -55,7 +54,7 @@ def download(url: str, name: str, timeout: float = 20.0) -> Path:
     tmp = path.with_suffix(path.suffix + ".part")
     try:
         # http_request: user info goes in an Authorization header, not to DNS
-        with urllib.request.urlopen(http_request(url), timeout=timeout) as r, open(tmp, "wb") as f:
+        with http_opener().open(http_request(url), timeout=timeout) as r, open(tmp, "wb") as f:
             f.write(r.read())
     except OSError as e:
         tmp.unlink(missing_ok=True)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import warnings
 
 import numpy as np
@@ -45,6 +46,9 @@ import torch
 
 MAX_PIXELS = 4096 * 4096  # an image claiming more is refused before its pixels are decoded (~50 MB as RGB)
 IMAGE_FIELDS = ("png", "ppm", "jpg", "jpeg", "webp")  # the first one a sample has is its image
+# a field's extension names the one Pillow decoder that may read it: a shard's bytes never reach another plugin
+# (EPS would start Ghostscript on them; PSD, FITS, TIFF... are parsers no photo needs)
+FIELD_FORMATS = {"png": ("PNG",), "ppm": ("PPM",), "jpg": ("JPEG",), "jpeg": ("JPEG",), "webp": ("WEBP",)}
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 EVAL_CROP = 0.875  # evaluation keeps the centre 87.5 % of the shorter side (224 of 256)
 CROP_SCALE, CROP_RATIO = (0.08, 1.0), (3 / 4, 4 / 3)  # torchvision's RandomResizedCrop defaults
@@ -54,22 +58,61 @@ CROP_SCALE, CROP_RATIO = (0.08, 1.0), (3 / 4, 4 / 3)  # torchvision's RandomResi
 DRAFT_FROM = 4
 
 
-def open_image(data: bytes, size: tuple[int, int] | None = None):
-    """The image's header only (no pixel decoded yet): a PIL Image, its size checked against `size`
-    (height, width) when given, else against MAX_PIXELS (a 160 KB PNG may claim 13000x13000 pixels)."""
+def sniff_format(data: bytes) -> str:
+    """The format `data` looks like, by its first bytes only (each Pillow plugin's prefix test; nothing is
+    opened, no decoder runs): "EPS", "TIFF", ... or "unknown"."""
     from PIL import Image
 
+    Image.init()
+    head = bytes(data[:64])
+    for fmt, (_factory, accept) in Image.OPEN.items():
+        try:
+            if accept is not None and accept(head):
+                return fmt
+        except Exception:  # noqa: BLE001 - a plugin's prefix test that chokes on 64 bytes says nothing
+            continue
+    return "unknown"
+
+
+def open_image(data: bytes, size: tuple[int, int] | None = None, field: str | None = None):
+    """The image's header only (no pixel decoded yet): a PIL Image, its size checked against `size`
+    (height, width) when given, else against MAX_PIXELS (a 160 KB PNG may claim 13000x13000 pixels).
+
+    Only the decoder that `field` names reads the bytes (FIELD_FORMATS: a `.jpg` field is read by Pillow's
+    JPEG decoder and no other; no field: one of PNG, PPM, JPEG, WebP); anything else is refused naming the
+    field and the format found (EPS bytes in a `.jpg` never reach Ghostscript). An EXIF orientation tag is
+    applied (ImageOps.exif_transpose: a phone photo stored sideways comes out upright; this decodes the
+    image whole). An animated PNG or WebP gives its first frame, as Pillow opens it."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    if field is None:
+        allowed = tuple(dict.fromkeys(f for fs in FIELD_FORMATS.values() for f in fs))
+    elif field in FIELD_FORMATS:
+        allowed = FIELD_FORMATS[field]
+    else:
+        raise ValueError(f"field {field!r} names no image format labkit decodes ({', '.join(FIELD_FORMATS)})")
     with warnings.catch_warnings():  # Pillow's own limit (89 M pixels: a warning, 179 M: an error) comes first
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # in Image.open: ours is the one said
         try:
-            im = Image.open(io.BytesIO(data))
+            im = Image.open(io.BytesIO(data), formats=list(allowed))
         except Image.DecompressionBombError as e:
             raise ValueError(f"image claims more pixels than MAX_PIXELS ({MAX_PIXELS}): {e}") from None
+        except UnidentifiedImageError:
+            where = f"the {field!r} field" if field else "the image"
+            raise ValueError(
+                f"{where} holds {sniff_format(data)} data, not {'/'.join(allowed)}: refused (a field is read only "
+                "by the decoder its extension names)"
+            ) from None
     w, h = im.size
-    if size is not None and (h, w) != tuple(size):
+    if size is not None and (h, w) != tuple(size) and (w, h) != tuple(size):  # stored sideways is checked below
         raise ValueError(f"image is {w}x{h}, expected {size[1]}x{size[0]}")
     if w * h > MAX_PIXELS:
         raise ValueError(f"image claims {w}x{h} pixels, more than MAX_PIXELS ({MAX_PIXELS})")
+    if im.getexif().get(0x0112, 1) != 1:  # EXIF Orientation: rotate/mirror as the camera meant it
+        im = ImageOps.exif_transpose(im)
+        w, h = im.size
+    if size is not None and (h, w) != tuple(size):
+        raise ValueError(f"image is {w}x{h}, expected {size[1]}x{size[0]}")
     return im
 
 
@@ -92,16 +135,16 @@ def rgb_array(im) -> np.ndarray:
     return np.asarray(im.convert("RGB"))
 
 
-def decode_image(data: bytes, size: tuple[int, int] | None = None) -> np.ndarray:
+def decode_image(data: bytes, size: tuple[int, int] | None = None, field: str | None = None) -> np.ndarray:
     """PNG/PPM/JPEG/WebP bytes -> uint8 HWC RGB at the stored size (see open_image, rgb_array)."""
-    return rgb_array(open_image(data, size))
+    return rgb_array(open_image(data, size, field))
 
 
-def rgb_image(data: bytes):
+def rgb_image(data: bytes, field: str | None = None):
     """Bytes -> a PIL RGB image at the stored size (what a user transform receives)."""
     from PIL import Image
 
-    im = open_image(data)
+    im = open_image(data, field=field)
     return im if im.mode == "RGB" else Image.fromarray(rgb_array(im))
 
 
@@ -132,16 +175,19 @@ def crop_box(width: int, height: int, size, rng, train: bool, scale=CROP_SCALE, 
     return (left, top, left + cw, top + ch)
 
 
-def fit_image(data: bytes, size, rng, *, train: bool, flip: bool = False, scale=CROP_SCALE, ratio=CROP_RATIO):
+def fit_image(
+    data: bytes, size, rng, *, train: bool, flip: bool = False, scale=CROP_SCALE, ratio=CROP_RATIO, field=None
+):
     """Image bytes of any size -> a uint8 CHW tensor of `size` (height, width): the crop (see crop_box) resized
     by torchvision's antialiased bilinear resize (~3x faster than Pillow's on uint8). A JPEG whose crop is at
     least DRAFT_FROM times the output is decoded by Pillow at a reduced scale (draft mode: 1/4 or 1/8, the
     smallest that leaves the crop >= size); any other JPEG by torchvision.io.decode_jpeg (~1.4x faster than
-    Pillow's full decode); PNG and WebP by Pillow. Training flips with probability 1/2 when `flip`."""
+    Pillow's full decode); PNG and WebP by Pillow; a photo with an EXIF orientation by Pillow, whole, turned
+    upright first (open_image). Training flips with probability 1/2 when `flip`."""
     from torchvision.io import ImageReadMode, decode_jpeg
     from torchvision.transforms.v2 import functional as F
 
-    im = open_image(data)
+    im = open_image(data, field=field)  # turned upright: format None, so decoded by Pillow below
     width, height = im.size
     left, top, right, bottom = crop_box(width, height, size, rng, train, scale, ratio)
     th, tw = size
@@ -208,13 +254,20 @@ def augment(img: np.ndarray, rng, padding: int = 4, flip: bool = False) -> np.nd
 
 
 # -- labels ----------------------------------------------------------------------------------
+_INDEX = re.compile(r"[+-]?[0-9]+")  # int() also takes "1_0" (10) and other scripts' digits: a label does not
+MAX_CLASSES = 2**31  # a class index past it is no class (and overflows the int64 collate on the way)
+
+
 def parse_label(sample: dict, field: str, classes: dict) -> int:
-    """The class index in `field` ("cls", "txt", ..., or "json:key.subkey"): an integer, or a class name
-    found in `classes` (name -> index)."""
+    """The class index in `field` ("cls", "txt", ..., or "json:key.subkey"): an integer (ASCII digits only:
+    "1_0" is refused, not read as 10), or a class name found in `classes` (name -> index)."""
     name, _, path = field.partition(":")
     value = sample[name]
     if path:
-        value = json.loads(value)
+        try:
+            value = json.loads(value)
+        except RecursionError:  # a label nested thousands deep: damaged, named (skip_corrupt skips it)
+            raise ValueError(f"{name} is JSON nested too deep to read") from None
         for k in path.split("."):
             if not isinstance(value, dict) or k not in value:
                 raise ValueError(f"{name} has no key {path!r}")
@@ -225,8 +278,48 @@ def parse_label(sample: dict, field: str, classes: dict) -> int:
         raise TypeError(f"label {value!r:.40} in {field!r} is neither a class index nor a class name")
     if isinstance(value, str) and value in classes:
         return classes[value]
-    try:
-        return int(value)
-    except ValueError:
+    if isinstance(value, str) and not _INDEX.fullmatch(value):
         where = f"not one of the {len(classes)} classes given" if classes else "pass classes=[names] to map names"
-        raise ValueError(f"label {value!r:.40} in {field!r} is no class index: {where}") from None
+        raise ValueError(f"label {value!r:.40} in {field!r} is no class index: {where}")
+    index = int(value)
+    if not -MAX_CLASSES < index < MAX_CLASSES:
+        raise ValueError(f"label {str(value):.40} in {field!r} is too large for a class index")
+    return index
+
+
+def class_index(classes) -> dict:
+    """`classes` (a list of names, or a dict name -> index) as a dict name -> index; duplicate names, and
+    indices that are not non-negative ints (a bool, a string, a float), are refused naming the setting."""
+    if isinstance(classes, dict):
+        bad = {k: v for k, v in classes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0}
+        if bad:
+            raise ValueError(f"classes: indices must be ints >= 0, got {dict(list(bad.items())[:3])!r}")
+        return {str(k): v for k, v in classes.items()}
+    names = [str(c) for c in classes]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"classes: names given twice: {dup[:5]} (each name must map to one index)")
+    return {n: i for i, n in enumerate(names)}
+
+
+def check_image_size(image_size):
+    """image_size= as (height, width) of positive ints, or None; anything else refused naming the setting."""
+    if image_size is None:
+        return None
+    size = (image_size, image_size) if isinstance(image_size, int) and not isinstance(image_size, bool) else image_size
+    if (
+        not isinstance(size, (tuple, list))
+        or len(size) != 2
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in size)
+    ):
+        raise ValueError(f"image_size={image_size!r}: expected a positive int or (height, width) of positive ints")
+    return tuple(size)
+
+
+def check_crop_scale(scale) -> tuple:
+    """crop_scale= as (low, high) area shares with 0 < low <= high <= 1, else refused naming the setting."""
+    ok = isinstance(scale, (tuple, list)) and len(scale) == 2
+    ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in scale)
+    if not ok or not 0 < scale[0] <= scale[1] <= 1:
+        raise ValueError(f"crop_scale={scale!r}: expected (low, high) with 0 < low <= high <= 1 (shares of the area)")
+    return (float(scale[0]), float(scale[1]))

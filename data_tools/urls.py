@@ -23,161 +23,23 @@ header (never to DNS), and every message shows URLs through `redact` (no passwor
 
 from __future__ import annotations
 
-import base64
-import http.client
 import importlib
 import os
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
-from urllib.parse import unquote
 
 from labkit.cloud import gcs
-from labkit.cloud.gcs import redact  # every URL this package shows goes through it: no password, no token
+from labkit.redact import redact  # every URL this package shows goes through it: no password, no token
+
+from .http_read import ATTEMPTS, HttpStream, ObjectChanged, Wrapper, _retrying, http_opener, http_request  # noqa: F401
 
 DEFAULT_TIMEOUT = 30.0  # seconds without a byte before a network read gives up
-ATTEMPTS = 3  # opening a network URL: tries in all (connect errors, timeouts, HTTP 5xx)
 
 
-class Wrapper:
-    """A read-only file object around another one (`raw`): closing it closes `raw`; usable in `with`."""
-
-    raw = None
-
-    def close(self) -> None:
-        self.raw.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def _retrying(url: str, timeout: float, attempt: Callable[[], object], transient: tuple) -> object:
-    """Call attempt() up to ATTEMPTS times, backing off 0.5 s, 1 s, ...; re-raise with what was tried."""
-    errors = []
-    start = time.monotonic()
-    for i in range(ATTEMPTS):
-        try:
-            return attempt()
-        except transient as e:
-            errors.append(f"{type(e).__name__}: {redact(e)}")
-            if i + 1 < ATTEMPTS:
-                time.sleep(0.5 * 2**i)
-    tried = "; ".join(f"try {i + 1}: {m}" for i, m in enumerate(errors))
-    raise ConnectionError(
-        f"cannot read {redact(url)}: {ATTEMPTS} attempts in {time.monotonic() - start:.1f} s "
-        f"(timeout {timeout:g} s each) failed - {tried}"
-    )
-
-
-def http_request(url: str, start: int = 0) -> urllib.request.Request:
-    """The request for `url`, its user info (`https://user:pass@host/...`) moved into an
-    `Authorization: Basic` header: urllib would otherwise send it to DNS as part of the host name.
-    The header is not repeated on a redirect (add_unredirected_header): credentials for one host
-    never go to another one."""
-    parts = urllib.parse.urlsplit(url)
-    auth = None
-    if "@" in parts.netloc:
-        userinfo, host = parts.netloc.rsplit("@", 1)
-        user, _, password = userinfo.partition(":")
-        auth = base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode()
-        url = urllib.parse.urlunsplit(parts._replace(netloc=host))
-    req = urllib.request.Request(url)
-    if auth:
-        req.add_unredirected_header("Authorization", f"Basic {auth}")
-    if start:
-        req.add_header("Range", f"bytes={start}-")
-    return req
-
-
-class _HttpStream(Wrapper):
-    """An http(s) body whose reads fail with TimeoutError once `timeout` seconds pass without a byte,
-    and whose early end (fewer bytes than Content-Length: the server or a proxy closed the connection)
-    is a network error: the read resumes from the byte where it stopped (a Range request, or the
-    bytes before it skipped when the server ignores Range), ATTEMPTS tries in all, then ConnectionError
-    naming the URL. Never a short body handed on as if it were the whole file (a "corrupt" shard)."""
-
-    # a body that trickles (1 byte per second never trips the per-read timeout) is a failure too: after a grace
-    # period the average rate must stay above MIN_RATE bytes/s, else TimeoutError naming the URL
-    MIN_RATE = 16 << 10
-    GRACE_S = 30.0
-
-    def __init__(self, url: str, timeout: float):
-        self.url, self.timeout, self.pos = url, timeout, 0
-        self.t0 = time.monotonic()
-        self.raw = self._get(0)
-        self.length = self.raw.length  # None when the server sent no Content-Length (chunked)
-
-    def _get(self, start: int):
-        def attempt():
-            try:  # timeout: per socket wait, connect included
-                r = urllib.request.urlopen(http_request(self.url, start), timeout=self.timeout)
-            except urllib.error.HTTPError as e:
-                if e.code in (404, 410):
-                    raise FileNotFoundError(f"not found: {redact(self.url)} (HTTP {e.code})") from None
-                if e.code < 500:
-                    raise PermissionError(f"{redact(self.url)}: HTTP {e.code} {e.reason}") from None
-                raise ConnectionError(f"HTTP {e.code} {e.reason}") from None
-            if start and r.status != 206:  # Range ignored: the body starts at byte 0 again
-                skip = start
-                while skip:
-                    got = r.read(min(skip, 1 << 20))
-                    if not got:
-                        raise ConnectionError(f"closed again before byte {start}")
-                    skip -= len(got)
-            return r
-
-        return _retrying(self.url, self.timeout, attempt, (ConnectionError, TimeoutError, urllib.error.URLError))
-
-    def _check_rate(self) -> None:
-        elapsed = time.monotonic() - self.t0
-        if elapsed > self.GRACE_S and self.pos < self.MIN_RATE * elapsed:
-            raise TimeoutError(
-                f"{redact(self.url)}: {self.pos:,} bytes in {elapsed:.0f} s, under {self.MIN_RATE:,} bytes/s: "
-                "the server is too slow to feed training, or never ends"
-            )
-
-    def _read_once(self, n: int) -> bytes:
-        try:
-            return self.raw.read(n)
-        except TimeoutError as e:
-            raise TimeoutError(
-                f"{redact(self.url)}: no data for {self.timeout:g} s after byte {self.pos} (read timed out; "
-                "raise timeout= if the server is slow)"
-            ) from e
-        except http.client.IncompleteRead as e:  # a chunked body cut short
-            return e.partial
-
-    def read(self, n: int = -1) -> bytes:
-        if n is None or n < 0:
-            chunks = []
-            while chunk := self.read(1 << 20):
-                chunks.append(chunk)
-            return b"".join(chunks)
-        errors = []
-        for i in range(ATTEMPTS):
-            data = self._read_once(n)
-            if data or n == 0 or self.length is None or self.pos >= self.length:
-                self.pos += len(data)
-                self._check_rate()
-                return data
-            errors.append(f"try {i + 1}: connection closed at byte {self.pos} of {self.length}")
-            if i + 1 < ATTEMPTS:
-                time.sleep(0.5 * 2**i)
-                self.raw.close()
-                self.raw = self._get(self.pos)
-        raise ConnectionError(
-            f"{redact(self.url)}: the server sent {self.pos} of {self.length} bytes (Content-Length) and "
-            f"closed the connection, {ATTEMPTS} times ({'; '.join(errors)}): a network failure, not a corrupt file"
-        )
+_HttpStream = HttpStream
 
 
 def _open_http(url: str, timeout: float):
-    return _HttpStream(url, timeout)
+    return HttpStream(url, timeout)
 
 
 def check_gs_url(url: str) -> str:
@@ -202,7 +64,12 @@ class _GCSReader(Wrapper):
 
         try:
             data = self.raw.read(n)
-        except exceptions.NotFound:
+        except exceptions.NotFound:  # the reader pins the generation it first read: 404 may mean "replaced"
+            if self.pos and _gcs_exists(self.url):
+                raise ObjectChanged(
+                    f"{redact(self.url)} changed while it was read (a new generation replaced the one read) after "
+                    f"{self.pos:,} bytes: read it again"
+                ) from None
             raise FileNotFoundError(f"not found: {redact(self.url)}") from None
         except (exceptions.RetryError, exceptions.ServerError, exceptions.TooManyRequests) as e:
             cause = getattr(e, "cause", None) or e
@@ -212,6 +79,13 @@ class _GCSReader(Wrapper):
             ) from None
         self.pos += len(data)
         return data
+
+
+def _gcs_exists(url: str) -> bool:
+    try:
+        return gcs.blob(url).exists(timeout=DEFAULT_TIMEOUT)
+    except Exception:  # noqa: BLE001 - cannot tell: "not found" stays what is said
+        return False
 
 
 def _open_gs(url: str, timeout: float):
@@ -249,11 +123,12 @@ def _s3_filesystem(timeout: float):
 
 
 def _open_s3(url: str, timeout: float):
+    gcs.check_bucket("s3", url[len("s3://") :].partition("/")[0], url)  # user info, a bad name: no retry
     fs = _s3_filesystem(timeout)
     try:
-        from botocore.exceptions import BotoCoreError, NoCredentialsError
+        from botocore.exceptions import BotoCoreError, NoCredentialsError, ParamValidationError
     except ImportError:  # pragma: no cover - s3fs always brings botocore
-        BotoCoreError = NoCredentialsError = ()
+        BotoCoreError = NoCredentialsError = ParamValidationError = ()
 
     def attempt():
         try:
@@ -266,10 +141,12 @@ def _open_s3(url: str, timeout: float):
             ) from None
         except PermissionError as e:
             raise PermissionError(
-                f"{redact(url)}: access denied ({e}); the credentials need s3:GetObject on it"
+                f"{redact(url)}: access denied ({redact(e)}); the credentials need s3:GetObject on it"
             ) from None
+        except (ParamValidationError, ValueError) as e:  # a parameter error: the same on every try
+            raise ValueError(f"{redact(url)}: {type(e).__name__}: {redact(e)}") from None
         except BotoCoreError as e:  # endpoint unreachable, read timeout after botocore's own retries
-            raise ConnectionError(f"{type(e).__name__}: {e}") from None
+            raise ConnectionError(f"{type(e).__name__}: {redact(e)}") from None
 
     return _retrying(url, timeout, attempt, (ConnectionError, TimeoutError))
 

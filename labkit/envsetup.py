@@ -62,30 +62,22 @@ TPU_PLATFORMS = ("colab-tpu", "kaggle-tpu", "tpu-vm")
 TPU_VENDOR = "0x1ae0"  # Google's PCI vendor id (torch_xla's tpu.py counts chips by it)
 
 
-# -- secrets in URLs: the one redaction rule (labkit.cloud and data_tools use it for every URL they show) --
-# user info runs to the LAST @ of the authority: a raw @ in a password (http://alice:pa55@word@host) is still hidden
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
-# a value runs to the next & # or space; punctuation that ends a sentence or a quote after it stays ("...: failed")
-_QUERY = re.compile(r"([?&;])([^=&#\s]*)=([^&#\s]*?)(?=[.,:;)'\"\]]*(?:[&#\s]|$))")
-SECRET_PARAMS = ("token", "sig", "secret", "password", "passwd", "credential", "key", "auth")
-
-
-def redact(text) -> str:
-    """`text` with the secrets of every URL in it replaced by ***: user info (`https://user:pass@host`
-    -> `https://***@host`) and query values whose name holds token, sig(nature), secret, password,
-    credential, key or auth (`?X-Goog-Signature=...`, `?access_token=...`). Everything else is kept."""
-
-    def query(m):
-        hidden = any(w in m.group(2).lower() for w in SECRET_PARAMS)
-        return f"{m.group(1)}{m.group(2)}=***" if hidden and m.group(3) else m.group(0)
-
-    return _QUERY.sub(query, _USERINFO.sub(r"\1***@", str(text)))
+# -- secrets in URLs and command lines: the one rule lives in labkit/redact.py (stdlib only, the lowest layer) --
+if __package__ == "labkit":
+    from labkit.redact import redact, redact_command
+else:  # loaded by path (the set-up cell): its sibling by path too, so that labkit/__init__ is not imported
+    _rspec = importlib.util.spec_from_file_location(
+        "labkit_redact", os.path.join(os.path.dirname(os.path.abspath(__file__)), "redact.py")
+    )
+    _redact = sys.modules.setdefault("labkit_redact", importlib.util.module_from_spec(_rspec))
+    _rspec.loader.exec_module(_redact)
+    redact, redact_command = _redact.redact, _redact.redact_command
 
 
 def pip_spec() -> str:
     """What pip installs labkit from: $LABKIT_PIP_SPEC (a path, a URL, a requirement) or the published
     repository. A value starting with '-' would reach pip as an option (`--index-url ...`): refused by name."""
-    spec = os.environ.get("LABKIT_PIP_SPEC", "").strip()
+    spec = os.environ.get("LABKIT_PIP_SPEC", "").strip()  # blank: unset (the set-up cell's rule too)
     if spec.startswith("-"):
         raise ValueError(
             f"LABKIT_PIP_SPEC={redact(spec)!r} starts with '-', which pip would read as an option: give a path, "
@@ -175,11 +167,14 @@ def tpu_holders(root: str | None = None) -> list[tuple[int, str]]:
 
 
 def process_command(pid: int, root: str | None = None) -> str:
+    """Another process's command line, as text safe to show: through redact_command (a URL password, a signed URL,
+    a `--token` value of someone else's run never reaches a message)."""
     try:
         with open(os.path.join(root or host_root(), f"proc/{pid}/cmdline"), "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip() or "?"
+            args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
     except OSError:
         return "?"
+    return redact_command(args) or "?"
 
 
 def detect_platform(tpu: Tpu | None = None, env=None, modules=None) -> str:
@@ -362,7 +357,7 @@ def tpu_error_advice(message: str, root: str | None = None) -> str | None:
     if not m and not busy:
         return None
     holders = [(int(m.group(1)), process_command(int(m.group(1)), root))] if m else tpu_holders(root)
-    who = ", ".join(f"process {pid} ({cmd})" for pid, cmd in holders) or "another process"
+    who = ", ".join(f"process {pid} ({cmd})" for pid, cmd in holders) or "another process"  # cmd: redacted
     pids = " ".join(str(pid) for pid, _ in holders) or "PID"
     return (
         f"the TPU is already in use by {who}: only one process can use a host's TPU chips. Stop it "
@@ -464,7 +459,7 @@ def _labkit_dir():
 if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours (no dependencies yet)
     pip = [sys.executable, "-m", "pip", "-q"]
     subprocess.run(pip + ["uninstall", "-y", "labkit"], capture_output=True)
-    spec = os.environ.get("LABKIT_PIP_SPEC") or "labkit-xla @ git+https://github.com/labkit/labkit"
+    spec = os.environ.get("LABKIT_PIP_SPEC", "").strip() or "labkit-xla @ git+https://github.com/labkit/labkit"
     if spec.lstrip().startswith("-"):  # pip would read it as an option
         raise SystemExit("LABKIT_PIP_SPEC starts with '-': give a path, a URL or a requirement, not a pip option")
     r = subprocess.run(pip + ["install", "--no-deps", spec])

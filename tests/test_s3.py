@@ -81,10 +81,10 @@ def test_missing_s3_shard_and_manifest_are_named(shards_on_s3, s3_server):
 
 
 def test_unreachable_s3_endpoint_is_a_connection_error_naming_the_url(monkeypatch, shards_on_s3):
-    from data_tools import urls
+    from data_tools import http_read, urls
 
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    monkeypatch.setattr(urls.time, "sleep", lambda s: None)  # the backoff between tries
+    monkeypatch.setattr(http_read.time, "sleep", lambda s: None)  # the backoff between tries (_retrying)
     with pytest.raises(ConnectionError, match=r"cannot read s3://labkit-shards/digits/train/manifest.json: 3 attempts"):
         urls.read_bytes(f"s3://{BUCKET}/digits/train/manifest.json", timeout=2)
 

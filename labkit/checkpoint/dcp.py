@@ -204,7 +204,8 @@ class Sharded:
             planner = _planner(rec.get("planner", "spmd"), True, self._url(folder_name(step)))
             reader = safe_load.SafeReader(folder)  # unpickles data only: a planted file runs no code
             reader.listed = set(rec["files"])  # and reads only the files the commit record checked
-            _add_missing(state, reader.read_metadata())
+            size = sum(os.path.getsize(os.path.join(folder, f)) for f in rec["files"])  # checked by _fetch
+            _add_missing(state, reader.read_metadata(), size, self._url(folder_name(step)))
             safe_load.load(state, reader, planner, self._url(folder_name(step)))
         except safe_load.CheckpointRefused:
             raise

@@ -33,8 +33,9 @@ import torch
 
 from labkit.checkpoint import safe_load
 from labkit.checkpoint.pointer import NAME, Pointer, object_name, step_of
+from labkit.checkpoint.pointer import POINTER as NAME_LATEST
+from labkit.checkpoint.state import READ_TRIES, ReadFailed, to_cpu, verify
 from labkit.checkpoint.state import read as read_checked
-from labkit.checkpoint.state import to_cpu, verify
 from labkit.checkpoint.writer import no_space
 from labkit.cloud import gcs
 
@@ -57,12 +58,12 @@ class OneFile:
     def steps(self) -> dict[int, bool]:
         """Every object counts as committed (the pointer may be lost; each object verifies on its own), except
         one newer than the pointer: uploaded by a writer that died before moving it."""
-        ptr = self.pointer.read(track=False)
+        ptr = self._pointer()
         top = ptr["step"] if ptr else None
         return {step_of(n): top is None or step_of(n) <= top for n in self.store.list("ckpt-") if NAME.match(n)}
 
     def committed(self, step: int) -> bool:
-        ptr = self.pointer.read(track=False) or {}
+        ptr = self._pointer() or {}
         name = object_name(step)
         return name == ptr.get("name") or name in (ptr.get("objects") or {})
 
@@ -108,7 +109,7 @@ class OneFile:
 
     def read(self, step, into=None, map_location="cpu"):
         name = object_name(step)
-        ptr = self.pointer.read(track=False)
+        ptr = self._pointer()
         expect = dict(self.objects)
         if ptr is not None:
             expect.update(ptr.get("objects") or {})
@@ -120,6 +121,21 @@ class OneFile:
         state = safe_load.torch_load(data, url, map_location)  # weights_only: runs no code
         record = ptr if ptr is not None and ptr["name"] == name else {"name": name, "step": int(step)}
         return state, record
+
+    def _pointer(self):
+        """The pointer (a look only), read as a checkpoint is: a store error is tried again, then ReadFailed (a
+        pointer that does not parse is None, with a warning: parse_pointer). Never a quiet fall back a step."""
+        for i in range(READ_TRIES):
+            try:
+                return self.pointer.read(track=False)
+            except Exception as e:  # OSError, requests' ConnectionError, the client's ServiceUnavailable ...
+                last = e
+                if i + 1 < READ_TRIES:
+                    time.sleep(0.5 * 2**i)
+        raise ReadFailed(
+            f"reading {self.store.url(NAME_LATEST)} failed {READ_TRIES} times ({type(last).__name__}: {last}); "
+            "restore stops here instead of falling back to an older step: retry when the storage is reachable"
+        ) from last
 
     def unfinished(self, step) -> str | None:
         return None  # an object newer than the pointer is skipped quietly; asked for by step, it is read

@@ -100,12 +100,14 @@ def _key(container, k):
     return _MISSING
 
 
-def _add_missing(state: dict, metadata) -> None:
+def _add_missing(state: dict, metadata, limit: int | None = None, where: str = "") -> None:
     """DCP loads only into entries the template has. An optimizer whose state is created at its first
     step (SGD's momentum, AdamW's moments) has none yet: add a CPU tensor of the saved shape for each
     such entry (None for a plain value; a key of digits becomes an int), so the checkpoint's structure
     loads whole. The optimizer's load_state_dict then moves those tensors to their parameter's
-    device, unsharded: create the state first (as parallel_gpt does for AdamW) to restore it sharded."""
+    device, unsharded: create the state first (as parallel_gpt does for AdamW) to restore it sharded.
+    `limit`: the bytes of the checkpoint's files; an entry declaring more is refused as damaged before anything
+    is allocated (a metadata file edited to claim terabytes would otherwise ask the allocator for them)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     paths = metadata.planner_data or {}
@@ -124,4 +126,15 @@ def _add_missing(state: dict, metadata) -> None:
             cur = cur.setdefault(int(k) if isinstance(k, str) and k.isdigit() else k, {})
         last = path[-1]
         last = int(last) if isinstance(last, str) and last.isdigit() else last
+        if isinstance(md, TensorStorageMetadata) and limit is not None:
+            n = md.properties.dtype.itemsize
+            for d in md.size:
+                n *= d
+            if n > limit:
+                from labkit.checkpoint.safe_load import CheckpointRefused
+
+                raise CheckpointRefused(
+                    f"{where}: {fqn} declares {tuple(md.size)} {md.properties.dtype} ({n:,} bytes), more than the "
+                    f"{limit:,} bytes of the checkpoint's files: the metadata is damaged"
+                )
         cur[last] = torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import threading
 
 from labkit import envsetup
+from labkit.redact import redact  # URLs in messages: user info and token-like query values hidden (the one rule)
 
 _lock = threading.Lock()
 _client = None
@@ -40,10 +42,6 @@ ROLE_HINT = (
     "grant it with: gcloud storage buckets add-iam-policy-binding gs://{bucket} "
     "--member=user:YOU@example.com --role={role}"
 )
-
-
-# URLs in messages: user info and token-like query values hidden (one rule, kept in stdlib-only envsetup)
-redact = envsetup.redact
 
 
 class GCSAuthError(PermissionError):
@@ -62,15 +60,38 @@ def is_gcs(url: str | os.PathLike) -> bool:
     return isinstance(url, str) and url.startswith("gs://")
 
 
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")  # GCS's and S3's rules (S3: no _, at most 63)
+CREDENTIALS_FROM = {
+    "gs": "gs:// takes them from sign_in() / Application Default Credentials",
+    "s3": "s3:// takes them from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws",
+}
+
+
+def check_bucket(scheme: str, bucket: str, url: str) -> str:
+    """`bucket` if it is a valid bucket name, else ValueError naming the (redacted) URL: a parameter error,
+    never retried as a network failure. User info (`s3://KEY:SECRET@bucket`) is refused: credentials never
+    travel in a bucket URL, and the name would carry them into every message and request."""
+    if "@" in bucket or ":" in bucket:
+        raise ValueError(
+            f"{redact(url)}: a {scheme}:// URL carries no credentials ({CREDENTIALS_FROM.get(scheme, '')}); "
+            "remove the user info before the bucket name"
+        )
+    if not _BUCKET.fullmatch(bucket):
+        raise ValueError(
+            f"{redact(url)}: {bucket!r} is no valid bucket name (3-63 lowercase letters, digits, '-', '.', '_')"
+        )
+    return bucket
+
+
 def parse_url(url: str) -> tuple[str, str]:
-    """'gs://bucket/a/b' -> ('bucket', 'a/b'). Raises ValueError naming the URL when malformed."""
+    """'gs://bucket/a/b' -> ('bucket', 'a/b'). Raises ValueError naming the (redacted) URL when malformed."""
     if not is_gcs(url):
-        raise ValueError(f"not a gs:// URL: {url!r}")
+        raise ValueError(f"not a gs:// URL: {redact(url)!r}")
     rest = url[len("gs://") :]
     bucket, _, name = rest.partition("/")
     if not bucket:
-        raise ValueError(f"gs:// URL has no bucket: {url!r}")
-    return bucket, name
+        raise ValueError(f"gs:// URL has no bucket: {redact(url)!r}")
+    return check_bucket("gs", bucket, url), name
 
 
 def join(url: str, *parts: str) -> str:
@@ -137,7 +158,7 @@ def client():
                 try:
                     creds, cred_project = google.auth.default()
                 except DefaultCredentialsError as e:
-                    raise _no_credentials(str(e).splitlines()[0]) from None
+                    raise _no_credentials(redact(str(e).splitlines()[0])) from None
                 # project=None explicitly (not left out): the client then works without a project for
                 # existing buckets instead of raising "Project was not passed and could not be determined"
                 _client = storage.Client(
@@ -193,14 +214,14 @@ def _forbidden(bucket: str, permission: str, role: str, e) -> GCSPermissionError
     return GCSPermissionError(
         f"{who} may not use gs://{bucket}: it lacks {permission} (HTTP 403). The role {role} has it; "
         + ROLE_HINT.format(bucket=bucket, role=role)
-        + f" (or pick a bucket you own). [{str(e).splitlines()[0][:200]}]"
+        + f" (or pick a bucket you own). [{redact(str(e).splitlines()[0])[:200]}]"  # redacted, then cut
     )
 
 
 def _missing(bucket: str, url: str) -> BucketNotFoundError:
     proj = _project or project_from_environment() or "YOUR_PROJECT"
     return BucketNotFoundError(
-        f"GCS bucket {bucket!r} does not exist (from {url!r}); labkit never creates one silently. Create it "
+        f"GCS bucket {bucket!r} does not exist (from {redact(url)!r}); labkit never creates one silently. Create it "
         f"in the TPU's region: gcloud storage buckets create gs://{bucket} --project={proj} --location=us-central1"
     )
 
@@ -208,7 +229,7 @@ def _missing(bucket: str, url: str) -> BucketNotFoundError:
 def blob(url: str):
     bucket, name = parse_url(url)
     if not name:
-        raise ValueError(f"gs:// URL names a bucket, not an object: {url!r}")
+        raise ValueError(f"gs:// URL names a bucket, not an object: {redact(url)!r}")
     return client().bucket(bucket).blob(name)
 
 
@@ -241,7 +262,7 @@ def upload_file(
     b.upload_from_filename(str(path), **kwargs)
     local = crc32c_b64(path)
     if b.crc32c != local:
-        raise OSError(f"crc32c mismatch after upload of {path} to {url}: local {local}, server {b.crc32c}")
+        raise OSError(f"crc32c mismatch after upload of {path} to {redact(url)}: local {local}, server {b.crc32c}")
     return b
 
 
@@ -271,9 +292,9 @@ def ensure_bucket(url_or_bucket: str):
     except exceptions.NotFound:
         raise _missing(name, url_or_bucket) from None
     except exceptions.Unauthorized as e:
-        raise _no_credentials(str(e).splitlines()[0][:200]) from None
+        raise _no_credentials(redact(str(e).splitlines()[0])[:200]) from None
     except RefreshError as e:
-        raise _no_credentials(f"credentials expired or revoked: {e}") from None
+        raise _no_credentials(f"credentials expired or revoked: {redact(e)}") from None
     except exceptions.Forbidden:
         pass  # objectAdmin-only: fall through to an object-level check
     try:

@@ -13,7 +13,7 @@ import tempfile
 from labkit.cloud import gcs
 from labkit.cloud.lease import ObjectLock
 from labkit.cloud.protocol import VersionConflict
-from labkit.cloud.store import LOCK, _Staging, _sweep
+from labkit.cloud.store import LOCK, _Staging, _sweep, check_root
 
 # A gs:// lock not renewed for this long (on the server's clock) is taken over: its writer is gone (a preempted
 # VM has a new host name, so "is its pid alive" cannot be asked). The holder renews it at most once a minute at
@@ -26,6 +26,7 @@ class GCSStore(ObjectLock, _Staging):
     and conditional replacement (if_generation_match: the generation last read, 0 to create)."""
 
     def __init__(self, root, retry_deadline_s):
+        check_root(root)  # '//', '/./', '/../': refused as every store does, before the bucket is asked
         gcs.ensure_bucket(root)  # missing bucket: FileNotFoundError now, not at the first save
         self.root = root.rstrip("/")
         self.bucket, self.prefix = gcs.parse_url(self.root + "/")

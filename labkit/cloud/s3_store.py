@@ -33,10 +33,12 @@ import os
 import tempfile
 from email.utils import parsedate_to_datetime
 
+from labkit.cloud.gcs import check_bucket
 from labkit.cloud.gcs_store import LEASE_S
 from labkit.cloud.lease import ObjectLock
 from labkit.cloud.protocol import VersionConflict
-from labkit.cloud.store import LOCK, _Staging, _sweep
+from labkit.cloud.store import LOCK, _Staging, _sweep, check_root
+from labkit.redact import redact
 
 MAX_PUT = 5 << 30  # S3's limit for one PutObject
 META = "labkit-crc32c"  # user metadata: the crc32c an upload was sent with (how a retry finds its own object)
@@ -54,7 +56,8 @@ def parse_url(url: str) -> tuple[str, str]:
     """("bucket", "prefix/") of s3://bucket/prefix (prefix "" for the whole bucket)."""
     bucket, _, prefix = str(url)[len("s3://") :].partition("/")
     if not bucket:
-        raise ValueError(f"{url!r}: expected s3://BUCKET/PREFIX")
+        raise ValueError(f"{redact(url)!r}: expected s3://BUCKET/PREFIX")
+    check_bucket("s3", bucket, str(url))  # user info or a bad name: a parameter error, before botocore sees it
     prefix = prefix.strip("/")
     return bucket, prefix + "/" if prefix else ""
 
@@ -76,7 +79,7 @@ class S3Store(ObjectLock, _Staging):
     (If-Match: the ETag last read; None to create)."""
 
     def __init__(self, root, retry_deadline_s: float = 60):
-        self.root = str(root).rstrip("/")
+        self.root = check_root(root).rstrip("/")
         self.bucket, self.prefix = parse_url(self.root)
         try:  # a session of its own: boto3's default one keeps the credentials it found first
             import boto3
@@ -131,11 +134,11 @@ class S3Store(ObjectLock, _Staging):
                 ) from None
             if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"):
                 raise OSError(f"crc32c mismatch for {url}: the server's checksum of the bytes sent is not ours") from e
-            raise OSError(f"{url}: {action} failed ({code}): {e}") from e
+            raise OSError(redact(f"{url}: {action} failed ({code}): {e}")) from e
         except (Unreachable, HTTPClientError) as e:  # no endpoint, timeouts (after botocore's retries)
             raise ConnectionError(
                 f"{url}: {action} could not reach the S3 endpoint {self.endpoint} (AWS_ENDPOINT_URL_S3 sets another): "
-                f"{type(e).__name__}: {e}"
+                f"{type(e).__name__}: {redact(e)}"
             ) from None
 
     # -- objects ------------------------------------------------------------------------------------

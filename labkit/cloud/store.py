@@ -40,7 +40,35 @@ LOCK = ".writer.lock"
 _TEMP = re.compile(r"^\..+\.(\d+)\.[^./]*\.tmp$")  # `.NAME.PID.RANDOM.tmp`: a file or a staging folder
 
 
+def check_root(root) -> str:
+    """`root` (a folder, gs://bucket/prefix or s3://bucket/prefix), or ValueError naming it when its path holds an
+    empty, '.' or '..' segment (`gs://b/runs/../exp`, `a//b`, `c/./d`): object stores take such names literally,
+    so a run would save under one name and a fresh manager look under another. Every store refuses them alike
+    (data_tools refuses them in shard URLs); a folder may start with `./` or `../`, a trailing / is dropped."""
+    text = str(root)
+    scheme, sep, path = text.partition("://")
+    if not sep:  # a folder: a leading / and a leading run of ./ ../ are ordinary relative paths
+        path = re.sub(r"^/+", "", text)
+        path = re.sub(r"^(?:\.\.?/+)+", "", path)
+    else:
+        path = path.partition("/")[2]  # the object path after the bucket
+    segments = path.rstrip("/").split("/") if path.rstrip("/") else []
+    bad = next((seg for seg in segments if seg in ("", ".", "..")), None)
+    if bad is not None:
+        from labkit.redact import redact
+
+        raise ValueError(
+            f"checkpoint root {redact(text)!r} holds {'an empty' if not bad else f'a {bad!r}'} path segment: "
+            "give it without '//', '/./' or '/../' (object stores take them literally)"
+        )
+    return text
+
+
 def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs here. A number no pid can be (a stray `.x.99999999999999999999.y.tmp`, a lock body
+    with a 13-digit pid) counts as alive: such a file or lock is left alone, never swept or taken over by pid."""
+    if not 0 < pid < 2**31:  # os.kill would raise OverflowError (or signal a process group for 0 and below)
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -116,7 +144,7 @@ class LocalStore(_Staging):
     create-only one (it fails if the name exists)."""
 
     def __init__(self, root):
-        self.root = self._tmp = str(root)
+        self.root = self._tmp = check_root(root)
         os.makedirs(self.root, exist_ok=True)
         self._lock_fd = None
 

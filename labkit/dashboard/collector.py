@@ -297,19 +297,29 @@ class Dashboard:
         return str(path)
 
     def to_json(self, path=None) -> str:
-        """The history, evaluations, recompilations and warnings as JSON (returned; written if path)."""
-        h = self._last_health
-        text = json.dumps(
+        """The history, evaluations, recompilations and warnings as JSON (returned; written if path). A NaN or
+        infinite value (a loss after a non-finite step) is written as null, and "nonfinite" counts them: JSON has
+        no NaN, and a file with one is not JSON."""
+        h, replaced = self._last_health, []
+
+        def finite(v):
+            if isinstance(v, float) and not math.isfinite(v):
+                replaced.append(v)
+                return None
+            if isinstance(v, dict):
+                return {k: finite(x) for k, x in v.items()}
+            return [finite(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+        data = finite(
             {
                 "title": self.title,
                 "history": self.history,
                 "eval": self.evals,
                 "recompiles": self.health.events if self.health else [],
                 "warnings": h.get("warnings", []),
-            },
-            indent=1,
-            default=str,
+            }
         )
+        text = json.dumps({**data, "nonfinite": len(replaced)}, indent=1, default=str, allow_nan=False)
         if path is not None:
             with open(path, "w") as f:
                 f.write(text)

@@ -266,6 +266,8 @@ def apply_specs(model: nn.Module, mesh, specs: dict[str, tuple]) -> int:
     import torch_xla.distributed.spmd as xs
 
     params = dict(model.named_parameters())
+    for spec in specs.values():
+        check_axes(mesh, spec)
     missing = sorted(set(specs) - set(params))
     if missing:
         raise KeyError(f"sharding specs name parameters the model lacks: {missing[:5]}")
@@ -277,10 +279,19 @@ def apply_specs(model: nn.Module, mesh, specs: dict[str, tuple]) -> int:
     return len(specs)
 
 
+def check_axes(mesh, spec) -> None:
+    """ValueError naming an axis of `spec` that `mesh` lacks, and the axes it has (instead of a bare KeyError)."""
+    names = tuple(getattr(mesh, "axis_names", None) or ())
+    for a in spec:
+        if isinstance(a, str) and a not in names:
+            raise ValueError(f"mesh axis {a!r} (in spec {tuple(spec)}) is not on the mesh; its axes: {names}")
+
+
 def shard_batch(batch, mesh, axis: str = "data"):
     """Mark dim 0 of every tensor in (x, y) as split over `axis`; other dims replicated."""
     import torch_xla.distributed.spmd as xs
 
+    check_axes(mesh, (axis,))
     for t in batch:
         xs.mark_sharding(t, mesh, (axis,) + (None,) * (t.dim() - 1))
     return batch
