@@ -86,7 +86,7 @@ def _labkit_dir():
 if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours (no dependencies yet)
     pip = [sys.executable, "-m", "pip", "-q"]
     subprocess.run(pip + ["uninstall", "-y", "labkit"], capture_output=True)
-    spec = os.environ.get("LABKIT_PIP_SPEC") or "labkit-xla @ git+https://github.com/labkit/labkit"
+    spec = os.environ.get("LABKIT_PIP_SPEC", "").strip() or "labkit-xla @ git+https://github.com/labkit/labkit"
     if spec.lstrip().startswith("-"):  # pip would read it as an option
         raise SystemExit("LABKIT_PIP_SPEC starts with '-': give a path, a URL or a requirement, not a pip option")
     r = subprocess.run(pip + ["install", "--no-deps", spec])
