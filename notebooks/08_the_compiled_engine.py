@@ -32,10 +32,11 @@
 # - place tensors and a model on a device mesh with DTensor (`Shard`, `Replicate`, `distribute_tensor`) and FSDP2
 #   (`fully_shard`), and say how FSDP2's layout differs from torch_xla's FSDPv2.
 #
-# **Time**: 2–3 minutes of run time in fast mode on a busy 2-core CPU (measured 2 min 12 s to 2 min 42 s under
-# nbval, solutions on and off, with the machine's load at 12–17; 20–30 s of it is one Inductor compile of the step
-# in section 2, the rest compiles with `backend="aot_eager"` or `"eager"`); full mode about 3 minutes; 30–45 minutes
-# to read and do the three exercises.
+# **Time**: 3–4 minutes of run time in fast mode on a busy 2-core CPU (measured 2 min 51 s and 3 min 59 s under
+# nbval, solutions off and on, with the machine's load at 12–18; 1–1.5 minutes of it is the 4-process DTensor run
+# at the end of section 5, 20–30 s one Inductor compile of the step in section 2, the rest compiles with
+# `backend="aot_eager"` or `"eager"`); full mode about 3 minutes plus the same DTensor run; 30–45 minutes to read
+# and do the three exercises.
 #
 # Every claim below is checked by an `assert`. The exercises print ✓ or ✗ and never stop *Run all*; their
 # solutions are in collapsed cells that run only with `LABKIT_SOLUTIONS=1` (as the test suite does).
@@ -725,7 +726,7 @@ print(dtensor_mesh.describe(report))
 
 # %%
 DEVICES, cfg08 = report["devices"], GPTConfig(dropout=0.0, **report["config"])
-batch = 16  # run()'s default global batch
+batch = inspect.signature(dtensor_mesh.run).parameters["batch_size"].default  # the global batch run() drew
 for plan, got in report["dtensor"].items():
     assert got["param_bytes"] == dtensor_plans.predict_bytes(plan, cfg08, DEVICES), (plan, got["param_bytes"])
     assert max(abs(a - b) for a, b in zip(got["losses"], report["single_losses"])) <= dtensor_mesh.LOSS_TOL, plan
