@@ -32,10 +32,11 @@
 # - place tensors and a model on a device mesh with DTensor (`Shard`, `Replicate`, `distribute_tensor`) and FSDP2
 #   (`fully_shard`), and say how FSDP2's layout differs from torch_xla's FSDPv2.
 #
-# **Time**: 2–3 minutes of run time in fast mode on a busy 2-core CPU (measured 2 min 12 s to 2 min 42 s under
-# nbval, solutions on and off, with the machine's load at 12–17; 20–30 s of it is one Inductor compile of the step
-# in section 2, the rest compiles with `backend="aot_eager"` or `"eager"`); full mode about 3 minutes; 30–45 minutes
-# to read and do the three exercises.
+# **Time**: 3–4 minutes of run time in fast mode on a busy 2-core CPU (measured 2 min 51 s and 3 min 59 s under
+# nbval, solutions off and on, with the machine's load at 12–18; 1–1.5 minutes of it is the 4-process DTensor run
+# at the end of section 5, 20–30 s one Inductor compile of the step in section 2, the rest compiles with
+# `backend="aot_eager"` or `"eager"`); full mode about 3 minutes plus the same DTensor run; 30–45 minutes to read
+# and do the three exercises.
 #
 # Every claim below is checked by an `assert`. The exercises print ✓ or ✗ and never stop *Run all*; their
 # solutions are in collapsed cells that run only with `LABKIT_SOLUTIONS=1` (as the test suite does).
@@ -698,22 +699,60 @@ if exercises.check("08.fsdp2_bytes", lambda: nb08.check_fsdp2_bytes(fsdp2_bytes)
 
 # %% [markdown]
 # ### The plans of notebook 03 on 4 real processes
-# labkit runs notebook 03's plans (data parallel, FSDP2, Megatron's tensor-parallel MLP) written with DTensor and
-# `fully_shard` on a `DeviceMesh` of 4 CPU processes over gloo, in a child `torchrun`, and compares bytes per
-# device and losses with GSPMD's on the same model.
+# `labkit.lessons.dtensor_mesh` trains notebook 03's fast GPT for 3 AdamW steps under its three plans written with
+# DTensor: **data** (FSDP2 on a (4, 1) mesh: every weight whole, gradients all-reduced), **fsdp** (`fully_shard` on
+# the block, then on the root) and **tensor** (Megatron's pairs with `parallelize_module` on a 2 × 2 (data, model)
+# mesh). It launches a child `torchrun` of 4 CPU processes over gloo, one per device: each holds its own shards and
+# issues its own collectives, counted over the last step with `CommDebugMode`. `run(gspmd=False)` runs this DTensor
+# side alone (1–3 minutes here); with the default `gspmd`, where torch_xla is installed, it also runs notebook 03's
+# GSPMD strategies on 4 virtual XLA devices and `compare(report)` puts the engines side by side. That full
+# comparison is checked by `tests/test_dtensor_plans.py`; it measured, per device, 85,888 parameter bytes for data,
+# 21,472 for fsdp and 60,864 for tensor, and the losses [5.4985, 4.5570, 3.1474], for every plan on both engines.
 
 # %%
-import importlib.util
+from labkit.lessons import dtensor_mesh
+from labkit.models.gpt import GPTConfig
+from labkit.spmd import dtensor_plans
 
-if importlib.util.find_spec("labkit.lessons.dtensor_mesh") is not None:
-    from labkit.lessons import dtensor_mesh
+t0 = time.perf_counter()
+report = dtensor_mesh.run(gspmd=False)  # the DTensor side only: one torchrun of 4 gloo processes
+print(f"{time.perf_counter() - t0:.0f} s\n")
+print(dtensor_mesh.describe(report))
 
-    mesh_run = dtensor_mesh.run()
-    print(mesh_run)
-    assert mesh_run["losses"] and mesh_run["gspmd_losses"]
-    assert max(abs(a - b) for a, b in zip(mesh_run["losses"], mesh_run["gspmd_losses"])) < 1e-4
-else:
-    print("this labkit has no DTensor runner (labkit.lessons.dtensor_mesh): the 4-process run is not shown")
+# %% [markdown]
+# Everything that run measured can be predicted here without a process: the bytes each device holds (FSDP2: dim 0
+# padded, `dtensor_plans.predict_bytes`), the collectives of one step (`predict_collectives`), the losses (one
+# process on the whole batch). Beside FSDP2, the layout torch_xla's FSDPv2 would give the same weights (the largest
+# dimension): the same bytes here, since every dimension divides by 4, but not the same split.
+
+# %%
+DEVICES, cfg08 = report["devices"], GPTConfig(dropout=0.0, **report["config"])
+batch = inspect.signature(dtensor_mesh.run).parameters["batch_size"].default  # the global batch run() drew
+for plan, got in report["dtensor"].items():
+    assert got["param_bytes"] == dtensor_plans.predict_bytes(plan, cfg08, DEVICES), (plan, got["param_bytes"])
+    assert max(abs(a - b) for a, b in zip(got["losses"], report["single_losses"])) <= dtensor_mesh.LOSS_TOL, plan
+    assert got["collectives"] == dtensor_plans.predict_collectives(plan, cfg08, DEVICES, batch), plan
+    ops = ", ".join(f"{v['count']} {k}" for k, v in sorted(got["collectives"].items()))
+    print(f"{plan:>6}: {got['param_bytes']:>6,d} B per device, losses, collectives ({ops}): as predicted")
+fsdp_rows = report["dtensor"]["fsdp"]["rows"]  # [name, shape, local shape, placement, split dims, bytes]
+fsdpv2 = sum(dtensor_plans.nbytes(dtensor_plans.largest_dim_shard_shape(s, DEVICES)) for _, s, *_ in fsdp_rows)
+assert fsdpv2 == report["dtensor"]["fsdp"]["param_bytes"]  # same bytes...
+print(f"fsdp: FSDPv2 (largest dimension) would hold {fsdpv2:,d} B per device as well, split elsewhere for:")
+moved = [n for n, s, local_shape, *_ in fsdp_rows
+         if tuple(local_shape) != dtensor_plans.largest_dim_shard_shape(s, DEVICES)]
+for n, s, local_shape, *_ in fsdp_rows:
+    if n in moved:
+        print(f"{n} {tuple(s)}: FSDP2 holds {tuple(local_shape)}, "
+              f"FSDPv2 would hold {dtensor_plans.largest_dim_shard_shape(s, DEVICES)}")
+assert moved == ["wpe.weight", "blocks.0.mlp.proj.weight"], moved  # ...another split: the wider-than-tall weights
+assert report["dtensor"]["fsdp"]["collectives"]["all-gather"]["count"] == 2 * cfg08.n_layer + 1
+
+# %% [markdown]
+# Under fsdp one step all-gathers 3 times for 1 block: the block before its forward and again before its backward
+# (it is resharded after its forward), the root once (`reshard_after_forward` is `False` at the root, so it stays
+# gathered for the backward); each unit's gradients are reduce-scattered once. The two engines lay `wpe.weight`
+# (16 positions × 32) and `blocks.0.mlp.proj.weight` (32 × 128) out differently: FSDP2 splits the rows, FSDPv2 the
+# longer columns. With shapes that do not divide, the bytes would differ too (FSDP2 pads dim 0).
 
 # %% [markdown]
 # ## What you saw

@@ -195,3 +195,19 @@ def test_check_prints_not_yet_for_a_wrong_answer(capsys, monkeypatch):
     monkeypatch.setenv("LABKIT_SOLUTIONS", "0")
     assert not check("08.fsdp2_bytes", lambda: nb08.check_fsdp2_bytes(lambda s, n, b: math.prod(s) * b // n))
     assert "not yet" in capsys.readouterr().out
+
+
+def test_labkits_own_shard_helpers_are_refused(capsys, monkeypatch):
+    """dtensor_plans computes the very answer (the notebook's last section uses it): an answer that calls it, under
+    any name, fails, and so does one that hands back the checker's own rule."""
+    from labkit.spmd.dtensor_plans import fsdp2_shard_shape as shard_shape
+
+    def borrowed(shape, devices, bytes_per):
+        return math.prod(shard_shape(shape, devices)) * bytes_per  # right number, measured by labkit
+
+    monkeypatch.setenv("LABKIT_SOLUTIONS", "0")
+    assert not check("08.fsdp2_bytes", lambda: nb08.check_fsdp2_bytes(borrowed))
+    out = capsys.readouterr().out
+    assert "not yet" in out and "labkit.spmd.dtensor_plans.fsdp2_shard_shape" in out, out
+    with pytest.raises(Wrong, match="your code called nb08.fsdp2_rule"):
+        nb08.check_fsdp2_bytes(nb08.fsdp2_rule)

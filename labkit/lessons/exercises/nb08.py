@@ -3,7 +3,8 @@ never builds and this machine cannot measure for the learner: the graphs of a st
 every call, the guard a change fails (some of the changes need a GPU), and the bytes FSDP2 gives one device of a
 mesh of 8, 16 or 64 devices. While the learner's function runs, the tools that would measure the answer
 (`torch.compile`, `torch._dynamo.explain`, `fully_shard`, `distribute_tensor`, a process group, a device mesh, FSDP2's
-own padding helper) are refused by their code objects, so no alias or re-import gets around the refusal.
+own padding helper, labkit's shard-shape and bytes-per-device helpers) are refused by their code objects, so no alias
+or re-import gets around the refusal.
 
     from labkit.lessons.exercises import check, nb08
     check("08.graphs", lambda: nb08.check_predict_graphs(predict_graphs))
@@ -106,6 +107,11 @@ def _sharding_tools():
         from torch.distributed.fsdp._fully_shard._fsdp_common import _get_dim0_padded_size
 
         tools.append(("FSDP2's _get_dim0_padded_size", _get_dim0_padded_size))
+    from labkit.spmd import dtensor_plans  # labkit's own shard shapes and bytes per device (notebook 08's last run)
+
+    for name in ("fsdp2_shard_shape", "fsdp2_local_rows", "largest_dim_shard_shape", "predict_bytes", "padded_bytes"):
+        tools.append((f"labkit.spmd.dtensor_plans.{name}", getattr(dtensor_plans, name)))
+    tools.append(("nb08.fsdp2_rule", fsdp2_rule))  # this checker's own truth
     return tools
 
 
@@ -266,8 +272,8 @@ def check_fsdp2_bytes(fsdp2_bytes) -> str:
     """08.fsdp2_bytes: fsdp2_bytes(shape, devices, bytes_per) -> bytes ONE device allocates for its shard of a
     parameter that fully_shard splits over `devices` (FSDP2: dim 0, padded to a multiple of the devices). Judged on
     10 shapes drawn anew on every call, over 8, 16 and 64 devices, shapes that do not divide and biases shorter than
-    the mesh; the sharding tools (fully_shard, distribute_tensor, a process group, a mesh, FSDP2's padding helper)
-    are refused while the answer runs."""
+    the mesh; the sharding tools (fully_shard, distribute_tensor, a process group, a mesh, FSDP2's padding helper,
+    labkit.spmd.dtensor_plans' shard shapes and bytes, this checker's own rule) are refused while the answer runs."""
     todo(fsdp2_bytes)
     rng = random.Random(next(_calls))
     cases = _fsdp2_cases(rng)
