@@ -216,7 +216,8 @@ def main():
     )
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile's backend")
     a = ap.parse_args()
-    rt = labkit.setup(a.device)
+    # never XLA by default: its lazy trace is its compiler, and TrainConfig.compile="on" is refused there
+    rt = labkit.setup(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     precision = labkit.precision.choose(rt, a.precision or ("bf16" if a.size == "gpt2" else "fp32"))
     print(f"torch {torch.__version__}, {rt.kind} ({rt.chip_name()}), {precision}", flush=True)
     for name in a.models.split(","):
