@@ -212,7 +212,11 @@ def main():
     ap.add_argument("--batch", type=int, default=None, help="rows per batch (default: the size's)")
     ap.add_argument("--precision", default=None, help="labkit.precision.choose's want (default: fp32 small, bf16 gpt2)")
     ap.add_argument(
-        "--device", "--backend", dest="device", default=None, help="labkit.setup's: cuda | cpu (default: cuda if there is one, else cpu)"
+        "--device",
+        "--backend",
+        dest="device",
+        default=None,
+        help="labkit.setup's: cuda | cpu (default: cuda if there is one, else cpu)",
     )
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile's backend")
     a = ap.parse_args()
