@@ -149,6 +149,21 @@ def check_ranges(obj) -> None:
             raise ValueError(f"{where}: expected a number > 0")
 
 
+COMPILE = ("auto", "on", "off")
+
+
+def _compile_setting(value) -> str:
+    """TrainConfig.compile as one of COMPILE: 'auto', or a yes/no (parse_bool's spellings, bools) as on/off."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return "on" if parse_bool(value, "TrainConfig.compile") else "off"
+    except ValueError:
+        raise ValueError(
+            f"TrainConfig.compile={value!r}: expected one of {', '.join(COMPILE)} (or true/false)"
+        ) from None
+
+
 @dataclass
 class TrainConfig:
     """Knobs that labkit's training loop reads (see labkit.loop.Trainer). What only a notebook
@@ -169,6 +184,12 @@ class TrainConfig:
     # fp16 + GradScaler: this many skipped steps in a row (inf/NaN gradients under a finite loss) stop the
     # run like a NaN loss does (continue_on_nonfinite=True only warns); 0: never
     max_skipped_steps: int = 10
+    # how the step is captured off XLA (labkit.runtime.step): "on" compiles forward + backward and the optimizer step
+    # with torch.compile, "off" runs them eagerly, "auto" compiles where it pays: on CUDA, not on the plain CPU
+    # (compile time of tens of seconds there for ~15 % per step), never on XLA (its lazy trace is its compiler;
+    # "on" there is refused). True/False and yes/no read as on/off
+    compile: str = "auto"
+    compile_backend: str = "inductor"  # torch.compile's backend= ("tpu" would be TorchTPU's)
     # removed: mixed precision is labkit.precision's alone (Trainer(..., precision=choose(rt, "bf16")))
     bf16: dataclasses.InitVar[None] = None
 
@@ -196,6 +217,11 @@ class TrainConfig:
         for name in ("resume", "continue_on_nonfinite"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: expected True or False")
+        self.compile = _compile_setting(self.compile)
+        if not isinstance(self.compile_backend, str) or not self.compile_backend.strip():
+            raise ValueError(
+                f"TrainConfig.compile_backend={self.compile_backend!r}: expected a torch.compile backend name"
+            )
 
     @classmethod
     def from_env(cls, **overrides) -> TrainConfig:

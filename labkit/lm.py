@@ -19,6 +19,9 @@ from labkit.loop import Trainer
 class LMTrainer(Trainer):
     """labkit.Trainer for next-token prediction: batches are (x, y), both (B, T) token ids.
 
+    Under TrainConfig.compile the model is compiled with its loss inside (GPT.forward(x, y) returns it), so the
+    forward, the cross-entropy and their backward are one graph (labkit.runtime.step).
+
     Records: loss in nats per token; evaluate() gives val_loss (nats per token) and val_acc
     (next-token accuracy). examples/s counts sequences: tokens/s = examples/s * T."""
 

@@ -13,6 +13,9 @@ Change behaviour by overriding one hook in a subclass, not by copying the loop:
   on_log(record)               a dict of Python numbers every cfg.log_every steps (master only);
                                does nothing by default: overriding it never cuts callbacks off
 
+The step is captured as the runtime says (labkit.runtime.step, TrainConfig.compile): off XLA, `self.model` and
+the optimizer step may be torch.compile'd (CUDA by default); the hooks read the same either way.
+
 Every step ends with `rt.sync()`. Losses are summed on the device and read only at log
 time, inside a step closure: one device->host transfer per log interval, none per step.
 Callbacks (e.g. labkit's Dashboard) may define on_train_begin, on_step_end (after each step's
@@ -76,8 +79,13 @@ class Trainer:
         self.optimizer, self.scheduler = optimizer, scheduler
         # on the device (the optimizer follows its parameters); under torchrun wrapped in DDP, which
         # averages gradients during backward, so optimizer_step is a plain step there
-        self.model = wrap_ddp(move_model(model, optimizer, rt.device), rt)
-        self.module = getattr(self.model, "module", self.model)  # unwrapped: what checkpoints hold
+        model = wrap_ddp(move_model(model, optimizer, rt.device), rt)
+        self.module = getattr(model, "module", model)  # unwrapped, never compiled: what checkpoints hold
+        # how the step is captured (labkit.runtime.step): torch.compile'd model and optimizer step, or as written
+        self.capture = rt.step_capture(self.cfg.compile, self.cfg.compile_backend)
+        self.capture.prepare(optimizer)
+        self.model = self.capture.model(model)
+        self._optimizer_step = self.capture.function(optimizer_step)
         self.loss_fn = loss_fn or F.cross_entropy
         self.train_loader = self._wrap(train_loader)
         self.eval_loader = self._wrap(eval_loader) if eval_loader is not None else None
@@ -114,7 +122,7 @@ class Trainer:
         return loss
 
     def run_optimizer(self):
-        optimizer_step(self.optimizer, self.rt, clip_norm=self.cfg.clip_norm or None, precision=self.precision)
+        self._optimizer_step(self.optimizer, self.rt, clip_norm=self.cfg.clip_norm or None, precision=self.precision)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -347,6 +355,7 @@ class Trainer:
         resume.check(state, self.optimizer, self.train_loader)  # other optimizer class or data: refused, nothing loaded
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.capture.prepare(self.optimizer)  # the checkpoint's param groups replaced the prepared ones
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         if "scaler" in state:

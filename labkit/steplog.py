@@ -137,7 +137,7 @@ class StepLog:
             "examples_per_s": meta["examples"] / dt if dt > 0 else float("nan"),
             "global_rate": meta["epoch_examples"] / max(now - meta["epoch_t0"], 1e-9),
             "elapsed_s": now - self.t0,
-            "lr": optimizer.param_groups[0]["lr"],
+            "lr": float(optimizer.param_groups[0]["lr"]),  # a 0-dim CPU tensor under torch.compile: no device read
         }
         wait, wall, n = meta["feed"]
         rec.update(data_wait_s=wait / n, step_s=wall / n, data_wait_frac=wait / wall if wall > 0 else 0.0)

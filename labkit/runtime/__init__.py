@@ -19,8 +19,10 @@
 | memory() / chip_name()     | None / "cpu"      | allocator / device name   | xm.get_memory_info / device kind | same                     |
 | reads_metrics / uses_ddp   | no / yes          | no / yes                  | yes (torch_xla's) / no           | same                     |
 | devices_per_process()      | 1                 | 1                         | 1                                | every addressable device |
+| step_capture(compile, ...) | eager; "on": torch.compile | torch.compile ("auto") | the lazy trace ("on" refused)    | same                     |
 
-One module per family: base.py (Runtime, the CPU), cuda.py (CudaRuntime), xla.py (XlaRuntime on XLA:CPU,
+step.py holds the two captures that step_capture() returns (EagerStep, CompiledStep) and says which graphs a
+compiled step is made of. One module per family: base.py (Runtime, the CPU), cuda.py (CudaRuntime), xla.py (XlaRuntime on XLA:CPU,
 TpuRuntime, and SpmdRuntime / TpuSpmdRuntime; the TPU classes differ from XLA:CPU by precision and chip name
 only). Each class names the (kind, spmd) pairs it runs in `backs`, and `Runtime("cuda", device, ...)` builds
 the class registered for that kind (labkit.device and labkit.torchrun do), so the kind

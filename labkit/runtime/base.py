@@ -9,6 +9,7 @@ import torch
 
 from labkit import precision as _precision
 from labkit import seeding
+from labkit.runtime import step as _step
 
 
 class BackendError(RuntimeError):
@@ -39,6 +40,9 @@ class Runtime:
     # several processes average gradients with DistributedDataParallel in backward (labkit.torchrun.wrap_ddp);
     # XLA replicas reduce in optimizer_step instead, and SPMD's compiler inserts the all-reduce
     uses_ddp = True
+    # TrainConfig.compile="auto" compiles the step with torch.compile here (labkit.runtime.step). Not on the plain
+    # CPU: the compile costs tens of seconds for ~15 % per step (bench/bench_compile.py); CudaRuntime does
+    compile_auto = False
 
     # (kind, spmd) pairs this class runs; each subclass names its own, and Runtime(kind, ...) builds the class
     # registered for them (labkit.runtime imports every backend module, so all are registered)
@@ -84,6 +88,11 @@ class Runtime:
 
     def wait(self) -> None:
         """Block until the device finished what was queued (to time a step)."""
+
+    def step_capture(self, setting: str = "auto", backend: str = "inductor") -> _step.EagerStep:
+        """How the Trainer captures a step (labkit.runtime.step): torch.compile for TrainConfig.compile="on" (and
+        "auto" where compile_auto), else the step as written."""
+        return _step.choose(setting, backend, auto=self.compile_auto)
 
     # -- replicas ------------------------------------------------------------------------------
     def master_print(self, *args, **kwargs) -> None:

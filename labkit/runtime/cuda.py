@@ -12,6 +12,9 @@ class CudaRuntime(Runtime):
     """torch's own CUDA: eager, asynchronous kernels; under torchrun one process per GPU over nccl."""
 
     backs = (("cuda", False),)
+    # TrainConfig.compile="auto" compiles the step: fused kernels and fewer launches usually repay the compile
+    # (about a minute) within the first few hundred steps (bench/bench_compile.py --device cuda)
+    compile_auto = True
 
     def wait(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -7,6 +7,7 @@ import os
 import torch
 
 from labkit import precision as _precision
+from labkit.runtime import step as _step
 from labkit.runtime.base import Runtime
 
 
@@ -30,6 +31,16 @@ class XlaRuntime(Runtime):
         import torch_xla.core.xla_model as xm
 
         xm.wait_device_ops()
+
+    def step_capture(self, setting: str = "auto", backend: str = "inductor") -> _step.EagerStep:
+        """The lazy trace is this backend's capture: the step is recorded and compiled at sync(), so it stays as it
+        is. "on" is refused rather than ignored: torch.compile on lazy tensors is another engine (openxla)."""
+        if setting == "on":
+            raise ValueError(
+                "TrainConfig.compile='on' on XLA: torch_xla already compiles the whole step at rt.sync() (the lazy "
+                "trace); labkit does not torch.compile on top of it. Use compile='auto' or 'off' here"
+            )
+        return _step.EagerStep()
 
     def add_step_closure(self, fn, args=()) -> None:
         """Run fn(*args) after the current step's graph has executed. Reading a tensor there costs one

@@ -1,0 +1,119 @@
+"""How a training step is captured: as written (eager, or torch_xla's lazy trace) or with torch.compile.
+
+    capture = rt.step_capture(cfg.compile, cfg.compile_backend)   # an EagerStep or a CompiledStep
+    capture.prepare(optimizer)            # compiled: a tensor lr, capturable state on the device (idempotent)
+    model = capture.model(model)          # compiled: torch.compile(model, dynamic=False, backend=...)
+    step = capture.function(labkit.optimizer_step)   # compiled: the optimizer step as its own graphs
+    loss = loss_fn(model(x), y); loss.backward(); step(optimizer, rt); optimizer.zero_grad()
+
+The Trainer asks its runtime for one of these and calls it the same way on every backend: no hook asks which
+engine runs. XLA's runtimes always give `EagerStep` (torch_xla records the step and compiles it at
+`rt.sync()`; TrainConfig.compile="on" is refused there), CUDA compiles by default, the plain CPU does not
+(TrainConfig.compile, "auto"). The backend is one argument: "inductor" on CPU and CUDA, "tpu" for TorchTPU
+(its guide: `torch.compile(backend="tpu", dynamic=False)`), "aot_eager" to test the capture without codegen.
+
+Which graphs a compiled step is made of, in torch 2.9, and why there:
+1. the model's forward and backward: one Dynamo graph of the forward, which AOTAutograd splits into a forward
+   and a backward compiled together. The loss is computed in it when the model returns it (the GPT), or eagerly
+   right after it (a loss_fn outside the model: a few ops). `loss.backward()` itself is called outside: inside
+   a compiled function it is a graph break (Dynamo traces Tensor.backward only with compiled autograd on,
+   `torch._dynamo.config.compiled_autograd`), so the model, not the step, is what gets compiled, and its backward
+   comes from AOTAutograd.
+2. the optimizer step: `Optimizer.step` breaks the graph around itself on purpose (`_use_grad` in
+   torch/optim/optimizer.py calls `torch._dynamo.graph_break()`, so that the update is compiled as an inference
+   graph), and Dynamo does not trace the call into a step that an LR scheduler wrapped: those two breaks leave
+   the update as one graph of its own. With clip_norm set, clip_grad_norm_ adds one more (it groups the
+   gradients by device and dtype in a call that returns a dict): the norm and the scaling are graphs around it.
+   All three are named in TORCH_BOUNDARIES. Under fp16 the GradScaler's inf check reads a value on the host:
+   one more boundary, and a host sync per step, as in eager.
+   `fullgraph=True` would raise on them, so it is not used.
+Everything else (zero_grad, the scheduler's step, the loss sums) stays eager: a few small ops per step.
+
+Recompiles: `dynamic=False` specialises each graph to its shapes, so a new batch shape is a new graph (as on
+XLA). A learning rate that changes as a Python float is a guard that fails every step; `prepare` turns each
+param group's lr into a 0-dim CPU tensor (what torch's "compiled optimizer with an LR scheduler" recipe does;
+LambdaLR and the other schedulers then fill it in place), and, off the CPU, sets `capturable=True` on optimizers
+that have it (Adam, AdamW, ...): their step counts live on the device, so the bias corrections are tensors in the
+graph, not host floats (Dynamo sets it too, but only before the state exists: not after a resume). After
+warm-up (the first step: the model's graph; the optimizer's graph, once its state exists) a run compiles
+nothing new; evaluation compiles its own graph once (eval mode, no grad).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# graph breaks that torch 2.9 makes on purpose in a compiled optimizer step, as they appear in the reasons that
+# torch._dynamo.utils.counters["graph_break"] is keyed by: anything else in a step is a break to look at
+TORCH_BOUNDARIES = (
+    "Call to `torch._dynamo.graph_break()`",  # Optimizer.step's _use_grad: the update as its own graph
+    "Dynamo does not know how to trace method `step` of class",  # the call into a step an LR scheduler wrapped
+    "_group_tensors_by_device_and_dtype",  # clip_grad_norm_ groups the gradients in a call that returns a dict
+)
+
+
+def unexpected_breaks(reasons) -> list[str]:
+    """The graph-break reasons (counters["graph_break"]'s keys) that are not one of torch's own TORCH_BOUNDARIES."""
+    return [r for r in reasons if not any(b in r for b in TORCH_BOUNDARIES)]
+
+
+class EagerStep:
+    """The step as written: each op runs as Python calls it (CPU, CUDA), or is recorded for rt.sync() (XLA)."""
+
+    compiled = False
+    backend = None
+
+    def model(self, model):
+        return model
+
+    def function(self, fn):
+        return fn
+
+    def prepare(self, optimizer) -> None:
+        """Nothing to change: an eager optimizer takes Python floats and its own capturable setting."""
+
+    def __repr__(self) -> str:
+        return "EagerStep()"
+
+
+class CompiledStep(EagerStep):
+    """torch.compile of the model (forward + backward through AOTAutograd) and of the optimizer step."""
+
+    compiled = True
+
+    def __init__(self, backend: str = "inductor"):
+        self.backend = backend
+
+    def model(self, model):
+        """The compiled module: it shares the model's parameters and buffers, and its state_dict's keys gain an
+        `_orig_mod.` prefix, so checkpoints keep saving and loading the original module (Trainer.module)."""
+        return torch.compile(model, dynamic=False, backend=self.backend)
+
+    def function(self, fn):
+        return torch.compile(fn, dynamic=False, backend=self.backend)
+
+    def prepare(self, optimizer) -> None:
+        """A 0-dim tensor lr in every param group (a float lr that a scheduler changes is a recompile per step);
+        off the CPU, capturable=True where the optimizer has it, with its step counts moved to the parameters'
+        device. Run again after optimizer.load_state_dict (a checkpoint brings its own param groups)."""
+        for group in optimizer.param_groups:
+            if not torch.is_tensor(group["lr"]):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64)
+            on_device = all(p.device.type != "cpu" for p in group["params"])
+            if "capturable" in group and on_device and not group["capturable"]:
+                group["capturable"] = True
+                for p in group["params"]:
+                    state = optimizer.state.get(p, {})
+                    if torch.is_tensor(state.get("step")) and state["step"].device != p.device:
+                        state["step"] = state["step"].to(p.device, torch.float32)
+
+    def __repr__(self) -> str:
+        return f"CompiledStep(backend={self.backend!r})"
+
+
+def choose(setting: str, backend: str, auto: bool) -> EagerStep:
+    """The capture for TrainConfig.compile's `setting` ("auto" | "on" | "off"); `auto`: what "auto" means on this
+    runtime (the runtime's compile_auto)."""
+    if setting == "on" or (setting == "auto" and auto):
+        return CompiledStep(backend)
+    return EagerStep()
