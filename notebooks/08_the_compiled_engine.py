@@ -50,18 +50,19 @@ import dataclasses, os, sys
 
 @dataclasses.dataclass
 class Params:
-    batch_size: int = 64          # digits images per step (8x8 pixels, 64 features)
-    hidden: int = 128             # width of the MLP's hidden layer
-    steps: int = 20               # steps of each run
-    lr: float = 3e-3              # AdamW
-    warmup: int = 5               # linear warm-up steps of section 4's schedule
+    batch_size: int = 64  # digits images per step (8x8 pixels, 64 features)
+    hidden: int = 128  # width of the MLP's hidden layer
+    steps: int = 20  # steps of each run
+    lr: float = 3e-3  # AdamW
+    warmup: int = 5  # linear warm-up steps of section 4's schedule
     seed: int = 0
-    backend: str = "inductor"     # section 2's compiler; "tpu" would be TorchTPU's (needs a TPU VM and torch >= 2.11)
+    backend: str = "inductor"  # section 2's compiler; "tpu" would be TorchTPU's (needs a TPU VM and torch >= 2.11)
     FAST = {"steps": 8, "hidden": 64, "warmup": 3}
 
 
 try:
     import labkit
+
     P = labkit.from_env(Params)
 except (ImportError, AttributeError):  # first run: the set-up cell installs labkit and reads them again
     P = Params()
@@ -79,10 +80,12 @@ P
 # Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
 import importlib.util, os, subprocess, sys
 
+
 def _labkit_dir():
     spec = importlib.util.find_spec("labkit")
     d = spec and spec.submodule_search_locations and list(spec.submodule_search_locations)[0]
     return d if d and os.path.exists(os.path.join(d, "envsetup.py")) else None
+
 
 if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours (no dependencies yet)
     pip = [sys.executable, "-m", "pip", "-q"]
@@ -101,6 +104,7 @@ envsetup = sys.modules["labkit_envsetup"] = importlib.util.module_from_spec(_spe
 _spec.loader.exec_module(envsetup)
 envsetup.main()  # prints "labkit setup: platform=... / choice=..."; asks for a restart if one is needed
 import labkit
+
 P = labkit.from_env(Params)
 print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 
@@ -162,9 +166,7 @@ batches = [(X[i : i + B].to(device), Y[i : i + B].to(device)) for i in range(0, 
 
 def make_model():
     torch.manual_seed(P.seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, P.hidden), torch.nn.ReLU(), torch.nn.Linear(P.hidden, 10)
-    ).to(device)
+    return torch.nn.Sequential(torch.nn.Linear(64, P.hidden), torch.nn.ReLU(), torch.nn.Linear(P.hidden, 10)).to(device)
 
 
 def eager_run():
@@ -281,22 +283,19 @@ assert worst < 1e-4  # the same maths; Inductor fuses and reorders float sums, s
 # step. (`compile_backend="aot_eager"` here: the same graphs as Inductor without a second C++ compile.)
 
 # %%
-if "compile" in {f.name for f in dataclasses.fields(labkit.TrainConfig)}:
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(X[: P.steps * B], Y[: P.steps * B]), batch_size=B, shuffle=False, drop_last=True
-    )
-    model_t = make_model()
-    opt_t = torch.optim.AdamW(model_t.parameters(), lr=P.lr)
-    cfg = labkit.TrainConfig(
-        epochs=1, max_steps=P.steps, log_every=1, eval_every=0, compile="on", compile_backend="aot_eager"
-    )
-    history = labkit.Trainer(model_t, opt_t, rt, cfg, loader).fit()
-    trained = [r["loss"] for r in history]
-    worst_t = max(abs(a - b) for a, b in zip(compiled, trained))
-    print(f"{len(trained)} Trainer steps, largest |hand-compiled - Trainer| = {worst_t:.2e}")
-    assert len(trained) == len(compiled) and worst_t < 1e-4
-else:
-    print("this labkit's TrainConfig has no compile setting: the Trainer's compiled step is not shown")
+loader = torch.utils.data.DataLoader(
+    torch.utils.data.TensorDataset(X[: P.steps * B], Y[: P.steps * B]), batch_size=B, shuffle=False, drop_last=True
+)
+model_t = make_model()
+opt_t = torch.optim.AdamW(model_t.parameters(), lr=P.lr)
+cfg = labkit.TrainConfig(
+    epochs=1, max_steps=P.steps, log_every=1, eval_every=0, compile="on", compile_backend="aot_eager"
+)
+history = labkit.Trainer(model_t, opt_t, rt, cfg, loader).fit()
+trained = [r["loss"] for r in history]
+worst_t = max(abs(a - b) for a, b in zip(compiled, trained))
+print(f"{len(trained)} Trainer steps, largest |hand-compiled - Trainer| = {worst_t:.2e}")
+assert len(trained) == len(compiled) and worst_t < 1e-4
 
 # %% [markdown]
 # ## 3. A graph break and a recompile, planted, found and fixed
@@ -337,6 +336,7 @@ assert ex.graph_break_count == 1 and "item" in reason.reason and where.lineno ==
 # `.item()` needs the number on the host, so Dynamo stops the graph there, the device finishes what came before, the
 # value is copied back (a host sync, as on XLA), Python runs `max`, and a second graph starts. The fix keeps the
 # watch on the device: a buffer updated with tensor ops, read once when someone looks at it.
+
 
 # %%
 class WatchedOnDevice(torch.nn.Module):
@@ -422,6 +422,7 @@ assert any("size mismatch at index 0" in r for r in failures)
 # recompiles (`size mismatch at index 0`), so that is found next and fixed by dropping it (`drop_last=True`) — or by
 # padding it to the batch size with labels the loss ignores, as notebook 00 did.
 
+
 # %%
 def smoothed_loss_fixed(model, x, y, smoothing):  # smoothing: a tensor, a new value each step, the same graph
     logp = F.log_softmax(model(x), dim=-1)
@@ -436,8 +437,10 @@ assert worst < 1e-5, f"the written-out smoothing is the same loss ({worst:.1e})"
 
 even = ragged[:-1]  # drop_last=True
 fixed, graphs, failures = run_loss(smoothed_loss_fixed, even, as_tensor=True, stance_after_first="fail_on_recompile")
-print(f"fixed: {len(even)} steps, {graphs} graph, {len(failures)} guard failures; "
-      "after the first step it ran under set_stance('fail_on_recompile'), which raises on any recompile")
+print(
+    f"fixed: {len(even)} steps, {graphs} graph, {len(failures)} guard failures; "
+    "after the first step it ran under set_stance('fail_on_recompile'), which raises on any recompile"
+)
 assert graphs == 1 and not failures
 torch._dynamo.reset()
 
@@ -474,6 +477,7 @@ for key, (text, _, _) in nb08.CHANGES.items():
     print(f"{key:>13}: {text}")
 print("kinds:", nb08.GUARD_KINDS)
 
+
 # %%
 # your turn: the kind of guard each change fails
 def failing_guard(change):
@@ -498,13 +502,24 @@ def failing_guard(change):
 # %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
 # solution (runs only with LABKIT_SOLUTIONS=1)
 if exercises.solutions_on():
+
     def failing_guard(change):
         return {
-            "batch_12": "size", "transposed": "stride", "float64": "dtype", "bfloat16": "dtype",
-            "on_gpu": "device", "other_gpu": "device", "needs_grad": "requires_grad", "no_grad": "global",
-            "autocast_gpu": "global", "autocast_cpu": "global", "scale": "value", "same_scale": "none",
+            "batch_12": "size",
+            "transposed": "stride",
+            "float64": "dtype",
+            "bfloat16": "dtype",
+            "on_gpu": "device",
+            "other_gpu": "device",
+            "needs_grad": "requires_grad",
+            "no_grad": "global",
+            "autocast_gpu": "global",
+            "autocast_cpu": "global",
+            "scale": "value",
+            "same_scale": "none",
             "new_values": "none",
         }[change]
+
 
 # %%
 exercises.check("08.guard", lambda: nb08.check_failing_guard(failing_guard))
@@ -521,6 +536,7 @@ exercises.check("08.guard", lambda: nb08.check_failing_guard(failing_guard))
 # host every update. torch.compile turns `capturable` on by itself for CUDA parameters
 # (`torch/_dynamo/variables/optimizer.py`); on this CPU the host *is* the device, so the difference shows only on a
 # GPU (the cell's last assert runs there).
+
 
 # %%
 def warmup(step):
@@ -581,6 +597,7 @@ torch._dynamo.reset()
 # 8 graphs per compiled function). The checker asks about schedules and batch sizes this notebook never ran, new ones
 # each time, and refuses `torch.compile` while your answer runs.
 
+
 # %%
 # your turn
 def predict_graphs(batches, lrs):
@@ -590,9 +607,11 @@ def predict_graphs(batches, lrs):
 # %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
 # solution (runs only with LABKIT_SOLUTIONS=1)
 if exercises.solutions_on():
+
     def predict_graphs(batches, lrs):
         limit = 8  # torch._dynamo.config.recompile_limit: then the function runs eagerly
         return min(limit, len(set(batches))) + min(limit, len(set(lrs)))  # loss+backward per shape; update per lr
+
 
 # %%
 exercises.check("08.graphs", lambda: nb08.check_predict_graphs(predict_graphs))
@@ -656,7 +675,9 @@ assert local[0, "(Replicate(), Shard(0)) on 2x4"] == (8, 12)
 for rank in (0, WORLD - 1):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=WORLD)
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(12, 30), torch.nn.ReLU(), torch.nn.Linear(30, 300), torch.nn.Linear(300, 10))
+    net = torch.nn.Sequential(
+        torch.nn.Linear(12, 30), torch.nn.ReLU(), torch.nn.Linear(30, 300), torch.nn.Linear(300, 10)
+    )
     fully_shard(net[0])  # a child: resharded after its forward (default None -> True below the root)
     fully_shard(net)  # the root owns the rest (net[2], net[3]): kept gathered after the forward (None -> False)
     rows = {n: (tuple(p.to_local().shape), p.to_local().untyped_storage().nbytes()) for n, p in net.named_parameters()}
@@ -669,8 +690,10 @@ for rank in (0, WORLD - 1):
     assert not isinstance(net[3].weight, DTensor), "the root keeps its gathered weights for the backward"
     dist.destroy_process_group()
 assert inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
-print(f"FSDPv2 would give a (10, 300) weight {math.ceil(300 / WORLD) * 10 * 4} B per device; FSDP2 gives "
-      f"{math.ceil(10 / WORLD) * 300 * 4} B")
+print(
+    f"FSDPv2 would give a (10, 300) weight {math.ceil(300 / WORLD) * 10 * 4} B per device; FSDP2 gives "
+    f"{math.ceil(10 / WORLD) * 300 * 4} B"
+)
 
 # %% [markdown]
 # ### Exercise 3 (08.fsdp2_bytes): bytes per device under FSDP2, on meshes this machine does not have
@@ -678,6 +701,7 @@ print(f"FSDPv2 would give a (10, 300) weight {math.ceil(300 / WORLD) * 10 * 4} B
 # that shape when `fully_shard` splits it over `devices` ranks (elements of `bytes_per` bytes). The checker asks
 # about 8, 16 and 64 devices, shapes that do not divide and biases shorter than the mesh, new ones each time, and
 # refuses `fully_shard`, `distribute_tensor`, process groups and meshes while your answer runs.
+
 
 # %%
 # your turn
@@ -688,14 +712,19 @@ def fsdp2_bytes(shape, devices, bytes_per):
 # %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
 # solution (runs only with LABKIT_SOLUTIONS=1)
 if exercises.solutions_on():
+
     def fsdp2_bytes(shape, devices, bytes_per):
         rows = -(-shape[0] // devices)  # dim 0, padded up to a multiple of the devices
         return rows * math.prod(shape[1:]) * bytes_per
 
+
 # %%
 if exercises.check("08.fsdp2_bytes", lambda: nb08.check_fsdp2_bytes(fsdp2_bytes)):
     # and on the layout measured above (rank 7 of 8): your rule gives the padded buffers fully_shard allocated
-    assert fsdp2_bytes((30, 12), WORLD, 4) == rows["0.weight"][1] and fsdp2_bytes((10, 300), WORLD, 4) == rows["3.weight"][1]
+    assert (
+        fsdp2_bytes((30, 12), WORLD, 4) == rows["0.weight"][1]
+        and fsdp2_bytes((10, 300), WORLD, 4) == rows["3.weight"][1]
+    )
 
 # %% [markdown]
 # ### The plans of notebook 03 on 4 real processes
@@ -738,12 +767,15 @@ fsdp_rows = report["dtensor"]["fsdp"]["rows"]  # [name, shape, local shape, plac
 fsdpv2 = sum(dtensor_plans.nbytes(dtensor_plans.largest_dim_shard_shape(s, DEVICES)) for _, s, *_ in fsdp_rows)
 assert fsdpv2 == report["dtensor"]["fsdp"]["param_bytes"]  # same bytes...
 print(f"fsdp: FSDPv2 (largest dimension) would hold {fsdpv2:,d} B per device as well, split elsewhere for:")
-moved = [n for n, s, local_shape, *_ in fsdp_rows
-         if tuple(local_shape) != dtensor_plans.largest_dim_shard_shape(s, DEVICES)]
+moved = [
+    n for n, s, local_shape, *_ in fsdp_rows if tuple(local_shape) != dtensor_plans.largest_dim_shard_shape(s, DEVICES)
+]
 for n, s, local_shape, *_ in fsdp_rows:
     if n in moved:
-        print(f"{n} {tuple(s)}: FSDP2 holds {tuple(local_shape)}, "
-              f"FSDPv2 would hold {dtensor_plans.largest_dim_shard_shape(s, DEVICES)}")
+        print(
+            f"{n} {tuple(s)}: FSDP2 holds {tuple(local_shape)}, "
+            f"FSDPv2 would hold {dtensor_plans.largest_dim_shard_shape(s, DEVICES)}"
+        )
 assert moved == ["wpe.weight", "blocks.0.mlp.proj.weight"], moved  # ...another split: the wider-than-tall weights
 assert report["dtensor"]["fsdp"]["collectives"]["all-gather"]["count"] == 2 * cfg08.n_layer + 1
 
