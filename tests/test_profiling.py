@@ -3,10 +3,10 @@ the traces are real (torch_xla's profiler session, torch.profiler) and the analy
 
 import json
 import os
-from importlib import metadata
 import signal
 import subprocess
 import time
+from importlib import metadata
 
 import pytest
 import torch
@@ -266,9 +266,17 @@ ENTRY %SyncTensorsGraph.199 (p3.5: f32[128], p4.6: f32[128,64]) -> (f32[32,128])
 def test_ops_are_ranked_by_instruction_and_a_fusion_shows_what_it_fused(tmp_path):
     # fusion.3 and fusion.7 are two instructions: summed by kind "fusion" would lead (90 us), by instruction the
     # dot (60 us) does
-    ev = [{"name": "fusion.3", "dur_us": 25.0}, {"name": "fusion.7", "dur_us": 35.0}, {"name": "fusion.3", "dur_us": 30.0}]
+    ev = [
+        {"name": "fusion.3", "dur_us": 25.0},
+        {"name": "fusion.7", "dur_us": 35.0},
+        {"name": "fusion.3", "dur_us": 30.0},
+    ]
     ev += [{"name": "dot.1", "dur_us": 60.0}]
-    assert [(n, round(t * 1e6), c) for n, t, c in rank_ops(ev)] == [("dot.1", 60, 1), ("fusion.3", 55, 2), ("fusion.7", 35, 1)]
+    assert [(n, round(t * 1e6), c) for n, t, c in rank_ops(ev)] == [
+        ("dot.1", 60, 1),
+        ("fusion.3", 55, 2),
+        ("fusion.7", 35, 1),
+    ]
     assert rank_ops(ev, numbered=True)[0][0] == "fusion"
     (tmp_path / "module_0000.SyncTensorsGraph.199.cpu_after_optimizations.txt").write_text(HLO)
     at = {"module": "SyncTensorsGraph.199"}

@@ -6,8 +6,8 @@ split into data wait, compile, device, host and idle; top ops; a timeline).
     print(labkit.profiling.viewers.how_to_open(a.folder))  # TensorBoard/XProf, Perfetto
 """
 
-from labkit.profiling.analysis import CATEGORIES, COLORS, Analysis, analyze, trace_files
 from labkit.profiling import viewers
+from labkit.profiling.analysis import CATEGORIES, COLORS, Analysis, analyze, trace_files
 from labkit.profiling.capture import SIGNAL, StepProfiler, default_dir, trigger_path
 
 __all__ = [

@@ -265,9 +265,7 @@ def analyze(folder) -> Analysis:
         rows.append(row)
     busy_all = _union(iv for cat in CATEGORIES[:-1] for iv in intervals[cat])
     intervals["idle"] = _gaps(busy_all, [(t["t0"], t["t5"]) for t in T])
-    dev_events = [
-        {"name": e["name"], "ts": e["ts"], "dur_us": float(e.get("dur", 0)), **_module(e)} for e in dev_ev
-    ]
+    dev_events = [{"name": e["name"], "ts": e["ts"], "dur_us": float(e.get("dur", 0)), **_module(e)} for e in dev_ev]
     # ops that start while the loop waits for data are the loader's (collate on CPU), not the step's
     waits = intervals["data_wait"]
     starts = [a for a, _ in waits]
