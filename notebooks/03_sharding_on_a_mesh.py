@@ -41,6 +41,8 @@
 # **Time**: about 1.5 min of CPU time in fast mode, 4–5 min of wall time on a 2-core CPU (8 virtual XLA:CPU devices
 # compiling four partitioned training graphs); 45–60 minutes to read and do the four exercises.
 #
+# **In the course**: after 02; next: 08.
+#
 # On a TPU host with several chips (a v5e-8: 8 chips; a v4-8: 4 chips) the mesh is the chips. Anywhere else torch_xla
 # runs on the CPU as 8 *virtual* devices in one process: the partitioning, the collectives and the bytes are real,
 # the speed is not (all 8 share the same cores). That includes Colab's TPU runtime, a v5e-1 with **one** chip (one
