@@ -671,6 +671,8 @@ assert crit["v6e"]["fsdp"] > 2048 > crit["v5e"]["fsdp"], "one 2,048-token sequen
 # easily. Nothing here ran on a TPU: these are the paper figures' consequences, to check on a slice.
 
 # %%
+import math
+
 from labkit.models import GPTConfig as _Cfg
 from labkit.profiling.roofline import V5E
 
@@ -759,9 +761,9 @@ assert ref[-1] < ref[0] - 0.3, f"the loss did not fall: {ref[0]:.3f} -> {ref[-1]
 rows = []
 for name, r in results.items():
     coll = ", ".join(f"{k} {v['count']}" for k, v in sorted(r.collectives.items())) or "none"
-    moved = sum(v["bytes"] for v in r.collectives.values())
+    moved = comm.traffic(r.ops)   # bytes one device sends (section 7b), not the buffers added up
     rows.append((name, r.param_bytes + r.opt_bytes, coll, moved, r.step_s, mfu[name], r.losses[-1]))
-print(f"{'strategy':8s} {'bytes/device':>13s} {'collective MB':>13s} {'ms/step':>8s} {'MFU':>7s} {'final loss':>10s}  collectives")
+print(f"{'strategy':8s} {'bytes/device':>13s} {'MB sent/dev':>13s} {'ms/step':>8s} {'MFU':>7s} {'final loss':>10s}  collectives")
 for name, b, coll, moved, step, m, loss in rows:
     print(f"{name:8s} {b:13,d} {moved / 1e6:13.3f} {step * 1e3:8.1f} {(f'{m:.2%}' if m is not None else '-'):>7s} "
           f"{loss:10.4f}  {coll}")

@@ -16,6 +16,8 @@ def test_ring_bytes_per_device():
         assert comm.sent("all-gather", v, w) == comm.sent("reduce-scatter", v, w) == v * (w - 1) / w
         assert comm.sent("all-reduce", v, w) == 2 * v * (w - 1) / w
     assert comm.sent("all-reduce", 1000, 1) == 0 and comm.sent("collective-permute", 64, 2) == 64
+    # a permute's line has source-target pairs and no replica groups (collective_ops says group 1): it still sends
+    assert comm.traffic([{"op": "collective-permute", "bytes": 64, "group": 1}]) == 64
     with pytest.raises(ValueError, match="unknown collective"):
         comm.sent("broadcast", 1, 2)
 

@@ -68,8 +68,8 @@ def sent(op: str, nbytes: float, devices: int) -> float:
     sends its whole buffer to one peer."""
     if devices < 1:
         raise ValueError(f"devices={devices}")
-    if op == "collective-permute":
-        return float(nbytes) if devices > 1 else 0.0
+    if op == "collective-permute":  # HLO gives it source-target pairs, not replica groups: whatever `devices` says
+        return float(nbytes)
     if op not in RING_FACTOR:
         raise ValueError(f"unknown collective {op!r}: one of {sorted(RING_FACTOR) + ['collective-permute']}")
     return RING_FACTOR[op] * nbytes * (devices - 1) / devices
