@@ -38,8 +38,9 @@
 #
 # **In the course**: after 00; next: 01.
 #
-# **Time**: under a minute of run time in fast mode on a 2-core CPU (XLA:CPU, solutions on); about 2 minutes in
-# full mode (Inductor's C++ compile); 45–60 minutes to read and do the four exercises.
+# **Time**: 20 s to 3 min of run time in fast mode on a 2-core CPU, quiet to busy (XLA:CPU, solutions on; 175 s
+# measured under nbval on a busy machine); about 2 minutes more in full mode (Inductor's C++ compile); 45–60 minutes
+# to read and do the four exercises.
 #
 # Which lessons carry over: graph capture, graph breaks and data-dependent control flow are the same on every
 # backend (`torch.compile` on a GPU behaves as here). Lazy tensors, `torch_xla.sync()`, one graph per
