@@ -30,14 +30,20 @@
 # **Time**: 25 s of run time in fast mode on a quiet 2-core CPU, about a minute on a busy one (XLA:CPU, measured
 # with the solutions on; full mode ~45 s); 20–40 minutes to read and do the three exercises.
 #
+# **In the course**: the first notebook; next: 04.
+#
 # **What is torch_xla's and what carries over.** Lazy tensors, `torch_xla.sync()`, one compiled graph per input
 # shape, the metrics report and `PT_XLA_DEBUG_LEVEL` are torch_xla's. Static shapes (padding to buckets), masking
 # instead of boolean indexing, and not reading the device inside the loop pay off on every compiled backend
 # (`torch.compile` with CUDA graphs, TorchTPU, JAX) and most of them on an eager GPU too.
 #
-# > **Status: torch_xla 2.9 is its last release.** PyTorch/XLA's README (April 2026) says TorchTPU will replace
-# > it. TorchTPU (public since 2026, `pip install torch_tpu`) uses `torch.device("tpu")`, runs **eager by default**
-# > and compiles with `torch.compile(backend="tpu")`. What carries over from this notebook: a compiled graph per
+# > **Status: torch_xla 2.9.0 is the last release on PyPI so far.** PyTorch/XLA's README (April 2026) says TorchTPU
+# > will replace it, and names no last version (an r2.10 branch exists, untagged). TorchTPU (public since 2026,
+# > `pip install torch_tpu`; its package, `torch-tpu` 0.2.0, requires torch ≥ 2.11, though its `torch.compile` guide
+# > says 2.10) uses `torch.device("tpu")`, runs **eager by default** and compiles with `torch.compile(backend="tpu")`.
+# > Its default eager mode runs each op as Python reaches it (its documentation also names deferred and fused eager
+# > modes, which queue ops before running them): there is no graph to cut, but `.item()`, `print(t)` and `if t:` still
+# > wait for the chip to finish everything queued, so the host-sync lessons hold as they are. What carries over from this notebook: a compiled graph per
 # > input shape (so bucketing and masking), host syncs that stall the chip (so read once per log interval), and
 # > checking a wrapper against a hand-written loop. What does not: `torch_xla.sync()`, the lazy IR and
 # > torch_xla's metrics and debug variables. TorchTPU was **not run here**: it needs a TPU VM (no CPU mode).
@@ -427,10 +433,12 @@ assert len(trained) == len(hand) and worst < 1e-5
 # | a CPU fallback | an op without an XLA lowering (`aten::nonzero`) | `aten::*` counters | a fixed-shape rewrite |
 # | a host sync | `.item()`, `print(t)`, `if t:` in the loop | `SyncFinder`, `PT_XLA_DEBUG_LEVEL=2` | sum on the device, read once per log interval |
 #
-# Next: notebook 01 trains a ResNet-50 with the Trainer, whose dashboard watches all three for you.
+# Next: notebook 04 runs one model every way PyTorch can capture it and gives you the tools the later notebooks use
+# (the recompile detective, the sync finder, a profile); notebook 01 then trains a ResNet-50 with the Trainer, whose
+# dashboard watches all three for you.
 #
-# **Where this goes next.** torch_xla 2.9 is its last release; its successor TorchTPU (`torch-tpu` on PyPI, not run
-# here: it needs a TPU, torch ≥ 2.11, and has no CPU mode) is eager by default and builds graphs with
+# **Where this goes next.** torch_xla 2.9.0 is the last release on PyPI so far; its successor TorchTPU (`torch-tpu`
+# on PyPI, not run here: it needs a TPU, torch ≥ 2.11 by its package's requirement, and has no CPU mode) is eager by default and builds graphs with
 # `torch.compile`.
 # * Ends with torch_xla: the lazy tensor, `torch_xla.sync()`, the IR and HLO dumps, and the metrics report's
 #   counters (`CompileTime`, `aten::*`, `TransferFromDeviceTime`).

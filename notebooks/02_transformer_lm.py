@@ -34,6 +34,15 @@
 # marked *not verified here*. On Colab: *Runtime → Change runtime type → TPU*, then *Run all*.
 
 # %% [markdown]
+# By the end you can train a byte-level GPT, read tokens/s and MFU, sample text without a compile per token, and
+# predict its memory (weights, gradients, AdamW state and activations) and whether it fits one TPU chip.
+#
+# **Time**: 1–2 min of run time in fast mode on a 2-core CPU (XLA:CPU); ~3–6 min in full mode on a Colab TPU v5e-1
+# (estimated, not verified); 45–60 minutes to read and do the exercises.
+#
+# **In the course**: after 06; next: 03.
+
+# %% [markdown]
 # ## Parameters
 # Every knob lives in this cell; each can be set from the environment as `LABKIT_<NAME>` (for example
 # `LABKIT_MAX_STEPS=500`). `LABKIT_FAST=1` gives the CI-sized run: a 2-layer, 64-wide model for 400 steps

@@ -28,8 +28,20 @@
 #
 # For each: a picture of where the weights and the batch live, the bytes of parameters and optimizer state one
 # device holds, the collectives XLA put into the compiled step (read from its optimized HLO) next to what we
-# predict on paper, step time and MFU, and the losses, which must match the one-device run. Last, the FSDP run is
-# checkpointed shard by shard and restored into the data-parallel layout, bit for bit.
+# predict on paper, step time and MFU, and the losses, which must match the one-device run. Then the bytes turned
+# into time on real TPU generations, and last, the FSDP run checkpointed shard by shard and restored into the
+# data-parallel layout, bit for bit. By the end you can:
+#
+# - build a mesh and mark shardings by hand, and read back where each tensor lives and which collectives XLA added;
+# - predict each strategy's bytes per device and its collectives, and check them against the optimized HLO;
+# - turn those bytes into time over a TPU generation's inter-chip links, and say at what batch per chip each
+#   strategy stops waiting for the network (and predict it for a model and a slice this machine cannot run);
+# - save a sharded checkpoint and restore it onto another layout.
+#
+# **Time**: about 1.5 min of CPU time in fast mode, 4–5 min of wall time on a 2-core CPU (8 virtual XLA:CPU devices
+# compiling four partitioned training graphs); 45–60 minutes to read and do the four exercises.
+#
+# **In the course**: after 02; next: 08.
 #
 # On a TPU host with several chips (a v5e-8: 8 chips; a v4-8: 4 chips) the mesh is the chips. Anywhere else torch_xla
 # runs on the CPU as 8 *virtual* devices in one process: the partitioning, the collectives and the bytes are real,
@@ -346,7 +358,8 @@ assert len(S.tile_devices(2, results["tensor"].batch_spec)) == N_DEV // P.model_
 # * tensor parallel: the split matrices are halved (`model_axis=2`); embeddings, LayerNorms and the
 #   row-parallel biases stay whole.
 # * FSDP: every tensor split over all devices (8 here) along its largest dimension, the first of them on a tie
-#   (FSDPv2's rule, whatever the order of the dimensions): about **total / 8**, exactly when every tensor's largest
+#   (torch_xla's FSDPv2 rule, whatever the order of the dimensions; PyTorch's FSDP2, `fully_shard`, splits dim 0
+#   instead unless its `shard_placement_fn` says otherwise, so this rule is FSDPv2's alone): about **total / 8**, exactly when every tensor's largest
 #   dimension divides by 8 (where one does not, its last slices are padded, so a device holds a little more);
 #   `labkit.spmd.sharding.predict_fsdp` computes it from the shapes alone.
 
@@ -369,7 +382,7 @@ assert results["fsdp"].param_bytes < results["tensor"].param_bytes < single_byte
 # If you leave an exercise, its check prints "not yet" and the rest of the notebook runs on.
 #
 # **1.** How many bytes must one data-parallel training step all-reduce? Write `dp_bytes(model)`, from a model's
-# parameters; the check tries it on models of other sizes and dtypes, then on `probe` (the GPT of section 2), before
+# parameters: the size of the buffers the step sums (what one device then *sends* is another number, section 7b); the check tries it on models of other sizes and dtypes, then on `probe` (the GPT of section 2), before
 # section 7 shows what XLA did.
 
 # %%
@@ -394,7 +407,8 @@ ex.check("03.dp_bytes", lambda: nb03.check_dp_bytes(
 # `xs.mark_sharding(param, mesh, spec)` for every parameter, with a *partition spec*: one entry per dimension of
 # the tensor, the name of a mesh axis to split that dimension over, or `None` to keep it whole. It splits each
 # parameter along its **largest** dimension over the mesh's `"fsdp"` axis (the first of them on a tie), nothing
-# else. Write `fsdp_shard(t, mesh)`: mark the XLA tensor `t` that way on `mesh` (1-D, axis `"fsdp"`, all devices)
+# else. That rule is torch_xla FSDPv2's: PyTorch's FSDP2 (`fully_shard`) splits dim 0 of every parameter unless
+# you pass a `shard_placement_fn`. Write `fsdp_shard(t, mesh)`: mark the XLA tensor `t` that way on `mesh` (1-D, axis `"fsdp"`, all devices)
 # and return it. The check gives it tensors of random shapes (the largest dimension first, last, in the middle,
 # tied) and compares the layout with the one torch_xla's `SpmdFullyShardedDataParallel` itself gives a parameter of
 # the same shape; it also counts torch_xla's device-to-host copies: the tensor must stay where it is.
@@ -496,9 +510,15 @@ ex.check("03.megatron", lambda: nb03.check_megatron_bytes(megatron_bytes))
 #   them apart; marking q, k and v's layout inside the attention with `mark_sharding` is the usual remedy (not
 #   tried here);
 # * FSDP: with layers this small GSPMD moves *activations* (all-to-all, collective-permute, activation
-#   all-gathers) and all-reduces gradients, with no reduce-scatter at all. Only the bytes per device (section 6)
-#   are a prediction it honours exactly; below we assert what must hold whichever way XLA goes: the weights are
-#   never replicated, and communication costs more than data parallelism's.
+#   all-gathers), and it sums each gradient with an **all-reduce** of the whole gradient followed by a slice that
+#   keeps this device's 1/8 (a reduce-scatter written as all-reduce + dynamic-slice: section 7b finds them in the
+#   HLO). Only the bytes per device (section 6) are a prediction it honours exactly; below we assert what must
+#   hold whichever way XLA goes: the weights are never replicated, and communication costs more than data
+#   parallelism's.
+#
+# The sizes printed are the *buffers* the collectives work on. Adding them across kinds is not what a device
+# sends: a ring all-gather or reduce-scatter of a buffer V sends V·(W−1)/W per device, an all-reduce twice that
+# (section 7b). So the comparison below counts what one device sends (`labkit.spmd.comm.traffic`).
 #
 # What is asserted: the measured step moves at least the predicted bytes in all-reduces (the gradients must be
 # summed, whatever else happens), and on XLA:CPU the extras are exactly the ones listed above. On a TPU XLA combines
@@ -506,6 +526,9 @@ ex.check("03.megatron", lambda: nb03.check_megatron_bytes(megatron_bytes))
 # prediction, measurement and difference and does not insist on the breakdown.
 
 # %%
+from labkit.spmd import comm
+
+
 def fmt(coll):
     return ", ".join(f"{k} {v['count']} x = {v['bytes'] / 1e6:.3f} MB" for k, v in sorted(coll.items()) if v["count"]) or "none"
 
@@ -538,12 +561,138 @@ if DUMPING and rt.kind == "xla-cpu":   # the extras explained above, term by ter
     assert EXTRA["tensor"] == {"all-reduce": {"count": 1 + 3 + 2 * L, "bytes": table + scalars + 2 * L * act},
                                "all-gather": {"count": 2 * ln + 4 * L,
                                               "bytes": 2 * ln * B * T * C * 4 + 4 * L * act}}, EXTRA["tensor"]
-    moved = {n: sum(v["bytes"] for v in results[n].collectives.values()) for n in ("data", "fsdp")}
-    assert moved["fsdp"] > moved["data"], f"FSDP moved {moved['fsdp']:,} bytes, data parallel {moved['data']:,}"
+    sent = {n: comm.traffic(results[n].ops) for n in ("data", "fsdp")}   # bytes one device sends, ring factors
+    assert sent["fsdp"] > sent["data"], f"FSDP sent {sent['fsdp']:,.0f} bytes per device, data parallel {sent['data']:,.0f}"
     assert sum(c["op"] == "all-reduce" and c["result"] == "f32[]" for c in results["fsdp"].ops) == 3, "the mean loss"
-    print(f"FSDP moved {moved['fsdp'] / moved['data']:.1f}x the bytes of data parallelism in this step graph")
+    print(f"per device, FSDP sent {sent['fsdp'] / sent['data']:.1f}x what data parallelism sent in this step graph "
+          f"(XLA:CPU's choices: activations travel); the textbook ratio is "
+          f"{comm.traffic(comm.strategy_collectives('fsdp', 1, N_DEV)) / comm.traffic(comm.strategy_collectives('data', 1, N_DEV)):.1f}x")
 elif not DUMPING:
     print("no HLO dump (XLA_FLAGS was set after torch_xla started): restart the kernel to count collectives")
+
+# %% [markdown]
+# ## 7b. Bytes into time
+# **A reduce-scatter, looked for.** FSDP's textbook step reduce-scatters each gradient: every device ends with the
+# sum over all devices of *its own* 1/W slice. The count above has no `reduce-scatter` on XLA:CPU. What XLA:CPU
+# wrote instead, read from the same HLO (`labkit.spmd.sharding.sliced_all_reduces`): an all-reduce of the whole
+# gradient, then an instruction that reads it with `partition-id` (this device's number) and keeps one slice of
+# 1/W, usually fused into AdamW's update. Same result, twice the traffic of a reduce-scatter. XLA's GPU compiler has
+# a pass that rewrites exactly this pattern into a reduce-scatter (`ReduceScatterCreator`); the CPU compiler of
+# torch_xla 2.9 does not run it; on a TPU the cell prints what that compiler chose (not verified here).
+
+# %%
+fsdp_text = open(results["fsdp"].hlo_path).read() if DUMPING else ""
+sliced = S.sliced_all_reduces(fsdp_text)
+rs = results["fsdp"].collectives.get("reduce-scatter", {"count": 0})["count"]
+print(f"FSDP step graph: {rs} reduce-scatter(s); {len(sliced)} all-reduce(s) each device then slices to 1/W:")
+for a in sliced[:6]:
+    print(f"  {a['all-reduce']:15s} {a['result']:12s} -> {a['slice']:10s} in {a['user']} (groups of {a['group']})")
+if DUMPING and rt.kind == "xla-cpu":
+    assert rs == 0 and sliced, "XLA:CPU writes FSDP's gradient reduce-scatters as all-reduce + a slice"
+    # a LayerNorm weight's gradient, (C,) summed whole and cut to (C/W,): a parameter's, not an activation's
+    assert f"f32[{P.n_embd}]" in {a["result"] for a in sliced}, sliced
+    assert f"f32[{P.n_embd // N_DEV}]" in {a["slice"] for a in sliced}, sliced
+    assert not S.sliced_all_reduces(open(results["data"].hlo_path).read()), "data parallelism keeps whole gradients"
+elif DUMPING:
+    print("on this backend:", "reduce-scatter" if rs else "all-reduce + slice" if sliced else "neither found")
+
+# %% [markdown]
+# **What a device sends, and how long it takes.** Per device, over a ring of W devices, for a buffer of V bytes
+# (`labkit.spmd.comm.sent`): an all-gather or a reduce-scatter sends **V·(W−1)/W**, an all-reduce
+# **2·V·(W−1)/W** (a reduce-scatter followed by an all-gather). So per step, for N weights of g bytes:
+#
+# | strategy | collectives per step | bytes one device sends |
+# |---|---|---|
+# | data parallel | all-reduce of the gradients | 2·N·g·(W−1)/W |
+# | FSDP (ZeRO-3) | all-gather the weights twice (forward, backward), reduce-scatter the gradients | 3·N·g·(W−1)/W: **1.5×** data parallelism |
+# | tensor parallel (Megatron) | 4 all-reduces of one data slice's activations (tokens × C) per block | 8·L·tokens·C·g·(M−1)/M |
+#
+# The time is bytes ÷ what a chip can send over its inter-chip interconnect (ICI). Google's Cloud TPU pages give
+# a *bidirectional* ICI bandwidth per chip; a chip sends half of it, and only with every port busy (a ring along one
+# axis of v5e's 2-D torus uses 2 of its 4 ports: twice the time). Those pages also give a pod's "all-reduce
+# bandwidth", which divided by the pod's chips is the same figure, a check the tests make. **Not verified here**
+# (no TPU): the figures are Google's (docs.cloud.google.com/tpu/docs/v4, v5e, v5p-training, v6e, read 2026-11);
+# v4's page has no per-chip figure and its value is derived from the pod's all-reduce bandwidth.
+
+# %%
+from labkit.dashboard import flops as F_
+
+print(f"{'chip':5s} {'sends/s':>9s} {'bf16 peak':>10s}   {'ports':>5s}  source")
+for chip, link in comm.ICI.items():
+    print(f"{chip:5s} {link.send_bytes_per_s / 1e9:6.0f} GB/s {F_.PEAKS['TPU ' + chip]['bf16'] / 1e12:6.0f} TFLOP/s {link.ports:5d}  "
+          f"{link.source} (not verified here)")
+print("\nthis notebook's GPT, what one device sent per step (read from the HLO above), in time over each chip's ICI:")
+print(f"{'strategy':8s} {'bytes sent':>11s} " + " ".join(f"{c:>9s}" for c in comm.ICI))
+for name, r in results.items():
+    b = comm.traffic(r.ops)
+    print(f"{name:8s} {b:11,.0f} " + " ".join(f"{1e6 * comm.ICI[c].seconds(b):7.2f}us" for c in comm.ICI))
+assert comm.traffic(results["single"].ops) == 0
+textbook = {s: comm.traffic(comm.strategy_collectives(s, PARAM_BYTES / 4, N_DEV, bytes_per=4)) for s in ("data", "fsdp")}
+assert textbook["fsdp"] == 1.5 * textbook["data"], textbook   # not 3x: the buffers of different collectives differ
+print(f"textbook, this GPT in float32 on {N_DEV} devices: data parallel sends {textbook['data']:,.0f} B per device, "
+      f"FSDP {textbook['fsdp']:,.0f} B (1.5x)")
+
+# %% [markdown]
+# **Where each strategy starts waiting for the network.** A step's compute grows with the tokens each chip
+# processes; the data-parallel and FSDP traffic does not (it is the weights' size). With perfect overlap the step
+# is compute-bound while compute time ≥ communication time. For N weights, b tokens per chip, 6 FLOPs per weight and
+# token, F FLOP/s per chip and S bytes sent per second (scaling-book's "critical batch", `comm.critical_tokens`):
+#
+# - data parallel: 6·N·b/F ≥ 2·N·g/S  →  **b ≥ g·F / (3·S)**
+# - FSDP: 6·N·b/F ≥ 3·N·g/S  →  **b ≥ g·F / (2·S)** (1.5× the data-parallel batch)
+# - tensor parallel: per block and token, compute 72·C²/M FLOPs against 8·C·g·(M−1)/M bytes sent: the batch cancels,
+#   and the bound is on the width per device: **C ≥ g·(M−1)·F / (9·S)** (`comm.critical_width`, `max_model_axis`).
+#
+# N cancels too. Below, bf16 (g = 2) at the chip's peak and every port busy: the *least* batch that can be
+# compute-bound. At a real MFU of 40 %, multiply the batch by 0.4; with half the ports, by 2. scaling-book's own
+# numbers differ by such factors (it counts one torus axis), and the direction is the lesson: the faster the chip
+# against its links (v6e), the more tokens each chip needs before the network hides.
+
+# %%
+print(f"{'chip':5s} {'F/S':>6s} {'data: tokens/chip':>18s} {'FSDP: tokens/chip':>18s} {'Megatron axis at C=2048':>24s}")
+crit = {}
+for chip in comm.ICI:
+    peak = F_.PEAKS["TPU " + chip]["bf16"]
+    crit[chip] = {s: comm.critical_tokens(s, peak, chip) for s in ("data", "fsdp")}
+    print(f"{chip:5s} {peak / comm.ICI[chip].send_bytes_per_s:6.0f} {crit[chip]['data']:18,.0f} "
+          f"{crit[chip]['fsdp']:18,.0f} {comm.max_model_axis(2048, peak, chip):>24d}")
+for chip, c in crit.items():
+    peak, send = F_.PEAKS["TPU " + chip]["bf16"], comm.ICI[chip].send_bytes_per_s
+    assert abs(c["data"] - 2 * peak / (3 * send)) < 1e-6 * c["data"] and abs(c["fsdp"] - 1.5 * c["data"]) < 1e-6 * c["fsdp"]
+assert crit["v6e"]["fsdp"] > 2048 > crit["v5e"]["fsdp"], "one 2,048-token sequence per chip: enough on v5e, not on v6e"
+
+# %% [markdown]
+# **A prediction for what cannot run here.** A GPT of 24 layers, width 2,048, context 2,048 (about 1.2 B weights),
+# trained in bf16 with fp32 master weights and AdamW on a **v5e-256** (256 chips, 16 GB each), one sequence per
+# chip. First the memory: 16 bytes per weight (bf16 weight and gradient 2 + 2, fp32 master 4, two fp32 moments 8)
+# is 19 GB, more than a v5e's 16 GB before a single activation: data parallelism does not fit; FSDP splits it 256
+# ways. Then the time, by hand, then by the library: FSDP sends 3·N·2·255/256 bytes per chip per step, about 7 GB,
+# 36 ms at 200 GB/s, against 75 ms of matmuls at the peak; at 40 % MFU the matmuls take 190 ms and hide it
+# easily. Nothing here ran on a TPU: these are the paper figures' consequences, to check on a slice.
+
+# %%
+import math
+
+from labkit.models import GPTConfig as _Cfg
+from labkit.profiling.roofline import V5E
+
+big = _Cfg(block_size=2048, n_layer=24, n_head=16, n_embd=2048, dropout=0.0)
+N_BIG = sum(math.prod(s) for s in S.gpt_param_shapes(big))
+W, TOK, PEAK_V5E = 256, 2048, F_.PEAKS["TPU v5e"]["bf16"]
+by_hand = {"dp_fits": 16 * N_BIG <= V5E.memory, "fsdp_fits": 16 * N_BIG / W <= V5E.memory,
+           "fsdp_bytes": 3 * N_BIG * 2 * (W - 1) / W, "fsdp_s": 3 * N_BIG * 2 * (W - 1) / W / 200e9,
+           "compute_s": 6 * N_BIG * TOK / 197e12}
+lib = {"dp_fits": comm.fits(N_BIG, V5E.memory, W, "data"), "fsdp_fits": comm.fits(N_BIG, V5E.memory, W, "fsdp"),
+       "fsdp_bytes": comm.step_comm("fsdp", N_BIG, W, "v5e")["bytes"],
+       "fsdp_s": comm.step_comm("fsdp", N_BIG, W, "v5e")["seconds"],
+       "compute_s": comm.compute_seconds(N_BIG, TOK, PEAK_V5E)}
+print(f"{N_BIG / 1e9:.2f} B weights on a v5e-256, {TOK} tokens per chip: weights + AdamW state "
+      f"{16 * N_BIG / 1e9:.1f} GB (a v5e has {V5E.memory / 1e9:.0f} GB): data parallel fits {lib['dp_fits']}, "
+      f"FSDP fits {lib['fsdp_fits']}; FSDP sends {lib['fsdp_bytes'] / 1e9:.2f} GB per chip per step, "
+      f"{1e3 * lib['fsdp_s']:.1f} ms, against {1e3 * lib['compute_s']:.1f} ms of matmuls at the peak")
+assert set(lib) == set(by_hand) and all(abs(lib[k] - by_hand[k]) <= 1e-9 * abs(by_hand[k]) for k in lib), (lib, by_hand)
+assert not lib["dp_fits"] and lib["fsdp_fits"] and lib["fsdp_s"] < lib["compute_s"]
+assert TOK > comm.critical_tokens("fsdp", PEAK_V5E, "v5e", devices=W)
 
 # %% [markdown]
 # ## 8. Step time and MFU
@@ -585,7 +734,8 @@ assert ref[-1] < ref[0] - 0.3, f"the loss did not fall: {ref[0]:.3f} -> {ref[-1]
 #   model) are all-reduced once per step. The simplest and usually the fastest while the model, its gradients and
 #   AdamW's state (4x the weights in float32) fit one chip. Pick it first.
 # * **FSDP**: memory per device falls to ~1/N of the weights and optimizer state, paid for with more
-#   communication (the weights travel every step, forward and backward). Pick it when data parallelism no longer
+#   communication: the weights travel every step, forward and backward, 1.5× what data parallelism sends per
+#   device (section 7b), so it needs 1.5× the tokens per chip to hide it. Pick it when data parallelism no longer
 #   fits: the step is big enough that the gathers hide behind compute (large batch x context per chip).
 # * **Tensor parallel**: splits the layers themselves, so it also cuts activation memory and the work per device
 #   for one sequence, at the price of all-reduces of activations inside every block, on the critical path.
@@ -602,16 +752,18 @@ assert ref[-1] < ref[0] - 0.3, f"the loss did not fall: {ref[0]:.3f} -> {ref[-1]
 # mesh_dim_names=("data", "model"))` + DTensor,
 # `parallelize_module(block, mesh["model"], {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})`, and
 # `fully_shard(model)` (FSDP2) for ZeRO-3, which issues the textbook all-gathers and reduce-scatters itself
-# (per module, with `reshard_after_forward=True`, its default); in
+# (per module; `reshard_after_forward` defaults to None in torch 2.9: True for the modules below the root, which
+# gather their weights again for the backward, False at the root, which keeps them; FSDP2 shards dim 0 of each
+# parameter unless `shard_placement_fn` says otherwise, where torch_xla's FSDPv2 takes the largest dimension); in
 # JAX, `Mesh` + `PartitionSpec` + `jax.jit` with the same GSPMD/Shardy partitioner as here.
 
 # %%
 rows = []
 for name, r in results.items():
     coll = ", ".join(f"{k} {v['count']}" for k, v in sorted(r.collectives.items())) or "none"
-    moved = sum(v["bytes"] for v in r.collectives.values())
+    moved = comm.traffic(r.ops)   # bytes one device sends (section 7b), not the buffers added up
     rows.append((name, r.param_bytes + r.opt_bytes, coll, moved, r.step_s, mfu[name], r.losses[-1]))
-print(f"{'strategy':8s} {'bytes/device':>13s} {'collective MB':>13s} {'ms/step':>8s} {'MFU':>7s} {'final loss':>10s}  collectives")
+print(f"{'strategy':8s} {'bytes/device':>13s} {'MB sent/dev':>13s} {'ms/step':>8s} {'MFU':>7s} {'final loss':>10s}  collectives")
 for name, b, coll, moved, step, m, loss in rows:
     print(f"{name:8s} {b:13,d} {moved / 1e6:13.3f} {step * 1e3:8.1f} {(f'{m:.2%}' if m is not None else '-'):>7s} "
           f"{loss:10.4f}  {coll}")

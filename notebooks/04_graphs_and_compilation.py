@@ -25,6 +25,23 @@
 # recompilations (labkit's recompile detective names the input and the line) and hidden host syncs (labkit's
 # sync finder counts them per line).
 #
+# Last, a profile of a live run: where each step's time went, the slowest instructions and what XLA fused into
+# them, and the same capture opened in TensorBoard/XProf or Perfetto. By the end you can:
+#
+# - tell apart eager, lazy XLA, `torch_xla.compile`, `torch.compile`, TorchScript and `torch.export`, and say what
+#   each does with a data-dependent `if`;
+# - find a recompile with the recompile detective and a hidden host sync with the sync finder, and fix both;
+# - capture a profile of a running `fit()`, read where its steps' time went and which instruction was slowest,
+#   and open the same trace in TensorBoard/XProf or Perfetto.
+#
+# Notebooks 01, 02, 03 and the capstone 07 use these tools; take this one right after 00.
+#
+# **In the course**: after 00; next: 01.
+#
+# **Time**: 20 s to 3 min of run time in fast mode on a 2-core CPU, quiet to busy (XLA:CPU, solutions on; 175 s
+# measured under nbval on a busy machine); about 2 minutes more in full mode (Inductor's C++ compile); 45–60 minutes
+# to read and do the four exercises.
+#
 # Which lessons carry over: graph capture, graph breaks and data-dependent control flow are the same on every
 # backend (`torch.compile` on a GPU behaves as here). Lazy tensors, `torch_xla.sync()`, one graph per
 # branch and per input shape, and the cost of a host read stalling the device are torch_xla's (TPU) story.
@@ -48,9 +65,15 @@ class Params:
     FAST = {"steady": 5, "inductor": False, "steps": 8}
 
 
+HLO_DIR = None
 try:
     import labkit
     P = labkit.from_env(Params)
+    # section 5 reads what XLA fused from its optimized HLO: ask XLA to write it, which works only before
+    # torch_xla starts (a later run of this cell in the same kernel leaves it as it was)
+    HLO_DIR = labkit.scratch("hlo04")
+    if not labkit.profiling.viewers.dump_optimized_hlo(HLO_DIR):
+        HLO_DIR = None
 except ImportError:  # first run on Colab: the next cell installs labkit and reads the parameters again
     P = Params()
 P
@@ -373,7 +396,8 @@ if XLA:
 
 # %% [markdown]
 # ## Your turn
-# Three exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
+# Four exercises that check themselves (`labkit.lessons.exercises`; the fourth, after section 5, reads a profile):
+# replace each `...`, run the cell, then the
 # check cell. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`). The
 # checks run your code (or the code you reasoned about) on the XLA device and count what it did with torch_xla's
 # own metrics. Off XLA there is nothing to count: the checks then compare with what XLA would do and say so.
@@ -456,8 +480,9 @@ ex.check("04.branch", lambda: nb04.check_branch_free(branch_free, rt))
 #
 # Each capture gets its own folder: the trace, `steps.json` (labkit's own step timers), `summary.json` and
 # `timeline.png`. The analysis splits every step into data wait (the loop waiting for the next batch), compile,
-# device (ops executing), host (Python building the lazy graph, on XLA) and idle, the categories of Holistic Trace
-# Analysis, and lists the top operations.
+# device (ops executing), host (Python building the lazy graph, on XLA) and idle, and lists the top operations.
+# Device, host and idle follow Holistic Trace Analysis (HTA: idle, compute and non-compute time, idle split into
+# host-wait and kernel-wait); data wait and compile are labkit's own categories.
 #
 # What is torch_xla's: the trace comes from `torch_xla.debug.profiler` (an `.xplane.pb` that TensorBoard's profile
 # plugin and XProf open with `tensorboard --logdir <folder>`, plus the same events as a Chrome trace that labkit
@@ -471,7 +496,7 @@ import os
 
 from IPython.display import Image, display
 
-# kept after the run: open one with `tensorboard --logdir <folder>` (XLA) or ui.perfetto.dev (trace.json)
+# kept after the run: the cell after this one says how to open it in TensorBoard/XProf or Perfetto
 profile_dir = os.path.join(os.environ.get("LABKIT_ARTIFACTS", "."), "profiles")
 
 
@@ -517,6 +542,8 @@ assert prof.has_op(), "the profile should contain the MLP's matmuls (aten::addmm
 # the CPU, aten ops with their self time). Below: compile vs execute, the idle gaps, the wait for input.
 
 # %%
+import json
+
 cats = {c: sum(s[c + "_s"] for s in prof.steps) for c in labkit.profiling.CATEGORIES}
 total = sum(s["total_s"] for s in prof.steps)
 print(f"{len(prof.steps)} steps, {1e3 * total:.1f} ms: " + ", ".join(f"{c} {v / total:.0%}" for c, v in cats.items()))
@@ -527,10 +554,60 @@ print(f"{len(prof.op_events)} op executions; the first three:", prof.op_events[:
 assert abs(sum(cats.values()) - total) < 1e-6 * max(total, 1), "the categories split each step exactly"
 
 # %% [markdown]
+# **The same capture in TensorBoard/XProf or Perfetto.** labkit's reading is one view; the tools people use read the
+# same files. On XLA the folder holds `plugins/profile/<run>/<host>.xplane.pb`, the layout of TensorBoard's profile
+# plugin (XProf): `tensorboard --logdir <folder>`, then the *Profile* tab (trace viewer, op profile, memory). In a
+# notebook, Colab included: `%load_ext tensorboard` then `%tensorboard --logdir <folder>`. Colab's TPU image has no
+# tensorboard: install `tensorboard` and `tensorboard-plugin-profile` first; neither depends on torch, and the
+# constraints file printed below pins the installed torch, torch_xla, numpy and protobuf so pip can only add. For
+# Perfetto, `labkit.profiling.viewers.chrome_trace` writes the events as a plain Chrome trace JSON
+# (`trace.json`): open ui.perfetto.dev and drop the file there (from Colab, download it first). Off XLA the capture
+# is already `trace.json` (torch.profiler's). Not tried on Colab here.
+
+# %%
+print(labkit.profiling.viewers.how_to_open(prof.folder))
+chrome = labkit.profiling.viewers.chrome_trace(prof.folder)
+with open(chrome) as f:
+    trace = json.load(f)
+events = trace["traceEvents"] if isinstance(trace, dict) else trace
+spans = sum(e.get("name") == "labkit_step" for e in events)
+print(f"{chrome}: {os.path.getsize(chrome) / 1e3:.0f} kB, {len(events)} events, {spans} labkit_step spans")
+assert spans >= len(prof.steps), "every captured step is in the exported trace"
+
+# %% [markdown]
+# **The slowest instructions, and what each fusion fused.** `prof.ops` ranks instructions: on XLA each name is one
+# instruction of the compiled step (`dot.9`, `multiply_erf_fusion`, `fusion.3`), so two fusions never share a line.
+# A fusion is XLA gluing several elementwise ops (and sometimes a reduction) into one kernel that reads its inputs
+# once; what it glued is only in the *optimized* HLO. The parameters cell asked XLA to write that HLO
+# (`XLA_FLAGS=--xla_dump_to=...`, before torch_xla started), each trace event names its module, and
+# `labkit.profiling.viewers.fused_ops` reads the fused computation the instruction calls (constants and broadcasts
+# left out). Here GELU (`erf`), the bias adds and SGD's update `p - lr * g` should show up inside fusions. If XLA
+# did not dump (torch_xla started before the parameters cell, or the graph came from the compile cache) the cell says
+# so: restart the kernel and run from the top, or look in TensorBoard's *Op profile*, which lists each fusion's ops.
+
+# %%
+first = {}
+for e in prof.op_events:
+    first.setdefault(e["name"], e)
+fused = {name: labkit.profiling.viewers.fused_ops(HLO_DIR, first[name]) if HLO_DIR else None for name, *_ in prof.ops}
+for name, seconds, count in prof.ops[:8]:
+    what = fused[name]
+    said = "no HLO dump for its module" if what is None else ("not a fusion" if not what else " ".join(what))
+    print(f"{1e3 * seconds:8.3f} ms  x{count:<3d} {name:28s} {said}")
+fusions = {n: f for n, f in fused.items() if f}
+print(f"{len(fusions)} fusions in the step; one with erf (GELU): {[n for n, f in fusions.items() if 'erf' in f]}")
+assert len({n for n, *_ in prof.ops}) == len(prof.ops), "one line per instruction"
+if rt.kind == "xla-cpu" and HLO_DIR:
+    assert fusions and any("erf" in f for f in fusions.values()), fused
+    assert any(f[-2:] == ["multiply", "add"] or f[-2:] == ["multiply", "subtract"] for f in fusions.values()), fusions
+
+# %% [markdown]
 # **4. The slowest op, from the trace.** Write `slowest_op(events)`: the name of the op that took the most time,
-# given `prof.op_events`. An op runs many times; XLA numbers each instance of an HLO op in the graph (`fusion.3`,
-# `fusion.7`), and those are one op, `fusion`. The check tries made-up executions first, then captures a fresh
-# profile (an MLP of a width that changes each time) and compares with labkit's own ranking, `prof.ops`.
+# given `prof.op_events`. An op runs many times (once per step here); on XLA each name is one *instruction* of the
+# compiled graph: `fusion.3` and `fusion.7` are two fusions, each calling its own fused computation, so they are
+# two ops, not one op `fusion` (summed, "fusion" would top almost every TPU profile and tell you nothing). The
+# check tries made-up executions first, then captures a fresh profile (an MLP of a width that changes each time)
+# and compares with labkit's own ranking, `prof.ops`.
 
 # %%
 def slowest_op(events):
@@ -540,13 +617,10 @@ def slowest_op(events):
 # %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
 # @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
-    import re
-
     def slowest_op(events):
         total = {}
         for e in events:
-            name = re.sub(r"\.\d+$", "", e["name"])   # fusion.3 -> fusion
-            total[name] = total.get(name, 0.0) + e["dur_us"]
+            total[e["name"]] = total.get(e["name"], 0.0) + e["dur_us"]   # fusion.3 and fusion.7 apart
         return max(total, key=total.get)
 
 

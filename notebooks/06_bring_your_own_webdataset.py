@@ -31,6 +31,8 @@
 # **Time**: about a minute of run time in fast mode on a 2-core CPU (XLA:CPU, solutions on); 20–30 minutes to read
 # and do the three exercises.
 #
+# **In the course**: after 01; next: 02.
+#
 # **What carries over.** Tar shards streamed sequentially, decoding on the host in worker processes, static batch
 # shapes and the question "is the chip waiting for data?" are the same with TorchTPU, JAX (Grain) or a GPU: only the
 # device copy at the end differs. `torch_xla`'s `ParallelLoader` (inside `labkit.DeviceLoader`) is torch_xla's.
@@ -177,7 +179,7 @@ assert len(urls) == P.photos // P.per_shard and not os.path.exists(os.path.join(
 # reading the shards once and cached (or pass `num_samples=`).
 #
 # Decoding is the host's big cost. labkit decodes a JPEG with torchvision's decoder, or, when the crop is at least
-# 4× the output, with Pillow's reduced "draft" decode (1/4 or 1/8 of the pixels); figures in
+# 4× the output, with Pillow's reduced "draft" decode (each side 1/4 or 1/8, so 1/16 or 1/64 of the pixels); figures in
 # `data_tools/transforms.py`, measured by `bench/bench_feed.py`.
 
 # %%
@@ -396,4 +398,6 @@ info = labkit.explain(dash)
 # * torch_xla's: `ParallelLoader` (the device copy inside `labkit.DeviceLoader`). TorchTPU and JAX have their own
 #   device prefetch; the host side is unchanged.
 # * Next: pre-resize your shards near the training size (decoding a 4000-px phone photo to train at 224 wastes most
-#   of the decode), and shard by `xr.global_ordinal()` across hosts (labkit's `make_loader` does it for you).
+#   of the decode), and split the shards across hosts: under SPMD one process per host feeds all its chips, so
+#   labkit splits by `xr.process_index()` / `xr.process_count()` (hosts), not by `xr.global_ordinal()` (chips);
+#   `make_loader` does it for you.

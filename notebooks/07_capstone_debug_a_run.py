@@ -26,6 +26,16 @@
 # 00, the time spent waiting for batches, the bytes each device holds of 03), fix it, and let the checkers measure
 # your fixed run. Then predict the fixed step's time from this machine's FLOP/s (the roofline) and measure it.
 #
+# By the end you can find and fix, with measurements, the faults that make a real run slow: a recompile per step, a
+# CPU fallback, a host read per step, a starving loader and a sharding plan that replicates a weight; and predict a
+# step's time from the device's FLOP/s before you measure it.
+#
+# **Time**: about a minute of run time on a 2-core CPU (XLA:CPU; no fast mode: the three sharded runs of section 5
+# take ~12 s each); 60–90 minutes to read, find the faults and fix them in the four exercises.
+#
+# **In the course**: after 08; next: the appendix, 05. The capstone: it uses 00's counters, 04's detective and sync
+# finder, 06's feed meter and 03's bytes per device.
+#
 # Which lessons carry over: a starving input pipeline, a host read per step and a roofline prediction are the
 # same on every backend. Recompiles on a new shape and CPU fallbacks are torch_xla's story; with TorchTPU (eager
 # by default) the same shape changes cost `torch.compile` recompiles instead.
@@ -391,8 +401,10 @@ else:
 # replicated it, the largest weight of the model, on every chip. Nothing fails and the losses are the same as
 # before: the cost is memory, N copies of the biggest matrix. A model sized to fit only when split N ways would
 # not fit on a chip at all (not shown here: the virtual devices share the host's memory), and a smaller one
-# keeps less room for activations and batch. The fix is the tie rule of FSDPv2 (notebook 03): on a tie, split the first dimension; and split only a
-# dimension that divides over the chips (the output layer has 10 rows).
+# keeps less room for activations and batch. The fix is the tie rule of torch_xla's FSDPv2 (notebook 03): on a
+# tie, split the first dimension; and split only a dimension that divides over the chips (the output layer has 10
+# rows). The "largest dimension, first on a tie" rule is FSDPv2's own: PyTorch's FSDP2 (`fully_shard`) splits dim 0
+# unless its `shard_placement_fn` says otherwise.
 #
 # **4. Fix the plan.** Write `fixed_plan(model, devices)`: `{parameter name: spec}` with every weight matrix split
 # over the `"fsdp"` axis along a dimension that divides by `devices` (the larger one when both do, the first on

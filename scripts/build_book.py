@@ -5,8 +5,9 @@
 
 `make book` runs `make notebooks` first (fast mode, executed copies in artifacts/), then this. The tool is
 mkdocs-jupyter (MkDocs + nbconvert, pure Python from PyPI, no network and no Node.js at build time; Jupyter
-Book 2 needs Node.js). The index page gives the course order (notebooks/NN_*.ipynb by number: whatever
-notebooks exist), each notebook's title and objective read from its first cell, and the time each took
+Book 2 needs Node.js). The index page gives the course order (COURSE below, its one home: the README's course
+line and each notebook's "In the course" line follow it, tests/test_notebooks.py checks; whatever notebooks
+exist, one COURSE does not name goes last by number), each notebook's title and objective read from its first cell, and the time each took
 to run here, read from the execution timestamps nbclient writes into the executed copy. A notebook with no
 executed copy goes in as its source (no outputs) and the index says so.
 """
@@ -26,12 +27,23 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO_URL = "https://github.com/labkit/labkit"
+# The course order, by notebook number. 04's tools (recompile detective, sync finder, profiler) are used by 01,
+# 02, 03 and 07, so it comes right after 00; 06 (data someone else wrote) follows 01 (shards labkit wrote);
+# 08 (torch.compile + DTensor, the compiled engine) builds on 00, 03 and 04; 07 is the capstone; 05 (serving
+# on a CPU) is an appendix.
+COURSE = ("00", "04", "01", "06", "02", "03", "08", "07", "05")
+APPENDIX = ("05",)
+
+
+def course_key(path: Path) -> tuple[int, str]:
+    num = path.name[:2]
+    return (COURSE.index(num) if num in COURSE else len(COURSE), path.name)
 
 
 def course(notebooks: list[Path], executed: Path) -> list[dict]:
     """One entry per notebook, in course order: source, the copy that goes into the book, title, objective, minutes."""
     out = []
-    for src in sorted(notebooks, key=lambda p: p.name):
+    for src in sorted(notebooks, key=course_key):
         run = executed / src.name
         nb = nbformat.read(run if run.exists() else src, as_version=4)
         title, objective = headline(nb)
@@ -94,13 +106,15 @@ def index_page(entries: list[dict], readme: Path) -> str:
     for e in entries:
         t = f"{e['minutes']:.1f} min" if e["minutes"] is not None else "not executed"
         num = e["src"].name.split("_")[0]  # the notebook's own number (00 is the first), as the README names it
-        rows.append(f"| {num} | [{e['title']}]({e['src'].name}) | {e['objective']} | {t} |")
+        title = f"{e['title']} (appendix)" if num in APPENDIX else e["title"]
+        rows.append(f"| {num} | [{title}]({e['src'].name}) | {e['objective']} | {t} |")
     total = sum(e["minutes"] or 0 for e in entries)
     return "\n".join(
         [
             "# labkit: PyTorch training on Cloud TPUs, from a notebook",
             "",
-            "Read the notebooks in this order; each builds on the one before. Every page is the notebook as it",
+            "Read the notebooks in this order (" + " → ".join(COURSE) + "; the README says why); each builds on",
+            "the ones before, and the last is an appendix. Every page is the notebook as it",
             "ran (fast mode on XLA:CPU: small data, a few dozen steps), with its printed output and its figures.",
             f"Open any of them in Colab from the [README]({REPO_URL}#readme) to run it yourself.",
             "",

@@ -77,3 +77,42 @@ def test_every_notebook_has_three_self_checking_exercises():
             assert "..." in cells[i - 1].source, f"{path.name} cell {i - 1}: the learner's cell"
             assert f"nb{n:02d}.check_" in cells[i + 1].source, f"{path.name} cell {i + 1}: the check"
         assert importlib.util.find_spec(f"labkit.lessons.exercises.nb{n:02d}") is not None
+
+
+def test_one_course_order_in_the_readme_the_book_and_every_notebook():
+    """scripts/build_book.py's COURSE is the order's one home: the README's course line gives the same sequence,
+    the book lists the notebooks in it, and each notebook's "In the course" line names its neighbours in it."""
+    import re
+
+    spec = importlib.util.spec_from_file_location("build_book", ROOT / "scripts" / "build_book.py")
+    book = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(book)
+    main, appendix = [n for n in book.COURSE if n not in book.APPENDIX], list(book.APPENDIX)
+    readme = (ROOT / "README.md").read_text()
+    line = re.search(r"Take the notebooks in this order, \*\*([\d →]+)\*\*, with \*\*(\d\d)\*\* as an appendix", readme)
+    assert line, "README's course line ('Take the notebooks in this order, **00 → ...**, with **NN** as an appendix')"
+    assert line.group(1).split(" → ") == main and [line.group(2)] == appendix, line.group(0)
+
+    sources = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+    entries = book.course(sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")), ROOT / "no-executed-copies")
+    listed = [e["src"].name[:2] for e in entries]
+    assert listed == [n for n in book.COURSE if n in listed] and set(listed) <= set(book.COURSE), listed
+
+    said = re.compile(
+        r"\*\*In the course\*\*: (?:the first notebook|(?:the appendix, )?after (\d\d)); next: (?:the appendix, )?(\d\d|none)"
+    )
+    wrong = []
+    for path in sources:
+        num = path.name[:2]
+        m = said.search(path.read_text())
+        i = book.COURSE.index(num) if num in book.COURSE else None
+        want = (
+            book.COURSE[i - 1] if i else None,
+            book.COURSE[i + 1] if i is not None and i + 1 < len(book.COURSE) else "none",
+        )
+        got = (m.group(1), m.group(2)) if m else None
+        if got != want:
+            wrong.append(f"{path.name}: says {got}, the order gives (after, next) = {want}")
+    assert not wrong, (
+        "notebooks whose '**In the course**: after NN; next: NN.' line disagrees with COURSE:\n" + "\n".join(wrong)
+    )

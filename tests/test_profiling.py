@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import time
+from importlib import metadata
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ import torch.nn as nn
 
 import labkit
 from labkit import TrainConfig, Trainer
-from labkit.profiling import CATEGORIES, analyze, trace_files
+from labkit.profiling import CATEGORIES, analyze, trace_files, viewers
+from labkit.profiling.analysis import rank_ops
 from tests.helpers import blobs, mlp
 
 
@@ -85,7 +87,23 @@ def test_request_from_a_callback_captures_the_next_steps(kind, tmp_path):
     files = {p.name.split(".", 1)[-1] if kind == "xla-cpu" else p.name for p in trace_files(a.folder)}
     assert files == ({"xplane.pb", "trace.json.gz"} if kind == "xla-cpu" else {"trace.json"}), files
     assert a.has_op(), a.table()  # addmm / mm on CPU, dot on XLA
-    assert a.has_op(r"^dot$" if kind == "xla-cpu" else r"aten::(addmm|mm)$")
+    assert a.has_op(r"^dot(\.\d+)?$" if kind == "xla-cpu" else r"aten::(addmm|mm)$")
+    # ranked by instruction: each name of the trace once, with the sum of its executions
+    names = {e["name"] for e in a.op_events}
+    assert sorted(n for n, *_ in a.ops) == sorted(names)
+    assert all(abs(t - sum(e["dur_us"] for e in a.op_events if e["name"] == n) / 1e6) < 1e-9 for n, t, _ in a.ops)
+    if kind == "xla-cpu":
+        assert all(e.get("module", "").startswith("SyncTensorsGraph") for e in a.op_events), a.op_events[:2]
+        assert len([n for n in names if n.startswith("dot")]) >= 2, names  # dot, dot.N: instructions apart
+    trace = json.loads(viewers.chrome_trace(a.folder).read_text())  # what ui.perfetto.dev opens
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    assert sum(e.get("name") == "labkit_step" for e in events) >= 3
+    how = viewers.how_to_open(a.folder, colab=True)
+    if kind == "xla-cpu":
+        assert f"%tensorboard --logdir {a.folder.resolve()}" in how and "%load_ext tensorboard" in how, how
+        pins = (a.folder / "keep-installed.txt").read_text()
+        assert f"torch=={metadata.version('torch')}\n" in pins and "torch_xla==" in pins, pins
+    assert "ui.perfetto.dev" in how and str(a.folder.resolve() / "trace.json") in how, how
     check_split(a)
     assert all(s["device_s"] > 0 for s in a.steps), a.table()
     assert a.mean()["host_s"] > 0
@@ -211,3 +229,60 @@ def test_timeline_shows_every_captured_step_and_labels_a_compiling_one(tmp_path)
     labels = [t.get_text() for t in ax.texts]
     assert labels[0] == "step 4: 700 ms\n(650 ms compiling)" and labels[1:] == [f"step {n}: 50 ms" for n in (5, 6, 7)]
     assert a.timeline(2).axes[0].get_title() == "xla-cpu: 2 of 4 profiled steps"
+
+
+# two instructions of XLA:CPU's optimized HLO for an MLP step (torch_xla 2.9): a fusion calling its own computation
+HLO = """HloModule SyncTensorsGraph.199, entry_computation_layout={()->()}
+
+%fused_computation.12 (param_0.25: f32[32,128], param_1.51: f32[128]) -> f32[32,128] {
+  %param_0.25 = f32[32,128]{1,0} parameter(0)
+  %param_1.51 = f32[128]{0} parameter(1)
+  %broadcast.71 = f32[32,128]{1,0} broadcast(%param_1.51), dimensions={1}
+  %add.13 = f32[32,128]{1,0} add(%param_0.25, %broadcast.71)
+  %constant.25 = f32[] constant(0.707106769)
+  %broadcast.69 = f32[32,128]{1,0} broadcast(%constant.25), dimensions={}
+  %multiply.20 = f32[32,128]{1,0} multiply(%add.13, %broadcast.69)
+  ROOT %erf.0 = f32[32,128]{1,0} erf(%multiply.20)
+}
+
+%fused_computation.3 (param_0.3: f32[128,64], param_1.9: f32[128,64], param_2.9: f32[]) -> f32[128,64] {
+  %param_0.3 = f32[128,64]{1,0} parameter(0)
+  %param_1.9 = f32[128,64]{1,0} parameter(1)
+  %param_2.9 = f32[] parameter(2)
+  %broadcast.14 = f32[128,64]{1,0} broadcast(%param_2.9), dimensions={}
+  %multiply.3 = f32[128,64]{1,0} multiply(%param_1.9, %broadcast.14)
+  ROOT %add.3 = f32[128,64]{1,0} add(%param_0.3, %multiply.3)
+}
+
+ENTRY %SyncTensorsGraph.199 (p3.5: f32[128], p4.6: f32[128,64]) -> (f32[32,128]) {
+  %dot.9 = f32[32,128]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %multiply_erf_fusion = f32[32,128]{1,0} fusion(%dot.9, %p3.5), kind=kLoop, calls=%fused_computation.12
+  %multiply_add_fusion.3 = f32[128,64]{1,0} fusion(%p4.6, %dot, %p6.89), kind=kLoop, calls=%fused_computation.3
+  ROOT %tuple = (f32[32,128]{1,0}) tuple(%multiply_erf_fusion)
+}
+"""
+
+
+def test_ops_are_ranked_by_instruction_and_a_fusion_shows_what_it_fused(tmp_path):
+    # fusion.3 and fusion.7 are two instructions: summed by kind "fusion" would lead (90 us), by instruction the
+    # dot (60 us) does
+    ev = [
+        {"name": "fusion.3", "dur_us": 25.0},
+        {"name": "fusion.7", "dur_us": 35.0},
+        {"name": "fusion.3", "dur_us": 30.0},
+    ]
+    ev += [{"name": "dot.1", "dur_us": 60.0}]
+    assert [(n, round(t * 1e6), c) for n, t, c in rank_ops(ev)] == [
+        ("dot.1", 60, 1),
+        ("fusion.3", 55, 2),
+        ("fusion.7", 35, 1),
+    ]
+    assert rank_ops(ev, numbered=True)[0][0] == "fusion"
+    (tmp_path / "module_0000.SyncTensorsGraph.199.cpu_after_optimizations.txt").write_text(HLO)
+    at = {"module": "SyncTensorsGraph.199"}
+    assert viewers.fused_ops(tmp_path, {"name": "multiply_erf_fusion", **at}) == ["add", "multiply", "erf"]
+    assert viewers.fused_ops(tmp_path, {"name": "multiply_add_fusion.3", **at}, every=True) == [
+        "broadcast", "multiply", "add"]  # fmt: skip
+    assert viewers.fused_ops(tmp_path, {"name": "dot.9", **at}) == []  # not a fusion
+    assert viewers.fused_ops(tmp_path, {"name": "dot.9", "module": "SyncTensorsGraph.7"}) is None  # not dumped
+    assert viewers.fused_ops(tmp_path, {"name": "dot.9"}) is None

@@ -1,4 +1,4 @@
-"""Read a captured trace back and split each step's time the way Holistic Trace Analysis does.
+"""Read a captured trace back and split each step's time (after Holistic Trace Analysis), and rank its ops.
 
     a = labkit.profiling.analyze("profiles/step000120-20261123-201500")
     a.table(); a.top_ops(); a.timeline()
@@ -9,8 +9,10 @@ covers it: data wait (labkit's own timer around next(loader), the wait for the p
 client's `ThunkExecutor::Execute`; CUDA: kernels and copies; CPU: aten ops, since there the host is the
 device), host (the loop's own Python: on XLA building the lazy graph and cutting it; also the callbacks
 after the step) and idle (the rest: waiting for nothing the trace shows). A step runs from asking for its
-batch to the end of its callbacks. The categories are HTA's; HTA itself reads only torch.profiler's GPU
-traces, so this is a small re-implementation that also reads XLA's Chrome trace.
+batch to the end of its callbacks. Holistic Trace Analysis (HTA) splits GPU time into idle, compute and
+non-compute (and its idle into host-wait and kernel-wait); device, idle and host here follow it, while data
+wait and compile are labkit's own. HTA reads only torch.profiler's GPU traces, so this is a small split of its
+own that also reads XLA's Chrome trace.
 
 Checked here on XLA:CPU and CPU only. On a TPU the same torch_xla events mark compiles; device time is
 read from the `hlo_op` events or, failing those, from the `/device:TPU:N` lines of the trace, which was
@@ -94,13 +96,19 @@ def _close(item, out) -> None:
 
 
 def op_name(name: str) -> str:
-    """XLA numbers each instance of an HLO op (`fusion.3`, `dot.12`): the op's name without that suffix."""
+    """The kind of an XLA instruction: its name without XLA's number (`fusion.3` -> `fusion`). Only for a
+    summary by kind: each numbered name is an instruction of its own (see rank_ops)."""
     return re.sub(r"\.\d+$", "", name)
 
 
 def rank_ops(events, numbered: bool = False) -> list[tuple]:
-    """(name, seconds, count) per op name, slowest first: the sum of each execution's `dur_us`.
-    numbered=True (XLA) counts `fusion.3` and `fusion.7` as one op, `fusion`."""
+    """(name, seconds, count) per instruction, slowest first: the sum of each execution's `dur_us`.
+
+    On XLA each name is one instruction of the compiled graph: `fusion.3` and `fusion.7` are two fusions, each
+    calling its own fused computation (different ops, shapes and costs), so they are ranked apart; summing
+    them into `fusion` would put "fusion" first on almost any TPU profile and say nothing. numbered=True
+    gives that summary by kind anyway (`op_name`). A name is unique within one compiled module; a capture
+    that ran two graphs may hold the same name twice (each module numbers its own), and those are summed."""
     agg: dict = {}
     for e in events:
         name = op_name(e["name"]) if numbered else e["name"]
@@ -118,10 +126,11 @@ class Analysis:
     steps: list[dict]  # per step: step, total_s and one *_s per category
     intervals: dict  # category -> [(start, end)], not exclusive (the timeline's rows)
     step_edges: list[float]
-    ops: list[tuple] = field(default_factory=list)  # (name, seconds, count), device ops first
+    ops: list[tuple] = field(default_factory=list)  # (instruction, seconds, count), slowest first
     host_ops: list[tuple] = field(default_factory=list)  # host-side events by self time
-    # every execution `ops` adds up, {"name", "ts" (us, the trace's clock), "dur_us"}: device ops on XLA and
-    # CUDA (their duration), aten ops with their self time on the CPU (there the host is the device)
+    # every execution `ops` adds up, {"name", "ts" (us, the trace's clock), "dur_us"} (+ "module" on XLA: the
+    # compiled graph it belongs to): device ops on XLA and CUDA (their duration), aten ops with their self
+    # time on the CPU (there the host is the device)
     op_events: list[dict] = field(default_factory=list, repr=False)
 
     def top_ops(self, n: int = 10, host: bool = False) -> list[tuple]:
@@ -256,7 +265,7 @@ def analyze(folder) -> Analysis:
         rows.append(row)
     busy_all = _union(iv for cat in CATEGORIES[:-1] for iv in intervals[cat])
     intervals["idle"] = _gaps(busy_all, [(t["t0"], t["t5"]) for t in T])
-    dev_events = [{"name": e["name"], "ts": e["ts"], "dur_us": float(e.get("dur", 0))} for e in dev_ev]
+    dev_events = [{"name": e["name"], "ts": e["ts"], "dur_us": float(e.get("dur", 0)), **_module(e)} for e in dev_ev]
     # ops that start while the loop waits for data are the loader's (collate on CPU), not the step's
     waits = intervals["data_wait"]
     starts = [a for a, _ in waits]
@@ -268,8 +277,13 @@ def analyze(folder) -> Analysis:
     host_events = [e for e in _self_events([e for e in host_ev if not in_wait(e)]) if e["name"] != STEP_SPAN]
     if backend == "cpu":  # the host is the device: its ops are the device ops
         dev_events, host_events = host_events, []
-    ops, host_ops = rank_ops(dev_events, numbered=xla), rank_ops(host_events)
+    ops, host_ops = rank_ops(dev_events), rank_ops(host_events)
     return Analysis(folder, backend, rows, intervals, edges, ops, host_ops, dev_events)
+
+
+def _module(e) -> dict:
+    m = e.get("args", {}).get("hlo_module")
+    return {"module": m} if m else {}
 
 
 def _python_tid(events, spans):

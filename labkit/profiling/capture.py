@@ -1,4 +1,4 @@
-"""Profile a few steps of a running fit(), then split each step's time the way Holistic Trace Analysis does.
+"""Profile a few steps of a running fit(), then split each step's time (labkit.profiling.analysis).
 
     trainer.request_profile(steps=5)          # from a callback, a notebook cell, a dashboard button
     ...                                       # the next 5 steps are captured; then, in the run's folder:
@@ -21,7 +21,8 @@ What is captured, per backend:
 - XLA (TPU, XLA:CPU): torch_xla.debug.profiler's in-process session (`xp.start_trace`/`xp.stop_trace`; the
   older `xp.start_server` + `xp.trace_detached` needs a server and a client thread and is not needed in
   the process itself). It writes `plugins/profile/<run>/<host>.xplane.pb`, which TensorBoard's profile
-  plugin and XProf open (`tensorboard --logdir <capture folder>`), and beside it `<host>.trace.json.gz`,
+  plugin and XProf open (`tensorboard --logdir <capture folder>`; labkit.profiling.viewers says how, on
+  Colab too), and beside it `<host>.trace.json.gz`,
   the same events as a Chrome trace, which is what labkit reads (no XPlane parser is installed here).
   torch_xla-specific.
 - CPU and CUDA: torch.profiler, exported as a Chrome/Perfetto JSON trace (open it at ui.perfetto.dev).

@@ -4,9 +4,10 @@ from XLA's optimized HLO, and pictures of layouts. torch_xla-specific; the ideas
     rt = labkit.setup(spmd="auto")
     plan = labkit.spmd.batch_plan(rt, per_chip=32)
     mesh = labkit.spmd.make_mesh((2, 4), ("data", "model"))
+    labkit.spmd.comm.step_comm("fsdp", params=1e9, devices=256, chip="v5e")  # bytes and seconds per step
 """
 
-from labkit.spmd import dtensor_plans, sharding
+from labkit.spmd import comm, dtensor_plans, sharding
 from labkit.spmd.mesh import (
     BatchPlan,
     addressable_devices,
@@ -23,6 +24,7 @@ __all__ = [
     "BatchPlan",
     "addressable_devices",
     "batch_plan",
+    "comm",
     "draw_layouts",
     "dtensor_plans",
     "make_mesh",

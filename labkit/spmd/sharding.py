@@ -113,6 +113,47 @@ def count_collectives(hlo_text: str) -> dict:
     return out
 
 
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\]\S*\s+([\w\-]+)\((.*)$")
+
+
+def sliced_all_reduces(hlo_text: str) -> list[dict]:
+    """All-reduces whose result each device then cuts down to its own 1/group slice: a reduce-scatter written
+    as all-reduce + dynamic-slice. Found where an instruction reads the all-reduce together with
+    `%partition-id` (a dynamic-slice, or a fusion that contains one) and its result is the all-reduce's shape
+    with one dimension divided by the group size. One {"all-reduce", "result", "slice", "user", "group"} per
+    all-reduce (its first such user).
+
+    XLA's GPU compiler rewrites this pattern into a reduce-scatter (its ReduceScatterCreator pass); the CPU
+    compiler of torch_xla 2.9 leaves it as it is, so on XLA:CPU an FSDP gradient shows up here."""
+    shapes, reduces, out, seen = {}, {}, [], set()
+    lines = hlo_text.splitlines()
+    for line in lines:
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, dtype, dims, opcode, _ = m.groups()
+        shapes[name] = (dtype, tuple(int(d) for d in dims.split(",") if d))
+        if opcode in ("all-reduce", "all-reduce-done"):
+            reduces[name] = _group_size(line)
+    for line in lines:
+        m = _INSTR.match(line)
+        if not m or "%partition-id" not in m.group(5):
+            continue
+        user, dtype, dims, opcode, operands = m.groups()
+        got = tuple(int(d) for d in dims.split(",") if d)
+        for ar in re.findall(r"%([\w.\-]+)", operands):
+            if ar not in reduces or reduces[ar] < 2 or ar in seen:
+                continue
+            full, group = shapes[ar][1], reduces[ar]
+            diff = [i for i, (a, b) in enumerate(zip(full, got)) if a != b]
+            if len(full) == len(got) and len(diff) == 1 and full[diff[0]] == got[diff[0]] * group:
+                seen.add(ar)
+                fmt = f"{shapes[ar][0]}[{','.join(map(str, full))}]"
+                out.append({"all-reduce": ar, "result": fmt, "slice": f"{dtype}[{','.join(map(str, got))}]",
+                            "user": f"{user} ({opcode})", "group": group})  # fmt: skip
+    return out
+
+
 def newest_step_graph(dump_dir: str, since: set[str] | None = None) -> tuple[str, str]:
     """(path, text) of the largest *after_optimizations.txt dumped since `since` (a set of paths
     seen before): the training step, which is by far the largest graph a step compiles."""

@@ -1,0 +1,164 @@
+"""Bytes into time: what each strategy's collectives send per device, how long that takes over a TPU
+generation's inter-chip interconnect (ICI), and the batch per chip below which a step waits for the network.
+
+    s = labkit.spmd.comm.step_comm("fsdp", params=1e9, devices=256, chip="v5e")   # bytes, seconds
+    b = labkit.spmd.comm.critical_tokens("data", flops_per_s=197e12, chip="v5e")  # tokens per chip
+
+Per device, with a ring over W devices and a buffer of V bytes (V: the whole gathered result, the whole
+unreduced input, the whole summed buffer):
+
+    all-gather      V·(W−1)/W      each device receives the W−1 slices it lacks and forwards as much
+    reduce-scatter  V·(W−1)/W      the mirror image: W−1 partial slices sent, each added on the way
+    all-reduce    2·V·(W−1)/W      a reduce-scatter then an all-gather
+
+So textbook FSDP (ZeRO-3: each weight all-gathered for the forward and again for the backward, each gradient
+reduce-scattered) sends 3·V·(W−1)/W per step where data parallelism (one all-reduce of the gradients) sends
+2·V·(W−1)/W: 1.5x, not the 3x that adding the buffers of different collectives suggests.
+
+The ICI figures are Google Cloud's TPU pages (read 2026-11; not verified here: no TPU). A chip's links carry
+data both ways at once; what limits a collective is what one chip can send, half the "bidirectional" figure,
+and only when every port of the chip carries the collective (a ring laid along one axis of a 2-D torus uses 2
+of a v5e's 4 ports: pass `ports`). Compute time assumes the chip's peak FLOP/s (scale by an MFU) and perfect
+overlap of communication with compute; real steps do worse on both counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Ici:
+    """One TPU generation's inter-chip interconnect, as Google's pages give it."""
+
+    chip: str
+    send_bytes_per_s: float  # what one chip can send, every port busy (half the bidirectional figure)
+    ports: int  # ICI ports per chip (2-D torus: 4; 3-D: 6)
+    source: str
+
+    def seconds(self, nbytes: float, ports: int | None = None) -> float:
+        """Time to send `nbytes` from one chip over `ports` of its ports (default: all of them)."""
+        used = self.ports if ports is None else ports
+        if not 0 < used <= self.ports:
+            raise ValueError(f"{self.chip} has {self.ports} ICI ports, not {used}")
+        return nbytes / (self.send_bytes_per_s * used / self.ports)
+
+
+# Google Cloud TPU pages (docs.cloud.google.com/tpu/docs/<v>), read 2026-11, not verified here (no TPU):
+# v5e "Bidirectional ICI bandwidth (per chip) 400 GBps", 4 ports, 2-D torus; its pod line "All-reduce bandwidth
+# per Pod 51.2 TB/s" over 256 chips is the same 200 GB/s a chip sends. v6e: 800 GBps, 4 ports, 2-D torus (pod:
+# 102.4 TB/s / 256 = 400 GB/s). v5p ("v5p training"): 1200 GBps, 3-D torus (6 ports). v4's page gives no
+# per-chip ICI figure: its "All-reduce bandwidth per Pod 1.1 PB/s" over the pod's 4096 chips, the rule that
+# holds for v5e and v6e, gives ~269 GB/s sent per chip (derived here), 3-D torus (6 ports).
+ICI = {
+    "v4": Ici("v4", 1.1e15 / 4096, 6, "tpu/docs/v4: all-reduce bandwidth per Pod 1.1 PB/s / 4096 chips (derived)"),
+    "v5e": Ici("v5e", 400e9 / 2, 4, "tpu/docs/v5e: bidirectional ICI bandwidth per chip 400 GBps, 4 ports"),
+    "v5p": Ici("v5p", 1200e9 / 2, 6, "tpu/docs/v5p-training: bidirectional ICI bandwidth per chip 1200 GBps"),
+    "v6e": Ici("v6e", 800e9 / 2, 4, "tpu/docs/v6e: bidirectional ICI bandwidth per chip 800 GBps, 4 ports"),
+}
+POD_ALL_REDUCE = {"v4": (1.1e15, 4096), "v5e": (51.2e12, 256), "v6e": (102.4e12, 256)}  # (bytes/s, chips)
+
+# bytes one device sends per byte of the collective's buffer, as a multiple of (W-1)/W (ring algorithms)
+RING_FACTOR = {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2, "all-to-all": 1}
+
+
+def sent(op: str, nbytes: float, devices: int) -> float:
+    """Bytes one device sends for collective `op` over `devices` devices on a buffer of `nbytes` (the
+    whole buffer: gathered result, unreduced input, summed tensor, exchanged array). A collective-permute
+    sends its whole buffer to one peer."""
+    if devices < 1:
+        raise ValueError(f"devices={devices}")
+    if op == "collective-permute":  # HLO gives it source-target pairs, not replica groups: whatever `devices` says
+        return float(nbytes)
+    if op not in RING_FACTOR:
+        raise ValueError(f"unknown collective {op!r}: one of {sorted(RING_FACTOR) + ['collective-permute']}")
+    return RING_FACTOR[op] * nbytes * (devices - 1) / devices
+
+
+def traffic(ops) -> float:
+    """Bytes one device sends for a list of collectives as labkit.spmd.sharding.collective_ops reads them from
+    the optimized HLO ({"op", "bytes", "group"}): each at its own ring factor and group size. This, not the sum
+    of the buffers, is what compares strategies."""
+    return sum(sent(o["op"], o["bytes"], o["group"]) for o in ops)
+
+
+def strategy_collectives(strategy: str, params: float, devices: int, bytes_per: int = 2) -> list[dict]:
+    """The textbook collectives of one training step, as {"op", "bytes", "group"} (the form `traffic` reads):
+    data: one all-reduce of the gradients; fsdp (ZeRO-3): the weights all-gathered twice (forward, backward)
+    and the gradients reduce-scattered. `params` weights of `bytes_per` bytes (bf16: 2), gradients alike."""
+    v = params * bytes_per
+    if strategy == "data":
+        return [{"op": "all-reduce", "bytes": v, "group": devices}]
+    if strategy == "fsdp":
+        return [{"op": "all-gather", "bytes": v, "group": devices}] * 2 + [
+            {"op": "reduce-scatter", "bytes": v, "group": devices}
+        ]
+    raise ValueError(f"strategy {strategy!r}: 'data' or 'fsdp' (tensor parallelism: megatron_collectives)")
+
+
+def megatron_collectives(tokens: float, width: int, layers: int, model: int, bytes_per: int = 2) -> list[dict]:
+    """Megatron tensor parallelism's activation all-reduces in one step: 4 per block (2 forward, 2 backward)
+    of (tokens, width) activations, `tokens` being one data slice's (batch/data x context), over `model`
+    devices. The gradients of the weights left whole, summed over the data axis, come on top."""
+    return [{"op": "all-reduce", "bytes": tokens * width * bytes_per, "group": model}] * (4 * layers)
+
+
+def ici(chip: str) -> Ici:
+    if chip not in ICI:
+        raise ValueError(f"no ICI figure for {chip!r}: one of {sorted(ICI)}")
+    return ICI[chip]
+
+
+def step_comm(strategy: str, params: float, devices: int, chip: str, bytes_per: int = 2, ports=None) -> dict:
+    """{"bytes": sent per device per step, "seconds": over `chip`'s ICI} for the textbook step of a strategy."""
+    b = traffic(strategy_collectives(strategy, params, devices, bytes_per))
+    return {"bytes": b, "seconds": ici(chip).seconds(b, ports)}
+
+
+def compute_seconds(params: float, tokens_per_chip: float, flops_per_s: float, mfu: float = 1.0) -> float:
+    """One chip's training step: 6 FLOPs per weight per token (forward 2, backward 4), at `mfu` of the peak."""
+    return 6 * params * tokens_per_chip / (flops_per_s * mfu)
+
+
+def critical_tokens(
+    strategy: str, flops_per_s: float, chip: str, devices: int | None = None, bytes_per: int = 2, mfu=1.0, ports=None
+) -> float:
+    """Tokens per chip per step at which compute time equals communication time (scaling-book's critical batch):
+    fewer, and the step waits for the network even with perfect overlap. The weight count cancels:
+
+        data:  6·N·b/F = 2·N·g·(W−1)/W / S   ->  b* = g·(W−1)/W · F / (3·S)
+        fsdp:  6·N·b/F = 3·N·g·(W−1)/W / S   ->  b* = g·(W−1)/W · F / (2·S)
+
+    F: FLOP/s at the MFU reached, S: bytes a chip sends per second, g: bytes per weight and gradient.
+    devices=None: the large-W limit ((W−1)/W -> 1)."""
+    w = 1.0 if devices is None else (devices - 1) / devices
+    per_weight = {"data": 2, "fsdp": 3}.get(strategy)
+    if per_weight is None:
+        raise ValueError(f"strategy {strategy!r}: 'data' or 'fsdp' (tensor parallelism: critical_width)")
+    send = ici(chip).send_bytes_per_s if ports is None else ici(chip).send_bytes_per_s * ports / ici(chip).ports
+    return per_weight * bytes_per * w * flops_per_s * mfu / (6 * send)
+
+
+def critical_width(model: int, flops_per_s: float, chip: str, bytes_per: int = 2, mfu=1.0, ports=None) -> float:
+    """Megatron over `model` devices: the model width C at which a block's compute equals its activation
+    all-reduces. Per block and token: compute 72·C²/M FLOPs (12·C² weights, 6 FLOPs each, split M ways),
+    communication 4 all-reduces of C·g bytes, 8·C·g·(M−1)/M sent. The batch cancels: tensor parallelism is
+    bound by width per device, not by batch. Compute-bound when C ≥ g·(M−1)·F / (9·S)."""
+    send = ici(chip).send_bytes_per_s if ports is None else ici(chip).send_bytes_per_s * ports / ici(chip).ports
+    return bytes_per * (model - 1) * flops_per_s * mfu / (9 * send)
+
+
+def max_model_axis(width: int, flops_per_s: float, chip: str, bytes_per: int = 2, mfu=1.0) -> int:
+    """The most devices a Megatron model axis can span at `width` and stay compute-bound."""
+    m = 1
+    while critical_width(m + 1, flops_per_s, chip, bytes_per, mfu) <= width:
+        m += 1
+    return m
+
+
+def fits(params: float, hbm_bytes: float, devices: int, strategy: str, state_bytes_per_weight: int = 16) -> bool:
+    """Whether weights, gradients and AdamW state fit one chip's memory (activations not counted). Mixed
+    precision with fp32 master weights: 16 bytes a weight (bf16 weight 2 + bf16 grad 2 + fp32 master 4 + two
+    fp32 moments 8) under data parallelism; FSDP splits all of it over the devices."""
+    per_device = params * state_bytes_per_weight / (devices if strategy == "fsdp" else 1)
+    return per_device <= hbm_bytes
