@@ -38,6 +38,9 @@
 # `backend="aot_eager"` or `"eager"`); full mode about 3 minutes plus the same DTensor run; 30–45 minutes to read
 # and do the three exercises.
 #
+# **In the course**: after 03; next: 07. It builds on 00 (a step and its graphs), 03 (the sharding plans) and 04
+# (recompiles and syncs), on the engine TorchTPU and GPUs run.
+#
 # Every claim below is checked by an `assert`. The exercises print ✓ or ✗ and never stop *Run all*; their
 # solutions are in collapsed cells that run only with `LABKIT_SOLUTIONS=1` (as the test suite does).
 
@@ -80,12 +83,10 @@ P
 # Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
 import importlib.util, os, subprocess, sys
 
-
 def _labkit_dir():
     spec = importlib.util.find_spec("labkit")
     d = spec and spec.submodule_search_locations and list(spec.submodule_search_locations)[0]
     return d if d and os.path.exists(os.path.join(d, "envsetup.py")) else None
-
 
 if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours (no dependencies yet)
     pip = [sys.executable, "-m", "pip", "-q"]
@@ -104,7 +105,6 @@ envsetup = sys.modules["labkit_envsetup"] = importlib.util.module_from_spec(_spe
 _spec.loader.exec_module(envsetup)
 envsetup.main()  # prints "labkit setup: platform=... / choice=..."; asks for a restart if one is needed
 import labkit
-
 P = labkit.from_env(Params)
 print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 
