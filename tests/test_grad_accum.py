@@ -137,3 +137,12 @@ def test_accum_steps_is_checked_and_read_from_the_environment(monkeypatch):
         TrainConfig(accum_steps=True)
     monkeypatch.setenv("LABKIT_ACCUM_STEPS", "4")
     assert TrainConfig.from_env().accum_steps == 4
+
+
+def test_scaled_lr_rules():
+    from labkit.optim import scaled_lr
+
+    assert scaled_lr(0.1, 384, 384 * 8) == pytest.approx(0.8)  # 8 chips: the linear rule
+    assert scaled_lr(1e-3, 32, 32 * 4, "sqrt") == pytest.approx(2e-3)
+    with pytest.raises(ValueError, match="rule"):
+        scaled_lr(0.1, 32, 64, "cubic")
