@@ -333,7 +333,7 @@ ax.plot(lrs)
 ax.set(xlabel="optimizer step", ylabel="lr", title=f"warm-up {max(1, STEPS // 10)} steps, then cosine to 2 %")
 fig.tight_layout()
 plt.show()
-assert max(lrs) == LR and lrs[0] < LR and abs(lrs[-1] - 0.02 * LR) < 0.05 * LR
+assert max(lrs) == LR and 0.02 * LR <= lrs[-1] < lrs[len(lrs) // 2] <= LR   # up to LR, then down to 2 %
 
 # %% [markdown]
 # Accumulation is the larger batch, checked: a model without BatchNorm (a linear classifier on these images) trained
