@@ -190,6 +190,10 @@ class TrainConfig:
     # "on" there is refused). True/False and yes/no read as on/off
     compile: str = "auto"
     compile_backend: str = "inductor"  # torch.compile's backend= ("tpu" would be TorchTPU's)
+    # gradient accumulation: one optimizer step per accum_steps micro-batches (each loss divided by it), so a step
+    # trains on batch x world size x accum_steps samples. `step`, max_steps, log_every, checkpoint_every and the
+    # scheduler count optimizer steps; checkpoints are taken only between optimizer steps (labkit.loop)
+    accum_steps: int = 1
     # removed: mixed precision is labkit.precision's alone (Trainer(..., precision=choose(rt, "bf16")))
     bf16: dataclasses.InitVar[None] = None
 
@@ -210,6 +214,10 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"TrainConfig.{name}={v!r}: expected an integer >= 0")
+        if isinstance(self.accum_steps, bool) or not isinstance(self.accum_steps, int) or self.accum_steps < 1:
+            raise ValueError(
+                f"TrainConfig.accum_steps={self.accum_steps!r}: expected an integer >= 1 (1: no accumulation)"
+            )
         for name in ("clip_norm", "log_seconds"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

@@ -16,6 +16,16 @@ Change behaviour by overriding one hook in a subclass, not by copying the loop:
 The step is captured as the runtime says (labkit.runtime.step, TrainConfig.compile): off XLA, `self.model` and
 the optimizer step may be torch.compile'd (CUDA by default); the hooks read the same either way.
 
+Gradient accumulation (cfg.accum_steps = k): k train_steps per run_optimizer, each loss divided by k in backward,
+so the gradients that add up in .grad are those of the k-times larger batch's mean loss. A micro-batch ends with
+rt.sync() (on XLA one graph, the same each time: the step's activations are freed before the next micro-batch);
+the last one runs with the optimizer step. `step`, max_steps, log_every, checkpoint_every and the scheduler
+count optimizer steps; a record's loss is the mean over the step's k micro-batches. Checkpoints are taken only
+between optimizer steps: a half-accumulated gradient is never saved (it would add a gradient the size of the
+weights to every checkpoint, and a position inside the step), so an interrupted run resumes at the last step
+and trains its k micro-batches again; the last len(loader) % k batches of an epoch are dropped, as a short batch is.
+Under DDP every micro-batch's backward all-reduces (correct, k times the communication).
+
 Every step ends with `rt.sync()`. Losses are summed on the device and read only at log
 time, inside a step closure: one device->host transfer per log interval, none per step.
 Callbacks (e.g. labkit's Dashboard) may define on_train_begin, on_step_end (after each step's
@@ -35,6 +45,7 @@ SIGTERM lets the pending checkpoint upload finish, then is re-raised (labkit.int
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import torch
@@ -111,8 +122,11 @@ class Trainer:
         return self.precision.autocast()
 
     def backward(self, loss) -> None:
-        """loss.backward(), scaled first under fp16 (the GradScaler keeps small gradients from flushing to 0)."""
-        self.precision.backward(loss)
+        """loss.backward(), scaled first under fp16 (the GradScaler keeps small gradients from flushing to 0).
+        Accumulating (cfg.accum_steps = k > 1), the mean-reduced loss is divided by k: the k gradients then add up
+        in .grad to the gradient of the mean over the k-times larger batch."""
+        k = self.cfg.accum_steps
+        self.precision.backward(loss / k if k > 1 else loss)
 
     def train_step(self, batch):
         x, y = batch
@@ -144,10 +158,16 @@ class Trainer:
     def _run_epoch(self, total: int) -> None:
         batches = self.profiler.timed(self._epoch_batches())  # times the data wait while profiling
         batches = self.log.timed(batches, self.train_loader)  # the feed meter: each step's wait for its batch
-        for batch in batches:
-            loss = self.train_step(batch)  # forward + backward: only recorded on XLA, nothing runs yet
+        k, micro = self.cfg.accum_steps, []  # accumulation: k micro-batches per optimizer step
+        left = (self.steps_per_epoch() - self.batch_in_epoch) * k if k > 1 else None  # the last len % k: not trained
+        for batch in itertools.islice(batches, left):
+            micro.append(self.train_step(batch))  # forward + backward: only recorded on XLA, nothing runs yet
+            if len(micro) < k:  # gradients add up in .grad; the micro-step's graph ends here, the same one each time
+                self.rt.sync()
+                continue
             self.run_optimizer()  # reduce gradients across replicas, clip, step, zero_grad
-            self.log.add(loss, rows=self.batch_size_of(batch) * self.rt.world_size)  # device-side sums: no sync
+            loss, micro = (micro[0] if k == 1 else _mean(micro)), []  # k > 1: the mean of the k micro-batch losses
+            self.log.add(loss, rows=self.batch_size_of(batch) * self.rt.world_size * k)  # device-side sums: no sync
             self.step, self.batch_in_epoch = self.step + 1, self.batch_in_epoch + 1
             if self.log.due(self.step, total):  # read after the step ran, in a closure: one transfer
                 self.log.close(self.step, self.epoch, self.optimizer, self._record)
@@ -236,7 +256,8 @@ class Trainer:
         if not skip:
             return loader
         self.rt.master_print(f"[labkit] skipping {skip} batches of epoch {self.epoch} already trained")
-        loader.skip_batches = skip  # a DeviceLoader (see _wrap): skipped on the host, never copied to the device
+        # a DeviceLoader (see _wrap): skipped on the host, never copied to the device; k micro-batches per step
+        loader.skip_batches = skip * self.cfg.accum_steps
         return loader
 
     def _after_step(self, batch) -> None:
@@ -262,11 +283,11 @@ class Trainer:
         return int(x.shape[0])
 
     def global_batch(self) -> int | None:
-        """Samples per optimizer step over all replicas: the loader's batch_size x world size (else the
-        last batch's), None before the first batch of a loader without a batch_size."""
+        """Samples per optimizer step over all replicas: the loader's batch_size x world size x accum_steps (else
+        the last step's), None before the first step of a loader without a batch_size."""
         host = getattr(self.train_loader, "loader", self.train_loader)
         bs = getattr(host, "batch_size", None)
-        return bs * self.rt.world_size if bs else self.log.last_rows
+        return bs * self.rt.world_size * self.cfg.accum_steps if bs else self.log.last_rows
 
     def _dispatch(self, name: str, *args) -> None:
         """The one place events go out: the trainer's own hook of that name (if any), then every
@@ -280,7 +301,9 @@ class Trainer:
                 fn(self, *args)
 
     def steps_per_epoch(self) -> int:
-        return len(self.train_loader)
+        """Optimizer steps per epoch: the loader's batches // accum_steps (a last partial accumulation is dropped,
+        as the loader drops a short batch: every step averages the same number of samples)."""
+        return len(self.train_loader) // self.cfg.accum_steps
 
     def total_steps(self) -> int:
         """cfg.epochs x steps_per_epoch (capped by cfg.max_steps), plus the steps a resumed run took at
@@ -324,8 +347,9 @@ class Trainer:
         check_lr(self.optimizer)
         if self.train_loader is not None and self.steps_per_epoch() == 0 and self.cfg.epochs:
             raise ValueError(
-                "the train loader yields no batches (fewer samples than one batch, and partial "
-                "batches are dropped for static shapes): lower the batch size or add data"
+                f"the train loader yields no batches for one optimizer step ({len(self.train_loader)} batches, "
+                f"accum_steps={self.cfg.accum_steps}; fewer samples than one batch, and partial batches are dropped "
+                "for static shapes): lower the batch size or accum_steps, or add data"
             )
 
     def _last_metrics(self) -> dict:
@@ -367,3 +391,11 @@ class Trainer:
         if "rng" in state:  # dropout/augmentation draws continue exactly where they stopped
             set_rng_state(state["rng"], self.rt)
         self.rt.master_print(f"[labkit] resumed at step {self.step} (epoch {self.epoch}, batch {self.batch_in_epoch})")
+
+
+def _mean(losses: list):
+    """The mean of k micro-batch losses (tensors, or dicts of them), on the device: one added op in the optimizer
+    step's graph, the same every step. With equal micro-batches it is the loss of the k-times larger batch."""
+    if isinstance(losses[0], dict):
+        return {name: torch.stack([d[name].detach() for d in losses]).mean() for name in losses[0]}
+    return torch.stack([t.detach() for t in losses]).mean()

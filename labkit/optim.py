@@ -70,6 +70,24 @@ def optimizer_step(optimizer, rt, *, clip_norm: float | None = None, precision=N
     return (precision or FP32).step(optimizer, clip_norm)
 
 
+def scaled_lr(lr: float, base_batch: int, global_batch: int, rule: str = "linear") -> float:
+    """The learning rate for `global_batch` samples per optimizer step, given one (`lr`) set for `base_batch`.
+
+    linear (Goyal et al. 2017, "Accurate, Large Minibatch SGD"): lr x global/base. k times the batch averages k times the
+    samples into one step, so one step should move as far as k steps did; it holds for SGD up to a few thousand
+    images, with a warm-up (the first steps' large moves at a large lr diverge). sqrt: lr x sqrt(global/base), the
+    rule argued for adaptive optimizers (Adam's step is normalised by the gradient's scale; Malladi et al. 2022).
+    Both are starting points to tune from, not laws: past the critical batch size neither keeps the loss per sample."""
+    if base_batch <= 0 or global_batch <= 0:
+        raise ValueError(f"scaled_lr: batches must be > 0, got base {base_batch}, global {global_batch}")
+    ratio = global_batch / base_batch
+    if rule == "linear":
+        return lr * ratio
+    if rule == "sqrt":
+        return lr * math.sqrt(ratio)
+    raise ValueError(f"scaled_lr: rule {rule!r} is not 'linear' or 'sqrt'")
+
+
 class WarmupCosine:
     """lr multiplier: linear warm-up to 1 over `warmup` steps, then a cosine down to `floor` at
     `total`, flat after it (a resumed run may train past `total`). A class, not a lambda, so

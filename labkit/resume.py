@@ -4,7 +4,7 @@
     trainer.load_state_dict(state)      # calls the three functions below
 
 A checkpoint records where the epoch stopped in SAMPLES (batches done x global batch, the global batch
-being the loader's batch x world size), not in batches: a run resumed with batch 32 after batch 16, or
+being the loader's batch x world size x accum_steps), not in batches: a run resumed with batch 32 after batch 16, or
 on 4 chips after 1 (SPMD makes the per-step batch 4x larger), skips exactly the samples already
 trained. Counted in batches, 6 batches of 16 would skip 6 batches of 32, and 96 samples of the epoch
 would never be trained; counted in steps, the 1-chip run's step 12 would be past the 4-chip run's last
@@ -141,7 +141,7 @@ def batches_done(state: dict, global_batch: int | None) -> int:
     if samples % global_batch:
         raise ValueError(
             f"the checkpoint stopped {samples} samples into epoch {state['epoch']} ({batches} batches of "
-            f"{old}, {world}); this run's global batch is {global_batch} (batch x world size), which does "
+            f"{old}, {world}); this run's global batch is {global_batch} (batch x world size x accum_steps), which does "
             f"not divide {samples}: resume with a global batch that divides {samples}, or from a checkpoint "
             "saved at an epoch end (checkpoint_every=0)"
         )

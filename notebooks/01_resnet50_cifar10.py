@@ -62,6 +62,7 @@ class Params:
     samples_per_shard: int = 2500
     upsample: int = 1             # repeat the train set K times (K=25: the 1.25 M-image "big CIFAR")
     batch_size: int = 128         # per chip: with SPMD one step takes batch_size x chips images
+    accum_steps: int = 1          # micro-batches per optimizer step (gradient accumulation): global batch x this
     spmd: str = "auto"            # auto (on with more than one chip, e.g. a v5e-8) | on | off: one process, every chip
     epochs: int = 8
     max_steps: int = 0            # 0: no cap
@@ -297,6 +298,80 @@ del probe
 # the plain call because in a thread the fit cannot catch SIGTERM (a stopped runtime) to finish its pending
 # checkpoint upload first. This is a Jupyter lesson, not a torch_xla one: it holds for any backend.
 
+# %% [markdown]
+# ### The global batch and the learning rate
+# One optimizer step averages the gradient over the **global batch** = per-chip batch × chips × accumulation steps.
+# On a v5e-8 with SPMD each step takes 8 chips' batches; with `accum_steps = k` (`labkit.TrainConfig`), the Trainer
+# runs k micro-batches forward and backward, adds their gradients (each loss divided by k) and steps once: the
+# gradient of a k× larger batch, in the memory of one micro-batch. Either way a step averages more samples, so the
+# learning rate tuned for one chip's batch is no longer right:
+# * **linear rule** (Goyal et al. 2017, ResNet-50 at batch 8,192): lr × global/base. A step on k× the samples should
+#   move as far as the k steps it replaces did. Used with SGD; it needs a warm-up.
+# * **square-root rule**: lr × √(global/base), argued for adaptive optimizers such as Adam (Malladi et al. 2022),
+#   whose step is already normalised by the gradient's size. Both are where tuning starts, not laws.
+#
+# The schedule (`labkit.optim.WarmupCosine`, through `recipes.resnet_schedule`) multiplies the learning rate by a
+# **warm-up**, linear from lr/w to lr over the first w = 10 % of the steps (random weights give large, fast-changing
+# gradients: a large step there, above all a scaled-up one, can diverge), then a **cosine** from lr down to 2 % of it
+# at the last step (large steps early to travel, small ones late to settle). The rule is applied below when the
+# global batch is larger than the one `lr` was set for (more than one chip, or accumulation).
+
+# %%
+import math
+from labkit.optim import WarmupCosine, scaled_lr
+
+ACCUM = P.accum_steps
+GLOBAL = PLAN.global_batch * ACCUM                       # per-chip batch x chips x accumulation steps
+RULE = "linear" if P.optimizer == "sgd" else "sqrt"      # SGD: linear; AdamW: square root
+LR = scaled_lr(P.lr, P.batch_size, GLOBAL, RULE)         # lr was set for one chip's batch, P.batch_size
+chips = f"{PLAN.total_chips} chip{'s' if PLAN.total_chips > 1 else ''}"
+if GLOBAL > P.batch_size:
+    print(f"{chips} x {P.batch_size} x {ACCUM} accumulation step(s): global batch {GLOBAL}, lr {P.lr:g} -> {LR:g} "
+          f"by the {RULE} rule, with warm-up")
+else:
+    print(f"{chips}, no accumulation: global batch {GLOBAL}, the batch lr {P.lr:g} was set for: kept")
+v5e8 = scaled_lr(0.1, 384, 384 * 8)
+print(f"for comparison, 8 chips at 384 per chip with SGD: global batch {384 * 8}, lr 0.1 -> {v5e8:g} by the linear "
+      f"rule ({scaled_lr(0.1, 384, 384 * 8, 'sqrt'):.2f} by the square-root rule), with warm-up")
+assert math.isclose(v5e8, 0.8) and (LR == P.lr) == (GLOBAL == P.batch_size)
+
+STEPS = min(P.epochs * (len(train_loader) // ACCUM), P.max_steps or 10**12)
+shape = WarmupCosine(max(1, STEPS // 10), STEPS, 0.02)   # what recipes.resnet_schedule gives the optimizer
+lrs = [LR * shape(s) for s in range(STEPS)]
+fig, ax = plt.subplots(figsize=(4.5, 1.8))
+ax.plot(lrs)
+ax.set(xlabel="optimizer step", ylabel="lr", title=f"warm-up {max(1, STEPS // 10)} steps, then cosine to 2 %")
+fig.tight_layout()
+plt.show()
+assert max(lrs) == LR and 0.02 * LR <= lrs[-1] < lrs[len(lrs) // 2] <= LR   # up to LR, then down to 2 %
+
+# %% [markdown]
+# Accumulation is the larger batch, checked: a model without BatchNorm (a linear classifier on these images) trained
+# 4 steps on batches of 32, and 4 steps of 4 accumulated micro-batches of 8, gives the same losses. Float32 sums taken
+# in another order differ by ~1e-7 here; the tolerance, 2e-3, leaves room for a TPU's float32 matmuls, which multiply
+# in bf16 by default (notebook 02; not verified on a TPU), and still catches a step that forgot to divide by k (4×
+# too large). The ResNet is the exception: BatchNorm's statistics are taken per micro-batch, as they are per chip on
+# 8 chips (without SyncBatchNorm), so accumulation reproduces data parallelism over chips, not one chip's big batch.
+
+# %%
+def linear_losses(batch, accum, images, labels):
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(images[0].numel(), len(CLASSES)))
+    opt = torch.optim.SGD(lin.parameters(), lr=0.05, momentum=0.9)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=batch)
+    tr = labkit.Trainer(lin, opt, rt, labkit.TrainConfig(log_every=1, eval_every=0, accum_steps=accum), data)
+    tr.fit()
+    return [h["loss"] for h in tr.history]
+
+
+batches = list(itertools.islice(iter(train_loader), math.ceil(128 / P.batch_size)))
+images, labels = torch.cat([b[0] for b in batches])[:128], torch.cat([b[1] for b in batches])[:128]
+one_big, accumulated = linear_losses(32, 1, images, labels), linear_losses(8, 4, images, labels)
+print("batch 32:           ", [round(v, 5) for v in one_big])
+print("4 micro-batches of 8:", [round(v, 5) for v in accumulated])
+assert len(one_big) == len(accumulated) == 4
+assert max(abs(a - b) for a, b in zip(one_big, accumulated)) < 2e-3 * max(one_big)
+
 # %%
 import time
 from labkit.checkpoint import CheckpointManager, to_cpu
@@ -305,12 +380,12 @@ from labkit.checkpoint import CheckpointManager, to_cpu
 def build(seed):
     """A fresh model and optimizer (so this cell can run again from scratch): torch.manual_seed(seed), then
     resnet50_cifar and SGD+Nesterov or AdamW (capturable on XLA: no recompile when a bias correction rounds to 1.0)."""
-    return recipes.build_resnet(len(CLASSES), P.cifar_stem, P.optimizer, P.lr, seed, rt)
+    return recipes.build_resnet(len(CLASSES), P.cifar_stem, P.optimizer, LR, seed, rt)   # LR: scaled above
 
 
-cfg = labkit.TrainConfig(epochs=P.epochs, max_steps=P.max_steps, log_every=P.log_every,
-                         checkpoint_every=P.checkpoint_every or len(train_loader))
-TOTAL = min(cfg.epochs * len(train_loader), cfg.max_steps or 10**12)
+cfg = labkit.TrainConfig(epochs=P.epochs, max_steps=P.max_steps, log_every=P.log_every, accum_steps=ACCUM,
+                         checkpoint_every=P.checkpoint_every or len(train_loader) // ACCUM)
+TOTAL = STEPS                                  # optimizer steps (the section above)
 model, optimizer = build(P.seed)
 # warm-up over 10% of TOTAL, cosine to 2%; it counts steps and continues flat past TOTAL so the resume demo
 # below can train further
@@ -319,7 +394,7 @@ scheduler = recipes.resnet_schedule(optimizer, TOTAL)
 RUN = time.strftime("run-%Y%m%d-%H%M%S")       # a fresh folder per run: nothing from an older run is touched
 CKPT = (f"gs://labkit-local/checkpoints/{RUN}" if P.local_gcs else f"{P.checkpoint_dir}/{RUN}")
 ckpt = CheckpointManager(CKPT, keep=2, best_metric="val_acc", mode="max", rt=rt)
-dash = labkit.Dashboard(title=f"ResNet-50 on {SOURCE} ({rt.kind})", flops_per_step=3 * FLOPS_FWD * P.batch_size,
+dash = labkit.Dashboard(title=f"ResNet-50 on {SOURCE} ({rt.kind})", flops_per_step=3 * FLOPS_FWD * P.batch_size * ACCUM,
                         chance=labkit.chance_accuracy(len(CLASSES)),             # a line on the accuracy panel
                         peak_flops=labkit.dashboard.flops.peak_flops(rt, PREC.name)[0])   # MFU against the dtype we run in
 trainer = labkit.Trainer(model, optimizer, rt, cfg, train_loader, val_loader, scheduler=scheduler,
@@ -442,6 +517,45 @@ print(f"resumed at step {trainer.step}, now at step {resumed.step}; loss {hist2[
       f"(the first run started at {first:.3f} and ended at {last:.3f})")
 assert resumed.step == trainer.step + P.resume_steps
 assert hist2[0]["loss"] < first - 0.3, "the resumed run did not start from the trained weights"
+
+# %% [markdown]
+# ### Preempted for real: SIGTERM in the middle of an upload
+# The drill above restarted in the same process. A preempted TPU VM (or a Colab runtime that is stopped) is
+# different: the process gets SIGTERM, whose default action ends it on the spot, maybe while a checkpoint is
+# uploading. labkit turns SIGTERM during `fit()` into an exception (`labkit.interrupts.Preempted`): the Trainer waits
+# for the pending upload, lets the `latest` pointer move, and only then lets the process end (README: *Checkpoints*).
+# Here a small run (`labkit.lessons.preempt`: an MLP on numbered samples, read in order, a checkpoint every 4 steps,
+# each upload held 2 s like a large file going to a bucket) trains in a child process on the CPU; the notebook sends
+# it SIGTERM as soon as an upload begins, then resumes it here and checks that it continues at the same sample:
+# the steps the child trained after that checkpoint are lost with it and trained again, no sample skipped.
+
+# %%
+import signal, tempfile
+from labkit.lessons import preempt
+
+drill = tempfile.mkdtemp(prefix="labkit-preempt-")
+child = preempt.start(drill)
+saving = preempt.wait_for_upload(child, drill)       # the step whose checkpoint is uploading now
+child.send_signal(signal.SIGTERM)
+out = preempt.finish(child)
+print("\n".join(line for line in out.splitlines() if "labkit" in line or "child" in line))
+assert child.returncode == 143, out
+assert "SIGTERM at step" in out and "finishing the pending checkpoint upload" in out, out
+before = preempt.steps_recorded(drill)                # the child's steps and their samples
+done = CheckpointManager(drill, rt=rt).latest()["step"]
+print(f"SIGTERM came during the upload of step {saving}; the child had trained {len(before)} steps; "
+      f"latest checkpoint: step {done}")
+assert done == saving                                 # the upload in flight was finished, not lost
+
+again = preempt.trainer(drill, rt, resume=True, max_steps=done + 8)
+again.fit()
+first = again.samples[0]
+print(f"resumed at step {done}: first samples {first[:4]}..., the ones after step {done} "
+      f"({done} steps x {preempt.BATCH} samples)")
+trained = [s for r in before[:done] for s in r["samples"]] + [s for ids in again.samples for s in ids]
+assert first[0] == done * preempt.BATCH
+assert trained == list(range(len(trained)))          # every sample once, in order: none skipped, none twice
+assert again.step == done + 8
 
 # %% [markdown]
 # ## Your turn

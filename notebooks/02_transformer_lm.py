@@ -230,7 +230,8 @@ print("peak for MFU:", PEAK_SOURCE)
 #
 # One XLA trap hides in plain AdamW: it computes its bias correction `sqrt(1 - beta2**step)` as a Python
 # number. torch_xla passes most Python numbers to the device as data, but writes 0 and 1 into the graph as
-# constants, so on the step where that correction rounds to exactly 1.0 (around step 325 with beta2 = 0.95) the
+# constants, so on the step where that correction rounds to exactly 1.0 (step 325 with beta2 = 0.95, rounded to float32,
+# the dtype it takes on the device; in Python's float64 it would be step 730) the
 # graph changes and XLA recompiles in the middle of the run. `labkit.models.gpt.adamw` sets `capturable=True` on XLA,
 # which keeps the step count on the device and computes the correction there: one graph for the whole run.
 # (The learning rate is a Python number too: the schedule below never reaches exactly 0 for the same reason.) The dashboard gets the work per step, so it reports tokens per second and
@@ -503,6 +504,140 @@ for name, (L_, d_, H_, T_) in {"GPT-2 small shape": (12, 768, 12, 1024), "1.3 B"
         verdict = "fits one v5e chip" if need < HBM else f"needs {math.ceil(need / HBM)} chips with FSDP"
         print(f"{name}, batch {B_} x {T_}: {16 * n / 1e9:.1f} GB of state + {act / 1e9:.1f} GB of activations: "
               f"{verdict} (v5e figures not verified here)")
+
+# %% [markdown]
+# **Recomputing activations.** The cure named above, applied: `GPTConfig(recompute=True)` wraps each block in
+# `torch.utils.checkpoint`, so the forward pass keeps only each block's input (d floats per token) and the backward
+# pass runs the block's forward again to rebuild the rest, one block at a time. Predicted: `4 · tokens · (L·d + 2·d +
+# V)` bytes kept instead of `4 · tokens · (16·L·d + 2·d + V)`, plus, while one block is being rebuilt, that block's
+# 16·d (and on XLA its attention matrix). The price: one more forward pass of the blocks, so a step's FLOPs go from
+# 1 + 2 (forward, backward) to about 1 + 1 + 2: ~4/3 of the time, measured below side by side on the plain CPU. The
+# same losses and gradients (tests/test_gpt_recompute.py checks them, dropout included). On XLA give the model
+# torch_xla's checkpoint (`model.recompute_fn = functools.partial(torch_xla.utils.checkpoint.checkpoint,
+# use_reentrant=True)`): its optimization barrier keeps the compiler from merging the recomputed forward back into
+# the first one, which would keep the activations after all (not verified on a TPU here).
+
+# %%
+def kept_bytes(L, d, V, tokens, recompute=False):
+    return 4 * tokens * ((L * d if recompute else 16 * L * d) + 2 * d + V)
+
+
+def fwd_bwd_s(model, xb, reps=2):
+    """Seconds of one forward + backward (the best of `reps`: the least disturbed by other work)."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        model(xb, xb)[1].backward()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+L_, d_, H_, B_, T_ = 4, 128, 8, 4, 64
+xb = torch.randint(0, 256, (B_, T_))
+seconds, kept, losses = {}, {}, {}
+for rc in (False, True):
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(block_size=T_, n_layer=L_, n_head=H_, n_embd=d_, dropout=0.0, recompute=rc))
+    kept[rc] = saved_for_backward(m, xb, xb)
+    losses[rc] = m(xb, xb)[1].item()
+    seconds[rc] = fwd_bwd_s(m, xb)
+    want = kept_bytes(L_, d_, 256, B_ * T_, rc)
+    print(f"recompute={rc!s:5}: predicted {want / 1e6:.2f} MB kept, measured {kept[rc] / 1e6:.2f} MB "
+          f"({kept[rc] / want - 1:+.1%}); forward + backward {seconds[rc] * 1e3:.0f} ms")
+    assert abs(kept[rc] - want) <= 0.03 * want, (rc, kept[rc], want)
+assert losses[True] == losses[False]
+print(f"{kept[False] / kept[True]:.1f}x less kept for {seconds[True] / seconds[False]:.2f}x the time "
+      "(predicted ~1.33x: one more forward)")
+assert kept[True] < kept[False] / 4
+
+# %% [markdown]
+# **An out-of-memory on a v5e, predicted, read and fixed.** Take the GPT-2 small shape (12 layers, d = 768, 12 heads,
+# 1,024-token windows, GPT-2's 50,257-token vocabulary) with AdamW in float32 on one v5e chip (16 GB
+# of HBM). At batch 8 it fits; at batch 16 the activations alone pass 16 GB. On a TPU the program would fail when XLA
+# compiles it, before any step runs, with a `RESOURCE_EXHAUSTED` error listing the largest buffers; `rt.memory()`
+# (`xm.get_memory_info`: bytes in use and the limit) reads the HBM while a run goes. Reading it the way the prediction
+# does says which term to cut: the activations, not the state. Recomputation cuts them below the limit at the same
+# batch (the global batch, and so the learning rate, unchanged). Predicted here, not verified on a TPU.
+
+# %%
+def v5e_need(L, d, H, T, V, batch, recompute):
+    """Bytes one chip needs: weights + gradients + AdamW state (16 per parameter) and activations, XLA's (B, H, T, T)
+    attention probabilities included; recomputing, the blocks' inputs plus one block rebuilt at a time."""
+    n = V * d + T * d + L * (12 * d * d + 13 * d) + 2 * d
+    per_block = 16 * d + H * T  # floats per token a block keeps (XLA's attention: its probabilities too)
+    kept = (L * d + 2 * d + V + per_block) if recompute else (L * per_block + 2 * d + V)
+    return 16 * n + 4 * batch * T * kept
+
+
+shape = dict(L=12, d=768, H=12, T=1024, V=50257)
+print("the HBM this run reads:", rt.memory() or f"none on {rt.kind} (a TPU reports bytes used and the limit)")
+for batch, rc in ((8, False), (16, False), (16, True)):
+    need = v5e_need(**shape, batch=batch, recompute=rc)
+    print(f"GPT-2 small shape, batch {batch:2d} x 1024, recompute={rc!s:5}: {need / 1e9:5.1f} GB -> "
+          f"{'fits' if need < HBM else 'out of memory'} on a v5e's 16 GB (predicted, not verified here)")
+assert v5e_need(**shape, batch=8, recompute=False) < HBM < v5e_need(**shape, batch=16, recompute=False)
+assert v5e_need(**shape, batch=16, recompute=True) < HBM
+
+# %% [markdown]
+# **bf16: range against precision, measured.** A float has an exponent (its range) and a fraction (its precision).
+# float32: 8 exponent bits, 23 fraction bits. fp16: 5 and 10. bf16: 8 and 7 (8 significant bits with the implicit
+# one): float32's range with far less precision. What that means for training, measured on this CPU:
+# * **Underflow.** A gradient of 1e-8 is below fp16's smallest number (6e-8): it becomes 0, and that weight stops
+#   learning. bf16 keeps it (its smallest normal number is float32's, 1.2e-38). That is why fp16 training needs loss
+#   scaling (multiply the loss by e.g. 2^16 before backward, divide the gradients after: torch's `GradScaler`, what
+#   `labkit.precision` uses for fp16) and a TPU, computing in bf16, needs none.
+# * **Overflow.** fp16's largest number is 65,504: an activation of 70,000 is `inf`. bf16 reaches 3.4e38, like float32.
+# * **Precision.** bf16 steps by 2^-7 ≈ 0.0078 near 1.0: `w + lr·g` with lr·g = 1e-3 rounds back to `w`. A model whose
+#   weights were stored in bf16 would stop learning; so mixed precision keeps **float32 master weights** (autocast
+#   computes the matmuls in bf16; the parameters, their gradients and the optimizer's update stay float32).
+
+# %%
+def tiny_grad(dtype, scale=1.0):
+    """d(loss)/dw of loss = sum(w * 1e-4) * 1e-4 * scale, computed in dtype, then unscaled in float32: 1e-8 exactly."""
+    w = torch.ones(4, dtype=dtype, requires_grad=True)
+    ((w * torch.full((4,), 1e-4, dtype=dtype)).sum() * (1e-4 * scale)).backward()
+    return w.grad.float() / scale
+
+
+g16, gbf, g16_scaled = tiny_grad(torch.float16), tiny_grad(torch.bfloat16), tiny_grad(torch.float16, 2.0**16)
+print(f"gradient 1e-8: fp16 {g16[0].item():.3g}, bf16 {gbf[0].item():.3g}, fp16 with the loss scaled by 2^16 "
+      f"{g16_scaled[0].item():.3g}")
+assert (g16 == 0).all() and (gbf > 0.98e-8).all() and (g16_scaled > 0.98e-8).all()
+big = torch.tensor(70000.0)
+print(f"70,000: fp16 {big.half().item()}, bf16 {big.bfloat16().item():.0f}; max fp16 {torch.finfo(torch.float16).max:.0f}, "
+      f"bf16 {torch.finfo(torch.bfloat16).max:.3g}, float32 {torch.finfo(torch.float32).max:.3g}")
+assert big.half().isinf() and big.bfloat16().isfinite()
+assert torch.finfo(torch.bfloat16).tiny == torch.finfo(torch.float32).tiny  # float32's range: no loss scaling
+w16, w32 = torch.ones((), dtype=torch.bfloat16), torch.ones(())
+for _ in range(100):  # 100 SGD steps of lr * g = 1e-3
+    w16, w32 = w16 + torch.tensor(1e-3, dtype=torch.bfloat16), w32 + 1e-3
+print(f"after 100 updates of 1e-3: a bf16 weight {w16.item():.4f} (each one rounded away), a float32 master "
+      f"weight {w32.item():.4f}; bf16's step near 1.0: {torch.finfo(torch.bfloat16).eps}")
+assert w16.item() == 1.0 and abs(w32.item() - 1.1) < 1e-4
+
+# %% [markdown]
+# **XLA's matmul precision.** On a TPU, a float32 matrix product by default is not computed in float32: XLA rounds
+# the inputs to bf16 for one MXU pass (products accumulated in float32). torch_xla 2.9 sets this per process with
+# `torch_xla.backends.set_mat_mul_precision("default" | "high" | "highest")` (about 8, 14 and 22 significant bits: 1,
+# 3 and 6 passes, per its docstring; underneath `torch_xla._XLAC._xla_set_mat_mul_precision`), read back with
+# `torch_xla.backends.get_mat_mul_precision()`. The XLA:CPU here multiplies in float32 whatever it says, so the cell
+# reads the setting and emulates the default's rounding on the CPU: a float32 model on a TPU sees errors of ~1e-3,
+# not ~1e-7 (not verified on a TPU here).
+
+# %%
+if rt.is_xla:
+    import torch_xla.backends
+
+    print("torch_xla.backends.get_mat_mul_precision():", torch_xla.backends.get_mat_mul_precision())
+gen = torch.Generator().manual_seed(0)
+A, Bm = torch.randn(256, 256, generator=gen), torch.randn(256, 256, generator=gen)
+exact = A.double() @ Bm.double()
+err32 = ((A @ Bm).double() - exact).abs().max() / exact.abs().max()
+err_bf16_pass = ((A.bfloat16().float() @ Bm.bfloat16().float()).double() - exact).abs().max() / exact.abs().max()
+print(f"256x256 float32 matmul, largest error relative to the largest entry: float32 {err32:.1e}; inputs rounded "
+      f"to bf16 first (a TPU's 'default') {err_bf16_pass:.1e}")
+assert err_bf16_pass > 100 * err32
+
 
 # %% [markdown]
 # **3. A step's time, predicted before it is measured.** Write `predict_step_s(V, T, L, d, batch, flops_per_s)`: the

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 @dataclass
@@ -34,6 +35,10 @@ class GPTConfig:
     n_embd: int = 384
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers
+    # activation recomputation: in training, keep only each block's input for the backward pass and run the block's
+    # forward again there (GPT.recompute_fn): the saved activations drop from ~16*d floats per token per block to
+    # d, for about one more forward pass of compute. Same losses and gradients
+    recompute: bool = False
 
 
 class CausalSelfAttention(nn.Module):
@@ -102,7 +107,17 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def _recompute(block, x):
+    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+
+
 class GPT(nn.Module):
+    # how a block is recomputed under cfg.recompute: fn(block, x) -> block(x), keeping x only. torch's by default;
+    # on XLA set torch_xla.utils.checkpoint.checkpoint (use_reentrant=True, its only mode): its optimization
+    # barrier keeps the compiler from merging the recomputed forward back into the first one (same ops on the
+    # same inputs), which would keep the activations after all
+    recompute_fn = staticmethod(_recompute)
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
@@ -158,8 +173,9 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} is longer than block_size={self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
+        recompute = self.cfg.recompute and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = self.recompute_fn(block, x) if recompute else block(x)
         return self.ln_f(x)
 
     def forward(self, idx, targets=None):
