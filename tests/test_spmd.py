@@ -85,3 +85,5 @@ def test_notebook_trains_on_every_device_with_spmd(name, tmp_path):
     assert p.returncode == 0, out
     assert "over 4 chip(s)" in p.stdout and "SPMD over 4 device(s) per host" in p.stdout, out
     assert "recompilations after warm-up: 0" in p.stdout, out
+    if name.startswith("01"):  # the learning-rate rule applied, and said, when the chips multiply the batch
+        assert "global batch 32, lr 0.0005 -> 0.001 by the sqrt rule" in p.stdout, out
