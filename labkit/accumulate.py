@@ -90,3 +90,11 @@ def read(values: dict) -> dict:
         if isinstance(v, list) and k not in out:
             out[k] = 0.0
     return out
+
+
+def mean_of(losses: list):
+    """The mean of k micro-batch losses (tensors, or dicts of them), on the device: one added op in the optimizer
+    step's graph, the same every step. With equal micro-batches it is the loss of the k-times larger batch."""
+    if isinstance(losses[0], dict):
+        return {name: torch.stack([d[name].detach() for d in losses]).mean() for name in losses[0]}
+    return torch.stack([t.detach() for t in losses]).mean()

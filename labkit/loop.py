@@ -16,15 +16,10 @@ Change behaviour by overriding one hook in a subclass, not by copying the loop:
 The step is captured as the runtime says (labkit.runtime.step, TrainConfig.compile): off XLA, `self.model` and
 the optimizer step may be torch.compile'd (CUDA by default); the hooks read the same either way.
 
-Gradient accumulation (cfg.accum_steps = k): k train_steps per run_optimizer, each loss divided by k in backward,
-so the gradients that add up in .grad are those of the k-times larger batch's mean loss. A micro-batch ends with
-rt.sync() (on XLA one graph, the same each time: the step's activations are freed before the next micro-batch);
-the last one runs with the optimizer step. `step`, max_steps, log_every, checkpoint_every and the scheduler
-count optimizer steps; a record's loss is the mean over the step's k micro-batches. Checkpoints are taken only
-between optimizer steps: a half-accumulated gradient is never saved (it would add a gradient the size of the
-weights to every checkpoint, and a position inside the step), so an interrupted run resumes at the last step
-and trains its k micro-batches again; the last len(loader) % k batches of an epoch are dropped, as a short batch is.
-Under DDP every micro-batch's backward all-reduces (correct, k times the communication).
+Gradient accumulation (cfg.accum_steps = k): k train_steps (each loss divided by k) per run_optimizer, so .grad
+adds up to the gradient of the k-times larger batch. `step` and everything cfg counts in steps count optimizer
+steps; checkpoints are taken only between them (no half-summed gradient is saved: a resumed run trains at most
+k - 1 micro-batches again); the last len(loader) % k batches of an epoch are dropped, as a short batch is.
 
 Every step ends with `rt.sync()`. Losses are summed on the device and read only at log
 time, inside a step closure: one device->host transfer per log interval, none per step.
@@ -52,18 +47,15 @@ import torch
 import torch.nn.functional as F
 
 from labkit import resume
-from labkit.accumulate import read
-from labkit.checkpoint.state import check_compatible
+from labkit.accumulate import mean_of, read
 from labkit.config import TrainConfig
 from labkit.interrupts import Preempted, finish_pending_save, sigterm_raises
 from labkit.loader import DeviceLoader
 from labkit.optim import check_lr, move_model, optimizer_step
 from labkit.precision import Precision, choose
 from labkit.profiling import StepProfiler
-from labkit.seeding import rng_state, set_rng_state
 from labkit.steplog import StepLog
 from labkit.torchrun import wrap_ddp
-from labkit.versions import versions
 
 __all__ = ["Preempted", "Trainer"]
 
@@ -166,7 +158,7 @@ class Trainer:
                 self.rt.sync()
                 continue
             self.run_optimizer()  # reduce gradients across replicas, clip, step, zero_grad
-            loss, micro = (micro[0] if k == 1 else _mean(micro)), []  # k > 1: the mean of the k micro-batch losses
+            loss, micro = (micro[0] if k == 1 else mean_of(micro)), []  # k > 1: the mean of the k micro-batch losses
             self.log.add(loss, rows=self.batch_size_of(batch) * self.rt.world_size * k)  # device-side sums: no sync
             self.step, self.batch_in_epoch = self.step + 1, self.batch_in_epoch + 1
             if self.log.due(self.step, total):  # read after the step ran, in a closure: one transfer
@@ -355,47 +347,9 @@ class Trainer:
     def _last_metrics(self) -> dict:
         return dict(self.eval_history[-1]) if self.eval_history else {}
 
-    # -- state (what a checkpoint holds) ---------------------------------------------------
+    # -- state (what a checkpoint holds: model, optimizer, step, data position, RNG; labkit.resume) ---------
     def state_dict(self) -> dict:
-        state = {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "step": self.step,
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "config": self.cfg.to_dict(),
-            "rng": rng_state(self.rt),
-            "versions": versions(),
-            **resume.position(self),  # the data position in samples, the global batch, world size, optimizer class
-        }
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
-        if self.precision.state_dict():  # fp16: the GradScaler's loss scale
-            state["scaler"] = self.precision.state_dict()
-        return state
+        return resume.trainer_state(self)
 
     def load_state_dict(self, state: dict) -> None:
-        check_compatible(state["model"], self.module)  # names the first mismatched key
-        resume.check(state, self.optimizer, self.train_loader)  # other optimizer class or data: refused, nothing loaded
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.capture.prepare(self.optimizer)  # the checkpoint's param groups replaced the prepared ones
-        if self.scheduler is not None and "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if "scaler" in state:
-            self.precision.load_state_dict(state["scaler"])
-        self.step, self.epoch = int(state["step"]), int(state["epoch"])
-        self.batch_in_epoch = resume.batches_done(state, self.global_batch())  # samples -> this run's batches
-        if self.train_loader is not None:  # the step counter goes on; the epochs count samples
-            self._step_offset = self.step - self.epoch * self.steps_per_epoch() - self.batch_in_epoch
-        if "rng" in state:  # dropout/augmentation draws continue exactly where they stopped
-            set_rng_state(state["rng"], self.rt)
-        self.rt.master_print(f"[labkit] resumed at step {self.step} (epoch {self.epoch}, batch {self.batch_in_epoch})")
-
-
-def _mean(losses: list):
-    """The mean of k micro-batch losses (tensors, or dicts of them), on the device: one added op in the optimizer
-    step's graph, the same every step. With equal micro-batches it is the loss of the k-times larger batch."""
-    if isinstance(losses[0], dict):
-        return {name: torch.stack([d[name].detach() for d in losses]).mean() for name in losses[0]}
-    return torch.stack([t.detach() for t in losses]).mean()
+        resume.load_trainer_state(self, state)

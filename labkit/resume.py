@@ -1,7 +1,7 @@
 """Resuming with another batch size, chip count or optimizer: continue at the same sample, or say why not.
 
     state = trainer.checkpoint.restore(into=trainer.state_dict())
-    trainer.load_state_dict(state)      # calls the three functions below
+    trainer.load_state_dict(state)      # load_trainer_state(): check(), then batches_done(), below
 
 A checkpoint records where the epoch stopped in SAMPLES (batches done x global batch, the global batch
 being the loader's batch x world size x accum_steps), not in batches: a run resumed with batch 32 after batch 16, or
@@ -25,6 +25,10 @@ from __future__ import annotations
 import warnings
 
 from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+
+from labkit.checkpoint.state import check_compatible
+from labkit.seeding import rng_state, set_rng_state
+from labkit.versions import versions
 
 # samplers that draw a new order each epoch from a generator whose state no checkpoint holds
 _UNREPLAYABLE = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
@@ -146,3 +150,44 @@ def batches_done(state: dict, global_batch: int | None) -> int:
             "saved at an epoch end (checkpoint_every=0)"
         )
     return samples // global_batch
+
+
+def trainer_state(self) -> dict:  # self: the Trainer
+    """What a checkpoint of this Trainer holds (Trainer.state_dict)."""
+    state = {
+        "model": self.module.state_dict(),
+        "optimizer": self.optimizer.state_dict(),
+        "step": self.step,
+        "epoch": self.epoch,
+        "batch_in_epoch": self.batch_in_epoch,
+        "config": self.cfg.to_dict(),
+        "rng": rng_state(self.rt),
+        "versions": versions(),
+        **position(self),  # the data position in samples, the global batch, world size, optimizer class
+    }
+    if self.scheduler is not None:
+        state["scheduler"] = self.scheduler.state_dict()
+    if self.precision.state_dict():  # fp16: the GradScaler's loss scale
+        state["scaler"] = self.precision.state_dict()
+    return state
+
+
+def load_trainer_state(self, state: dict) -> None:  # self: the Trainer
+    """Restore a Trainer from trainer_state(): refused before anything is loaded when the model, optimizer or
+    data differ (names the first mismatch); the data position is counted in samples and turned into this run's batches."""
+    check_compatible(state["model"], self.module)  # names the first mismatched key
+    check(state, self.optimizer, self.train_loader)  # other optimizer class or data: refused, nothing loaded
+    self.module.load_state_dict(state["model"])
+    self.optimizer.load_state_dict(state["optimizer"])
+    self.capture.prepare(self.optimizer)  # the checkpoint's param groups replaced the prepared ones
+    if self.scheduler is not None and "scheduler" in state:
+        self.scheduler.load_state_dict(state["scheduler"])
+    if "scaler" in state:
+        self.precision.load_state_dict(state["scaler"])
+    self.step, self.epoch = int(state["step"]), int(state["epoch"])
+    self.batch_in_epoch = batches_done(state, self.global_batch())  # samples -> this run's batches
+    if self.train_loader is not None:  # the step counter goes on; the epochs count samples
+        self._step_offset = self.step - self.epoch * self.steps_per_epoch() - self.batch_in_epoch
+    if "rng" in state:  # dropout/augmentation draws continue exactly where they stopped
+        set_rng_state(state["rng"], self.rt)
+    self.rt.master_print(f"[labkit] resumed at step {self.step} (epoch {self.epoch}, batch {self.batch_in_epoch})")

@@ -674,7 +674,9 @@ assert crit["v6e"]["fsdp"] > 2048 > crit["v5e"]["fsdp"], "one 2,048-token sequen
 import math
 
 from labkit.models import GPTConfig as _Cfg
-from labkit.profiling.roofline import V5E
+from labkit.profiling import roofline
+
+V5E = roofline.V5E
 
 big = _Cfg(block_size=2048, n_layer=24, n_head=16, n_embd=2048, dropout=0.0)
 N_BIG = sum(math.prod(s) for s in S.gpt_param_shapes(big))

@@ -740,7 +740,7 @@ if exercises.check("08.fsdp2_bytes", lambda: nb08.check_fsdp2_bytes(fsdp2_bytes)
 
 # %%
 from labkit.lessons import dtensor_mesh
-from labkit.models.gpt import GPTConfig
+from labkit.models import GPTConfig
 from labkit.spmd import dtensor_plans
 
 t0 = time.perf_counter()

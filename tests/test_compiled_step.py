@@ -217,7 +217,13 @@ def test_gpt_compiled_resume_is_exact(gpt_runs, tmp_path):
     # only (measured: 7e-10 at most), whose gradient is a scatter-add that Inductor's CPU code runs in parallel
     torch.testing.assert_close(losses(first) + losses(resumed), losses(compiled), rtol=1e-6, atol=0)
     for (name, a), b in zip(compiled.module.state_dict().items(), resumed.module.state_dict().values()):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
+        if name.endswith("attn.qkv.bias"):
+            # the key third's gradient is zero in exact arithmetic (softmax ignores a shift that is the same for
+            # every key), so it is rounding noise alone, and AdamW divides it by its own root mean square: noise
+            # of 1e-10 moves those entries by up to lr per step. Compare the query and value thirds only.
+            q, _, v = a.chunk(3)
+            a, b = torch.cat([q, v]), torch.cat([b.chunk(3)[0], b.chunk(3)[2]])
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     assert not unexpected_breaks(rec.per_step[-1]["breaks"])
 
 
