@@ -206,3 +206,10 @@ def test_a_refusal_closes_every_path_to_the_function_object(learner):
     assert saved(2) == 4 and bound() == 8 and _Sub(2).size == 6 and code_copy(3) == 6
     with ex.refusing([_lib_answer], "no"):
         assert 2 * 5 == 10  # the learner's own arithmetic runs
+
+
+def test_a_hint_names_a_mistake_only_when_no_other_gives_that_answer():
+    wrong = {"forgot the values": 50, "forgot the batch": 50, "counted heads twice": 400}
+    assert ex.mistake(50, 100, wrong) == ""  # two mistakes give 50: naming one would mislead
+    assert ex.mistake(400, 100, wrong) == "counted heads twice"
+    assert ex.mistake(100, 100, wrong) == "" and ex.mistake(7, 100, wrong) == ""

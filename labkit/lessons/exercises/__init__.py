@@ -266,7 +266,7 @@ def refusing(targets, why: str):
     rebuilds)."""
     import sys
 
-    funcs = [f for t in targets for f in _functions(t)]
+    funcs = list({id(f): f for t in targets for f in _functions(t)}.values())  # once each: restored to its own code
     saved = [(f, f.__code__) for f in funcs]
     codes = {id(code) for _, code in saved}
     reached = []
