@@ -291,6 +291,34 @@ def refusing(targets, why: str):
         raise Wrong(why)
 
 
+_DEVICE_WORK = {
+    "CompileTime": "graph(s) compiled",
+    "ExecuteTime": "graph(s) run",
+    "TransferToDeviceTime": "host->device copies",
+    "TransferFromDeviceTime": "device->host copies",
+}
+
+
+@contextlib.contextmanager
+def predicting(rt, what: str = "a prediction"):
+    """Around a learner's prediction: it must make the device do nothing (torch_xla's counts of graphs compiled and
+    run and of copies either way do not move), so running the thing and counting, by whatever path, is Wrong. On a
+    runtime without torch_xla's counters (`rt.reads_metrics` false, or rt None) nothing is watched: the checker's
+    note says so."""
+    if rt is None or not getattr(rt, "reads_metrics", False):
+        yield
+        return
+    before = {n: xla_metric(n)[0] for n in _DEVICE_WORK}
+    yield
+    moved = {n: xla_metric(n)[0] - v for n, v in before.items() if xla_metric(n)[0] != v}
+    if moved:
+        said = ", ".join(f"{k} {_DEVICE_WORK[n]}" for n, k in moved.items())
+        raise Wrong(
+            f"{what} runs nothing on the device, the check measures after your answer; while your code ran torch_xla "
+            f"counted {said}: work it out from the inputs"
+        )
+
+
 def xla_metric(name: str) -> tuple[int, float]:
     """(samples, summed value) of one torch_xla metric in this process (CompileTime, TransferFromDeviceTime,
     OutboundData, ...): what the checkers count. (0, 0.0) before the metric's first sample."""
