@@ -119,8 +119,30 @@ def test_fixed_loader():
         sampler = torch.utils.data.RandomSampler(dataset, replacement=True)
         return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=4)
 
-    with pytest.raises(Wrong, match="a sample came twice in one epoch"):
+    with pytest.raises(Wrong, match="a sample came twice in one epoch|batches of 2 shapes"):
         nb07.check_fixed_loader(with_replacement)
+
+    def keeps_the_short_batch(dataset, batch_size):  # no drop_last: the epoch's last batch is short
+        return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=4)
+
+    with pytest.raises(Wrong, match="batches of 2 shapes"):
+        nb07.check_fixed_loader(keeps_the_short_batch)
+
+    def decoded_up_front(dataset, batch_size):  # every sample decoded in the call, then served from memory
+        items = [dataset[i] for i in range(len(dataset))]
+        return torch.utils.data.DataLoader(items, batch_size=batch_size, shuffle=True, drop_last=True)
+
+    with pytest.raises(Wrong, match="samples were decoded before the first batch came"):
+        nb07.check_fixed_loader(decoded_up_front)
+
+    def past_getitem(dataset, batch_size):  # the dataset's tensors read directly: no decoding, no cost
+        ids = torch.arange(len(dataset))
+        for i in range(len(dataset) // batch_size):
+            j = ids[i * batch_size : (i + 1) * batch_size]
+            yield dataset.x[j], dataset.y[j], j
+
+    with pytest.raises(Wrong, match="the rows are not the dataset's items"):
+        nb07.check_fixed_loader(past_getitem)
 
 
 def test_predict_step():
