@@ -308,6 +308,9 @@ def predicting(rt, what: str = "a prediction"):
     if rt is None or not getattr(rt, "reads_metrics", False):
         yield
         return
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()  # work queued before the answer runs finishes first: it is not the answer's
     before = {n: xla_metric(n)[0] for n in _DEVICE_WORK}
     yield
     moved = {n: xla_metric(n)[0] - v for n, v in before.items() if xla_metric(n)[0] != v}
