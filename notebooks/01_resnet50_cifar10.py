@@ -566,7 +566,9 @@ assert again.step == done + 8
 # decoding and normalising, float32 images `(N, C, H, W)` and their int64 labels. Write `step_bytes(batch,
 # channels, height, width)`: the bytes one step sends. The check copies real batches of several shapes the way the
 # training loop does (`labkit.DeviceLoader`) and compares, byte for byte, with what torch_xla counted (its
-# `OutboundData` metric); then this run's figure follows, at its measured speed.
+# `OutboundData` metric), then asks for two batches of tens of gigabytes that no machine here holds; your function
+# must not copy anything itself (the check watches torch_xla's counts while it runs). This run's figure follows, at
+# its measured speed.
 
 # %%
 from labkit.lessons import exercises as ex
@@ -599,7 +601,8 @@ assert x0.dtype == torch.float32
 # `graphs_compiled(batch_sizes)`: how many graphs XLA builds while a fresh model trains one step per entry of
 # `batch_sizes` (SGD with momentum, `torch_xla.sync()` after each step), for example `[32, 32, 20, 32]`. The check
 # trains a small model on this device for two lists of sizes it draws and counts the new graphs with torch_xla's
-# counters (`UncachedCompile`, plus `PersistentCacheHit` where a disk cache holds them). On a GPU or plain CPU
+# counters (`UncachedCompile`, plus `PersistentCacheHit` where a disk cache holds them); your function itself must
+# not run anything on the device (the check watches torch_xla's counts while it runs). On a GPU or plain CPU
 # nothing is compiled per shape: it compares your count with XLA's rule and says it did not measure. This is why
 # the loader keeps every training batch the same size.
 

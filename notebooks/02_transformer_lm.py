@@ -372,7 +372,8 @@ ex.check("02.bucket", lambda: nb02.check_bucket(bucket, P.block_size, rt))
 # **2. Parameters, predicted from the shapes.** Write `gpt_params(V, T, L, d)`: how many parameters labkit's GPT
 # has with vocabulary V, context T, L blocks of width d (read `labkit/models/gpt.py`: biases on, LayerNorms with a
 # weight and a bias, an MLP 4× wide, the output layer tied to the token table). The check counts real models of
-# four other shapes; building one inside your function does not count as a prediction.
+# four other shapes and one of billions of parameters that this machine could not train; building a GPT or any
+# of its parts inside your function is refused (that is the measurement, not a prediction).
 
 # %%
 def gpt_params(V, T, L, d):

@@ -404,7 +404,9 @@ if XLA:
 #
 # **1. Graphs, predicted before they are counted.** Batches arrive with varying lengths; each is padded up to a
 # multiple of `multiple` (1: not padded) and run on XLA. Write `predict_graphs(lengths, multiple)`: how many graphs
-# XLA compiles for the whole sequence. The check runs real batches and counts torch_xla's compiles.
+# XLA compiles for the whole sequence. Work it out from the lengths: your function must not run anything on the
+# device (the check watches torch_xla's counts while it runs); then the check runs real batches and counts
+# torch_xla's compiles.
 
 # %%
 from labkit.lessons import exercises as ex
@@ -429,7 +431,8 @@ ex.check("04.graphs", lambda: nb04.check_predict_graphs(predict_graphs, rt))
 # log every `log_every` steps, the mean at the end. Write `predict_reads(steps, log_every)`: how many times it copies
 # a value from the device to the host (look for every line that needs a number in Python). The check runs the loop
 # for step counts you have not seen and counts torch_xla's own transfers (`TransferFromDeviceTime`); a count is
-# exact, so no tolerance.
+# exact, so no tolerance. Read the loop, do not run it: while your function runs, `guarded_loop` refuses and the
+# device must do nothing.
 
 # %%
 import inspect
@@ -602,12 +605,11 @@ if rt.kind == "xla-cpu" and HLO_DIR:
     assert any(f[-2:] == ["multiply", "add"] or f[-2:] == ["multiply", "subtract"] for f in fusions.values()), fusions
 
 # %% [markdown]
-# **4. The slowest op, from the trace.** Write `slowest_op(events)`: the name of the op that took the most time,
-# given `prof.op_events`. An op runs many times (once per step here); on XLA each name is one *instruction* of the
-# compiled graph: `fusion.3` and `fusion.7` are two fusions, each calling its own fused computation, so they are
-# two ops, not one op `fusion` (summed, "fusion" would top almost every TPU profile and tell you nothing). The
-# check tries made-up executions first, then captures a fresh profile (an MLP of a width that changes each time)
-# and compares with labkit's own ranking, `prof.ops`.
+# **4. The slowest op, from the trace.** Write `slowest_op(events)`: the name of the instruction that took the most
+# time, given `prof.op_events`. An instruction runs many times (once per step); XLA numbers the instructions of a
+# graph (`fusion.3`, `fusion.7`), and each number is an instruction of its own, calling its own fused computation:
+# `fusion.3` and `fusion.7` are two ops, not one `fusion`. The check tries made-up executions first, then captures a
+# fresh profile (an MLP of a width that changes each time) and compares with the time per name it adds up itself.
 
 # %%
 def slowest_op(events):
@@ -619,8 +621,8 @@ def slowest_op(events):
 if ex.solutions_on():
     def slowest_op(events):
         total = {}
-        for e in events:
-            total[e["name"]] = total.get(e["name"], 0.0) + e["dur_us"]   # fusion.3 and fusion.7 apart
+        for e in events:   # every execution of an instruction; fusion.3 and fusion.7 stay apart
+            total[e["name"]] = total.get(e["name"], 0.0) + e["dur_us"]
         return max(total, key=total.get)
 
 

@@ -561,7 +561,8 @@ ex.check("05.dynamic_batch", lambda: nb05.check_dynamic_export(program, model, x
 # %% [markdown]
 # **3.** The key/value cache trades memory for time. Write `kv_cache_bytes(n_layer, n_head, block_size, n_embd,
 # batch)`: the bytes of a float32 cache holding a whole window, predicted before you look; the check compares with
-# the cache `GPT.empty_cache` really allocates, for shapes where the window and the width differ.
+# the cache `GPT.empty_cache` really allocates, for shapes where the window and the width differ, and for one model
+# whose cache takes terabytes (no machine here holds it); allocating a cache inside your function is refused.
 
 # %%
 def kv_cache_bytes(n_layer, n_head, block_size, n_embd, batch):

@@ -409,7 +409,8 @@ else:
 # **4. Fix the plan.** Write `fixed_plan(model, devices)`: `{parameter name: spec}` with every weight matrix split
 # over the `"fsdp"` axis along a dimension that divides by `devices` (the larger one when both do, the first on
 # a tie); biases may stay whole. The check runs it on the virtual devices for a model of another width and
-# reads what each device holds before the first step and after the last.
+# reads what each device holds before the first step and after the last, then asks your plan for a width on the
+# other side of the 64 inputs and for 5 devices, and compares each spec with the rule.
 
 
 # %%

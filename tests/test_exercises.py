@@ -136,3 +136,80 @@ def test_close_says_how_far_off(learner):
     assert ex.close(101.0, 100.0, 0.05, "bytes") == pytest.approx(0.01)
     with pytest.raises(Wrong, match=r"bytes: you say 150, it is 100 \(50% off, within 5% passes\); count the bias"):
         ex.close(150.0, 100.0, 0.05, "bytes", hint="count the bias")
+
+
+def test_exit_and_any_base_exception_in_the_learners_code_is_not_yet(learner, capsys):
+    import sys
+
+    assert ex.check("t.exit", lambda: _check_double(lambda x: sys.exit(3))) is False
+    assert "your code called exit() (SystemExit: 3)" in _said(capsys, "t.exit")
+    assert ex.check("t.exit2", lambda: exit()) is False  # raised by the notebook's check line itself
+    assert "SystemExit" in _said(capsys, "t.exit2")
+
+    def gen_exit(x):
+        raise GeneratorExit("closed")
+
+    assert ex.check("t.gen", lambda: _check_double(gen_exit)) is False
+    assert "your code raised GeneratorExit: closed" in _said(capsys, "t.gen")
+    with pytest.raises(KeyboardInterrupt):  # the learner's own stop still stops
+        ex.check("t.kbd", lambda: _check_double(lambda x: (_ for _ in ()).throw(KeyboardInterrupt)))
+
+
+class _Lib:
+    def __init__(self, n):
+        self.n = n
+
+    def count(self):
+        return 2 * self.n
+
+    @property
+    def size(self):
+        return 3 * self.n
+
+
+def _lib_answer(n):
+    return 2 * n
+
+
+def _wrapper(n):
+    return _lib_answer(n)
+
+
+_wrapper.__wrapped__ = _lib_answer
+
+
+class _Sub(_Lib):
+    def __init__(self, n):
+        super().__init__(n)  # a closure over __class__: the refused code must match it
+
+
+def test_a_refusal_closes_every_path_to_the_function_object(learner):
+    import types
+
+    saved = _lib_answer  # a reference saved before the refusal, as `from x import f` makes
+    bound = _Lib(4).count
+    code_copy = types.FunctionType(_lib_answer.__code__, globals())
+    paths = [
+        lambda: saved(1),
+        lambda: _wrapper.__wrapped__(1),
+        lambda: bound(),
+        lambda: _Lib(1),
+        lambda: _Sub(2),  # a subclass's constructor reaches the refused one through super()
+        lambda: _Lib.__new__(_Lib).size,
+        lambda: code_copy(1),  # a function rebuilt from the code object: caught when the block ends
+    ]
+    for path in paths:
+        with pytest.raises(Wrong, match="count it yourself"):
+            with ex.refusing([_lib_answer, _Lib, _Lib.count, _Lib.size, _Sub], "count it yourself"):
+                path()
+    # everything is back afterwards
+    assert saved(2) == 4 and bound() == 8 and _Sub(2).size == 6 and code_copy(3) == 6
+    with ex.refusing([_lib_answer], "no"):
+        assert 2 * 5 == 10  # the learner's own arithmetic runs
+
+
+def test_a_hint_names_a_mistake_only_when_no_other_gives_that_answer():
+    wrong = {"forgot the values": 50, "forgot the batch": 50, "counted heads twice": 400}
+    assert ex.mistake(50, 100, wrong) == ""  # two mistakes give 50: naming one would mislead
+    assert ex.mistake(400, 100, wrong) == "counted heads twice"
+    assert ex.mistake(100, 100, wrong) == "" and ex.mistake(7, 100, wrong) == ""

@@ -42,6 +42,15 @@ def test_pad_batch(dev):
         nb00.check_pad_batch(lambda x, y: _pad(x.to(dev), y.to(dev)))  # padded on the device: a graph per size
 
 
+def test_pad_batch_compares_gradients_too(dev):
+    def nan_rows(x, y):  # NaN padding rows, labelled -100: the forward loss is right, the gradients are NaN
+        extra = 8 * math.ceil(len(x) / 8) - len(x)
+        return torch.cat([x, torch.full((extra, x.shape[1]), float("nan"))]), F.pad(y, (0, extra), value=-100)
+
+    with pytest.raises(Wrong, match="the loss is right but the gradients are not those of the batch itself"):
+        nb00.check_pad_batch(nan_rows)
+
+
 def test_masked_mean(dev):
     def right(pred, y):
         keep = y >= 0

@@ -53,6 +53,25 @@ def test_feed_bytes_is_measured_by_torch_xla(rt):
         nb01.check_feed_bytes(lambda b, c, h, w: ..., rt)
 
 
+def test_feed_bytes_measured_inside_the_prediction_is_refused(rt):
+    from labkit.loader import DeviceLoader
+
+    def measured(b, c, h, w):  # copy a batch the way the check does, and count
+        x, y = torch.zeros(b, c, h, w), torch.zeros(b, dtype=torch.long)
+        return sum(t.numel() * t.element_size() for t in next(iter(DeviceLoader([(x, y)], rt))))
+
+    with pytest.raises(Wrong, match="runs nothing on the device.*host->device copies"):
+        nb01.check_feed_bytes(measured, rt)
+
+    def small_only(b, c, h, w):  # right wherever a batch fits in memory, a guess beyond
+        return right_bytes(b, c, h, w) if b * c * h * w < 10**8 else 10**10
+
+    with pytest.raises(Wrong, match="the measured batches' rule counted"):
+        nb01.check_feed_bytes(small_only, rt)
+    with pytest.raises(Wrong, match="labels are int64"):
+        nb01.check_feed_bytes(lambda b, c, h, w: b * c * h * w * 4 + 4 * b, rt)
+
+
 def test_feed_bytes_off_xla_uses_the_tensors_sizes(cpu):
     assert "the tensors' sizes" in nb01.check_feed_bytes(right_bytes, cpu)
     with pytest.raises(Wrong, match="the tensors' sizes counted"):
@@ -63,14 +82,29 @@ def rule(sizes):
     return 1 + len(set(sizes[1:]))  # step 0 has no momentum buffer yet: a graph of its own
 
 
-def test_graphs_are_counted_by_torch_xla(rt):
+def test_graphs_are_counted_by_torch_xla(rt, cpu):
     assert "graphs counted by torch_xla" in nb01.check_graphs(rule, rt)
     with pytest.raises(Wrong, match="one graph per distinct size"):
         nb01.check_graphs(lambda sizes: len(set(sizes)), rt)
-    with pytest.raises(Wrong, match="XLA built"):
-        nb01.check_graphs(lambda sizes: len(set(sizes)) + 1, rt)
-    with pytest.raises(Wrong, match="you say 5 graphs, XLA built"):
-        nb01.check_graphs(lambda sizes: 5, rt)  # a hard-coded count (these runs build 2 or 3 graphs)
+    with pytest.raises(Wrong, match="XLA built"):  # the rule's path: no training needed to turn these away
+        nb01.check_graphs(lambda sizes: len(set(sizes)) + 1, cpu)
+    with pytest.raises(Wrong, match="you say 6 graphs, XLA built"):
+        nb01.check_graphs(lambda sizes: 6, cpu)  # a hard-coded count (these runs build 3 to 5 graphs)
+
+
+def test_graphs_a_hard_coded_count_fails_every_call(rt, cpu):
+    for runtime, counts in ((cpu, (2, 3, 4, 5)), (cpu, (2, 3, 4, 5)), (cpu, (2, 3, 4, 5)), (rt, (3,))):
+        for n in counts:
+            with pytest.raises(Wrong, match=f"you say {n} graphs|one graph per distinct size gives {n}"):
+                nb01.check_graphs(lambda sizes, n=n: n, runtime)
+
+
+def test_graphs_counted_inside_the_prediction_is_refused(rt):
+    def measured(sizes):
+        return nb01._train_and_count(rt, sizes)  # train and count, as the check does
+
+    with pytest.raises(Wrong, match="runs nothing on the device.*graph\\(s\\) compiled"):
+        nb01.check_graphs(measured, rt)
 
 
 def test_graphs_refuses_fakes_before_training(rt, cpu):

@@ -66,3 +66,45 @@ def test_step_time():
         nb02.check_step_time(lambda V, T, L, d, b, f: (6 * (params(V, T, L, d) - T * d) + 12 * L * d * d) * b * T / f)
     with pytest.raises(NotDone):
         nb02.check_step_time(...)
+
+
+def _cfg(V, T, L, d):
+    from labkit.models import GPTConfig
+
+    return GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=4, n_embd=d)
+
+
+def test_every_path_to_a_built_model_is_refused():
+    import torch
+
+    from labkit.models import gpt
+    from labkit.models.gpt import GPT  # an import by name: a reference saved before the check runs
+
+    saved_block = gpt.Block
+
+    def on_meta(V, T, L, d):  # the model built without memory: still the measurement
+        with torch.device("meta"):
+            return sum(p.numel() for p in GPT(_cfg(V, T, L, d)).parameters())
+
+    def from_blocks(V, T, L, d):  # a submodule counted instead of the GPT
+        block = sum(p.numel() for p in saved_block(_cfg(V, T, L, d)).parameters())
+        return V * d + T * d + L * block + 2 * d
+
+    def num_params(V, T, L, d):
+        return GPT.num_params(torch.nn.Module()) + T * d
+
+    for answer in (on_meta, from_blocks, num_params):
+        with pytest.raises(Wrong, match="building the model and counting its parameters is the measurement"):
+            nb02.check_gpt_params(answer)
+    with pytest.raises(Wrong, match="building the model"):
+        nb02.check_step_time(lambda V, T, L, d, b, f: GPT(_cfg(V, T, L, d)).flops_per_token() * b * T / f)
+    assert sum(p.numel() for p in GPT(_cfg(97, 40, 1, 32)).parameters()) == params(97, 40, 1, 32)  # restored
+
+
+def test_a_model_too_large_to_build_is_part_of_the_check():
+    # right on every small shape, wrong past a billion parameters (a table of the four small answers, say)
+    def small_only(V, T, L, d):
+        return params(V, T, L, d) if d < 100 else 1_500_000_000
+
+    with pytest.raises(Wrong, match="V=50257"):
+        nb02.check_gpt_params(small_only)

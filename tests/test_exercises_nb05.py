@@ -66,6 +66,38 @@ def test_kv_cache_bytes():
         )
     with pytest.raises(Wrong, match="must be a number"):
         nb05.check_kv_cache_bytes(lambda L, H, T, d, B: torch.tensor(2 * L * B * T * d * 4))
+    with pytest.raises(Wrong, match="one cache per sequence of the batch"):
+        nb05.check_kv_cache_bytes(lambda L, H, T, d, B: 2 * L * T * d * 4)
+
+
+def test_kv_cache_refuses_every_path_to_the_cache():
+    from labkit.models import GPTConfig
+    from labkit.models.gpt import GPT, Block  # saved by name before the check runs
+
+    empty_cache = GPT.empty_cache
+
+    def on_meta(L, H, T, d, B):  # no memory used: still allocating the cache
+        with torch.device("meta"):
+            m = GPT(GPTConfig(block_size=T, n_layer=L, n_head=H, n_embd=d))
+        return empty_cache(m, B, device="meta").nbytes
+
+    def from_a_block(L, H, T, d, B):
+        Block(GPTConfig(block_size=T, n_layer=L, n_head=H, n_embd=d))
+        return 2 * L * B * T * d * 4
+
+    def by_hand(L, H, T, d, B):  # the function called on a stand-in object, never a GPT
+        cfg = GPTConfig(block_size=T, n_layer=L, n_head=H, n_embd=d)
+        return empty_cache(type("M", (), {"cfg": cfg})(), B, device="meta").nbytes
+
+    for answer in (on_meta, from_a_block, by_hand):
+        with pytest.raises(Wrong, match="allocating the cache is the measurement"):
+            nb05.check_kv_cache_bytes(answer)
+
+    def small_only(L, H, T, d, B):  # right wherever a cache fits in memory, a guess beyond
+        return 2 * L * B * T * d * 4 if T < 1000 else 10**12
+
+    with pytest.raises(Wrong, match="T=(8192|32768)"):
+        nb05.check_kv_cache_bytes(small_only)
 
 
 def test_int8_size_without_an_int8_file_checks_the_rule(model_and_x):

@@ -35,10 +35,20 @@ def test_to_sample():
         nb06.check_to_sample(lambda k, im, y, n: dict(right(k, im, y, n), jpg=_jpeg(im[8:, 8:])))
     with pytest.raises(Wrong, match='"jpg" must hold the encoded JPEG as bytes, got ndarray'):
         nb06.check_to_sample(lambda k, im, y, n: dict(right(k, im, y, n), jpg=im))
-    with pytest.raises(Wrong, match=r"labels read from 'json:photo' are"):  # the class name of another class
+    with pytest.raises(Wrong, match=r"sample \d+: json is .* want"):  # the class name of another class
         nb06.check_to_sample(lambda k, im, y, n: dict(right(k, im, y, n), json={"photo": PHOTO_CLASSES[0]}))
-    with pytest.raises(Wrong, match="reading the labels from 'cls' failed"):
+    with pytest.raises(Wrong, match=r"sample 0: cls holds b''"):
         nb06.check_to_sample(lambda k, im, y, n: {a: b for a, b in right(k, im, y, n).items() if a != "cls"})
+    with pytest.raises(Wrong, match=r"sample 0: cls holds b'\w+', the class index is \d+"):  # a loader maps names
+        nb06.check_to_sample(lambda k, im, y, n: dict(right(k, im, y, n), cls=n))
+    cached = {}
+
+    def first_jpeg_cached(k, im, y, n):  # one encoded picture for every sample
+        cached.setdefault("jpg", _jpeg(im, quality=90))
+        return dict(right(k, im, y, n), jpg=cached["jpg"])
+
+    with pytest.raises(Wrong, match=r"sample [1-9]\d*: (jpg is a JPEG|its JPEG differs)"):
+        nb06.check_to_sample(first_jpeg_cached)
     with pytest.raises(Wrong, match='"__key__" must be the key you were given'):
         nb06.check_to_sample(lambda k, im, y, n: dict(right(k, im, y, n), __key__="same"))
 
@@ -58,6 +68,13 @@ def test_eval_loader():
 
     with pytest.raises(Wrong, match=r"batches, want|differs between two passes|not the centre crop"):
         nb06.check_eval_loader(augmented)
+    for _ in range(3):  # the photo count never divides the batch: a dropped last batch fails every call
+        with pytest.raises(Wrong, match=r"batches, want"):
+            nb06.check_eval_loader(
+                lambda urls, b, s: make_loader(
+                    urls, b, train=False, image_size=s, label="json:photo", classes=PHOTO_CLASSES, last_batch="drop"
+                )
+            )
     with pytest.raises(Wrong, match="has no 'cls' field"):
         nb06.check_eval_loader(lambda urls, b, s: make_loader(urls, b, train=False, image_size=s))
     with pytest.raises(Wrong, match="should be"):

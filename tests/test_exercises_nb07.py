@@ -62,6 +62,39 @@ def test_fixed_step(rt):
         nb07.check_fixed_step(lambda m, x, y, lr: ..., rt)
 
 
+def test_fixed_step_reads_counted_by_torch_xla(rt):
+    """Reads the SyncFinder does not see are counted by torch_xla: each fails."""
+    host = torch.zeros(())
+
+    def copy_into_host_buffer(model, x, y, lr):
+        out = right_step(model, x, y, lr)
+        host.copy_(out[0])  # a log kept in a host tensor
+        return out
+
+    def tensorbase_item(model, x, y, lr):
+        out = right_step(model, x, y, lr)
+        torch._C.TensorBase.item(out[0])  # the C method, past Tensor.item
+        return out
+
+    for fake in (copy_into_host_buffer, tensorbase_item):
+        with pytest.raises(Wrong, match=r"6 device->host reads in 6 steps"):
+            nb07.check_fixed_step(fake, rt)
+
+    cache = {}
+
+    def on_the_host(model, x, y, lr):
+        """The whole step on a host copy of the model; only its numbers are sent to the device."""
+        if "m" not in cache:
+            import copy
+
+            cache["m"] = copy.deepcopy(model).cpu()
+        loss, c, n = right_step(cache["m"], x.cpu(), y.cpu(), lr.cpu())
+        return loss.to(x.device), c.to(x.device), n.to(x.device)
+
+    with pytest.raises(Wrong, match="device->host reads|host->device copies|is not what the steps make of it"):
+        nb07.check_fixed_step(on_the_host, rt)
+
+
 def test_fixed_loader():
     def right(dataset, batch_size):
         return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=4)
@@ -86,8 +119,30 @@ def test_fixed_loader():
         sampler = torch.utils.data.RandomSampler(dataset, replacement=True)
         return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=4)
 
-    with pytest.raises(Wrong, match="a sample came twice in one epoch"):
+    with pytest.raises(Wrong, match="a sample came twice in one epoch|batches of 2 shapes"):
         nb07.check_fixed_loader(with_replacement)
+
+    def keeps_the_short_batch(dataset, batch_size):  # no drop_last: the epoch's last batch is short
+        return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=4)
+
+    with pytest.raises(Wrong, match="batches of 2 shapes"):
+        nb07.check_fixed_loader(keeps_the_short_batch)
+
+    def decoded_up_front(dataset, batch_size):  # every sample decoded in the call, then served from memory
+        items = [dataset[i] for i in range(len(dataset))]
+        return torch.utils.data.DataLoader(items, batch_size=batch_size, shuffle=True, drop_last=True)
+
+    with pytest.raises(Wrong, match="samples were decoded before the first batch came"):
+        nb07.check_fixed_loader(decoded_up_front)
+
+    def past_getitem(dataset, batch_size):  # the dataset's tensors read directly: no decoding, no cost
+        ids = torch.arange(len(dataset))
+        for i in range(len(dataset) // batch_size):
+            j = ids[i * batch_size : (i + 1) * batch_size]
+            yield dataset.x[j], dataset.y[j], j
+
+    with pytest.raises(Wrong, match="the rows are not the dataset's items"):
+        nb07.check_fixed_loader(past_getitem)
 
 
 def test_predict_step():
@@ -103,6 +158,10 @@ def test_predict_step():
         nb07.check_predict_step(lambda b, m, mach: 0.01)  # a number from this machine, copied in
     with pytest.raises(Wrong, match="count the weights yourself"):
         nb07.check_predict_step(lambda b, m, mach: 6 * b * capstone.weights(m) / mach.flops)
+    from labkit.lessons.capstone import weights  # an import by name, saved before the check
+
+    with pytest.raises(Wrong, match="count the weights yourself"):
+        nb07.check_predict_step(lambda b, m, mach: 6 * b * weights(m) / mach.flops)
     assert capstone.weights(torch.nn.Linear(3, 2)) == 6  # put back after the check
 
 
@@ -133,10 +192,27 @@ def test_fixed_plan():
         return plan
 
     assert "(1.00x an even split), the same losses as replicated" in nb07.check_fixed_plan(right)
-    with pytest.raises(Wrong, match=r"2.weight \((\d+), \1\): each device holds .*\{replicated\}"):
+    with pytest.raises(Wrong, match=r"2.weight \((\d+), \1\) over 4 devices: left whole"):
         nb07.check_fixed_plan(larger_dim_plan)
-    with pytest.raises(Wrong, match=r"2.weight .* before the first step"):
+    with pytest.raises(Wrong, match=r"2.weight .* left whole"):
         nb07.check_fixed_plan(lambda m, d: {k: v for k, v in right(m, d).items() if k != "2.weight"})
+    hard_coded = {"0.weight": ("fsdp", None), "2.weight": ("fsdp", None), "4.weight": (None, "fsdp")}
+    with pytest.raises(Wrong, match=r"0.weight \(\d+, 64\) over 4 devices: you give|does not split|do not split"):
+        nb07.check_fixed_plan(lambda m, d: dict(hard_coded))  # right above 64 wide only: every call has both
+
+    def larger_if_it_divides(model, devices):  # the larger dimension, whether or not it divides
+        return {
+            n: ("fsdp", None) if p.shape[0] >= p.shape[1] else (None, "fsdp")
+            for n, p in model.named_parameters()
+            if p.dim() == 2
+        }
+
+    with pytest.raises(Wrong, match="do not split over 5 devices"):
+        nb07.check_fixed_plan(larger_if_it_divides)
+    from labkit.lessons.capstone_mesh import reference_plan  # saved by name before the check
+
+    with pytest.raises(Wrong, match="write the rule yourself"):
+        nb07.check_fixed_plan(lambda m, d: reference_plan(m, d))
     with pytest.raises(NotDone):
         nb07.check_fixed_plan(lambda m, d: ...)
     for plan, message in [

@@ -98,6 +98,14 @@ def _where(e: BaseException) -> str:
     return f" (line {f.lineno} of its cell)" if in_a_cell else f" (at {name}:{f.lineno})"
 
 
+def _raised(e: BaseException) -> str:
+    """'your code raised X: first line (where)', for any exception the learner's code raised."""
+    first = str(e).splitlines()[0] if str(e) else ""
+    if isinstance(e, SystemExit):
+        return f"your code called exit() (SystemExit: {e.code}){_where(e)}: a check goes on, return a value instead"
+    return f"your code raised {type(e).__name__}: {first}{_where(e)}"
+
+
 def check(name: str, checker, time_limit: float = TIME_LIMIT_S) -> bool:
     """Run `checker()` (no arguments); print pass or what is wrong. Returns whether it passed.
 
@@ -106,9 +114,9 @@ def check(name: str, checker, time_limit: float = TIME_LIMIT_S) -> bool:
     try:
         with _deadline(time_limit):
             note = checker()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the learner stopped the cell: Run all stops, as it should
         raise
-    except (Exception, TooSlow) as e:
+    except BaseException as e:  # SystemExit (exit()), GeneratorExit, TooSlow, any Exception: "not yet"
         results[name] = False
         if solutions_on():
             raise
@@ -117,7 +125,7 @@ def check(name: str, checker, time_limit: float = TIME_LIMIT_S) -> bool:
         elif isinstance(e, TooSlow):
             why = f"the check ran past {time_limit:g} s: does your code loop forever, or wait on something?"
         else:
-            why = f"your code raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{_where(e)}"
+            why = _raised(e)
         print(f"✗ {name}: not yet: {why}")
         return False
     results[name] = True
@@ -148,9 +156,8 @@ def call(fn, *args, **kwargs):
         out = fn(*args, **kwargs)
     except (Wrong, TooSlow, KeyboardInterrupt):
         raise
-    except Exception as e:
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise Wrong(f"your code raised {type(e).__name__}: {first}{_where(e)}") from None
+    except BaseException as e:  # SystemExit from exit() too: Run all goes on
+        raise Wrong(_raised(e)) from None
     if out is ... or out is None:
         raise NotDone("your function returns nothing yet: replace the ... in its body")
     return out
@@ -194,22 +201,125 @@ def close(got: float, want: float, rel: float, what: str, hint: str = "") -> flo
     return err
 
 
+def mistake(got, want, wrong: dict[str, object]) -> str:
+    """The one mistake that explains `got`: `wrong` maps a hint to the answer that mistake gives. A hint is named only
+    when `got` is not the right answer and exactly one mistake gives it (two mistakes with the same answer leave the
+    learner a question, not a false lead); otherwise ''."""
+    if got == want:
+        return ""
+    hits = [hint for hint, value in wrong.items() if value == got and value != want]
+    return hits[0] if len(hits) == 1 else ""
+
+
+_reasons: list[str] = []  # why each refusal in force refuses, innermost last
+
+
+def _refuse():
+    """What a refused function runs instead of its body (see refusing)."""
+    raise Wrong(_reasons[-1] if _reasons else "the library's own answer is refused here")
+
+
+def _refusing_code(free: int):
+    """A code object that calls _refuse(), with `free` free variables (a function's __code__ can only be swapped
+    for one with as many as its closure has: a method that calls super() has one, `__class__`). It names no global:
+    it runs with the refused function's globals, so it reaches _refuse through the builtin __import__."""
+    names = [f"_v{i}" for i in range(free)]
+    src = "def outer():\n" + "".join(f"    {n} = None\n" for n in names)
+    src += "    def refused(*args, **kwargs):\n"
+    src += f"        {', '.join(names)}\n" if names else ""
+    src += "        __import__('labkit.lessons.exercises', fromlist=['_refuse'])._refuse()\n"
+    src += "    return refused\n"
+    ns: dict = {}
+    exec(src, ns)  # noqa: S102 - fixed text built above, no input in it
+    return ns["outer"]().__code__
+
+
+def _functions(target) -> list:
+    """The plain Python functions behind `target`: a function and every function its __wrapped__ chain reaches,
+    a bound method's, a property's getter, a staticmethod's or classmethod's, a class's own __init__."""
+    import types
+
+    if isinstance(target, type):
+        target = target.__dict__.get("__init__")
+    if isinstance(target, property):
+        target = target.fget
+    out, seen = [], set()
+    while target is not None and id(target) not in seen:
+        seen.add(id(target))
+        if isinstance(target, (types.MethodType, staticmethod, classmethod)):
+            target = target.__func__
+            continue
+        if isinstance(target, types.FunctionType):
+            out.append(target)
+        target = getattr(target, "__wrapped__", None)
+    return out
+
+
 @contextlib.contextmanager
 def refusing(targets, why: str):
-    """While the learner's code runs, each (owner, attribute) in `targets` raises Wrong(why): the library function
-    that computes the answer is the measurement (or the very thing the exercise rebuilds), not the learner's work."""
+    """While the learner's code runs, the library functions in `targets` (functions, methods, properties, classes:
+    their __init__) refuse: they raise Wrong(why). What is refused is the function object itself (its code is
+    swapped), so every path to it is closed: the attribute, a reference saved earlier, `from x import f`, a bound
+    method, a subclass or a submodule that calls it. A function rebuilt from a saved copy of its code object is
+    caught too: the calls of every refused code object are watched (sys.setprofile) and any call is Wrong(why)
+    when the block ends. Used where the library computes the very answer (the measurement, or what the exercise
+    rebuilds)."""
+    import sys
 
-    def refuse(*a, **kw):
-        raise Wrong(why)
+    funcs = list({id(f): f for t in targets for f in _functions(t)}.values())  # once each: restored to its own code
+    saved = [(f, f.__code__) for f in funcs]
+    codes = {id(code) for _, code in saved}
+    reached = []
 
-    saved = [(owner, name, getattr(owner, name)) for owner, name in targets]
-    for owner, name, _ in saved:
-        setattr(owner, name, refuse)
+    def watch(frame, event, arg):
+        if event == "call" and id(frame.f_code) in codes:
+            reached.append(frame.f_code.co_name)
+
+    old_profile = sys.getprofile()
+    _reasons.append(why)
+    for f, code in saved:
+        f.__code__ = _refusing_code(len(code.co_freevars))
+    sys.setprofile(watch)
     try:
         yield
     finally:
-        for owner, name, f in saved:
-            setattr(owner, name, f)
+        sys.setprofile(old_profile)
+        for f, code in saved:
+            f.__code__ = code
+        _reasons.pop()
+    if reached:
+        raise Wrong(why)
+
+
+_DEVICE_WORK = {
+    "CompileTime": "graph(s) compiled",
+    "ExecuteTime": "graph(s) run",
+    "TransferToDeviceTime": "host->device copies",
+    "TransferFromDeviceTime": "device->host copies",
+}
+
+
+@contextlib.contextmanager
+def predicting(rt, what: str = "a prediction"):
+    """Around a learner's prediction: it must make the device do nothing (torch_xla's counts of graphs compiled and
+    run and of copies either way do not move), so running the thing and counting, by whatever path, is Wrong. On a
+    runtime without torch_xla's counters (`rt.reads_metrics` false, or rt None) nothing is watched: the checker's
+    note says so."""
+    if rt is None or not getattr(rt, "reads_metrics", False):
+        yield
+        return
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()  # work queued before the answer runs finishes first: it is not the answer's
+    before = {n: xla_metric(n)[0] for n in _DEVICE_WORK}
+    yield
+    moved = {n: xla_metric(n)[0] - v for n, v in before.items() if xla_metric(n)[0] != v}
+    if moved:
+        said = ", ".join(f"{k} {_DEVICE_WORK[n]}" for n, k in moved.items())
+        raise Wrong(
+            f"{what} runs nothing on the device, the check measures after your answer; while your code ran torch_xla "
+            f"counted {said}: work it out from the inputs"
+        )
 
 
 def xla_metric(name: str) -> tuple[int, float]:

@@ -60,7 +60,7 @@ def _new_fallbacks(before: dict[str, int]) -> dict[str, int]:
 
 def check_pad_batch(pad_batch) -> str:
     """pad_batch(x, y) -> (x_padded, y_padded) on the host: rows up to the next multiple of 8, padding labels
-    -100 (the loss ignores them). Judged by: shapes, a loss equal to the unpadded one, and one compile per
+    -100 (the loss ignores them). Judged by: shapes, a loss and gradients equal to the unpadded batch's, one compile per
     bucket over 8 batch sizes drawn anew on every call (at least one in each of the buckets 8, 16 and 24)."""
     torch_xla, _ = _xla()
     dev = torch_xla.device()
@@ -90,14 +90,22 @@ def check_pad_batch(pad_batch) -> str:
         )
         buckets.add(want)
         loss = F.cross_entropy(lin_x(xp.to(dev)), yp.to(dev), ignore_index=-100)
+        grads = torch.autograd.grad(loss, list(lin_x.parameters()))  # no .grad accumulated: one graph per bucket
         torch_xla.sync()
-        ref = F.cross_entropy(lin(x), y).item()
+        ref = F.cross_entropy(lin(x), y)
+        ref_grads = torch.autograd.grad(ref, list(lin.parameters()))
         got = loss.cpu().item()
         require(
-            abs(got - ref) < 1e-5,
-            f"batch of {n}: the loss of the padded batch is {got:.5f}, of the batch itself {ref:.5f}: padding rows "
-            "must not count (label them -100, cross_entropy's ignore_index)",
+            abs(got - ref.item()) < 1e-5,
+            f"batch of {n}: the loss of the padded batch is {got:.5f}, of the batch itself {ref.item():.5f}: padding "
+            "rows must not count (label them -100, cross_entropy's ignore_index)",
         )
+        for g, r in zip(grads, ref_grads):
+            require(
+                bool(torch.allclose(g.cpu(), r, atol=1e-5)),
+                f"batch of {n}: the loss is right but the gradients are not those of the batch itself (NaN or inf "
+                "in the padding rows? a zero label weight times NaN is NaN): pad with zeros",
+            )
     extra = compiles() - c0
     require(
         extra <= len(buckets),

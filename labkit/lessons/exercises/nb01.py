@@ -16,7 +16,7 @@ import random
 
 import torch
 
-from labkit.lessons.exercises import Wrong, call, integer, require, todo, xla_metric
+from labkit.lessons.exercises import Wrong, call, integer, mistake, predicting, require, todo, xla_metric
 
 __all__ = ["check_feed_bytes", "check_graphs", "check_pad_labels", "check_resume_position", "require"]
 
@@ -44,7 +44,10 @@ def check_feed_bytes(step_bytes, rt) -> str:
     """01.feed_bytes: step_bytes(batch, channels, height, width) -> bytes one training step copies from the host to
     the device: a float32 image batch (N, C, H, W) and its int64 labels. Predicted, then measured: on XLA by
     torch_xla's OutboundData metric while labkit.DeviceLoader (the training loop's way in, sharded under SPMD)
-    copies a real batch of that shape; elsewhere by the sizes of the tensors it put on the device."""
+    copies a real batch of that shape; elsewhere by the sizes of the tensors it put on the device. Then two batches
+    of tens of gigabytes, which no machine here can hold, against the rule the measured ones follow. On XLA the
+    prediction must make the device do nothing (torch_xla's counts): copying a batch and counting is the check's
+    part."""
     from labkit.loader import DeviceLoader
 
     todo(step_bytes)
@@ -52,23 +55,41 @@ def check_feed_bytes(step_bytes, rt) -> str:
     # batches are multiples of 8, so that under SPMD every chip of a host (4 or 8) gets an equal share
     shapes = [(8 * rng.randint(1, 8), rng.choice([1, 3]), rng.choice([28, 32, 48, 64]), 0) for _ in range(4)]
     shapes = [(b, c, h, rng.choice([h, h + 8])) for b, c, h, _ in shapes] + [(16, 3, 32, 40)]
-    for b, c, h, w in shapes:
-        got = integer(call(step_bytes, b, c, h, w), f"step_bytes({b}, {c}, {h}, {w})")
-        x, y = torch.randn(b, c, h, w), torch.randint(0, 10, (b,))
-        rt.sync()
-        before = _outbound_bytes() if rt.reads_metrics else 0
-        (on_device,) = list(DeviceLoader([(x, y)], rt))  # consumed to the end: its thread stops
-        rt.sync()
-        if rt.reads_metrics:
-            want, how = _outbound_bytes() - before, "torch_xla's OutboundData"
+    huge = [(8 * rng.randint(300, 900), 3, rng.choice([384, 512]), rng.choice([512, 640])) for _ in range(2)]
+    how = "the tensors' sizes"
+    for b, c, h, w in shapes + huge:
+        with predicting(rt, "a prediction of the bytes"):
+            got = integer(call(step_bytes, b, c, h, w), f"step_bytes({b}, {c}, {h}, {w})")
+        if (b, c, h, w) in huge:  # tens of GB: the rule the measured batches above followed
+            want, how_here = b * c * h * w * 4 + 8 * b, "the measured batches' rule"
         else:
-            want, how = sum(t.numel() * t.element_size() for t in on_device), "the tensors' sizes"
-        if got == b * c * h * w * 4:
-            raise Wrong(f"batch {b}x{c}x{h}x{w}: that is the images only; the labels travel too (int64: 8 bytes each)")
-        if got in (b * c * h * w + 8 * b, b * c * h * w):
-            raise Wrong("images arrive as float32 (4 bytes per value) after normalising, not as uint8 pixels")
-        require(got == want, f"batch {b}x{c}x{h}x{w}: you say {got:,} bytes, {how} counted {want:,}")
-    return f"{len(shapes)} batch shapes, every byte accounted for by {how}"
+            x, y = torch.randn(b, c, h, w), torch.randint(0, 10, (b,))
+            rt.sync()
+            before = _outbound_bytes() if rt.reads_metrics else 0
+            (on_device,) = list(DeviceLoader([(x, y)], rt))  # consumed to the end: its thread stops
+            rt.sync()
+            if rt.reads_metrics:
+                want, how = _outbound_bytes() - before, "torch_xla's OutboundData"
+            else:
+                want = sum(t.numel() * t.element_size() for t in on_device)
+            how_here = how
+        pixels = b * c * h * w
+        hint = mistake(
+            got,
+            want,
+            {
+                "that is the images only; the labels travel too (int64: 8 bytes each)": pixels * 4,
+                "images arrive as float32 (4 bytes per value) after normalising, not as uint8 pixels": pixels + 8 * b,
+                "labels are int64 (8 bytes each), not int32": pixels * 4 + 4 * b,
+            },
+        )
+        require(
+            got == want,
+            f"batch {b}x{c}x{h}x{w}: you say {got:,} bytes, {how_here} counted {want:,}"
+            + (f": {hint}" if hint else ""),
+        )
+    watched = "" if rt.reads_metrics else " (no XLA here: the prediction's own device work was not watched)"
+    return f"{len(shapes)} batch shapes, every byte accounted for by {how}; two of tens of GB by their rule{watched}"
 
 
 def _new_graphs() -> int:
@@ -95,22 +116,33 @@ def _train_and_count(rt, sizes: list[int]) -> int:
     return _new_graphs() - before
 
 
+def _graph_runs(rng: random.Random) -> list[list[int]]:
+    """Two lists of batch sizes whose graph counts differ from each other (a hard-coded count passes at most one)
+    and from a count of distinct sizes (one where the first size comes back later, one where it never does)."""
+    while True:
+        pool = rng.sample([4, 6, 8, 10, 12, 14, 16, 20], 7)
+        few, many = pool[:2], pool[2:7]
+        back = [few[0], few[1], few[0]] + [rng.choice(few) for _ in range(rng.randint(0, 2))]
+        never = [pool[2]] + rng.sample(many[1:], rng.randint(2, 4))
+        never += [rng.choice(never[1:]) for _ in range(rng.randint(0, 2))]
+        rule = [1 + len(set(r[1:])) for r in (back, never)]
+        if rule[0] != rule[1]:
+            return [back, never] if rng.random() < 0.5 else [never, back]
+
+
 def check_graphs(graphs_compiled, rt) -> str:
     """01.graphs: graphs_compiled(batch_sizes) -> how many graphs XLA builds while a fresh model trains one step
     per entry of batch_sizes (SGD with momentum, a sync after each step). Predicted, then measured on XLA by
-    torch_xla's counters (UncachedCompile + PersistentCacheHit) while a small MLP trains. Off XLA nothing is
-    compiled per shape, so there is nothing to measure: the answer is compared with the rule XLA follows (1 + the
-    distinct sizes after the first step)."""
+    torch_xla's counters (UncachedCompile + PersistentCacheHit) while a small MLP trains, for two lists whose counts
+    differ. On XLA the prediction must make the device do nothing (torch_xla's counts of graphs compiled and run,
+    copies): training and counting is the check's part. Off XLA nothing is compiled per shape, so there is nothing
+    to measure: the answer is compared with the rule XLA follows (1 + the distinct sizes after the first step)."""
     todo(graphs_compiled)
     rng = random.Random(next(_calls))
-    a, b, c = rng.sample([4, 6, 8, 10, 12, 16], 3)
-    # one run where the first size comes back later and one where it never does: a count of distinct sizes,
-    # with or without one more for the first step, is right in only one of them
-    back = [a, b, a] + [rng.choice([a, b]) for _ in range(rng.randint(0, 2))]
-    never = [c] + [rng.choice([a, b]) for _ in range(rng.randint(2, 4))]
-    runs = [back, never] if rng.random() < 0.5 else [never, back]
+    runs = _graph_runs(rng)
     for sizes in runs:
-        got = integer(call(graphs_compiled, list(sizes)), f"graphs_compiled({sizes})")
+        with predicting(rt, "a prediction of the graphs"):
+            got = integer(call(graphs_compiled, list(sizes)), f"graphs_compiled({sizes})")
         want = _train_and_count(rt, sizes) if rt.reads_metrics else 1 + len(set(sizes[1:]))
         if got == len(set(sizes)) != want:
             raise Wrong(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from labkit.lessons.exercises import Wrong, call, close, integer, number, refusing, require, todo, xla_metric
+from labkit.lessons.exercises import Wrong, call, close, integer, mistake, number, refusing, require, todo, xla_metric
 
 __all__ = ["check_bucket", "check_gpt_params", "check_step_time"]
 
@@ -18,7 +18,19 @@ def _no_gpt_building():
     from labkit.models import gpt
 
     why = "predict from the shapes: building the model and counting its parameters is the measurement"
-    return refusing([(gpt.GPT, "__init__")], why)
+    parts = [gpt.GPT, gpt.Block, gpt.CausalSelfAttention, gpt.MLP, gpt.GPT.num_params, gpt.GPT.flops_per_token]
+    return refusing(parts, why)  # every constructor: a Block or an MLP counted instead of the GPT is refused too
+
+
+def _built(cfg: dict):
+    """labkit's GPT of this shape, on the meta device: shapes without memory, so a model far too large for this
+    machine (the last case of each check) is counted for real, in no time."""
+    import torch
+
+    from labkit.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return GPT(GPTConfig(**cfg))
 
 
 _calls = itertools.count(1)
@@ -70,7 +82,8 @@ def _measure_buckets(bucket, block_size: int, rt) -> str:
 
 
 def _configs(k: int):
-    """GPT shapes where V, T, d and L all differ (no formula that mixes them up can pass by luck)."""
+    """GPT shapes where V, T, d and L all differ (no formula that mixes them up can pass by luck): four small ones,
+    then one of billions of parameters (GPT-2 XL and beyond), far too large to build on this machine."""
     rng = random.Random(k)
     out = []
     for _ in range(4):
@@ -84,47 +97,55 @@ def _configs(k: int):
                 n_embd=d,
             )
         )
+    d = 64 * rng.randint(25, 40)
+    out.append(
+        dict(vocab_size=50257, block_size=rng.choice([1024, 2048]), n_layer=rng.randint(36, 60), n_head=16, n_embd=d)
+    )
     return out
 
 
 def check_gpt_params(gpt_params) -> str:
     """02.params: gpt_params(V, T, L, d) -> the parameters of labkit's GPT (biases on, the output layer tied to the
-    token table), predicted from the shapes, then counted on real models of four shapes."""
-    from labkit.models import GPT, GPTConfig
-
+    token table), predicted from the shapes, then counted on real models of four shapes and on one of billions of
+    parameters (built on the meta device, after the answer). Every GPT part's constructor refuses while the
+    learner's code runs."""
     todo(gpt_params)
     for c in _configs(next(_calls)):
         V, T, L, d = c["vocab_size"], c["block_size"], c["n_layer"], c["n_embd"]
         with _no_gpt_building():
             got = integer(call(gpt_params, V, T, L, d), f"gpt_params({V}, {T}, {L}, {d})")
-        want = sum(p.numel() for p in GPT(GPTConfig(**c)).parameters())
-        if got == want + V * d:
-            raise Wrong("the output layer shares the token table (weight tying): count V x d once")
-        if got == want - T * d:
-            raise Wrong("the position table (T x d) is a parameter too")
-        if got == L * 12 * d * d:
-            raise Wrong("12 L d^2 is the matrices of the blocks only: add the embeddings, biases and LayerNorms")
-        require(got == want, f"V={V}, T={T}, L={L}, d={d}: you say {got:,}, the model has {want:,}")
-    return "four shapes, every parameter counted"
+        want = sum(p.numel() for p in _built(c).parameters())
+        hint = mistake(
+            got,
+            want,
+            {
+                "the output layer shares the token table (weight tying): count V x d once": want + V * d,
+                "the position table (T x d) is a parameter too": want - T * d,
+                "12 L d^2 is the matrices of the blocks only: add the embeddings, biases and LayerNorms": L
+                * 12
+                * d
+                * d,
+            },
+        )
+        require(got == want, hint or f"V={V}, T={T}, L={L}, d={d}: you say {got:,}, the model has {want:,}")
+    return f"four shapes and one of {want / 1e9:.1f} B parameters, every parameter counted"
 
 
 def check_step_time(predict_step_s, machine_flops: float | None = None) -> str:
     """02.step_time: predict_step_s(V, T, L, d, batch, flops_per_s) -> seconds of one training step of `batch`
     windows of T bytes at `flops_per_s`, counting 6 FLOPs per parameter per token (without the position table,
     a lookup) and 12 L T d per token for attention's two products. Checked on four shapes within 2 % of labkit's
-    count (GPT.flops_per_token). Why not torch's FlopCounterMode as the reference: on the CPU it counts the matmuls
+    count (GPT.flops_per_token), and on a model of billions of parameters (built on the meta device after the
+    answer); every GPT part's constructor and labkit's own count refuse while the learner's code runs. Why not torch's FlopCounterMode as the reference: on the CPU it counts the matmuls
     exactly (6 per matrix weight per token) but not scaled_dot_product_attention (measured with torch 2.9: 81-84 % of
     6N + 12LTd on three shapes, the attention term missing)."""
-    from labkit.models import GPT, GPTConfig
-
     todo(predict_step_s)
     k = next(_calls)
     rate = machine_flops or 1e11
     for i, c in enumerate(_configs(k)):
         V, T, L, d = c["vocab_size"], c["block_size"], c["n_layer"], c["n_embd"]
         batch, flops_per_s = 4 + 4 * i, rate * (1 + i)
-        model = GPT(GPTConfig(**c))
-        want = model.flops_per_token() * batch * T / flops_per_s
+        want = _built(c).flops_per_token() * batch * T / flops_per_s
         with _no_gpt_building():
             got = number(call(predict_step_s, V, T, L, d, batch, flops_per_s), f"predict_step_s for {c}")
         if abs(got - want / 3) <= 0.02 * want / 3:
@@ -141,4 +162,4 @@ def check_step_time(predict_step_s, machine_flops: float | None = None) -> str:
             f"V={V}, T={T}, L={L}, d={d}, batch {batch}",
             hint="FLOPs per token x tokens per step / FLOP/s",
         )
-    return "four shapes and rates"
+    return "four shapes and one too large to build here, at four rates"

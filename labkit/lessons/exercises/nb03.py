@@ -18,7 +18,7 @@ import random
 
 import torch
 
-from labkit.lessons.exercises import Wrong, call, integer, require, todo, xla_metric
+from labkit.lessons.exercises import Wrong, call, integer, mistake, require, todo, xla_metric
 from labkit.spmd import sharding as S
 
 __all__ = ["check_dp_bytes", "check_fsdp_bytes", "check_fsdp_shard", "check_megatron_bytes", "fsdpv2_layout"]
@@ -30,27 +30,40 @@ _calls = itertools.count(1)
 
 
 def check_dp_bytes(dp_bytes, model, measured_all_reduce_bytes: int | None = None) -> str:
-    """03.dp_bytes: dp_bytes(model) -> the bytes one data-parallel step must all-reduce (every gradient once, at its
-    parameter's size and dtype), checked on models of other sizes and dtypes, then on `model`."""
+    """03.dp_bytes: dp_bytes(model) -> V, the bytes of the gradients one data-parallel step all-reduces (every
+    gradient once, at its parameter's size and dtype; a ring all-reduce then sends about 2V(W-1)/W per device),
+    checked on models of other sizes and dtypes, then on `model`."""
     todo(dp_bytes)
     rng = random.Random(next(_calls))
     w = rng.choice([24, 40, 56])
     others = [
         torch.nn.Sequential(torch.nn.Linear(w, 2 * w), torch.nn.Linear(2 * w, 3)),
-        torch.nn.Sequential(torch.nn.Embedding(rng.choice([50, 70]), w), torch.nn.LayerNorm(w)).to(torch.bfloat16),
+        # mixed dtypes (a bfloat16 table, a float32 norm): 4 bytes for every parameter is then no multiple of the
+        # right answer, so it cannot be mistaken for the all-reduce's 2V
+        torch.nn.Sequential(torch.nn.Embedding(rng.choice([50, 70]), w).to(torch.bfloat16), torch.nn.LayerNorm(w)),
         model,
     ]
     for m in others:
         params = list(m.parameters())
         want = sum(p.numel() * p.element_size() for p in params)
         got = integer(call(dp_bytes, m), "dp_bytes(model)")
-        if got == sum(p.numel() for p in params):
-            raise Wrong("that is the number of parameters; each gradient has its parameter's bytes (4 in float32)")
-        if got == 4 * sum(p.numel() for p in params) and got != want:
-            raise Wrong("a bfloat16 gradient is 2 bytes: use each parameter's element_size()")
-        if got in (2 * want, 3 * want):
-            raise Wrong("each gradient is summed once per step; optimizer state never travels in data parallelism")
-        require(got == want, f"a model of {len(params)} tensors: you say {got:,} bytes, its gradients are {want:,}")
+        count = sum(p.numel() for p in params)
+        hint = mistake(
+            got,
+            want,
+            {
+                "that is the number of parameters; each gradient has its parameter's bytes (4 in float32)": count,
+                "a bfloat16 gradient is 2 bytes: use each parameter's element_size()": 4 * count,
+                "that is about what a ring all-reduce sends per device (2V(W-1)/W); the question is V, the bytes of "
+                "the gradients it reduces": 2 * want,
+                "optimizer state (Adam's two moments) never travels in data parallelism": 3 * want,
+            },
+        )
+        require(
+            got == want,
+            f"a model of {len(params)} tensors: you say {got:,} bytes, its gradients are {want:,}"
+            + (f": {hint}" if hint else ""),
+        )
     note = f"{want:,} B for this GPT"
     if measured_all_reduce_bytes is not None:
         note += f"; XLA all-reduced {measured_all_reduce_bytes:,} B (section 7 explains the rest)"
@@ -211,16 +224,25 @@ def check_megatron_bytes(megatron_bytes) -> str:
     (float32), over the model groups of one data slice."""
     todo(megatron_bytes)
     rng = random.Random(next(_calls))
-    cases = [(16, 16, 32, 1, 4), (64, 128, 256, 4, 4), (8, 8, 48, 2, 1), (32, 64, 64, 3, 8)]
-    cases.append((8 * rng.randint(1, 8), rng.choice([24, 40]), rng.choice([48, 80]), rng.randint(1, 5), 8))
+    # the random case first, where the likely mistakes give different numbers (L of 3 or more, data of 4 or 8)
+    cases = [(8 * rng.randint(1, 8), rng.choice([24, 40]), rng.choice([48, 80]), rng.randint(3, 5), rng.choice([4, 8]))]
+    cases += [(16, 16, 32, 1, 4), (64, 128, 256, 4, 4), (8, 8, 48, 2, 1), (32, 64, 64, 3, 8)]
     for B, T, C, L, data in cases:
         want = 4 * L * (B // data) * T * C * 4
         got = integer(call(megatron_bytes, B, T, C, L, data), f"megatron_bytes({B}, {T}, {C}, {L}, {data})")
-        if got == want:
-            continue
-        if got == 2 * L * (B // data) * T * C * 4:
-            raise Wrong("that is the forward only: backward all-reduces the column-parallel input gradients too")
-        if got == 4 * L * B * T * C * 4:
-            raise Wrong("each model group works on one data slice: B / data sequences, not B")
-        require(got == want, f"B={B}, T={T}, C={C}, L={L}, data={data}: you say {got}, Megatron moves {want}")
+        hint = mistake(
+            got,
+            want,
+            {
+                "that is the forward only: backward all-reduces the column-parallel input gradients too": want // 2,
+                "each model group works on one data slice: B / data sequences, not B": want * data,
+                "float32 activations: 4 bytes per value, not 2": want // 2,
+                "every block all-reduces: times L": want // L,
+            },
+        )
+        require(
+            got == want,
+            f"B={B}, T={T}, C={C}, L={L}, data={data}: you say {got}, Megatron moves {want}"
+            + (f": {hint}" if hint else ""),
+        )
     return "4 all-reduces per block of (B/data, T, C)"

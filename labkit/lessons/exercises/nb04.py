@@ -15,10 +15,11 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import re
 
 import torch
 
-from labkit.lessons.exercises import Wrong, call, integer, refusing, require, todo, xla_metric
+from labkit.lessons.exercises import call, integer, mistake, predicting, refusing, require, todo, xla_metric
 
 __all__ = [
     "check_branch_free",
@@ -48,16 +49,36 @@ def transfers() -> int:
 # -- 1. predict the graphs a sequence of lengths compiles ---------------------------------------------------------
 
 
+def _lengths(rng: random.Random, multiple: int) -> list[int]:
+    """Lengths on which every likely wrong count differs from the right one: the batches themselves, the distinct
+    raw lengths, and (padded) floor or round to the nearest multiple instead of the ceiling."""
+    while True:
+        lengths = [rng.randint(3, max(30, 5 * multiple)) for _ in range(rng.randint(6, 12))]
+        right = len({multiple * math.ceil(n / multiple) for n in lengths})
+        wrong = {len(lengths)}  # every batch its own graph
+        if multiple > 1:  # the raw lengths, the floor, the nearest multiple
+            wrong |= {
+                len(set(lengths)),
+                len({multiple * (n // multiple) for n in lengths}),
+                len({multiple * round(n / multiple) for n in lengths}),
+            }
+        if right not in wrong:
+            return lengths
+
+
 def check_predict_graphs(predict_graphs, rt) -> str:
     """04.graphs: predict_graphs(lengths, multiple) -> how many graphs XLA compiles for batches of these lengths,
     each padded up to a multiple of `multiple` (1: no padding). Measured by running a small op on every padded
-    batch, with a feature width of its own so no earlier graph is reused. Exact: a count of graphs."""
+    batch, with a feature width of its own so no earlier graph is reused. Lengths are drawn so that counting the
+    batches, the raw lengths, or padding with floor or round gives another number. On XLA the prediction must make
+    the device do nothing (torch_xla's counts). Exact: a count of graphs."""
     todo(predict_graphs)
     rng = random.Random(next(_calls))
     notes = []
     for multiple in (1, rng.choice([4, 8]), 16):
-        lengths = [rng.randint(3, 30) for _ in range(rng.randint(6, 12))]
-        got = integer(call(predict_graphs, list(lengths), multiple), f"predict_graphs({lengths}, {multiple})")
+        lengths = _lengths(rng, multiple)
+        with predicting(rt, "a prediction of the graphs"):
+            got = integer(call(predict_graphs, list(lengths), multiple), f"predict_graphs({lengths}, {multiple})")
         padded = [multiple * math.ceil(n / multiple) for n in lengths]
         if rt.reads_metrics:
             w = torch.randn(next(_widths), 3, device=rt.device)
@@ -70,11 +91,25 @@ def check_predict_graphs(predict_graphs, rt) -> str:
             want = compiles() - c0
         else:
             want = len(set(padded))
-        if got == len(lengths) and want != got:
-            raise Wrong(f"{len(lengths)} batches, but batches of a length XLA has seen reuse its graph")
-        if got == len(set(lengths)) and want != got:
-            raise Wrong(f"padded to multiples of {multiple}, several lengths share one padded shape")
-        require(got == want, f"lengths {lengths}, multiple {multiple}: you say {got}, XLA compiled {want}")
+        hint = mistake(
+            got,
+            want,
+            {
+                f"{len(lengths)} batches, but batches of a length XLA has seen reuse its graph": len(lengths),
+                f"padded to multiples of {multiple}, several lengths share one padded shape": len(set(lengths)),
+                "padding rounds up (a batch is never cut): the ceiling, not the floor": len(
+                    {multiple * (n // multiple) for n in lengths}
+                ),
+                "padding rounds up (a batch is never cut): the ceiling, not the nearest multiple": len(
+                    {multiple * round(n / multiple) for n in lengths}
+                ),
+            },
+        )
+        require(
+            got == want,
+            f"lengths {lengths}, multiple {multiple}: you say {got}, XLA compiled {want}"
+            + (f": {hint}" if hint else ""),
+        )
         notes.append(f"{want} for {len(lengths)} batches (x{multiple})")
     return ", ".join(notes) + ("" if rt.reads_metrics else " (not measured: no XLA here)")
 
@@ -100,7 +135,8 @@ def guarded_loop(w, steps: int, log_every: int, sync) -> float:
 def check_predict_reads(predict_reads, rt) -> str:
     """04.reads: predict_reads(steps, log_every) -> the device->host transfers guarded_loop makes. Measured by
     torch_xla's TransferFromDeviceTime count over three random (steps, log_every), where steps is no multiple of
-    log_every (so steps // log_every and its ceiling differ). Exact: a count of transfers."""
+    log_every (so steps // log_every and its ceiling differ). guarded_loop itself refuses, and on XLA the prediction
+    must make the device do nothing (torch_xla's counts), while the learner's code runs. Exact: a count."""
     import contextlib
     import io
 
@@ -110,7 +146,9 @@ def check_predict_reads(predict_reads, rt) -> str:
     for _ in range(3):
         log_every = rng.randint(2, 6)
         steps = log_every * rng.randint(2, 4) + rng.randint(1, log_every - 1)
-        got = integer(call(predict_reads, steps, log_every), f"predict_reads({steps}, {log_every})")
+        with refusing([guarded_loop], "predict from the loop's code: running it and counting is the check's part"):
+            with predicting(rt, "a prediction of the reads"):
+                got = integer(call(predict_reads, steps, log_every), f"predict_reads({steps}, {log_every})")
         if rt.reads_metrics:
             w = torch.randn(16, 16, device=rt.device)
             rt.sync()
@@ -120,11 +158,23 @@ def check_predict_reads(predict_reads, rt) -> str:
             want = transfers() - t0
         else:
             want = steps + math.ceil(steps / log_every) + 1  # the loop's reads as written: nothing counts them here
-        if got == steps // log_every + steps + 1 and want != got:
-            raise Wrong(f"{steps} steps, a log every {log_every}: the log runs at step 0 too (step % {log_every} == 0)")
-        if got == math.ceil(steps / log_every) + 1 and want != got:
-            raise Wrong(f"{steps} steps: an `if` on a device tensor is a read too, every time it runs")
-        require(got == want, f"{steps} steps, log every {log_every}: you say {got}, torch_xla counted {want} transfers")
+        logs = math.ceil(steps / log_every)
+        hint = mistake(
+            got,
+            want,
+            {
+                # these two always agree when steps is no multiple of log_every: neither is named
+                f"the log runs at step 0 too (step % {log_every} == 0)": steps // log_every + steps + 1,
+                "the mean at the end is a read too (total.item())": steps + logs,
+                "an `if` on a device tensor is a read too, every time it runs": logs + 1,
+                "the log's loss.item() is a read of its own, besides the guard": steps + 1,
+            },
+        )
+        require(
+            got == want,
+            f"{steps} steps, log every {log_every}: you say {got}, torch_xla counted {want} transfers"
+            + (f": {hint}" if hint else ""),
+        )
         notes.append(f"{want} for ({steps}, {log_every})")
     return ", ".join(notes) + ("" if rt.reads_metrics else " (not measured: no XLA transfer counter here)")
 
@@ -206,56 +256,87 @@ def _capture(rt, width: int, out_dir: str):
     return trainer.profiles[-1]
 
 
-def _made_up(rng: random.Random) -> tuple[list[dict], str]:
-    """Executions where the op called most often is not the slowest, nor the one with the longest single run, and
-    XLA's numbered instructions (fusion.1, fusion.2) are ops of their own: (events, the slowest op's name)."""
-    a, b, c = rng.sample(["dot", "fusion", "convolution", "add", "reduce", "copy"], 3)
-    events = [{"name": f"{a}.1", "ts": 0.0, "dur_us": 30.0} for i in range(6)]  # 180 us in 6 short runs
-    events += [{"name": f"{c}.{i}", "ts": 0.0, "dur_us": 40.0} for i in range(2, 4)]  # 160 us if summed by kind
-    events += [{"name": b, "ts": 0.0, "dur_us": 1.0} for _ in range(40)]  # the most calls: 40 us
-    events += [{"name": c, "ts": 0.0, "dur_us": 120.0}]  # the longest single run: 120 us
+def _made_up(rng: random.Random) -> list[dict]:
+    """Executions of XLA instructions where the answer is one instruction, and each wrong reading gives another:
+    instances of one op summed by their base name (fusion.1 + fusion.2 + ... : separate instructions, each calling its
+    own fused computation), the instruction run most often, the longest single run."""
+    a, b, c, d = rng.sample(["dot", "fusion", "convolution", "add", "reduce", "copy", "transpose"], 4)
+    n = rng.sample(range(1, 40), 8)
+    slow = 150.0 + rng.randint(0, 20)
+    events = [{"name": f"{a}.{n[0]}", "dur_us": slow / 3} for _ in range(3)]  # the slowest instruction
+    events += [{"name": f"{b}.{n[1 + i]}", "dur_us": 40.0} for i in range(4) for _ in range(2)]  # 4 x 80: b wins summed
+    events += [{"name": f"{c}.{n[5]}", "dur_us": 1.0} for _ in range(40)]  # the most runs: 40 us
+    events += [{"name": f"{d}.{n[6]}", "dur_us": 120.0}]  # the longest single run
     rng.shuffle(events)
     for i, e in enumerate(events):
         e["ts"] = 10.0 * i
-    return events, f"{a}.1"
+    return events
+
+
+def _per_instruction(events) -> dict[str, float]:
+    """Microseconds per instruction name (`fusion.3` and `fusion.7` apart), computed here, not by labkit."""
+    total: dict[str, float] = {}
+    for e in events:
+        total[e["name"]] = total.get(e["name"], 0.0) + float(e["dur_us"])
+    return total
+
+
+def _judge_slowest(got, events, where: str) -> str:
+    total = _per_instruction(events)
+    want = max(total, key=total.get)
+    by_base: dict[str, float] = {}
+    runs: dict[str, int] = {}
+    for e in events:
+        base = re.sub(r"\.\d+$", "", e["name"])
+        by_base[base] = by_base.get(base, 0.0) + float(e["dur_us"])
+        runs[e["name"]] = runs.get(e["name"], 0) + 1
+    require(isinstance(got, str), f"return the instruction's name (a str), not a {type(got).__name__}")
+    got = str(got)
+    hint = mistake(
+        got,
+        want,
+        {
+            "fusion.3 and fusion.7 are two instructions, each calling its own computation: add up each name's "
+            "executions, do not merge them by base name": max(by_base, key=by_base.get),
+            "the instruction run most often is not the one that took the most time": max(runs, key=runs.get),
+            "add up every execution of an instruction, not its longest single run": max(
+                events, key=lambda e: e["dur_us"]
+            )["name"],
+        },
+    )
+    require(
+        got == want,
+        f"{where}: you say {got!r} ({total.get(got, 0.0):.0f} us in all), {want!r} took {total[want]:.0f} us"
+        + (f": {hint}" if hint else ""),
+    )
+    return want
 
 
 def check_slowest_op(slowest_op, rt) -> str:
-    """04.slowest: slowest_op(events) -> the name of the op that took the most time in a capture, from its executions
-    ({"name", "ts", "dur_us"}: `Analysis.op_events`), each of XLA's numbered instructions (`fusion.3`) an op.
-    Judged on made-up executions (the most frequent op and the longest single run are not the answer), then on a
-    fresh capture of an MLP whose width changes with every call, against labkit's own ranking (`Analysis.ops`)
-    of that capture; labkit's ranking refuses while the learner's code runs."""
+    """04.slowest: slowest_op(events) -> the name of the instruction that took the most time in a capture, from its
+    executions ({"name", "ts", "dur_us"}: `Analysis.op_events`); XLA's numbered instructions (`fusion.3`,
+    `fusion.7`) are distinct, each calling its own fused computation. Judged on made-up executions (where merging
+    numbered names by their base, the most frequent instruction and the longest single run each give another
+    answer), then on a fresh capture of an MLP whose width changes with every call; the expectation is the sum per
+    name computed in the checker. labkit's ranking (analysis.rank_ops) refuses while the learner's code runs."""
     import tempfile
 
     from labkit.profiling import analysis
 
     todo(slowest_op)
     rng = random.Random(next(_calls))
-    events, want = _made_up(rng)
+    events = _made_up(rng)
     why = "rank the executions yourself: labkit's own ranking is what the check compares with"
-    with refusing([(analysis, "rank_ops")], why):
+    with refusing([analysis.rank_ops], why):
         got = call(slowest_op, [dict(e) for e in events])
-    require(isinstance(got, str), f"return the op's name (a str), not a {type(got).__name__}")
-    total = {}
-    for e in events:
-        total[e["name"]] = total.get(e["name"], 0.0) + e["dur_us"]
-    require(
-        str(got) == want,
-        f"you say {got!r}; on made-up executions {want!r} took {total[want]:.0f} us in all, {got!r} "
-        f"{total.get(str(got), 0.0):.0f} us: add up every execution of an op (each numbered instruction, "
-        "fusion.1 or fusion.2, is an op of its own), do not take the most frequent op or the longest single run",
-    )
+    _judge_slowest(got, events, "on made-up executions")
     with tempfile.TemporaryDirectory() as d:
         prof = _capture(rt, rng.choice(range(96, 400, 8)), d)
-        ranked = prof.ops
-        require(bool(ranked), f"the capture in {prof.folder} holds no ops to rank ({prof.backend})")
-        with refusing([(analysis, "rank_ops")], why):
-            got = call(slowest_op, [dict(e) for e in prof.op_events])
-    want, seconds, count = ranked[0]
-    require(
-        isinstance(got, str) and str(got) == want,
-        f"on a fresh capture you say {got!r}; the slowest op is {want!r} ({1e3 * seconds:.2f} ms in {count} runs)",
-    )
-    where = "device ops (XLA)" if prof.backend in ("tpu", "xla-cpu") else f"ops ({prof.backend})"
-    return f"{want!r}: {1e3 * seconds:.2f} ms in {count} runs, of {len(ranked)} {where} in a fresh capture"
+        captured = [dict(e) for e in prof.op_events]
+        require(bool(captured), f"the capture in {prof.folder} holds no ops to rank ({prof.backend})")
+        with refusing([analysis.rank_ops], why):
+            got = call(slowest_op, [dict(e) for e in captured])
+    want = _judge_slowest(got, captured, "on a fresh capture")
+    total = _per_instruction(captured)
+    where = "device instructions (XLA)" if prof.backend in ("tpu", "xla-cpu") else f"ops ({prof.backend})"
+    return f"{want!r}: {total[want] / 1e3:.2f} ms, of {len(total)} {where} in a fresh capture"

@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from labkit.lessons.exercises import Wrong, call, close, integer, number, refusing, require, todo, xla_metric
+from labkit.lessons.exercises import Wrong, call, close, integer, mistake, number, refusing, require, todo, xla_metric
 
 __all__ = ["check_dynamic_export", "check_int8_size", "check_kv_cache_bytes", "check_to_host"]
 
@@ -100,28 +100,42 @@ def check_dynamic_export(program, model, x: torch.Tensor) -> str:
 def check_kv_cache_bytes(kv_cache_bytes) -> str:
     """05.kv_cache: kv_cache_bytes(n_layer, n_head, block_size, n_embd, batch) -> bytes of a float32 key/value
     cache for a whole window, predicted, then compared with the cache labkit's GPT really allocates (empty_cache)
-    for four shapes where the window and the width differ. Building a GPT or calling empty_cache inside the answer is
-    refused: that is the measurement."""
-    from labkit.models import GPT, GPTConfig
+    for four shapes where the window and the width differ, and for one model far too large for this machine (its
+    cache made on the meta device, after the answer). Every GPT part's constructor and the cache functions refuse
+    while the learner's code runs: allocating the cache is the measurement."""
+    from labkit.models import GPTConfig, gpt
 
     todo(kv_cache_bytes)
     rng = random.Random(next(_calls))
+    shapes = []
     for _ in range(4):
         L, H = rng.randint(1, 4), rng.choice([2, 4])
-        d, T, B = H * rng.choice([8, 16]), rng.choice([24, 40, 72]), rng.randint(1, 5)
-        with refusing(
-            [(GPT, "__init__"), (GPT, "empty_cache")],
-            "predict from the shapes: allocating the cache is the measurement",
-        ):
+        shapes.append(
+            (L, H, rng.choice([24, 40, 72]), H * rng.choice([8, 16]), rng.choice([3, 5, 6, 7]))
+        )  # not 2 or 4: dropping the batch would look like dropping K/V or the 4 bytes
+    shapes.append((rng.randint(60, 96), 64, rng.choice([8192, 32768]), 64 * 128, rng.randint(9, 40)))  # terabytes
+    parts = [gpt.GPT, gpt.Block, gpt.CausalSelfAttention, gpt.MLP, gpt.GPT.empty_cache, gpt.GPT.forward_cached]
+    for L, H, T, d, B in shapes:
+        with refusing(parts, "predict from the shapes: allocating the cache is the measurement"):
             got = integer(call(kv_cache_bytes, L, H, T, d, B), f"kv_cache_bytes({L}, {H}, {T}, {d}, {B})")
-        cache = GPT(GPTConfig(block_size=T, n_layer=L, n_head=H, n_embd=d)).empty_cache(B)
+        with torch.device("meta"):  # shapes without memory: the cache of the largest model too
+            cache = gpt.GPT(GPTConfig(block_size=T, n_layer=L, n_head=H, n_embd=d, vocab_size=64)).empty_cache(B)
         want = cache.numel() * cache.element_size()
-        if got == want // 2:
-            raise Wrong("keys AND values: two tensors per layer")
-        if got == want * H:
-            raise Wrong("the heads split the width: n_head x head_dim = n_embd, count it once")
-        require(got == want, f"L={L}, heads={H}, T={T}, d={d}, batch {B}: you say {got:,}, the cache is {want:,} bytes")
-    return "four shapes: 2 x layers x batch x window x width x 4 bytes"
+        hint = mistake(
+            got,
+            want,
+            {
+                "keys AND values: two tensors per layer": want // 2,
+                "the heads split the width: n_head x head_dim = n_embd, count it once": want * H,
+                "one cache per sequence of the batch": want // B,
+                "float32: 4 bytes per value": want // 4,
+            },
+        )
+        require(
+            got == want,
+            hint or f"L={L}, heads={H}, T={T}, d={d}, batch {B}: you say {got:,}, the cache is {want:,} bytes",
+        )
+    return f"four shapes and one of {want / 1e12:.1f} TB: 2 x layers x batch x window x width x 4 bytes"
 
 
 def _from_device() -> tuple[int, int]:
@@ -156,8 +170,7 @@ def check_to_host(to_host, rt) -> str:
     state = model.to(rt.device).state_dict()  # the tensors a training run holds on its device
     rt.sync()  # the upload and any pending work done: what is counted below is the learner's copy alone
     before = _from_device() if rt.reads_metrics else (0, 0)
-    library = [(_xla, "to_cpu"), (_xla, "cpu_tensors"), (accumulate, "to_host")]
-    library += [(checkpoint_state, "to_cpu"), (checkpoint_state, "to_host")]
+    library = [_xla.to_cpu, _xla.cpu_tensors, accumulate.to_host, checkpoint_state.to_cpu]
     with refusing(library, "write the copy yourself: labkit's own to_cpu/to_host is what this exercise rebuilds"):
         out = call(to_host, state)
     after = _from_device() if rt.reads_metrics else (0, 0)

@@ -62,10 +62,56 @@ def _photos(k: int, n: int):
     return sample_photos(n, seed=1000 + k, sides=(64, 200))
 
 
+def _stored(urls) -> dict[str, dict[str, bytes]]:
+    """Every sample's fields as the tar files hold them: {key: {extension: bytes}}, read with tarfile (no loader
+    that could map or forgive a field)."""
+    import tarfile
+
+    out: dict[str, dict[str, bytes]] = {}
+    for url in urls:
+        with tarfile.open(url) as tar:
+            for member in tar.getmembers():
+                if member.isfile():
+                    key, _, ext = member.name.partition(".")
+                    out.setdefault(key, {})[ext] = tar.extractfile(member).read()
+    return out
+
+
+def _same_sample(fields: dict[str, bytes], image, label: int, name: str, i: int) -> None:
+    """One written sample, byte by byte: `cls` the class index as text, `json` {"photo": name}, `jpg` a JPEG of
+    this very photo (not another one, not the first one cached)."""
+    import json
+
+    from PIL import Image
+
+    require(
+        fields.get("cls", b"").strip() == str(label).encode(),
+        f"sample {i}: cls holds {fields.get('cls', b'')[:20]!r}, the class index is {label}: store the index (an int)",
+    )
+    try:
+        meta = json.loads(fields.get("json", b"null"))
+    except ValueError:
+        raise Wrong(f"sample {i}: json holds {fields.get('json', b'')[:30]!r}, not JSON") from None
+    require(
+        isinstance(meta, dict) and meta.get("photo") == name,
+        f'sample {i}: json is {meta!r}, want {{"photo": {name!r}}}',
+    )
+    try:
+        im = Image.open(io.BytesIO(fields.get("jpg", b"")))
+        im.load()
+    except Exception as e:
+        raise Wrong(f"sample {i}: jpg is not an image Pillow can open: {e}") from None
+    h, w = image.shape[:2]
+    require(im.format == "JPEG" and im.size == (w, h), f"sample {i}: jpg is a {im.format} {im.size}, the photo {w}x{h}")
+    diff = float(np.abs(np.asarray(im.convert("RGB"), dtype=np.int16) - image).mean())
+    require(diff < 12, f"sample {i}: its JPEG differs from its photo by {diff:.0f} grey levels: another picture?")
+
+
 def check_to_sample(to_sample) -> str:
     """06.to_sample: to_sample(key, image, label, class_name) -> a dict for ShardWriter. Judged by writing the
     dicts with ShardWriter and reading the shards back: the key, a JPEG of the same picture, the class index in
-    `cls` and the class name under "photo" in `json` (the loader reads labels from both)."""
+    `cls` and the class name under "photo" in `json` (the loader reads labels from both). Every written sample's
+    stored bytes are read back with tarfile and compared with its own photo, index and name."""
     from PIL import Image
 
     from data_tools import make_loader
@@ -95,6 +141,13 @@ def check_to_sample(to_sample) -> str:
             raise
         except Exception as e:
             raise Wrong(f"webdataset's ShardWriter cannot write your dict: {type(e).__name__}: {e}") from None
+        stored = _stored(urls)
+        require(
+            sorted(stored) == [f"photo{i:05d}" for i in range(len(images))],
+            f"the shards hold the keys {sorted(stored)[:3]}...: use the key you were given",
+        )
+        for i, (img, y) in enumerate(zip(images, labels)):
+            _same_sample(stored[f"photo{i:05d}"], img, int(y), classes[int(y)], i)
         for label in ("cls", "json:photo"):
             ld = make_loader(urls, 4, train=False, image_size=32, label=label, classes=classes, num_samples=12)
             try:
@@ -102,7 +155,7 @@ def check_to_sample(to_sample) -> str:
             except Exception as e:
                 raise Wrong(f"reading the labels from {label!r} failed: {e}") from None
             require(got == [int(v) for v in labels], f"labels read from {label!r} are {got}, written {labels.tolist()}")
-    return "12 photos written with ShardWriter and read back: same pictures, labels in cls and json"
+    return "12 photos written with ShardWriter, every stored field read back: same pictures, index in cls, name in json"
 
 
 def check_eval_loader(eval_loader) -> str:
@@ -117,7 +170,8 @@ def check_eval_loader(eval_loader) -> str:
 
     todo(eval_loader)
     k = next(_calls)
-    n, batch, size = 22 + k % 5, 8 + 4 * (k % 2), 40 + 8 * (k % 3)
+    batch, size = 8 + 4 * (k % 2), 40 + 8 * (k % 3)
+    n = 2 * batch + 1 + (7 * k) % (batch - 1)  # never a multiple of the batch: there is a short last batch
     images, labels, classes = _photos(k, n)
 
     def json_only(key, img, y, name):
