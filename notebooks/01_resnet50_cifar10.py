@@ -685,7 +685,8 @@ info = labkit.explain(dash)
 # `python -m labkit.train resnet --epochs 8` on one TPU VM (every chip, SPMD), on every host of a pod slice, or under
 # `torchrun` (README: *Scale out*).
 #
-# Next: `02_transformer_lm.ipynb` trains a GPT-style transformer with the same `labkit` calls.
+# Next: `06_bring_your_own_webdataset.ipynb` streams a WebDataset no labkit code wrote (photos of any size) through the
+# same loader; then `02_transformer_lm.ipynb` trains a GPT-style transformer with the same `labkit` calls.
 #
 # **Where this goes next (TorchTPU, torch_xla's successor; not run here).** Ends with torch_xla: `ParallelLoader`'s
 # upload thread, SPMD through `xs.mark_sharding`, and the metrics `explain` reads. Carries over: WebDataset shards
