@@ -59,7 +59,7 @@ class Params:
     lr: float = 3e-3  # AdamW
     warmup: int = 5  # linear warm-up steps of section 4's schedule
     seed: int = 0
-    backend: str = "inductor"  # section 2's compiler; "tpu" would be TorchTPU's (needs a TPU VM and torch >= 2.11)
+    compile_backend: str = "inductor"  # section 2's compiler; "tpu" would be TorchTPU's (needs a TPU VM and torch >= 2.11)
     FAST = {"steps": 8, "hidden": 64, "warmup": 3}
 
 
@@ -232,7 +232,7 @@ torch._dynamo.reset()
 # `dynamic=False`: every shape is a constant, as on XLA; a new shape compiles a new graph instead of a graph with
 # symbolic sizes. It is what TorchTPU's guide asks for (not verified here), and what makes the step's graphs
 # predictable. The backend is one
-# argument (`P.backend`: Inductor here, `"tpu"` on TorchTPU).
+# argument (`P.compile_backend`: Inductor here, `"tpu"` on TorchTPU).
 
 # %%
 torch._dynamo.reset()
@@ -241,12 +241,12 @@ model = make_model()
 opt = torch.optim.AdamW(model.parameters(), lr=P.lr)
 
 
-@torch.compile(dynamic=False, backend=P.backend)
+@torch.compile(dynamic=False, backend=P.compile_backend)
 def loss_of(x, y):  # forward and loss: one graph; AOTAutograd compiles its backward with it
     return F.cross_entropy(model(x), y)
 
 
-@torch.compile(dynamic=False, backend=P.backend)
+@torch.compile(dynamic=False, backend=P.compile_backend)
 def opt_step():  # the update: its own graph (Optimizer.step breaks around itself)
     opt.step()
 
@@ -269,7 +269,7 @@ steady_s = (time.perf_counter() - t0) / max(1, len(batches) - 1)
 graphs = counters["stats"]["unique_graphs"]
 breaks = dict(counters["graph_break"])
 worst = max(abs(a - b) for a, b in zip(eager, compiled))
-print(f"{P.backend}: first step {first_s:.1f} s (compiling), then {steady_s * 1e3:.1f} ms a step")
+print(f"{P.compile_backend}: first step {first_s:.1f} s (compiling), then {steady_s * 1e3:.1f} ms a step")
 print(f"{graphs} graphs; graph breaks: {[k.splitlines()[0] for k in breaks]} x {list(breaks.values())}")
 print(f"largest |eager - compiled| loss over {len(compiled)} steps: {worst:.2e}")
 assert graphs == 2, "one graph for the loss (with its backward), one for the optimizer's update"
