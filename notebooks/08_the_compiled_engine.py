@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # The compiled engine: `torch.compile` and DTensor, the step GPUs and TorchTPU run
+# # The compiled engine: torch.compile and DTensor, the step GPUs and TorchTPU run
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/08_the_compiled_engine.ipynb)
 #
