@@ -10,6 +10,7 @@ import inspect
 import io
 import warnings
 
+import pytest
 import torch
 
 import labkit
@@ -18,6 +19,11 @@ from labkit.dashboard import ConsoleSink
 from labkit.dashboard.dynamo import CompileRecord, break_text, parse_break, recompile_text
 from labkit.dashboard.view import health_lines
 from tests.helpers import blobs, mlp
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _xla_first():
+    labkit.setup("xla-cpu")  # XLA's devices start before any backward in this process (labkit.device says why)
 
 
 def _line_of(fn, text: str) -> int:

@@ -36,6 +36,9 @@ def xla_first():
     give this module's compiled models torch.compile's caches to themselves (8 entries per function)."""
     labkit.setup("xla-cpu")
     torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # process-wide: graph breaks other modules planted (tests/test_compile_instruments.py) are not ours
     yield
     torch._dynamo.reset()
 
