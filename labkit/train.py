@@ -30,6 +30,7 @@ import time
 import typing
 
 from labkit.config import fast_mode, from_env, parse_bool
+from labkit.optim import scaled_lr
 
 
 @dataclasses.dataclass
@@ -42,6 +43,7 @@ class ResNetParams:
     samples_per_shard: int = 2500
     upsample: int = 1
     batch_size: int = 128
+    accum_steps: int = 1  # micro-batches per optimizer step: the global batch is batch_size x chips x this
     spmd: str = "auto"
     epochs: int = 8
     max_steps: int = 0
@@ -206,14 +208,18 @@ def run_resnet(P: ResNetParams, backend=None) -> dict:
     manifests = recipes.image_shards(source, data, P.upsample, P.samples_per_shard)
     classes = load_manifest(manifests["train"])["class_names"]
     train, val = recipes.image_loaders(manifests, plan, rt, num_workers=P.num_workers, seed=P.seed)
-    model, optimizer = recipes.build_resnet(len(classes), P.cifar_stem, P.optimizer, P.lr, P.seed, rt)
+    # lr was set for one chip's batch: scaled to the global one as notebook 01 does (SGD linear, AdamW square root)
+    global_batch = plan.global_batch * P.accum_steps
+    lr = scaled_lr(P.lr, P.batch_size, global_batch, "linear" if P.optimizer == "sgd" else "sqrt")
+    model, optimizer = recipes.build_resnet(len(classes), P.cifar_stem, P.optimizer, lr, P.seed, rt)
     cfg = labkit.TrainConfig(
         epochs=P.epochs,
         max_steps=P.max_steps,
         log_every=P.log_every,
-        checkpoint_every=P.checkpoint_every or len(train),
+        accum_steps=P.accum_steps,
+        checkpoint_every=P.checkpoint_every or len(train) // P.accum_steps,
     )
-    total = min(cfg.epochs * len(train), cfg.max_steps or 10**12)
+    total = min(cfg.epochs * (len(train) // P.accum_steps), cfg.max_steps or 10**12)
     ckpt = CheckpointManager(f"{ckpt_root}/{time.strftime('run-%Y%m%d-%H%M%S')}", keep=2, rt=rt)
     trainer = labkit.Trainer(
         model,
