@@ -19,10 +19,10 @@ import os
 import warnings
 from collections import Counter
 
+from labkit.codepaths import is_labkit_file, under
 from labkit.dashboard.syncs import Site, user_site
 
 SYNC_WARNING = "called a synchronizing CUDA operation"  # the text of torch's warning in sync debug mode "warn"
-_LABKIT = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
 
 
 def applies(rt) -> bool:
@@ -38,15 +38,12 @@ def _from_labkit() -> bool:
 
     import torch
 
-    skip = (
-        os.path.dirname(os.path.realpath(torch.__file__)) + os.sep,
-        os.path.realpath(sysconfig.get_paths()["stdlib"]),
-    )
+    skip = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"])
     f = sys._getframe(2)
     while f is not None:
-        fn = os.path.realpath(f.f_code.co_filename)
-        if not fn.startswith(skip) and not f.f_code.co_filename.startswith("<frozen"):
-            return fn.startswith(_LABKIT) and not fn.startswith(os.path.join(_LABKIT, "dashboard", "cuda_syncs.py"))
+        fn = f.f_code.co_filename
+        if not under(fn, *skip) and not fn.startswith("<frozen"):
+            return is_labkit_file(fn) and os.path.realpath(fn) != os.path.realpath(__file__)
         f = f.f_back
     return False
 

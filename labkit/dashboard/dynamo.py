@@ -38,9 +38,9 @@ import threading
 
 import torch
 
+from labkit.codepaths import is_labkit_file, under
 from labkit.dashboard.syncs import Site, user_site
 
-_LABKIT = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
 _BREAK_AT = re.compile(r"Graph break in user code at (.+):(\d+)\s*\nGraph Break Reason: (.*)")
 _WONT_CONVERT = re.compile(r"WON'T CONVERT (\S+) (.+) line (\d+)")
 _EXPLAIN = re.compile(r"^\s*Explanation: (.*)$", re.M)
@@ -164,11 +164,11 @@ class _Listener(logging.Handler):
 def _break_event(brk: dict, call: Site | None) -> dict:
     """A break as the record keeps it: where (the innermost frame of the learner's code), why, and whose."""
     why = torch_boundary(brk)
-    torch_dir = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
+    torch_dir = os.path.dirname(torch.__file__)
     # the innermost frame outside torch: a break inside torch's code is reported at the line that called into it
-    outside = [f for f in brk["user_frames"] if not os.path.realpath(f[0]).startswith(torch_dir)]
+    outside = [f for f in brk["user_frames"] if not under(f[0], torch_dir)]
     file, line = (outside[-1][0], outside[-1][1]) if outside and why is None else (brk["file"], brk["line"])
-    owner = "torch" if why else "labkit" if os.path.realpath(file).startswith(_LABKIT) else "yours"
+    owner = "torch" if why else "labkit" if is_labkit_file(file) else "yours"
     return {
         "kind": "break",
         "reason": brk["reason"],

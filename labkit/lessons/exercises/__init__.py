@@ -35,6 +35,7 @@ import threading
 import time
 import traceback
 
+from labkit.codepaths import is_labkit_file
 from labkit.config import parse_bool
 
 ENV = "LABKIT_SOLUTIONS"
@@ -89,7 +90,7 @@ def _deadline(seconds: float):
 
 def _where(e: BaseException) -> str:
     """'(file:line)' of the innermost frame outside labkit: where in the learner's code it went wrong."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/labkit/" not in f.filename.replace("\\", "/")]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not is_labkit_file(f.filename)]
     if not frames:
         return ""
     f = frames[-1]
