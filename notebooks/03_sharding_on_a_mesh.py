@@ -635,18 +635,36 @@ print(f"textbook, this GPT in float32 on {N_DEV} devices: data parallel sends {t
 # %% [markdown]
 # **Where each strategy starts waiting for the network.** A step's compute grows with the tokens each chip
 # processes; the data-parallel and FSDP traffic does not (it is the weights' size). With perfect overlap the step
-# is compute-bound while compute time ≥ communication time. For N weights, b tokens per chip, 6 FLOPs per weight and
-# token, F FLOP/s per chip and S bytes sent per second (scaling-book's "critical batch", `comm.critical_tokens`):
+# is compute-bound while each collective takes no longer than the compute **that runs while its data exists**: a
+# gradient appears during the backward, so its all-reduce can hide behind the backward (4 of the 6 FLOPs per weight
+# and token), never behind the forward, which is over before the first gradient exists. For N weights, b tokens per
+# chip, F FLOP/s per chip and S bytes sent per second (scaling-book, "How to Parallelize a Transformer for
+# Training": data parallelism and FSDP are compute-bound above the same per-axis bound, C / W_ici;
+# `comm.critical_tokens`):
 #
-# - data parallel: 6·N·b/F ≥ 2·N·g/S  →  **b ≥ g·F / (3·S)**
-# - FSDP: 6·N·b/F ≥ 3·N·g/S  →  **b ≥ g·F / (2·S)** (1.5× the data-parallel batch)
+# - data parallel: backward 4·N·b/F ≥ 2·N·g/S  →  **b ≥ g·F / (2·S)**
+# - FSDP: forward 2·N·b/F ≥ N·g/S (one all-gather) and backward 4·N·b/F ≥ 2·N·g/S (all-gather + reduce-scatter):
+#   **the same b**. FSDP sends 1.5× the bytes, but a third of them go out during the forward, which data
+#   parallelism has nothing to hide behind.
 # - tensor parallel: per block and token, compute 72·C²/M FLOPs against 8·C·g·(M−1)/M bytes sent: the batch cancels,
 #   and the bound is on the width per device: **C ≥ g·(M−1)·F / (9·S)** (`comm.critical_width`, `max_model_axis`).
 #
 # N cancels too. Below, bf16 (g = 2) at the chip's peak and every port busy: the *least* batch that can be
-# compute-bound. At a real MFU of 40 %, multiply the batch by 0.4; with half the ports, by 2. scaling-book's own
-# numbers differ by such factors (it counts one torus axis), and the direction is the lesson: the faster the chip
-# against its links (v6e), the more tokens each chip needs before the network hides.
+# compute-bound. At a real MFU of 40 %, multiply the batch by 0.4; with half the ports (a ring along one axis of
+# the 2-D torus), by 2; on a slice without wraparound links (see below), by about 2 again. The direction is the
+# lesson: the faster the chip against its links (v6e), the more tokens each chip needs before the network hides.
+#
+# **Rings need wraparound.** The ring formulas assume each axis closes into a ring. Google's TPU pages (system
+# architecture, read 2026-11) give wraparound links only to axes of 16 chips on v5e and v6e, and only to slices
+# made of whole 4×4×4 cubes on v4 and v5p. The slices a learner rents, a v5e-8 (2×4) or a v4-8 (2×2×1), have none:
+# a collective there runs along a line, roughly twice a ring's time. Not verified here (no TPU).
+#
+# **This is the hardware's critical batch, not the optimizer's.** McCandlish et al. 2018 ("An Empirical Model of
+# Large-Batch Training") define a *statistical* critical batch size: beyond it, a larger global batch no longer cuts
+# the steps needed, and raising the learning rate with the batch stops paying. The bound here says how many tokens
+# each chip needs to keep the network hidden; theirs says how large the global batch (tokens per chip × chips) may
+# grow before the extra chips stop buying progress. A run needs both: the first sets a floor per chip, the second a
+# ceiling on chips × that floor.
 
 # %%
 print(f"{'chip':5s} {'F/S':>6s} {'data: tokens/chip':>18s} {'FSDP: tokens/chip':>18s} {'Megatron axis at C=2048':>24s}")
@@ -658,7 +676,7 @@ for chip in comm.ICI:
           f"{crit[chip]['fsdp']:18,.0f} {comm.max_model_axis(2048, peak, chip):>24d}")
 for chip, c in crit.items():
     peak, send = F_.PEAKS["TPU " + chip]["bf16"], comm.ICI[chip].send_bytes_per_s
-    assert abs(c["data"] - 2 * peak / (3 * send)) < 1e-6 * c["data"] and abs(c["fsdp"] - 1.5 * c["data"]) < 1e-6 * c["fsdp"]
+    assert abs(c["data"] - peak / send) < 1e-6 * c["data"] and abs(c["fsdp"] - c["data"]) < 1e-6 * c["fsdp"]
 assert crit["v6e"]["fsdp"] > 2048 > crit["v5e"]["fsdp"], "one 2,048-token sequence per chip: enough on v5e, not on v6e"
 
 # %% [markdown]
@@ -669,6 +687,14 @@ assert crit["v6e"]["fsdp"] > 2048 > crit["v5e"]["fsdp"], "one 2,048-token sequen
 # ways. Then the time, by hand, then by the library: FSDP sends 3·N·2·255/256 bytes per chip per step, about 7 GB,
 # 36 ms at 200 GB/s, against 75 ms of matmuls at the peak; at 40 % MFU the matmuls take 190 ms and hide it
 # easily. Nothing here ran on a TPU: these are the paper figures' consequences, to check on a slice.
+#
+# Two conditions hide in those figures. **Bytes per weight, g = 2, holds only if the gathers move bf16.** Under
+# autocast (notebook 02) the weights and gradients stay fp32 (16 bytes a weight still: fp32 weight 4 + gradient 4 +
+# two moments 8) and FSDP gathers fp32, g = 4. bf16 gathers need FSDP2's `MixedPrecisionPolicy(param_dtype=
+# torch.bfloat16)`; with its `reduce_dtype=torch.float32` (the usual choice: sums in fp32) the reduce-scatter still
+# moves 4 bytes a weight, and the traffic is (2 + 2 + 4) / (3 × 2) = **1.33×** the figure above. **Compute, 6·N
+# per token, counts the weights only.** Attention's score and value products add 12·L·T·d per token (notebook 02's
+# exercise counts them; `GPT.flops_per_token` includes them): here +17 %, more time to hide the traffic behind.
 
 # %%
 import math
@@ -680,7 +706,7 @@ V5E = roofline.V5E
 
 big = _Cfg(block_size=2048, n_layer=24, n_head=16, n_embd=2048, dropout=0.0)
 N_BIG = sum(math.prod(s) for s in S.gpt_param_shapes(big))
-W, TOK, PEAK_V5E = 256, 2048, F_.PEAKS["TPU v5e"]["bf16"]
+W, TOK, PEAK_V5E, ICI_V5E = 256, 2048, F_.PEAKS["TPU v5e"]["bf16"], comm.ICI["v5e"]
 by_hand = {"dp_fits": 16 * N_BIG <= V5E.memory, "fsdp_fits": 16 * N_BIG / W <= V5E.memory,
            "fsdp_bytes": 3 * N_BIG * 2 * (W - 1) / W, "fsdp_s": 3 * N_BIG * 2 * (W - 1) / W / 200e9,
            "compute_s": 6 * N_BIG * TOK / 197e12}
@@ -694,6 +720,14 @@ print(f"{N_BIG / 1e9:.2f} B weights on a v5e-256, {TOK} tokens per chip: weights
       f"{1e3 * lib['fsdp_s']:.1f} ms, against {1e3 * lib['compute_s']:.1f} ms of matmuls at the peak")
 assert set(lib) == set(by_hand) and all(abs(lib[k] - by_hand[k]) <= 1e-9 * abs(by_hand[k]) for k in lib), (lib, by_hand)
 assert not lib["dp_fits"] and lib["fsdp_fits"] and lib["fsdp_s"] < lib["compute_s"]
+# the two conditions: gathers in bf16 but gradients reduced in fp32 (MixedPrecisionPolicy(reduce_dtype=fp32)), and
+# attention's 12·L·T·d FLOPs per token beside the weights' 6·N
+mixed = comm.traffic([{"op": "all-gather", "bytes": 2 * N_BIG, "group": W}] * 2
+                                     + [{"op": "reduce-scatter", "bytes": 4 * N_BIG, "group": W}])
+attn = 12 * big.n_layer * big.block_size * big.n_embd
+print(f"with fp32 gradient reduction: {mixed / lib['fsdp_bytes']:.2f}x the bytes ({ICI_V5E.seconds(mixed) * 1e3:.1f} ms); "
+      f"attention adds {attn / (6 * N_BIG):.0%} to the compute ({1e3 * (6 * N_BIG + attn) * TOK / PEAK_V5E:.1f} ms)")
+assert abs(mixed / lib["fsdp_bytes"] - 4 / 3) < 1e-9 and 0.15 < attn / (6 * N_BIG) < 0.19
 assert TOK > comm.critical_tokens("fsdp", PEAK_V5E, "v5e", devices=W)
 
 # %% [markdown]
@@ -737,8 +771,9 @@ assert ref[-1] < ref[0] - 0.3, f"the loss did not fall: {ref[0]:.3f} -> {ref[-1]
 #   AdamW's state (4x the weights in float32) fit one chip. Pick it first.
 # * **FSDP**: memory per device falls to ~1/N of the weights and optimizer state, paid for with more
 #   communication: the weights travel every step, forward and backward, 1.5× what data parallelism sends per
-#   device (section 7b), so it needs 1.5× the tokens per chip to hide it. Pick it when data parallelism no longer
-#   fits: the step is big enough that the gathers hide behind compute (large batch x context per chip).
+#   device (section 7b), but a third of it travels during the forward, so its tokens-per-chip bound is the same as
+#   data parallelism's. Pick it when data parallelism no longer fits: the step is big enough that the gathers hide
+#   behind compute (large batch x context per chip).
 # * **Tensor parallel**: splits the layers themselves, so it also cuts activation memory and the work per device
 #   for one sequence, at the price of all-reduces of activations inside every block, on the critical path.
 #   Keep the model axis within the fastest links: on a TPU the chips of one slice joined by ICI (the inter-chip

@@ -44,22 +44,28 @@ def test_ici_figures_agree_with_the_pods_all_reduce_bandwidth():
         comm.ICI["v5e"].seconds(1, ports=6)
 
 
-def test_critical_batch_is_where_compute_equals_communication():
+def test_critical_batch_is_where_the_overlappable_compute_equals_communication():
+    n = 7e8  # any weight count: it cancels
     for chip in comm.ICI:
         peak = flops.PEAKS[f"TPU {chip}"]["bf16"]
-        for strategy in ("data", "fsdp"):
-            b = comm.critical_tokens(strategy, peak, chip, devices=64)
-            n = 7e8  # any weight count: it cancels
-            t_comm = comm.step_comm(strategy, n, 64, chip)["seconds"]
-            assert comm.compute_seconds(n, b, peak) == pytest.approx(t_comm, rel=1e-9), (chip, strategy)
-            assert comm.compute_seconds(n, 2 * b, peak) > t_comm  # more tokens per chip: compute-bound
-        ratio = comm.critical_tokens("fsdp", peak, chip) / comm.critical_tokens("data", peak, chip)
-        assert ratio == pytest.approx(1.5)
-    # v5e: 197 TFLOP/s over 200 GB/s sent, bf16: data parallelism needs ~657 tokens per chip, FSDP ~985
-    assert comm.critical_tokens("data", 197e12, "v5e") == pytest.approx(656.67, abs=0.01)
+        b = comm.critical_tokens("data", peak, chip, devices=64)
+        # data parallelism: the gradients exist only during the backward (4 of the 6 FLOPs per weight and token)
+        t_comm = comm.step_comm("data", n, 64, chip)["seconds"]
+        assert comm.compute_seconds(n, b, peak) * 4 / 6 == pytest.approx(t_comm, rel=1e-9), chip
+        # the old reading (the whole step hides it) would call 2/3 of b* compute-bound: the backward cannot
+        assert comm.compute_seconds(n, 2 * b / 3, peak) == pytest.approx(t_comm, rel=1e-9)
+        assert comm.compute_seconds(n, 2 * b / 3, peak) * 4 / 6 < t_comm
+        # FSDP: a third of its bytes (the forward all-gather) behind the forward, two thirds behind the backward
+        t_fsdp = comm.step_comm("fsdp", n, 64, chip)["seconds"]
+        assert comm.critical_tokens("fsdp", peak, chip, devices=64) == pytest.approx(b, rel=1e-12)
+        assert comm.compute_seconds(n, b, peak) * 2 / 6 == pytest.approx(t_fsdp / 3, rel=1e-9), chip
+    # v5e: 197 TFLOP/s over 200 GB/s sent, bf16: ~985 tokens per chip for both (scaling-book: C / W_ici per axis)
+    assert comm.critical_tokens("data", 197e12, "v5e") == pytest.approx(985.0)
     assert comm.critical_tokens("fsdp", 197e12, "v5e") == pytest.approx(985.0)
     # half the ports (a ring along one axis of the 2-D torus): twice the batch
-    assert comm.critical_tokens("data", 197e12, "v5e", ports=2) == pytest.approx(2 * 656.67, abs=0.02)
+    assert comm.critical_tokens("data", 197e12, "v5e", ports=2) == pytest.approx(2 * 985.0)
+    with pytest.raises(ValueError, match="'tensor'"):
+        comm.critical_tokens("tensor", 197e12, "v5e")
 
 
 def test_tensor_parallel_is_bound_by_width_not_batch():

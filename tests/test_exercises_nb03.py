@@ -143,6 +143,14 @@ def whole(t, mesh):
 def zeros(t, mesh):  # the right layout of a new tensor: the values are lost
     return largest(torch.zeros_like(t), mesh)
 
+def by_spec(t, mesh):  # FSDPv2's own choice of partition spec: the function that is the answer
+    from torch_xla.experimental import spmd_fully_sharded_data_parallel as f
+    return xs.mark_sharding(t, mesh, f._prepare_spmd_partition_spec(t, shard_maximal=True))
+
+def by_layout(t, mesh):  # the checker's own reading of FSDPv2, then marked as it says
+    spec = nb03.fsdpv2_layout([tuple(t.shape)], mesh)[0][0]
+    return largest(t, mesh)
+
 def fsdp_bytes(shape, devices, bytes_per=4):
     big = max(shape)
     return math.ceil(big / devices) * math.prod(shape) // big * bytes_per
@@ -160,7 +168,7 @@ run_bytes = sum(b for _, b in nb03.fsdpv2_layout([tuple(p.shape) for p in model.
 out = {}
 for name, answer in [("largest", largest), ("largest_in_place", largest_in_place), ("dim0", dim0),
                      ("last_on_tie", last_on_tie), ("through_host", through_host), ("on_host", on_host),
-                     ("whole", whole), ("zeros", zeros)]:
+                     ("whole", whole), ("zeros", zeros), ("by_spec", by_spec), ("by_layout", by_layout)]:
     try:
         out["shard." + name] = "pass: " + nb03.check_fsdp_shard(answer, mesh)
     except Wrong as e:
@@ -198,6 +206,9 @@ def test_fsdp_shard_rejects_wrong_layouts_and_host_work(on_a_mesh):
     assert "lives on 'cpu'" in r["shard.on_host"], r
     assert "not split, every device holds all of it" in r["shard.whole"], r
     assert "the values changed" in r["shard.zeros"], r
+    # torch_xla's FSDPv2 computing the layout is the answer, refused
+    assert "torch_xla's FSDPv2 computing the layout" in r["shard.by_spec"], r
+    assert "torch_xla's FSDPv2 computing the layout" in r["shard.by_layout"], r
 
 
 def test_fsdp_bytes_measured_on_the_mesh(on_a_mesh):

@@ -19,7 +19,15 @@ The ICI figures are Google Cloud's TPU pages (read 2026-11; not verified here: n
 data both ways at once; what limits a collective is what one chip can send, half the "bidirectional" figure,
 and only when every port of the chip carries the collective (a ring laid along one axis of a 2-D torus uses 2
 of a v5e's 4 ports: pass `ports`). Compute time assumes the chip's peak FLOP/s (scale by an MFU) and perfect
-overlap of communication with compute; real steps do worse on both counts.
+overlap of communication with the compute that runs while it can (see critical_tokens); real steps do worse on
+both counts.
+
+The ring figures assume a ring: an axis whose ends are joined by a wraparound link. Google's TPU pages (system
+architecture, read 2026-11) give wraparound only to axes of 16 chips on v5e and v6e, and only to slices made of
+whole 4x4x4 cubes on v4 and v5p: full pods and large slices. The slices a learner rents
+(v5e-8 is 2x4, v4-8 is 2x2x1) have none: a collective along an axis without wraparound runs over a line, not a
+ring, which sends in one direction over the longest path and takes roughly twice the ring's time (pass half the
+ports, or double the seconds, for such slices). Not verified here: no TPU.
 """
 
 from __future__ import annotations
@@ -123,20 +131,28 @@ def compute_seconds(params: float, tokens_per_chip: float, flops_per_s: float, m
 def critical_tokens(
     strategy: str, flops_per_s: float, chip: str, devices: int | None = None, bytes_per: int = 2, mfu=1.0, ports=None
 ) -> float:
-    """Tokens per chip per step at which compute time equals communication time (scaling-book's critical batch):
-    fewer, and the step waits for the network even with perfect overlap. The weight count cancels:
+    """Tokens per chip per step at which compute time equals the communication it can hide behind (scaling-book's
+    critical batch, "How to Parallelize a Transformer for Training"): fewer, and the step waits for the network
+    even with perfect overlap. A collective can only overlap compute that runs while its data exists: the
+    gradients appear during the backward (4 of the 6 FLOPs per weight and token), so data parallelism's
+    all-reduce hides behind the backward alone, never behind the forward. FSDP splits its traffic the same way:
+    one all-gather behind the forward (2 FLOPs), an all-gather and a reduce-scatter behind the backward (4). The
+    weight count cancels and both give the same bound, scaling-book's "compute-bound above C / W_ici" per axis:
 
-        data:  6·N·b/F = 2·N·g·(W−1)/W / S   ->  b* = g·(W−1)/W · F / (3·S)
-        fsdp:  6·N·b/F = 3·N·g·(W−1)/W / S   ->  b* = g·(W−1)/W · F / (2·S)
+        data:  4·N·b/F = 2·N·g·(W−1)/W / S                 ->  b* = g·(W−1)/W · F / (2·S)
+        fsdp:  2·N·b/F = N·g·(W−1)/W / S  (forward), 4·N·b/F = 2·N·g·(W−1)/W / S (backward): the same b*
 
-    F: FLOP/s at the MFU reached, S: bytes a chip sends per second, g: bytes per weight and gradient.
-    devices=None: the large-W limit ((W−1)/W -> 1)."""
+    F: FLOP/s at the MFU reached, S: bytes a chip sends per second over the ports the ring uses, g: bytes per
+    weight and gradient. devices=None: the large-W limit ((W−1)/W -> 1). FSDP sends 1.5x the bytes of data
+    parallelism but has the forward to hide a third of them behind, so its bound is no higher."""
     w = 1.0 if devices is None else (devices - 1) / devices
-    per_weight = {"data": 2, "fsdp": 3}.get(strategy)
-    if per_weight is None:
+    # bytes sent per weight (in units of g·w), and FLOPs per weight and token of the compute they overlap:
+    # data: 2 behind the backward's 4; fsdp: forward 1 behind 2, backward 2 behind 4 (the same ratio)
+    phases = {"data": [(2, 4)], "fsdp": [(1, 2), (2, 4)]}.get(strategy)
+    if phases is None:
         raise ValueError(f"strategy {strategy!r}: 'data' or 'fsdp' (tensor parallelism: critical_width)")
     send = ici(chip).send_bytes_per_s if ports is None else ici(chip).send_bytes_per_s * ports / ici(chip).ports
-    return per_weight * bytes_per * w * flops_per_s * mfu / (6 * send)
+    return max(nb * bytes_per * w * flops_per_s * mfu / (fl * send) for nb, fl in phases)
 
 
 def critical_width(model: int, flops_per_s: float, chip: str, bytes_per: int = 2, mfu=1.0, ports=None) -> float:

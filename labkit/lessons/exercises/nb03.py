@@ -18,7 +18,7 @@ import random
 
 import torch
 
-from labkit.lessons.exercises import Wrong, call, integer, mistake, require, todo, xla_metric
+from labkit.lessons.exercises import Wrong, call, integer, mistake, refusing, require, todo, xla_metric
 from labkit.spmd import sharding as S
 
 __all__ = ["check_dp_bytes", "check_fsdp_bytes", "check_fsdp_shard", "check_megatron_bytes", "fsdpv2_layout"]
@@ -117,6 +117,14 @@ def _split_dims(shape, spec: str) -> list[int]:
     return [d for d, (full, part) in enumerate(zip(shape, S.shard_shape(shape, spec))) if part != full]
 
 
+def _fsdpv2_itself() -> list:
+    """What computes FSDPv2's layout: its wrapper (which marks every parameter), the function inside it that picks
+    the partition spec, and this module's reader of both. Refused while the learner's answer runs."""
+    import torch_xla.experimental.spmd_fully_sharded_data_parallel as fsdpv2
+
+    return [fsdpv2.SpmdFullyShardedDataParallel, fsdpv2._prepare_spmd_partition_spec, fsdpv2_layout]
+
+
 def check_fsdp_shard(fsdp_shard, mesh) -> str:
     """03.fsdp_shard: fsdp_shard(t, mesh) lays an XLA tensor out over `mesh` (one axis, "fsdp") as FSDPv2 lays out
     a parameter, and returns it. For five shapes drawn anew on every call, the result must be an XLA tensor with
@@ -135,7 +143,8 @@ def check_fsdp_shard(fsdp_shard, mesh) -> str:
         # makes no transfer at all (marking data already computed may copy it through the host on some runtimes)
         t = host.to(torch_xla.device()) * 1
         before = _transfers()
-        out = call(fsdp_shard, t, mesh)
+        with refusing(_fsdpv2_itself(), "lay it out yourself: torch_xla's FSDPv2 computing the layout is the answer"):
+            out = call(fsdp_shard, t, mesh)
         copies = _transfers() - before
         out = getattr(out, "global_tensor", out)  # xs.mark_sharding returns an XLAShardedTensor around t
         require(isinstance(out, torch.Tensor), f"fsdp_shard returned a {type(out).__name__}; return the tensor")
