@@ -18,7 +18,7 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/08_the_compiled_engine.ipynb)
 #
-# Notebooks 00–07 taught one engine: torch_xla's lazy tensors, traced and compiled by XLA. This notebook teaches
+# The notebooks before this one (00, 04, 01, 06, 02, 03) taught one engine: torch_xla's lazy tensors, traced and compiled by XLA. This notebook teaches
 # the other one, the engine a GPU runs today and TorchTPU runs on a TPU: eager PyTorch, compiled where you ask with
 # `torch.compile`, sharded with DTensor. Everything is written by hand with torch's own public APIs first. By the
 # end you can:
@@ -34,7 +34,8 @@
 #
 # **Time**: 3–4 minutes of run time in fast mode on a busy 2-core CPU (measured 2 min 51 s and 3 min 59 s under
 # nbval, solutions off and on, with the machine's load at 12–18; 1–1.5 minutes of it is the 4-process DTensor run
-# at the end of section 5, 20–30 s one Inductor compile of the step in section 2, the rest compiles with
+# at the end of section 5, 20–60 s one Inductor compile of the step in section 2 (59 s measured cold, with an
+# empty Inductor cache, on the busy machine; a warm cache or a quiet machine is nearer 20 s), the rest compiles with
 # `backend="aot_eager"` or `"eager"`); full mode about 3 minutes plus the same DTensor run; 30–45 minutes to read
 # and do the three exercises.
 #
@@ -110,14 +111,15 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 
 # %% [markdown]
 # ## 1. Why a second engine
-# torch_xla 2.9 is the last torch_xla release on PyPI so far, and PyTorch/XLA's README says TorchTPU will replace
-# it. TorchTPU (`pip install torch_tpu`, github.com/google-pytorch/torch_tpu) does not trace lazily: it runs **eager
+# torch_xla 2.9 is the last torch_xla release on PyPI so far (checked 2026-11), and PyTorch/XLA's README (its note
+# of 2026-04-22) says that *once TorchTPU is public* it will replace PyTorch/XLA: a plan with a condition, not yet
+# a fact. `torch-tpu` 0.2.0, marked Beta, reached the registry in October 2026 (read 2026-11). TorchTPU (`pip install torch_tpu`, github.com/google-pytorch/torch_tpu) does not trace lazily: it runs **eager
 # by default** on `torch.device("tpu")`, compiles what you wrap with `torch.compile(backend="tpu", dynamic=False)`,
 # and shards with DTensor on a `DeviceMesh`, one process per chip. That is the engine a GPU already runs with
 # `torch.compile` (Inductor) and DTensor/FSDP2. TorchTPU **cannot run here** (it needs a TPU VM and has no CPU
 # mode): every claim about it below is *not verified here*; its source is its own documentation (its
-# `torch.compile` guide says PyTorch 2.10 or later; its package requires torch ≥ 2.11; this notebook relies on the
-# package's requirement, torch ≥ 2.11, for anything TorchTPU).
+# `torch.compile` guide says PyTorch 2.10 or later; its package, 0.2.0, requires torch ≥ 2.11, both read 2026-11;
+# this notebook relies on the package's requirement, torch ≥ 2.11, for anything TorchTPU).
 #
 # What carries over from the earlier notebooks, and what was torch_xla's:
 #
@@ -133,7 +135,7 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 # This notebook runs on the plain CPU (or a GPU where there is one), not on XLA.
 
 # %%
-import inspect, math, time
+import contextlib, inspect, math, time
 
 import torch
 import torch._dynamo
@@ -217,17 +219,26 @@ torch._dynamo.reset()
 
 # %% [markdown]
 # Two graphs and one break: the forward with its loss, then (after the break) AdamW's update. `loss.backward()`
-# inside a compiled function is a graph break: Dynamo does not trace `Tensor.backward()` (only with *compiled
-# autograd*, `torch._dynamo.config.compiled_autograd = True`, which this notebook leaves off), so the backward ran
-# eagerly, outside any graph. The way
+# inside a compiled function is a graph break: Dynamo does not trace `Tensor.backward()`, so the backward ran
+# eagerly, outside any graph. It stays a break in torch 2.9 with *compiled autograd* on too
+# (`torch._dynamo.config.compiled_autograd = True`, which this notebook leaves off): compiled autograd does not
+# let Dynamo trace through `backward()`, it records the backward when it runs, into a graph of its own. The way
 # that works is to compile **the function that computes the loss**: AOTAutograd then traces its backward ahead of
 # time and compiles forward and backward together, so `loss.backward()` (plain Python) runs the compiled backward.
 # The optimizer is compiled on its own, and `Optimizer.step` breaks around itself **on purpose**: `_use_grad` in
 # `torch/optim/optimizer.py` calls `torch._dynamo.graph_break()` before and after the update, so the update is
 # compiled as an inference graph that updates the parameters in place (hence `fullgraph=True` on `opt.step()`
 # raises). `explain` does not list those two breaks (nothing is captured on their far side); torch's counters
-# (`torch._dynamo.utils.counters["graph_break"]`) do. A compiled step is therefore **two graphs**: the loss (forward +
-# backward) and the optimizer's update, and two breaks, both torch's own.
+# (`torch._dynamo.utils.counters["graph_break"]`) do. A compiled step is therefore **two graphs as Dynamo counts
+# them** (`unique_graphs`): the loss (forward + backward) and the optimizer's update, and two breaks, both torch's
+# own. The backend sees more: AOTAutograd traces the loss's forward and backward as one *joint* graph, then splits
+# it into a forward and a backward that are compiled separately, the backward only when the first `backward()`
+# runs. So Inductor compiles **three** graphs per step (forward, backward, update): that is why the first step is
+# slow twice over, once in `loss_of` and once in `loss.backward()`.
+#
+# Running it prints a warning from Dynamo, `Profiler function <class 'torch.autograd.profiler.record_function'> will
+# be ignored`: `Optimizer.step` wraps itself in a profiler span, and Dynamo leaves profiler spans out of what it
+# compiles. Harmless here; it means a profile of the compiled update has no span named after the optimizer.
 #
 # `dynamic=False`: every shape is a constant, as on XLA; a new shape compiles a new graph instead of a graph with
 # symbolic sizes. It is what TorchTPU's guide asks for (not verified here), and what makes the step's graphs
@@ -336,6 +347,13 @@ assert ex.graph_break_count == 1 and "item" in reason.reason and where.lineno ==
 # `.item()` needs the number on the host, so Dynamo stops the graph there, the device finishes what came before, the
 # value is copied back (a host sync, as on XLA), Python runs `max`, and a second graph starts. The fix keeps the
 # watch on the device: a buffer updated with tensor ops, read once when someone looks at it.
+#
+# Dynamo's message offers a second fix: `torch._dynamo.config.capture_scalar_outputs = True`. Measured here on
+# this model, `explain` then reports one graph and no break: `.item()` is traced as a symbolic number. Weigh it:
+# the watch still ends in a Python float (`self.peak`), so the value still has to come back to the host after each
+# call, a sync per step that the buffer below avoids; and the switch is process-wide, changing how every `.item()`
+# in every compiled function is traced (data-dependent numbers become *unbacked* symbols, which some ops cannot
+# take). Keep the value a tensor when you can; use the switch when the scalar must be traced.
 
 
 # %%
@@ -465,12 +483,53 @@ assert record.snapshot()["recompiles"] >= len(ragged) - 1, record.snapshot()
 torch._dynamo.reset()
 
 # %% [markdown]
+# **Every kind of guard, once.** Section 3 showed a size guard and a value guard. Dynamo checks more about each tensor
+# argument: its size, its stride (how the elements are laid out in memory), dtype, device and `requires_grad`; and
+# global state (grad mode, autocast) on every call. Below, a function compiled with `dynamic=False` is called once,
+# then again with one change of each kind this CPU can make, and torch's own text for the guard that failed is
+# printed. Each text starts with a prefix such as `0/0:`: the *compile id* of the cached graph whose guard failed
+# (frame 0, its compile 0); `0/1` would be that frame's second graph. The recompile log (`TORCH_LOGS=recompiles`)
+# prints the same lines.
+
+
+# %%
+def sine(x, scale):
+    return torch.sin(x) * scale
+
+
+x16 = torch.randn(16, 64)
+tried = {
+    "12 rows": ((torch.randn(12, 64), 0.5), contextlib.nullcontext()),
+    "transposed view": ((torch.randn(64, 16).t(), 0.5), contextlib.nullcontext()),
+    "float64": ((x16.double(), 0.5), contextlib.nullcontext()),
+    "requires_grad": ((x16.clone().requires_grad_(True), 0.5), contextlib.nullcontext()),
+    "under no_grad": ((x16, 0.5), torch.no_grad()),
+    "scale 0.25": ((x16, 0.25), contextlib.nullcontext()),
+    "new values": ((torch.randn(16, 64), 0.5), contextlib.nullcontext()),
+}
+guard_text = {}
+for what, (args, ctx) in tried.items():
+    torch._dynamo.reset()
+    f = torch.compile(sine, dynamic=False, backend="eager")
+    f(x16, 0.5)
+    with ctx:
+        f(*args)
+    failed = [r for rs in torch._dynamo.utils.guard_failures.values() for r in rs]
+    guard_text[what] = failed[0].splitlines()[0] if failed else "(no guard failed: the cached graph ran)"
+    print(f"{what:>16}: {guard_text[what][:110]}")
+torch._dynamo.reset()
+for what, marker in [("12 rows", "size mismatch"), ("transposed view", "stride mismatch"), ("float64", "dtype"),
+                     ("requires_grad", "requires_grad"), ("under no_grad", "GLOBAL_STATE"), ("scale 0.25", "scale ==")]:
+    assert marker in guard_text[what], (what, guard_text[what])
+assert guard_text["new values"].startswith("(no guard failed"), "values are data, not guarded"
+
+# %% [markdown]
 # ### Exercise 1 (08.guard): which guard does a change fail?
 # A function is compiled with `dynamic=False` and called once as `f(x, scale)`: `x` a float32 CPU tensor of shape
 # (16, 64) that does not require grad, `scale = 0.5` a Python float, grad mode on, no autocast. Then a second call
 # makes one change. For each change below, say which guard fails: one of `nb08.GUARD_KINDS` (`"none"`: the cached
 # graph runs again). Some changes need a GPU: reason them out from what you saw; the checker refuses `torch.compile`
-# while your answer runs, and asks for a different set of changes each time.
+# while your answer runs, and asks about every change, in a new order each time.
 
 # %%
 for key, (text, _, _) in nb08.CHANGES.items():
@@ -528,13 +587,17 @@ exercises.check("08.guard", lambda: nb08.check_failing_guard(failing_guard))
 # ## 4. An optimizer whose state stays on the device
 # A learning-rate schedule is the changing Python number every training loop has. With a float `lr`, the compiled
 # `opt.step` bakes the value into its graph and guards it: a warm-up that changes `lr` each step compiles a new
-# optimizer graph each step (past `torch._dynamo.config.recompile_limit`, 8, Dynamo gives up and runs it eagerly).
+# optimizer graph each step. Two rules decide how many: a value seen before passes the guards of the graph compiled
+# for it, so that graph is reused, not compiled again; and past `torch._dynamo.config.recompile_limit` (8 graphs per
+# function in torch 2.9) Dynamo compiles no more for that function and runs new values eagerly, while the graphs it
+# already has still run for the values they were compiled for.
 # The fix is an `lr` that is a **tensor** — the scheduler writes the new value into it (`fill_`) — with
 # `capturable=True`, which keeps the optimizer's `step` counter a tensor on the parameters' device and computes the
 # bias corrections there, so the whole update can stay one device graph (the name comes from CUDA graph capture).
 # Without it, on a GPU, Adam's `step` is a CPU tensor and the bias corrections are Python numbers worked out on the
-# host every update. torch.compile turns `capturable` on by itself for CUDA parameters
-# (`torch/_dynamo/variables/optimizer.py`); on this CPU the host *is* the device, so the difference shows only on a
+# host every update. torch.compile turns `capturable` on by itself only for parameters on CUDA or XPU, and only
+# while the optimizer's state is still empty (before its first step; `torch/_dynamo/variables/optimizer.py`, torch
+# 2.9): an optimizer that has stepped eagerly keeps what it had; on this CPU the host *is* the device, so the difference shows only on a
 # GPU (the cell's last assert runs there).
 
 
@@ -593,8 +656,9 @@ torch._dynamo.reset()
 # ### Exercise 2 (08.graphs): how many graphs will this step compile?
 # Section 2's step (the loss compiled with `dynamic=False`, AdamW with a **float** lr, `opt.step` compiled with
 # `dynamic=False`), run so that step *i* trains on a batch of `batches[i]` rows with learning rate `lrs[i]`.
-# Write `predict_graphs(batches, lrs)`: the number of graphs Dynamo compiles in the whole run (the recompile limit is
-# 8 graphs per compiled function). The checker asks about schedules and batch sizes this notebook never ran, new ones
+# Write `predict_graphs(batches, lrs)`: the number of graphs Dynamo compiles in the whole run (section 4's two rules:
+# a value seen before reuses its graph; the recompile limit is 8 graphs per compiled function, and the graphs
+# compiled before it still run). The checker asks about schedules and batch sizes this notebook never ran, new ones
 # each time, and refuses `torch.compile` while your answer runs.
 
 

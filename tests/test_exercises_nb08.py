@@ -88,7 +88,17 @@ def right_guard(key):
 
 
 def test_failing_guard_right_and_wrong():
-    assert "one of them on a GPU" in nb08.check_failing_guard(right_guard)
+    assert "all 13 changes, 3 of them on a GPU" in nb08.check_failing_guard(right_guard)
+    # wrong on one change only (learners' own slips): refused on every call, not one in three
+    for key, slip, says in [
+        ("transposed", "size", "laid out"),
+        ("new_values", "value", "not its values"),
+        ("same_scale", "value", "not its values"),
+        ("other_gpu", "none", "'device' guard"),
+    ]:
+        for _ in range(3):
+            with pytest.raises(Wrong, match=says):
+                nb08.check_failing_guard(lambda k, key=key, slip=slip: slip if k == key else right_guard(k))
     with pytest.raises(Wrong):
         nb08.check_failing_guard(lambda key: "size")
     with pytest.raises(Wrong, match="not its values"):  # every change recompiles: wrong for the no-guard changes
