@@ -8,6 +8,17 @@ A preempted TPU VM or a stopped Colab runtime gets SIGTERM, whose default action
 once: an upload still in flight would be lost. Turned into an exception (Preempted, a
 KeyboardInterrupt), it unwinds like Ctrl-C, and the Trainer waits for the upload before re-raising.
 A second interrupt during that wait abandons the upload cleanly (no pointer move, temp file removed).
+
+The window (Google Compute Engine's preemption documentation, read 2026-11; not verified here): a preempted VM
+gets an ACPI soft-off, and its guest OS turns that into SIGTERM for its processes; a Spot VM is powered off 30 s
+later whatever is running (a standard VM's shutdown gets 120 s). So the wait above only saves what fits: the step in
+flight, plus the pending upload, plus the time to close the file, within 30 s on a Spot VM. Bytes that fit are
+about (30 s - the step time) x your upload rate to the bucket: measure that rate. ResNet-50 with its momentum (205
+MB, bench/bench_sharded_checkpoint.py) fits at any rate a TPU VM reaches; a 1.2 B-weight model's weights and AdamW state (19 GB)
+does not, so save on a schedule and treat SIGTERM as the chance to finish what was already going up. To see it
+coming, a process can watch the metadata server's key
+`http://metadata.google.internal/computeMetadata/v1/instance/preempted` (header `Metadata-Flavor: Google`; add
+`?wait_for_change=true` to block until it changes to TRUE).
 """
 
 from __future__ import annotations

@@ -75,9 +75,11 @@ def scaled_lr(lr: float, base_batch: int, global_batch: int, rule: str = "linear
 
     linear (Goyal et al. 2017, "Accurate, Large Minibatch SGD"): lr x global/base. k times the batch averages k times the
     samples into one step, so one step should move as far as k steps did; it holds for SGD up to a few thousand
-    images, with a warm-up (the first steps' large moves at a large lr diverge). sqrt: lr x sqrt(global/base), the
-    rule argued for adaptive optimizers (Adam's step is normalised by the gradient's scale; Malladi et al. 2022).
-    Both are starting points to tune from, not laws: past the critical batch size neither keeps the loss per sample."""
+    images, with a warm-up (the first steps' large moves at a large lr diverge). sqrt: lr x sqrt(global/base), the lr
+    only. For SGD that form is older (Krizhevsky 2014, "One weird trick"; Hoffer et al. 2017). For Adam, Malladi et al.
+    2022 derive a square-root rule that also scales the betas (1 - beta times k) and eps (divided by sqrt(k)); this
+    function does not touch them. Both are starting points to tune from, not laws: past the statistical critical batch
+    size (McCandlish et al. 2018) neither keeps the loss per sample."""
     if base_batch <= 0 or global_batch <= 0:
         raise ValueError(f"scaled_lr: batches must be > 0, got base {base_batch}, global {global_batch}")
     ratio = global_batch / base_batch

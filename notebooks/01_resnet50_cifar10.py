@@ -307,8 +307,13 @@ del probe
 # learning rate tuned for one chip's batch is no longer right:
 # * **linear rule** (Goyal et al. 2017, ResNet-50 at batch 8,192): lr × global/base. A step on k× the samples should
 #   move as far as the k steps it replaces did. Used with SGD; it needs a warm-up.
-# * **square-root rule**: lr × √(global/base), argued for adaptive optimizers such as Adam (Malladi et al. 2022),
-#   whose step is already normalised by the gradient's size. Both are where tuning starts, not laws.
+# * **square-root rule**: lr × √(global/base). For SGD the lr-only form is older (Krizhevsky 2014, "One weird
+#   trick"; Hoffer et al. 2017). For Adam, whose step is already normalised by the gradient's size, Malladi et al.
+#   2022 ("On the SDEs and Scaling Rules for Adaptive Gradient Algorithms") derive a square-root rule that changes
+#   more than the lr: for k× the batch, lr × √k, 1 − β₁ and 1 − β₂ each × k, eps ÷ √k. `scaled_lr` scales the lr
+#   only, as most recipes do; the betas and eps are yours to change. Both rules are where tuning starts, not laws,
+#   and both stop paying past the *statistical* critical batch size (McCandlish et al. 2018), beyond which a larger
+#   batch no longer cuts the steps a run needs.
 #
 # The schedule (`labkit.optim.WarmupCosine`, through `recipes.resnet_schedule`) multiplies the learning rate by a
 # **warm-up**, linear from lr/w to lr over the first w = 10 % of the steps (random weights give large, fast-changing
@@ -350,8 +355,11 @@ assert max(lrs) == LR and 0.02 * LR <= lrs[-1] < lrs[len(lrs) // 2] <= LR   # up
 # 4 steps on batches of 32, and 4 steps of 4 accumulated micro-batches of 8, gives the same losses. Float32 sums taken
 # in another order differ by ~1e-7 here; the tolerance, 2e-3, leaves room for a TPU's float32 matmuls, which multiply
 # in bf16 by default (notebook 02; not verified on a TPU), and still catches a step that forgot to divide by k (4×
-# too large). The ResNet is the exception: BatchNorm's statistics are taken per micro-batch, as they are per chip on
-# 8 chips (without SyncBatchNorm), so accumulation reproduces data parallelism over chips, not one chip's big batch.
+# too large). The ResNet is the exception: BatchNorm's statistics are taken per micro-batch. That matches
+# multi-process data parallelism without SyncBatchNorm (torchrun, or torch_xla's one process per chip: each replica
+# normalises its own batch), not SPMD: under GSPMD, this notebook's `spmd="auto"` on a v5e-8, the partitioner
+# computes BatchNorm's statistics over the *global* batch (pytorch/xla issue 5180), as one chip's big batch would.
+# So with BatchNorm, 8 chips under SPMD and 8 accumulation steps are not the same training.
 
 # %%
 def linear_losses(batch, accum, images, labels):
@@ -524,6 +532,13 @@ assert hist2[0]["loss"] < first - 0.3, "the resumed run did not start from the t
 # different: the process gets SIGTERM, whose default action ends it on the spot, maybe while a checkpoint is
 # uploading. labkit turns SIGTERM during `fit()` into an exception (`labkit.interrupts.Preempted`): the Trainer waits
 # for the pending upload, lets the `latest` pointer move, and only then lets the process end (README: *Checkpoints*).
+# The wait has a deadline that is not labkit's: Compute Engine (its preemption documentation, read 2026-11; not
+# verified here) preempts a VM with an ACPI soft-off, which the guest OS turns into SIGTERM, and powers a Spot VM off
+# 30 s later (a standard VM's shutdown gets 120 s). The step in flight and the upload must fit in those 30 s: at
+# your bucket's upload rate (measure it), ResNet-50 with its momentum, 205 MB, fits easily; the 19 GB of a 1.2 B-weight
+# model's AdamW state does not, so checkpoints are saved on a schedule and SIGTERM only finishes the one in flight.
+# A VM can see preemption coming: the metadata server's key `instance/preempted` turns TRUE
+# (`labkit/interrupts.py` gives the address).
 # Here a small run (`labkit.lessons.preempt`: an MLP on numbered samples, read in order, a checkpoint every 4 steps,
 # each upload held 2 s like a large file going to a bucket) trains in a child process on the CPU; the notebook sends
 # it SIGTERM as soon as an upload begins, then resumes it here and checks that it continues at the same sample:

@@ -88,14 +88,14 @@ def test_graphs_are_counted_by_torch_xla(rt, cpu):
         nb01.check_graphs(lambda sizes: len(set(sizes)), rt)
     with pytest.raises(Wrong, match="XLA built"):  # the rule's path: no training needed to turn these away
         nb01.check_graphs(lambda sizes: len(set(sizes)) + 1, cpu)
-    with pytest.raises(Wrong, match="you say 6 graphs, XLA built"):
-        nb01.check_graphs(lambda sizes: 6, cpu)  # a hard-coded count (these runs build 3 to 5 graphs)
+    with pytest.raises(Wrong, match="you say 9 graphs, XLA built"):
+        nb01.check_graphs(lambda sizes: 9, cpu)  # a hard-coded count (these runs build 3 to 5 graphs, in 4 to 7 steps)
 
 
 def test_graphs_a_hard_coded_count_fails_every_call(rt, cpu):
     for runtime, counts in ((cpu, (2, 3, 4, 5)), (cpu, (2, 3, 4, 5)), (cpu, (2, 3, 4, 5)), (rt, (3,))):
         for n in counts:
-            with pytest.raises(Wrong, match=f"you say {n} graphs|one graph per distinct size gives {n}"):
+            with pytest.raises(Wrong, match=f"you say {n} graphs|one graph per (distinct size|step) gives {n}"):
                 nb01.check_graphs(lambda sizes, n=n: n, runtime)
 
 
@@ -117,6 +117,12 @@ def test_graphs_refuses_fakes_before_training(rt, cpu):
             nb01.check_graphs(None, runtime)
         with pytest.raises(Wrong, match="a count is a whole number"):
             nb01.check_graphs(lambda sizes: rule(sizes) + 0.5, runtime)
+
+
+def test_graphs_one_per_step_fails_every_call(cpu):
+    for _ in range(6):  # both runs repeat a size after the first step: a count of steps is always too many
+        with pytest.raises(Wrong, match="one graph per step gives"):
+            nb01.check_graphs(lambda sizes: len(sizes), cpu)
 
 
 def test_graphs_off_xla_says_nothing_was_measured(cpu):

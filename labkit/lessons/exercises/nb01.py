@@ -117,14 +117,15 @@ def _train_and_count(rt, sizes: list[int]) -> int:
 
 
 def _graph_runs(rng: random.Random) -> list[list[int]]:
-    """Two lists of batch sizes whose graph counts differ from each other (a hard-coded count passes at most one)
-    and from a count of distinct sizes (one where the first size comes back later, one where it never does)."""
+    """Two lists of batch sizes whose graph counts differ from each other (a hard-coded count passes at most one),
+    from a count of distinct sizes (one where the first size comes back later, one where it never does) and from a
+    count of steps (both repeat a size after the first step, so "one graph per step" overcounts both)."""
     while True:
         pool = rng.sample([4, 6, 8, 10, 12, 14, 16, 20], 7)
         few, many = pool[:2], pool[2:7]
-        back = [few[0], few[1], few[0]] + [rng.choice(few) for _ in range(rng.randint(0, 2))]
+        back = [few[0], few[1], few[0]] + [rng.choice(few) for _ in range(rng.randint(1, 2))]
         never = [pool[2]] + rng.sample(many[1:], rng.randint(2, 4))
-        never += [rng.choice(never[1:]) for _ in range(rng.randint(0, 2))]
+        never += [rng.choice(never[1:]) for _ in range(rng.randint(1, 2))]
         rule = [1 + len(set(r[1:])) for r in (back, never)]
         if rule[0] != rule[1]:
             return [back, never] if rng.random() < 0.5 else [never, back]
@@ -148,6 +149,11 @@ def check_graphs(graphs_compiled, rt) -> str:
             raise Wrong(
                 f"batch sizes {sizes}: one graph per distinct size gives {got}, XLA built {want}: "
                 "is the first step's graph the same as the second's? (where is the momentum buffer at step 0?)"
+            )
+        if got == len(sizes) != want:
+            raise Wrong(
+                f"batch sizes {sizes}: one graph per step gives {got}, XLA built {want}: a size seen before "
+                "(with the same optimizer state) reuses its compiled graph"
             )
         require(got == want, f"batch sizes {sizes}: you say {got} graphs, XLA built {want}")
     if rt.reads_metrics:
