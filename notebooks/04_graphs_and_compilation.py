@@ -227,7 +227,7 @@ if XLA:
     assert w["PersistentCacheMiss"] == 0 and w["PersistentCacheHit"] + w["PersistentCacheDeserializeFailure"] >= 1
     if w["PersistentCacheHit"]:                                        # a backend that loads them (TPU)
         assert warm["compiles"] < cold["compiles"]
-    print(f"this kernel: compile cache {rt.compile_cache or 'off'} ({rt.info.get('compile_cache')})")
+    print(f"this kernel's compile cache: {rt.compile_cache or 'none'} (labkit.setup says: {rt.info.get('compile_cache')})")
     if rt.compile_cache:  # TPU: section 1's graphs were looked up too (a hit after a runtime restart)
         print(compile_cache.counters(), len(compile_cache.entries(rt.compile_cache)), "programs on disk")
         mine = compile_cache.counters()
@@ -237,6 +237,12 @@ if XLA:
 # ## 2. One data-dependent `if`
 # `branchy` doubles its output when the first layer's activations sum above zero, else subtracts one. The
 # branch depends on the *values*, which a graph does not know when it is built.
+#
+# The cell prints noise that is not a failure, all of it from `torch.export` (seen here with torch 2.9): a
+# `TracerWarning` from `torch.jit.trace` (expected: that is its lesson); `Unable to find user code corresponding
+# to {u0}` and the refused FX graph printed twice, while export explains why it refuses (`u0` is the unknown value
+# of `h.sum() > 0`, the *data-dependent* symbol it cannot guard on); and `No CUDA runtime is found`, a check torch's
+# C++ extension loader makes when export traces `torch.cond`, on any machine without a GPU.
 
 # %%
 import torch._dynamo
@@ -557,11 +563,23 @@ print(f"{len(prof.op_events)} op executions; the first three:", prof.op_events[:
 assert abs(sum(cats.values()) - total) < 1e-6 * max(total, 1), "the categories split each step exactly"
 
 # %% [markdown]
+# **Reading the split.** Here *host* takes most of each step (89–96 % in the runs kept with this notebook). It means:
+# the loop's Python, tracing the step's ops into a lazy graph, looking the graph up in the cache and cutting it, took
+# longer than running the graph, which for an MLP of this width on a batch of this size is a few hundred
+# microseconds of matmuls. On XLA:CPU the "device" is the same two cores, so the split says little about speed. On
+# a TPU the same MLP would show the same shape, more sharply: the chip would finish its part in microseconds and wait
+# for Python. What to change when host dominates on a chip: more work per step (a larger batch or model, so the graph
+# outlasts its tracing), fewer host reads per step (they stop the overlap of tracing with the previous step's run;
+# exercise 2), and tracing once, not per step (`torch_xla.compile` around the step, or `torch.compile(backend=
+# "openxla")`, section 1). A step where *device* dominates is the goal: the chip, not Python, sets the pace.
+
+# %% [markdown]
 # **The same capture in TensorBoard/XProf or Perfetto.** labkit's reading is one view; the tools people use read the
 # same files. On XLA the folder holds `plugins/profile/<run>/<host>.xplane.pb`, the layout of TensorBoard's profile
 # plugin (XProf): `tensorboard --logdir <folder>`, then the *Profile* tab (trace viewer, op profile, memory). In a
 # notebook, Colab included: `%load_ext tensorboard` then `%tensorboard --logdir <folder>`. Colab's TPU image has no
-# tensorboard: install `tensorboard` and `tensorboard-plugin-profile` first; neither depends on torch, and the
+# tensorboard: install `tensorboard` and `xprof` (the profile plugin; `tensorboard-plugin-profile` only pulls in xprof)
+# first; neither depends on torch, and the
 # constraints file printed below pins the installed torch, torch_xla, numpy and protobuf so pip can only add. For
 # Perfetto, `labkit.profiling.viewers.chrome_trace` writes the events as a plain Chrome trace JSON
 # (`trace.json`): open ui.perfetto.dev and drop the file there (from Colab, download it first). Off XLA the capture
@@ -584,7 +602,8 @@ assert spans >= len(prof.steps), "every captured step is in the exported trace"
 # once; what it glued is only in the *optimized* HLO. The parameters cell asked XLA to write that HLO
 # (`XLA_FLAGS=--xla_dump_to=...`, before torch_xla started), each trace event names its module, and
 # `labkit.profiling.viewers.fused_ops` reads the fused computation the instruction calls (constants and broadcasts
-# left out). Here GELU (`erf`), the bias adds and SGD's update `p - lr * g` should show up inside fusions. If XLA
+# left out). Here GELU (`erf`), the bias adds and SGD's update `p - lr * g` should show up inside fusions, though
+# not always among the eight slowest lines printed first: the cell then prints every fusion that holds them. If XLA
 # did not dump (torch_xla started before the parameters cell, or the graph came from the compile cache) the cell says
 # so: restart the kernel and run from the top, or look in TensorBoard's *Op profile*, which lists each fusion's ops.
 
@@ -599,6 +618,9 @@ for name, seconds, count in prof.ops[:8]:
     print(f"{1e3 * seconds:8.3f} ms  x{count:<3d} {name:28s} {said}")
 fusions = {n: f for n, f in fused.items() if f}
 print(f"{len(fusions)} fusions in the step; one with erf (GELU): {[n for n, f in fusions.items() if 'erf' in f]}")
+for n, f in fusions.items():  # where GELU and SGD's update went, slowest or not
+    if "erf" in f or f[-2:] in (["multiply", "add"], ["multiply", "subtract"]):
+        print(f"  {n:28s} {' '.join(f)}")
 assert len({n for n, *_ in prof.ops}) == len(prof.ops), "one line per instruction"
 if rt.kind == "xla-cpu" and HLO_DIR:
     assert fusions and any("erf" in f for f in fusions.values()), fused

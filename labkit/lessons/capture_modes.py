@@ -72,10 +72,14 @@ def measure(name: str, run, graphs=None, steady: int = 5, note: str = "") -> dic
 
 
 def table(rows: list[dict]) -> str:
-    """A fixed-width text table of measure() rows."""
+    """A fixed-width text table of measure() rows. A time that was not measured (NaN: a skipped mode) is '-'."""
     head = f"{'mode':34s} {'graphs':>6s} {'first call':>11s} {'steady':>10s}  note"
     lines = [head, "-" * len(head)]
+
+    def ms(seconds: float, width: int, digits: int) -> str:
+        return f"{'-':>{width}s}  " if seconds != seconds else f"{seconds * 1e3:{width}.{digits}f}ms"
+
     for r in rows:
         g = "-" if r["graphs"] is None else str(r["graphs"])
-        lines.append(f"{r['mode']:34s} {g:>6s} {r['first_s'] * 1e3:9.1f}ms {r['steady_s'] * 1e3:8.2f}ms  {r['note']}")
+        lines.append(f"{r['mode']:34s} {g:>6s} {ms(r['first_s'], 9, 1)} {ms(r['steady_s'], 8, 2)}  {r['note']}")
     return "\n".join(lines)

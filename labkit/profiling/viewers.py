@@ -7,11 +7,14 @@
 
 Viewers. On XLA the capture folder holds `plugins/profile/<run>/<host>.xplane.pb`, the layout TensorBoard's
 profile plugin (XProf) reads: `tensorboard --logdir <folder>`, tab "Profile" (trace viewer, op profile, memory).
-The plugin is a separate package, `tensorboard-plugin-profile` (also published as `xprof`). Colab's TPU image
-has no tensorboard at all (its 2026-08 manifest): install both; neither depends on torch (tensorboard 2.21 needs
-absl-py, grpcio, markdown, numpy, packaging, pillow, protobuf, setuptools, tensorboard-data-server, werkzeug), and
-the constraints file `how_to_open` writes pins torch, torch_xla, numpy and protobuf where they are, so pip
-can only add. Not run on Colab here. Off XLA the capture is torch.profiler's Chrome trace `trace.json`, which
+The plugin is the package `xprof` (`tensorboard-plugin-profile` 2.22 only depends on the xprof of its own version;
+`xprof --logdir DIR` also serves without TensorBoard). Colab's TPU image has no tensorboard at all (its 2026-08
+manifest): install `tensorboard xprof`; neither depends on torch, and the constraints file `how_to_open` writes pins
+torch, torch_xla, numpy and protobuf where they are, so pip can only add. Proved with `pip install --dry-run
+--python-version 3.13 --only-binary=:all:` against images/colab-tpu.txt as constraints (2026-11-26): it resolves
+to tensorboard 2.21.0 and xprof 2.22.3, with the image's protobuf 7.35.1 and setuptools 75.2.0 unmoved (tensorboard
+2.21 needs protobuf >= 6.31.1). Where the installed protobuf is older (protobuf 5.29.5 pinned), pip falls back to
+tensorboard 2.20.0. Not run on Colab here. Off XLA the capture is torch.profiler's Chrome trace `trace.json`, which
 ui.perfetto.dev and chrome://tracing open; `chrome_trace` writes the XLA capture's events as the same plain JSON.
 
 Fusions. XLA names each instruction of a compiled graph once (`fusion.3`, `dot.12`, `multiply_erf_fusion`); a
@@ -122,7 +125,7 @@ def how_to_open(folder, colab: bool | None = None) -> str:
     xplane = sorted(folder.glob("plugins/profile/*/*.xplane.pb"))
     keep = folder / "keep-installed.txt"
     keep.write_text("\n".join(_pins()) + "\n")
-    install = f"pip install tensorboard tensorboard-plugin-profile -c {keep}"
+    install = f"pip install tensorboard xprof -c {keep}"
     lines = []
     if xplane:
         lines.append(f"TensorBoard / XProf (the profile plugin reads {xplane[-1].relative_to(folder)}):")
