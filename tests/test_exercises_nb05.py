@@ -127,8 +127,19 @@ def test_to_host_counts_torch_xlas_transfers():
         nb05.check_to_host(lambda s: dict(s), rt)
     with pytest.raises(Wrong, match="values differ"):  # made on the host, never read from the device
         nb05.check_to_host(lambda s: {k: torch.zeros(v.shape) for k, v in s.items()}, rt)
-    with pytest.raises(Wrong, match="labkit's own"):
+    with pytest.raises(Wrong, match="labkit's to_cpu/to_host"):
         nb05.check_to_host(lambda s: labkit.checkpoint.state.to_cpu(s, rt), rt)
+    # torch_xla's own batched copy, through its Python wrapper and through the C function under it
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    get_cpu = torch_xla._XLAC._xla_get_cpu_tensors  # a reference saved before the check: still refused
+    for own in (
+        lambda s: dict(zip(s, xm._maybe_convert_to_cpu(list(s.values())))),
+        lambda s: dict(zip(s, get_cpu(list(s.values())))),
+    ):
+        with pytest.raises(Wrong, match="torch_xla's batched copy"):
+            nb05.check_to_host(own, rt)
     with pytest.raises(Wrong, match="your code raised TypeError"):  # an int64 or odd state mixed in by mistake
         nb05.check_to_host(lambda s: {k: v.cpu() + "x" for k, v in s.items()}, rt)
     with pytest.raises(NotDone):

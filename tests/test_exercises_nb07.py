@@ -60,6 +60,9 @@ def test_fixed_step(rt):
         nb07.check_fixed_step(fixed_lr, rt)
     with pytest.raises(NotDone):
         nb07.check_fixed_step(lambda m, x, y, lr: ..., rt)
+    ref = capstone.reference_step  # the notebook's reference fix, called from the learner's cell: refused
+    with pytest.raises(Wrong, match="reference_step is the answer"):
+        nb07.check_fixed_step(lambda m, x, y, lr: ref(m, x, y, lr), rt)
 
 
 def test_fixed_step_reads_counted_by_torch_xla(rt):

@@ -257,14 +257,15 @@ def _functions(target) -> list:
 
 
 @contextlib.contextmanager
-def refusing(targets, why: str):
+def refusing(targets, why: str, builtins=()):
     """While the learner's code runs, the library functions in `targets` (functions, methods, properties, classes:
     their __init__) refuse: they raise Wrong(why). What is refused is the function object itself (its code is
     swapped), so every path to it is closed: the attribute, a reference saved earlier, `from x import f`, a bound
     method, a subclass or a submodule that calls it. A function rebuilt from a saved copy of its code object is
     caught too: the calls of every refused code object are watched (sys.setprofile) and any call is Wrong(why)
     when the block ends. Used where the library computes the very answer (the measurement, or what the exercise
-    rebuilds)."""
+    rebuilds). `builtins`: functions written in C (torch_xla._XLAC's), whose code cannot be swapped: a call of
+    one is seen by the same watch (a 'c_call' event) and is Wrong(why) when the block ends."""
     import sys
 
     funcs = list({id(f): f for t in targets for f in _functions(t)}.values())  # once each: restored to its own code
@@ -272,9 +273,13 @@ def refusing(targets, why: str):
     codes = {id(code) for _, code in saved}
     reached = []
 
+    c_funcs = list(builtins)
+
     def watch(frame, event, arg):
         if event == "call" and id(frame.f_code) in codes:
             reached.append(frame.f_code.co_name)
+        elif event == "c_call" and any(arg is f for f in c_funcs):
+            reached.append(getattr(arg, "__name__", "a builtin"))
 
     old_profile = sys.getprofile()
     _reasons.append(why)

@@ -171,7 +171,17 @@ def check_to_host(to_host, rt) -> str:
     rt.sync()  # the upload and any pending work done: what is counted below is the learner's copy alone
     before = _from_device() if rt.reads_metrics else (0, 0)
     library = [_xla.to_cpu, _xla.cpu_tensors, accumulate.to_host, checkpoint_state.to_cpu]
-    with refusing(library, "write the copy yourself: labkit's own to_cpu/to_host is what this exercise rebuilds"):
+    c_library = []
+    if rt.reads_metrics:  # torch_xla's own batched copy: its Python wrapper and the C function under it
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        library.append(xm._maybe_convert_to_cpu)
+        c_library.append(torch_xla._XLAC._xla_get_cpu_tensors)
+    why = (
+        "write the copy yourself: labkit's to_cpu/to_host and torch_xla's batched copy are what this exercise rebuilds"
+    )
+    with refusing(library, why, builtins=c_library):
         out = call(to_host, state)
     after = _from_device() if rt.reads_metrics else (0, 0)
     require(isinstance(out, dict), f"return a dict of tensors (name -> tensor), not a {type(out).__name__}")
