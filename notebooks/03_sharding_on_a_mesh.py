@@ -268,6 +268,15 @@ if DUMPING:
         "gradients of the weights left whole are summed across the data groups"
 
 # %% [markdown]
+# **Reading a sharding string.** `S.sharding_of` prints torch_xla's own text, XLA's HLO sharding. For
+# `mlp.fc.weight` on this (4, 2) mesh, split by rows over `"model"`, it reads like
+# `{devices=[2,1,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate}`:
+# `[2,1,4]` cuts the tensor into 2 × 1 tiles (dim 0 in two, dim 1 whole), and the last number, 4, with
+# `last_tile_dim_replicate`, says each tile is held by 4 devices (the data axis: a copy per data group). The device
+# ids follow, tile by tile: tile 0 (the first half of the rows) on devices 0, 2, 4, 6, tile 1 on 1, 3, 5, 7, one
+# device of each model group (rows `[0, 1]`, `[2, 3]`, ... above) per half. `{replicated}` is a tensor every device
+# holds whole; `{devices=[4,1]0,1,2,3}` without the last word, a tensor cut in 4 with no copies.
+#
 # XLA also added collectives nobody asked for (the all-gathers above): wherever a tensor laid out one way meets an
 # op that needs another, the partitioner moves data; section 7 counts them for every strategy.
 #
@@ -284,6 +293,10 @@ if DUMPING:
 # `labkit.lessons.parallel_gpt.train` builds the model for a strategy, creates AdamW's moments with each weight's
 # sharding before the first step (one compile), runs the steps with the batch marked as split, waits for the
 # device after each step (honest step times), and reads the collectives from the newest compiled step graph.
+#
+# The FSDP run prints torch's `Full backward hook is firing when gradients are computed with respect to module outputs
+# since no inputs require gradients`: torch_xla's FSDPv2 hooks each wrapped module's backward (to place an
+# optimization barrier), and a GPT's input is token ids, which never require gradients. Expected, harmless.
 
 # %%
 STRATEGIES = ("single", "data", "tensor", "fsdp")
@@ -459,9 +472,14 @@ if ex.solutions_on():
 ex.check("03.fsdp_bytes", lambda: nb03.check_fsdp_bytes(fsdp_bytes, mesh, probe, results["fsdp"].param_bytes))
 
 # %% [markdown]
-# **4.** Megatron's tensor parallelism all-reduces activations inside every block. Write `megatron_bytes(B, T, C,
-# L, data)`: the activation bytes (float32) one training step all-reduces over the model groups, for a global batch
-# of B sequences of T tokens, width C, L blocks, on a mesh whose `data` axis has `data` devices.
+# **4.** Megatron's tensor parallelism all-reduces activations inside every block: section 3 found one after the
+# row-split `mlp.proj`, whose devices each hold a partial sum. Per block there are two such row-parallel outputs
+# (attention's projection and the MLP's) completed in the forward, and the backward mirrors them: the input
+# gradients of the two column-parallel layers (q/k/v and `mlp.fc`) are partial sums too, **4 all-reduces per block**,
+# each of one data slice's activations, (B/data, T, C) (section 7 counts them in the HLO). Write
+# `megatron_bytes(B, T, C, L, data)`: the float32 bytes of the activation buffers one model group all-reduces in one
+# training step (every model group does the same for its own data slice: do not add the groups up), for a global
+# batch of B sequences of T tokens, width C, L blocks, on a mesh whose `data` axis has `data` devices.
 
 # %%
 def megatron_bytes(B, T, C, L, data):
@@ -819,6 +837,11 @@ assert len(rows) == 4
 #
 # Carries over: DCP is plain PyTorch (`torch.distributed.checkpoint`; on GPUs with FSDP2/DTensor state). The
 # SPMD planners and the sharded XLA tensors are torch_xla's.
+#
+# The save prints warnings from torch 2.9's DCP about torch_xla 2.9's planners, not about this checkpoint: "The
+# function definition for SavePlanner.set_up_planner has been updated to include the storage_meta argument" (the
+# planner was written for an older DCP) and a `TypedStorage is deprecated` notice (how the planner reaches the
+# bytes). Harmless; they go away when the two libraries agree again.
 
 # %%
 import math
@@ -847,7 +870,14 @@ if not CKPT.startswith("gs://"):  # every element stored exactly once: the slice
     tensors = {k: m for k, m in meta.state_dict_metadata.items() if hasattr(m, "chunks")}
     pieces = sum(len(m.chunks) for m in tensors.values())
     assert all(sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size) for m in tensors.values())
-    print(f"{len(tensors)} tensors in {pieces} slices, each element once")
+    # the state is the weights *and* AdamW's two moments (3x the weights, + a step count each), each element once; the rest of
+    # the files is the format's: a header per slice in the .distcp files, and the metadata file
+    elements = sum(math.prod(m.size) * m.properties.dtype.itemsize for m in tensors.values())
+    weights = sum(t.numel() * t.element_size() for t in state["model"].values())
+    on_disk = sum(f["size"] for f in files.values())
+    print(f"{len(tensors)} tensors in {pieces} slices, each element once: {elements:,} B of elements "
+          f"({weights:,} B of weights + {elements - weights:,} B of AdamW state) in {on_disk:,} B of files")
+    assert on_disk >= elements and 2 * weights <= elements - weights < 2.1 * weights, (weights, elements)
 
 # restore into the data-parallel model and its optimizer (their tensors are replicated on every device)
 target = {"model": dp.model.state_dict(), "optimizer": dp.optimizer.state_dict()}
