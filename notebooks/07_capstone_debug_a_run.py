@@ -30,8 +30,8 @@
 # CPU fallback, a host read per step, a starving loader and a sharding plan that replicates a weight; and predict a
 # step's time from the device's FLOP/s before you measure it.
 #
-# **Time**: about a minute of run time on a 2-core CPU (XLA:CPU; no fast mode: the three sharded runs of section 5
-# take ~12 s each); 60–90 minutes to read, find the faults and fix them in the four exercises.
+# **Time**: 1–5 minutes of run time on a 2-core CPU (XLA:CPU; no fast mode): 61 s measured on a quiet machine with
+# the exercises unsolved, 260 s on a busy one (the three sharded runs of section 5 take ~12 s each when quiet); 60–90 minutes to read, find the faults and fix them in the four exercises.
 #
 # **In the course**: after 08; next: the appendix, 05. The capstone: it uses 00's counters, 04's detective and sync
 # finder, 06's feed meter and 03's bytes per device.
@@ -193,6 +193,10 @@ else:
 #   log interval (labkit's Trainer does it in a step closure).
 # * The loader decodes in the training process, one sample after another: while it decodes, the chip waits.
 #   Worker processes (`num_workers`) decode ahead, in parallel; and `drop_last=True` keeps the last batch full.
+#   On this 2-core machine DataLoader warns that its "suggested max number of worker ... is 2" when you ask for
+#   more. The warning counts cores; this decode is a sleep (waiting for a read, as a network or disk read is), which
+#   needs no core, so more workers than cores still cut the wait here. A decode that computes (a JPEG) is where the
+#   warning matters: there, workers beyond the host's cores only take turns.
 #
 # ## Your turn
 # **1. Fix the step.** Write `fixed_step(model, x, y, lr)` returning `(loss, correct, labelled)` as device tensors,
@@ -258,6 +262,12 @@ print(
     f"{here.name}: {here.flops / 1e9:.0f} GFLOP/s (matmul), {here.bandwidth / 1e9:.1f} GB/s, "
     f"ridge at {here.ridge:.0f} FLOPs per byte"
 )
+
+# %% [markdown]
+# Read the bandwidth with its conditions. On XLA:CPU it is a copy run as an XLA graph on a shared 2-core machine, the
+# graph's launch included: around 1 GB/s here, a small fraction of what the machine's memory can stream. It is this
+# device's effective rate for a memory-bound op, which is what the roofline needs; it is no property of the memory.
+# On a TPU the same cell measures HBM (Google's v5e page rates it at 819 GB/s; not verified here: no TPU).
 
 # %% [markdown]
 # **3. Predict.** Write `predict_step_s(batch, model, machine)`: the seconds of matmul work in one training step
@@ -379,6 +389,8 @@ def colleague_plan(model, devices):
 # `P.mesh_devices` virtual XLA:CPU devices: XLA's partitioning and the bytes each device holds are real, the
 # timings are not a TPU's. It reads the layout with notebook 03's tools (`labkit.spmd.sharding.layout_table` and
 # `device_bytes`) and also trains a replicated copy on the same batches: a layout must not change the losses.
+# The table's sharding strings read as notebook 03 section 3 taught: `{devices=[4,1]0,1,2,3}` cuts a weight into
+# 4 × 1 tiles, one per device, no copies; `{replicated}` is a whole copy on every device.
 
 # %%
 MESH = capstone_mesh.available() is None
@@ -401,9 +413,11 @@ else:
 # replicated it, the largest weight of the model, on every chip. Nothing fails and the losses are the same as
 # before: the cost is memory, N copies of the biggest matrix. A model sized to fit only when split N ways would
 # not fit on a chip at all (not shown here: the virtual devices share the host's memory), and a smaller one
-# keeps less room for activations and batch. The fix is the tie rule of torch_xla's FSDPv2 (notebook 03): on a
-# tie, split the first dimension; and split only a dimension that divides over the chips (the output layer has 10
-# rows). The "largest dimension, first on a tie" rule is FSDPv2's own: PyTorch's FSDP2 (`fully_shard`) splits dim 0
+# keeps less room for activations and batch. The fix takes the tie rule of torch_xla's FSDPv2 (notebook 03): on a
+# tie, split the first dimension. It adds a rule of its own that FSDPv2 does not have: split only a dimension that
+# divides over the chips. FSDPv2 splits the largest dimension whether it divides or not, and pads the last shard
+# (notebook 03's `fsdp_bytes`); this plan would rather leave no padding, so for the output layer (10 rows) it
+# looks for a dimension that divides. The "largest dimension, first on a tie" rule is FSDPv2's own: PyTorch's FSDP2 (`fully_shard`) splits dim 0
 # unless its `shard_placement_fn` says otherwise.
 #
 # **4. Fix the plan.** Write `fixed_plan(model, devices)`: `{parameter name: spec}` with every weight matrix split
