@@ -38,8 +38,8 @@
 # instead of boolean indexing, and not reading the device inside the loop pay off on every compiled backend
 # (`torch.compile` with CUDA graphs, TorchTPU, JAX) and most of them on an eager GPU too.
 #
-# > **Status: torch_xla 2.9.0 is the last release on PyPI so far.** PyTorch/XLA's README (April 2026) says TorchTPU
-# > will replace it, and names no last version (an r2.10 branch exists, untagged). TorchTPU (public since 2026,
+# > **Status: torch_xla 2.9.0 is the last release on PyPI so far.** PyTorch/XLA's README (its note of 2026-04-22) says
+# > that *once TorchTPU is public* it will replace PyTorch/XLA (a plan, with its condition), and names no last version (an r2.10 branch exists, untagged). TorchTPU (public since 2026,
 # > `pip install torch_tpu`; its package, `torch-tpu` 0.2.0, requires torch ≥ 2.11, though its `torch.compile` guide
 # > says 2.10) uses `torch.device("tpu")`, runs **eager by default** and compiles with `torch.compile(backend="tpu")`.
 # > Its default eager mode runs each op as Python reaches it (its documentation also names deferred and fused eager
@@ -451,9 +451,9 @@ assert len(trained) == len(hand) and worst < 1e-5
 # (the recompile detective, the sync finder, a profile); notebook 01 then trains a ResNet-50 with the Trainer, whose
 # dashboard watches all three for you.
 #
-# **Where this goes next.** torch_xla 2.9.0 is the last release on PyPI so far; its successor TorchTPU (`torch-tpu`
-# on PyPI, not run here: it needs a TPU, torch ≥ 2.11 by its package's requirement, and has no CPU mode) is eager by default and builds graphs with
-# `torch.compile`.
+# **Where this goes next.** torch_xla 2.9.0 is the last release on PyPI so far; TorchTPU (`torch-tpu`
+# on PyPI, not run here: it needs a TPU, torch ≥ 2.11 by its package's requirement, and has no CPU mode), which PyTorch/XLA's README (2026-04-22) says will
+# replace torch_xla once it is public, is eager by default and builds graphs with `torch.compile` (read 2026-11).
 # * Ends with torch_xla: the lazy tensor, `torch_xla.sync()`, the IR and HLO dumps, and the metrics report's
 #   counters (`CompileTime`, `aten::*`, `TransferFromDeviceTime`).
 # * Carries over: a new shape is a new graph (under `torch.compile` a guard failure and a recompile), a data-

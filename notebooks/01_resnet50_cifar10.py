@@ -287,7 +287,12 @@ del probe
 #   batches to the device on a thread while the current step runs.
 #
 # The dashboard below updates in place: curves, examples/s, MFU, and XLA's health panel (compiles per
-# interval, recompilations after warm-up with what changed, ops that fell back to the CPU, transfers).
+# interval, recompilations after warm-up with what changed, ops that fell back to the CPU, transfers). Its console
+# line (`LABKIT_CONSOLE=1`, or where widgets cannot draw) reads: `rate 55.9/s` examples per second on this replica,
+# smoothed over the last log intervals; `global` the same since the epoch began; `compiles 2 (31.4s)` the graphs
+# compiled in the last interval and their time; `graphs 38` every graph torch_xla has compiled in this process
+# since it started, this notebook's earlier cells included, so it is not this run's count; `xfers` device-to-host
+# copies in the last interval.
 # A checkpoint is written every `checkpoint_every` steps in a background thread; training does not wait for it.
 #
 # The buttons above the figure (profile the next N steps, stop after this epoch, save a checkpoint now) reach
@@ -703,7 +708,7 @@ info = labkit.explain(dash)
 # Next: `06_bring_your_own_webdataset.ipynb` streams a WebDataset no labkit code wrote (photos of any size) through the
 # same loader; then `02_transformer_lm.ipynb` trains a GPT-style transformer with the same `labkit` calls.
 #
-# **Where this goes next (TorchTPU, torch_xla's successor; not run here).** Ends with torch_xla: `ParallelLoader`'s
+# **Where this goes next (TorchTPU, named in PyTorch/XLA's README of 2026-04-22 as its replacement once public; not run here).** Ends with torch_xla: `ParallelLoader`'s
 # upload thread, SPMD through `xs.mark_sharding`, and the metrics `explain` reads. Carries over: WebDataset shards
 # streamed from a bucket, static batch shapes, padded evaluation batches, async checkpoints with exact resume, and
 # data parallelism (there as DTensor / DDP with one process per chip).

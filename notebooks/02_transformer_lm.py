@@ -744,7 +744,7 @@ info = labkit.explain(dash)
 #   parameters as flags), also on a pod slice or under `torchrun` (README: *Scale out*).
 # * The loss in bits per byte compares across tokenizers: a byte-level model at 1.5 bits/byte on English is
 #   doing well for its size.
-# * **Where this goes next** (TorchTPU, torch_xla's successor; not run here). Ends with torch_xla: the lazy step,
+# * **Where this goes next** (TorchTPU, named in PyTorch/XLA's README of 2026-04-22 as its replacement once public; not run here). Ends with torch_xla: the lazy step,
 #   the `CompileTime` count behind the recompile checks, and `explain`'s metrics. Carries over: bucketed prompt
 #   lengths, generation over a fixed window read at a device-tensor position (a few graphs, then none: asserted
 #   above; under `torch.compile`, guards that keep holding), the 6·N FLOPs per token, MFU, and the memory arithmetic.

@@ -899,7 +899,7 @@ assert len(same_m) == len(moments), sorted(set(moments) - set(same_m))
 assert tiles == {(0, 0): []}, "the target keeps its own layout"
 
 # %% [markdown]
-# **Where this goes next.** TorchTPU, torch_xla's successor (not run here: it needs TPU chips), shards with DTensor
+# **Where this goes next.** TorchTPU, which PyTorch/XLA's README (2026-04-22) says will replace torch_xla once it is public (not run here: it needs TPU chips), shards with DTensor
 # and one process per chip instead of GSPMD's one process per host.
 # * Ends with torch_xla: `xs.Mesh`, `xs.mark_sharding`, `SpmdFullyShardedDataParallel`, the SPMD planners of the
 #   sharded checkpoint, and reading the partitioned HLO dump.

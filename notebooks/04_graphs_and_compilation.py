@@ -653,7 +653,7 @@ if ex.check("04.slowest", lambda: nb04.check_slowest_op(slowest_op, rt)):
     print("this capture's slowest op:", slowest_op(prof.op_events), "- labkit's ranking:", prof.ops[0][0])
 
 # %% [markdown]
-# **Where this goes next.** TorchTPU, torch_xla's successor (not run here), is eager by default and builds graphs
+# **Where this goes next.** TorchTPU, which PyTorch/XLA's README (2026-04-22) says will replace torch_xla once it is public (not run here), is eager by default and builds graphs
 # with `torch.compile`.
 # * Ends with torch_xla: lazy tensors and `torch_xla.sync()`, `torch_xla.compile`, the `CompileTime` and transfer
 #   counters behind the detective and the checks, and `torch_xla.debug.profiler`'s trace.

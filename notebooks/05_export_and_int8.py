@@ -621,5 +621,5 @@ ex.check("05.to_host", lambda: nb05.check_to_host(to_host, rt))
 #   arithmetic, not the file, hence a tolerance on logits rather than bit equality.
 # * Any backend: `torch.export` with dynamic batch, PT2E int8 quantization with `X86InductorQuantizer`, Inductor
 #   compilation, and key/value caching are plain PyTorch, and what they buy depends on the CPU (see section 1).
-# * TorchTPU (torch_xla's successor; not run here): nothing in this notebook depends on torch_xla except loading a
+# * TorchTPU (named by PyTorch/XLA's README of 2026-04-22 as its replacement once public; not run here): nothing in this notebook depends on torch_xla except loading a
 #   checkpoint a TPU run wrote, which holds plain CPU tensors either way, so every lesson here carries over.
