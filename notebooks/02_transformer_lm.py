@@ -617,6 +617,31 @@ print(f"after 100 updates of 1e-3: a bf16 weight {w16.item():.4f} (each one roun
 assert w16.item() == 1.0 and abs(w32.item() - 1.1) < 1e-4
 
 # %% [markdown]
+# **How `GradScaler` picks its scale.** No one scale suits a whole run, so torch's scaler moves it: when a step's
+# gradients hold an `inf` or `NaN` (the scaled loss overflowed fp16), `scaler.step` **skips** the optimizer step and
+# `update()` multiplies the scale by `backoff_factor` (0.5); after `growth_interval` steps in a row without one
+# (2,000 by default), it multiplies the scale by `growth_factor` (2.0) to probe upward again (torch 2.9's
+# `torch.amp.GradScaler` defaults: `init_scale` 2^16). So a few skipped steps at the start of an fp16 run are the
+# scaler finding its level, not a fault; skipped steps that never stop are. Below, on the CPU, a growth interval of 3
+# to see it in six steps: one overflowing gradient at step 1.
+
+# %%
+w_s = torch.nn.Parameter(torch.ones(4))
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
+opt_s = torch.optim.SGD([w_s], lr=0.1)
+scale_log = []
+for step, g in enumerate([1e-3, float("inf"), 1e-3, 1e-3, 1e-3, 1e-3]):
+    opt_s.zero_grad()
+    scaler.scale((w_s * g).sum()).backward()
+    before = w_s.detach().clone()
+    scaler.step(opt_s)  # skipped when the gradients are not finite
+    scaler.update()
+    scale_log.append((step, not torch.equal(before, w_s.detach()), scaler.get_scale()))
+    print(f"step {step}: gradient {g:g} -> {'updated' if scale_log[-1][1] else 'skipped'}, scale now {scale_log[-1][2]:g}")
+assert [t[1] for t in scale_log] == [True, False, True, True, True, True]
+assert [t[2] for t in scale_log] == [2.0**16, 2.0**15, 2.0**15, 2.0**15, 2.0**16, 2.0**16]  # halved; 3 clean steps: doubled
+
+# %% [markdown]
 # **XLA's matmul precision.** On a TPU, a float32 matrix product by default is not computed in float32: XLA rounds
 # the inputs to bf16 for one MXU pass (products accumulated in float32). torch_xla 2.9 sets this per process with
 # `torch_xla.backends.set_mat_mul_precision("default" | "high" | "highest")` (about 8, 14 and 22 significant bits: 1,
