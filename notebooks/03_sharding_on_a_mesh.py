@@ -683,6 +683,24 @@ print(f"textbook, this GPT in float32 on {N_DEV} devices: data parallel sends {t
 # each chip needs to keep the network hidden; theirs says how large the global batch (tokens per chip × chips) may
 # grow before the extra chips stop buying progress. A run needs both: the first sets a floor per chip, the second a
 # ceiling on chips × that floor.
+#
+# **How the overlap happens, and what each collective can hide behind.** The bound assumes the transfers run while
+# the chip computes. Someone has to arrange that. On a TPU, XLA issues collectives asynchronously (in a TPU's
+# optimized HLO, pairs such as `all-gather-start` / `all-gather-done`) and its *latency-hiding scheduler* places
+# independent compute between the start and the done; torch_xla 2.9 sets `xla_latency_hiding_scheduler_rerun` at
+# import (its `__init__.py`: rerun the scheduler with less memory if overlapping ran out). Not verified here: XLA:CPU
+# has no such scheduler. Under FSDP2 on GPUs, the all-gather of the next module is issued on its own stream while
+# the current one computes (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` issue them earlier,
+# at the cost of memory). Either way, each collective can only hide behind compute that needs none of its result:
+# a block's weight gather behind the previous block's matmuls, a gradient's reduction behind the backward of the
+# layers below it; the gradient computed last (the first layer's) has nothing left to hide behind, and the
+# optimizer step waits for its reduction.
+#
+# **Across slices.** Chips of one slice talk over ICI; slices talk over the data-centre network (DCN), far slower
+# per chip (Google's multislice documentation, read 2026-11; not verified here). The usual layout follows from the
+# bounds above: FSDP (or tensor parallelism) inside a slice over ICI, and data parallelism across slices over DCN,
+# where the only traffic is one gradient all-reduce per step, hidden behind the backward, with a bound of the same
+# form as above and S the DCN rate per chip: far more tokens per chip before it hides.
 
 # %%
 print(f"{'chip':5s} {'F/S':>6s} {'data: tokens/chip':>18s} {'FSDP: tokens/chip':>18s} {'Megatron axis at C=2048':>24s}")
