@@ -438,7 +438,9 @@ ex.check("04.graphs", lambda: nb04.check_predict_graphs(predict_graphs, rt))
 # a value from the device to the host (look for every line that needs a number in Python). The check runs the loop
 # for step counts you have not seen and counts torch_xla's own transfers (`TransferFromDeviceTime`); a count is
 # exact, so no tolerance. Read the loop, do not run it: while your function runs, `guarded_loop` refuses and the
-# device must do nothing.
+# device must do nothing. One fact you need: a value that `sync()` has already computed still lives on the device,
+# so reading it is still a transfer; each `.item()`, `bool(t)` or `if t:` copies one value, whether or not the graph
+# behind it has run.
 
 # %%
 import inspect
