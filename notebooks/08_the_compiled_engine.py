@@ -525,6 +525,47 @@ assert graphs == 1 and not failures
 torch._dynamo.reset()
 
 # %% [markdown]
+# **A third way for the short batch: a dynamic dimension, with bounds.** Instead of padding, tell Dynamo that one
+# dimension varies: `torch._dynamo.mark_dynamic(x, 0, min=2, max=64)` before the call. The graph is then traced with
+# a symbolic batch size, guarded only by the bounds, and every size between them runs the same graph; a size outside
+# raises instead of compiling (torch 2.9, measured below with the counting backend of section 2; this holds with
+# `dynamic=False` too, which only stops Dynamo from making sizes dynamic *by itself*; left alone, it compiles a static
+# graph first and a dynamic one at the first new size). The price: a backend that wants every shape fixed (XLA pads
+# to the bound, a CUDA graph needs one shape) gets less from a symbolic size, which is why this notebook keeps
+# shapes static and pads.
+
+
+# %%
+def doubled_sine(x):
+    return torch.sin(x) * 2
+
+
+def graphs_for(sizes, *, mark, dynamic=False):
+    """Graphs Dynamo hands the counting backend for calls with these batch sizes."""
+    torch._dynamo.reset()
+    handed.clear()
+    g = torch.compile(doubled_sine, dynamic=dynamic, backend=counting)
+    for b in sizes:
+        x = torch.randn(b, 8)
+        if mark:
+            torch._dynamo.mark_dynamic(x, 0, min=2, max=64)
+        g(x)
+    return len(handed)
+
+
+sizes = (16, 12, 24, 16)
+static, marked, automatic = graphs_for(sizes, mark=False), graphs_for(sizes, mark=True), graphs_for(sizes, mark=False, dynamic=None)
+try:
+    graphs_for((100,), mark=True)
+    outside = "ran"
+except Exception as e:  # torch's ConstraintViolationError: 100 is not in [2, 64]
+    outside = type(e).__name__
+torch._dynamo.reset()
+print(f"batch sizes {sizes}: static {static} graphs, mark_dynamic(min=2, max=64) {marked}, left to Dynamo "
+      f"(dynamic=None) {automatic}; a batch of 100 with those bounds: {outside}")
+assert (static, marked, automatic) == (3, 1, 2) and outside != "ran"
+
+# %% [markdown]
 # ### The same findings from `labkit.explain()`
 # labkit's `explain()` reads torch.compile's own record off XLA: graphs, recompiles with the guard that failed and
 # the line, graph breaks with their reason and line, and the time spent compiling. Here it reads the planted runs
