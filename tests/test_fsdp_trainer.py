@@ -202,9 +202,11 @@ def test_accumulation_reduces_once_per_optimizer_step(runs):
         assert k4["comm"][reduce_op] == k1["comm"][reduce_op] > 0, (plan, k1["comm"], k4["comm"])
         assert _close(k4["losses"], k1["losses"]), (plan, k1["losses"], k4["losses"])
     assert r["ddp_k4"]["comm"] == r["ddp_k1"]["comm"]  # DDP: nothing else runs per micro-batch
-    # FSDP2: 2 layers -> 2 x 2 + 1 all-gathers per forward + backward, once per micro-batch; L + 1 reduce-scatters
-    assert r["fsdp_k1"]["comm"] == {"all-gather": 5, "reduce-scatter": 3}
-    assert r["fsdp_k4"]["comm"] == {"all-gather": 20, "reduce-scatter": 3}
+    # FSDP2: 2 layers -> 2 x 2 + 1 all-gathers per forward + backward, once per micro-batch; L + 1 reduce-scatters;
+    # one all-reduce of the gradient norm's partial sums (clip_norm=1.0) per optimizer step
+    assert r["fsdp_k1"]["comm"] == {"all-gather": 5, "reduce-scatter": 3, "all-reduce": 1}
+    assert r["fsdp_k4"]["comm"] == {"all-gather": 20, "reduce-scatter": 3, "all-reduce": 1}
+    assert r["fsdp_k4"]["comm_bytes"]["reduce-scatter"] == r["fsdp_k1"]["comm_bytes"]["reduce-scatter"]
 
 
 def test_dcp_checkpoint_resumes_on_another_number_of_processes(runs):

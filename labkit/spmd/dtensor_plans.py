@@ -304,6 +304,7 @@ def collective_counter():
     """A dispatch mode that counts every collective op called under it (c10d's and the functional ones), with its
     bytes as comm_mode() does, but without CommDebugMode's module tracker (whose forward hooks fail on a module
     entered before the mode, e.g. inside a DistributedDataParallel forward). Read comm_counts(mode) after."""
+    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _Count(TorchDispatchMode):
@@ -313,6 +314,8 @@ def collective_counter():
             self.bytes_by_op: dict[str, int] = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # DTensor runs first and turns the op into plain ones and collectives, seen here
             out = func(*args, **(kwargs or {}))
             if func.namespace in ("c10d", "_c10d_functional") and not func.__name__.startswith(("wait", "barrier")):
                 name = op_name(func._overloadpacket)
