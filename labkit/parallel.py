@@ -4,6 +4,7 @@
     model = plan.wrap(model, optimizer)                     # DDP, fully_shard per block then the root, or as is
     with plan.gradient_sync(last_micro_batch): loss.backward()   # accumulation: only the last one reduces
     state = plan.model_state(model); plan.load_model_state(model, state)   # plain keys, whatever the plan
+    with collective_counter() as c: ...; labkit.spmd.dtensor_plans.comm_counts(c)   # what a step issued
 
 The Trainer asks for a plan the way it asks its runtime for a step capture (rt.step_capture): it calls the plan's
 methods and never asks which one runs. Three plans:
@@ -43,6 +44,7 @@ import torch
 
 from labkit.config import PARALLEL as PLANS
 from labkit.spmd.comm import fits
+from labkit.spmd.dtensor_plans import collective_bytes, op_name
 
 STATE_BYTES_PER_WEIGHT = 16  # float32 weight 4 + gradient 4 + AdamW's two moments 8 (labkit.spmd.comm.fits)
 
@@ -242,3 +244,31 @@ def choose(rt, setting: str = "auto", precision=None, model=None) -> Single:
             )
         return FullyShard(rt, precision)
     return Replicate(rt)
+
+
+def collective_counter():
+    """comm_mode() without CommDebugMode's module tracker (its hooks fail on a module entered before the mode, e.g.
+    a DistributedDataParallel forward): every c10d / functional collective counted. Read comm_counts(mode) after."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        counts: dict[str, int]
+        bytes_by_op: dict[str, int]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # DTensor runs first and turns the op into plain ones and collectives, seen here
+            out = func(*args, **(kwargs or {}))
+            if func.namespace in ("c10d", "_c10d_functional") and not func.__name__.startswith(("wait", "barrier")):
+                name = op_name(func._overloadpacket)
+                self.counts[name] = self.counts.get(name, 0) + 1
+                self.bytes_by_op[name] = self.bytes_by_op.get(name, 0) + collective_bytes(args, out)
+            return out
+
+        def get_comm_counts(self) -> dict:
+            return dict(self.counts)
+
+    mode = _Count()
+    mode.counts, mode.bytes_by_op = {}, {}
+    return mode

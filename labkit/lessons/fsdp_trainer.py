@@ -31,6 +31,7 @@ import labkit
 from labkit.checkpoint import CheckpointManager
 from labkit.lm import LMTrainer
 from labkit.models.gpt import GPT, GPTConfig, adamw
+from labkit.parallel import collective_counter
 from labkit.spmd import dtensor_plans as D
 
 GLOBAL, BLOCK, MICRO = 16, 16, 4  # rows per micro-batch over all processes, tokens per row, micro-batches kept
@@ -105,7 +106,7 @@ def run(rt, spec, steps_total):
     ckpt = CheckpointManager(spec["ckpt"], keep=2, rt=rt, async_save=False) if spec.get("ckpt") else None
     loader = Rows(text, rt.ordinal, rt.world_size, merge)
     trainer = GlobalLoss(model, opt, rt, cfg, loader, checkpoint=ckpt)
-    mode = D.collective_counter() if spec.get("count") else None
+    mode = collective_counter() if spec.get("count") else None
     trainer.global_losses = None if mode is not None else []
     t0 = time.perf_counter()
     if mode is not None:

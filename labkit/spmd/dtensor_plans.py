@@ -300,35 +300,6 @@ def comm_mode():
     return _CommBytes()
 
 
-def collective_counter():
-    """A dispatch mode that counts every collective op called under it (c10d's and the functional ones), with its
-    bytes as comm_mode() does, but without CommDebugMode's module tracker (whose forward hooks fail on a module
-    entered before the mode, e.g. inside a DistributedDataParallel forward). Read comm_counts(mode) after."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.counts: dict[str, int] = {}
-            self.bytes_by_op: dict[str, int] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(issubclass(t, DTensor) for t in types):
-                return NotImplemented  # DTensor runs first and turns the op into plain ones and collectives, seen here
-            out = func(*args, **(kwargs or {}))
-            if func.namespace in ("c10d", "_c10d_functional") and not func.__name__.startswith(("wait", "barrier")):
-                name = op_name(func._overloadpacket)
-                self.counts[name] = self.counts.get(name, 0) + 1
-                self.bytes_by_op[name] = self.bytes_by_op.get(name, 0) + collective_bytes(args, out)
-            return out
-
-        def get_comm_counts(self) -> dict:
-            return dict(self.counts)
-
-    return _Count()
-
-
 def collective_bytes(args, out=None) -> int:
     """The buffer a collective works on, as labkit.spmd.sharding.count_collectives counts it: a list of tensors
     (c10d's allreduce_) adds up; otherwise the largest tensor among its arguments and result (an all-gather's
