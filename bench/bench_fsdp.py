@@ -1,6 +1,6 @@
 """The FSDP2 Trainer step ÷ a hand-written fully_shard loop, on torchrun's processes (gloo on the CPU, nccl on GPUs).
 
-    .venv/bin/python bench/bench_fsdp.py [--nproc 4] [--steps 10] [--trials 3] [--layers 2] [--width 128]
+    .venv/bin/python bench/bench_fsdp.py [--processes 4] [--steps 10] [--trials 3] [--layers 2] [--width 128]
 
 Starts `python -m torch.distributed.run --standalone --nproc-per-node N` of itself. In every process, two loops on
 the same GPT (2 layers, 128 wide, T=64, 8 rows per process by default), the same initial weights, batches and AdamW,
@@ -102,7 +102,7 @@ def child(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--processes", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--layers", type=int, default=2)
@@ -114,7 +114,7 @@ def main() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.processes}"]
     cmd += [os.path.abspath(__file__), "--child"] + sys.argv[1:]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
