@@ -19,7 +19,7 @@ import time
 import warnings
 
 from labkit.checkpoint import safe_load
-from labkit.checkpoint.shards import _add_missing, _planner, _planner_kind, stage
+from labkit.checkpoint.shards import _add_missing, _dtensor_split, _planner, _planner_kind, stage
 from labkit.checkpoint.state import ReadFailed, _tensors
 from labkit.checkpoint.state import read as read_checked
 from labkit.checkpoint.writer import no_space
@@ -176,6 +176,15 @@ class Sharded:
         return {"files": merged, "planner": "default", "processes": rt.world_size}
 
     def stage(self, state, rt):
+        import torch.distributed as dist
+
+        split = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if rt is None and split and any(_dtensor_split(t) for _, t in _tensors(state)):
+            raise ValueError(
+                f"checkpoint to {self.store.url('')}: this state is split over {dist.get_world_size()} processes "
+                "(DTensors: parallel='fsdp2') and the manager was built without rt: pass CheckpointManager(..., "
+                "rt=rt) so that every process writes its own shards and process 0 alone commits"
+            )
         if rt is not None and rt.world_size > 1:
             raise RuntimeError(
                 f"checkpoint to {self.store.url('')}: the sharded format of XLA tensors is written by one process "
