@@ -59,9 +59,7 @@ class Params:
     lr: float = 3e-3  # AdamW
     warmup: int = 5  # linear warm-up steps of section 4's schedule
     seed: int = 0
-    compile_backend: str = (
-        "inductor"  # section 2's compiler; "tpu" would be TorchTPU's (needs a TPU VM and torch >= 2.11)
-    )
+    compile_backend: str = "inductor"  # section 2's compiler; "tpu" would be TorchTPU's (needs a TPU VM and torch >= 2.11)
     FAST = {"steps": 8, "hidden": 64, "warmup": 3}
 
 
@@ -85,12 +83,10 @@ P
 # Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
 import importlib.util, os, subprocess, sys
 
-
 def _labkit_dir():
     spec = importlib.util.find_spec("labkit")
     d = spec and spec.submodule_search_locations and list(spec.submodule_search_locations)[0]
     return d if d and os.path.exists(os.path.join(d, "envsetup.py")) else None
-
 
 if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours (no dependencies yet)
     pip = [sys.executable, "-m", "pip", "-q"]
@@ -109,7 +105,6 @@ envsetup = sys.modules["labkit_envsetup"] = importlib.util.module_from_spec(_spe
 _spec.loader.exec_module(envsetup)
 envsetup.main()  # prints "labkit setup: platform=... / choice=..."; asks for a restart if one is needed
 import labkit
-
 P = labkit.from_env(Params)
 print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 
