@@ -17,9 +17,10 @@ The step is captured as the runtime says (labkit.runtime.step, TrainConfig.compi
 the optimizer step may be torch.compile'd (CUDA by default); the hooks read the same either way.
 
 Gradient accumulation (cfg.accum_steps = k): k train_steps (each loss divided by k) per run_optimizer, so .grad
-adds up to the gradient of the k-times larger batch; under torchrun only the last one reduces (labkit.parallel). `step` and everything cfg counts in steps count optimizer
-steps; checkpoints are taken only between them (no half-summed gradient is saved: a resumed run trains at most
-k - 1 micro-batches again); the last len(loader) % k batches of an epoch are dropped, as a short batch is.
+adds up to the gradient of the k-times larger batch; under torchrun only the last one reduces (labkit.parallel).
+`step` and everything cfg counts in steps count optimizer steps; checkpoints are taken only between them (no
+half-summed gradient is saved: a resumed run trains at most k - 1 micro-batches again); the last len(loader) % k
+batches of an epoch are dropped, as a short batch is.
 
 Every step ends with `rt.sync()`. Losses are summed on the device and read only at log
 time, inside a step closure: one device->host transfer per log interval, none per step.
