@@ -5,7 +5,8 @@ Child runs (tests/children/fsdp_trainer.py under `python -m torch.distributed.ru
   all-reduces; FSDP2: the same reduce-scatters, while its all-gathers run per micro-batch, 4x) and train as the
   4-times larger batch: every logged loss within LOSS_TOL.
 - sharded checkpoints: FSDP2 on 4 processes saves through DCP at step 3 (each process its own shards, a COMMITTED
-  marker last), 2 processes resume it (and 2 -> 4 the other way), and the resumed steps' losses equal an
+  marker last) to a local folder, 2 processes resume it (and 2 -> 4 the other way, through gs:// on the loopback GCS
+  server), and the resumed steps' losses equal an
   uninterrupted run's within LOSS_TOL, starting at the exact next step; another model's checkpoint is refused by name.
 - two torchrun launches (--nnodes 2 --nproc-per-node 2, c10d rendezvous on 127.0.0.1) train `labkit.train gpt
   --parallel fsdp2` together, as two hosts would.
@@ -146,11 +147,16 @@ def test_a_plan_the_world_cannot_use_is_refused_by_name():
 
 # -- under torchrun -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Three torchrun launches: 4 processes (accumulation, the reference, a save at step 3), 2 processes (resume
-    4 -> 2, another model refused, a save at step 3), 4 processes (resume 2 -> 4)."""
+def runs(tmp_path_factory, gcs_server):
+    """Three torchrun launches: 4 processes (accumulation, the reference, a save at step 3 to a local folder), 2
+    processes (resume 4 -> 2, another model refused, a save at step 3 to gs:// on the loopback GCS server), 4
+    processes (resume 2 -> 4 from gs://)."""
+    from labkit.cloud import gcs
+
     tmp = tmp_path_factory.mktemp("fsdp")
-    ck4, ck2 = str(tmp / "ck4"), str(tmp / "ck2")
+    bucket = f"fsdp-{os.getpid()}"
+    gcs.client().create_bucket(bucket)  # the children reach the server through STORAGE_EMULATOR_HOST
+    ck4, ck2 = str(tmp / "ck4"), f"gs://{bucket}/ck2"
     four = _torchrun(
         tmp,
         "four",
@@ -175,7 +181,7 @@ def runs(tmp_path_factory):
         ],
     )
     back = _torchrun(tmp, "back", 4, [{"name": "resume", "parallel": "fsdp2", "steps": 6, "resume": True, "ckpt": ck2}])
-    return {"four": four, "two": two, "back": back, "ck4": Path(ck4), "ck2": Path(ck2)}
+    return {"four": four, "two": two, "back": back, "ck4": ck4, "ck2": ck2}
 
 
 def _close(a, b, tol=LOSS_TOL):
@@ -212,13 +218,15 @@ def test_accumulation_reduces_once_per_optimizer_step(runs):
 def test_dcp_checkpoint_resumes_on_another_number_of_processes(runs):
     ref = runs["four"]["ref"]["global_losses"]  # the mean over the processes: the same whatever their number
     assert len(ref) == 6
-    for ck in (runs["ck4"], runs["ck2"]):
-        step = ck / "step-00000003"
-        marker = json.loads((step / "COMMITTED").read_text())
+    from labkit.cloud import open_store
+
+    for ck, n in ((runs["ck4"], 4), (runs["ck2"], 2)):  # a local folder, gs:// (the same store layer)
+        store = open_store(ck)
+        marker = json.loads(store.get("step-00000003/COMMITTED"))
         shards = sorted(f for f in marker["files"] if f.endswith(".distcp"))
-        n = 4 if ck == runs["ck4"] else 2
         assert marker["processes"] == n and len(shards) == n and ".metadata" in marker["files"], marker
-        assert sorted(os.listdir(step)) == sorted([*marker["files"], "COMMITTED"])
+        stored = sorted(name.split("/", 1)[1] for name in store.list("step-00000003/"))
+        assert stored == sorted([*marker["files"], "COMMITTED"]), (ck, stored)
     assert _close(runs["four"]["save"]["global_losses"], ref[:3]) and _close(
         runs["two"]["save"]["global_losses"], ref[:3]
     )
