@@ -75,7 +75,9 @@ def kernel_env(img, workdir: Path) -> dict[str, str]:
         LABKIT_PIP_SPEC=str(ROOT),  # the set-up cell installs labkit from this checkout
         IPYTHONDIR=str(workdir / "ipython"),  # no profile of this machine's user
         LABKIT_SCRATCH=str(workdir / "scratch"),  # labkit.scratch() folders: removed with workdir, not left in /tmp
-        TORCHINDUCTOR_CACHE_DIR=str(workdir / "inductor"),
+        # the suite's one Inductor cache (conftest.py puts it in the session's scratch folder): graphs a notebook
+        # compiled before in this run, in this image or another with the same torch and Python, load from it
+        TORCHINDUCTOR_CACHE_DIR=os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(workdir / "inductor"),
         PYTHONNOUSERSITE="1",
     )
     return env
