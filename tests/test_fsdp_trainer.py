@@ -35,8 +35,8 @@ from labkit import parallel
 from labkit.precision import Precision
 from labkit.runtime import Runtime
 
-# heavy: real torchrun child processes; the Python 3.13 run leaves them to the 3.11 run
-pytestmark = pytest.mark.heavy
+# heavy: the tests that start real torchrun child processes; the Python 3.13 run leaves them to the 3.11 run
+heavy = pytest.mark.heavy
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = str(ROOT / "tests" / "children" / "fsdp_trainer.py")
@@ -188,6 +188,7 @@ def _close(a, b, tol=LOSS_TOL):
     return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= tol
 
 
+@heavy
 def test_fsdp2_shards_every_parameter_and_keeps_plain_names(runs):
     r = runs["four"]
     f, d = r["fsdp_k1"], r["ddp_k1"]
@@ -200,6 +201,7 @@ def test_fsdp2_shards_every_parameter_and_keeps_plain_names(runs):
     assert _close(f["losses"], d["losses"]) and f["losses"][-1] < f["losses"][0] - 0.5, (f["losses"], d["losses"])
 
 
+@heavy
 def test_accumulation_reduces_once_per_optimizer_step(runs):
     r = runs["four"]
     for plan, reduce_op in (("ddp", "all-reduce"), ("fsdp", "reduce-scatter")):
@@ -215,6 +217,7 @@ def test_accumulation_reduces_once_per_optimizer_step(runs):
     assert r["fsdp_k4"]["comm_bytes"]["reduce-scatter"] == r["fsdp_k1"]["comm_bytes"]["reduce-scatter"]
 
 
+@heavy
 def test_dcp_checkpoint_resumes_on_another_number_of_processes(runs):
     ref = runs["four"]["ref"]["global_losses"]  # the mean over the processes: the same whatever their number
     assert len(ref) == 6
@@ -237,12 +240,14 @@ def test_dcp_checkpoint_resumes_on_another_number_of_processes(runs):
         print(name, "largest loss difference", max(abs(a - b) for a, b in zip(res["global_losses"], ref[3:])))
 
 
+@heavy
 def test_another_models_checkpoint_is_refused_by_name(runs):
     err = runs["two"]["other_model"].get("error", "")
     assert "blocks.0" in err or "wte.weight" in err, runs["two"]["other_model"]
     assert "shape" in err.lower() or "size" in err.lower(), err
 
 
+@heavy
 def test_two_hosts_by_c10d_rendezvous(tmp_path):
     """Two torchrun launches of 2 processes each, joined by the c10d rendezvous on 127.0.0.1: FSDP2 over 4."""
     port = _free_port()
