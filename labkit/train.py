@@ -3,6 +3,7 @@
     python -m labkit.train gpt --fast --max-steps 50              # one process: TPU, GPU, XLA:CPU or CPU
     python -m labkit.train resnet --epochs 8 --batch-size 128     # a TPU VM: SPMD over every local chip
     torchrun --nproc_per_node=4 -m labkit.train gpt ...           # GPUs (nccl) or CPU ranks (gloo), DDP
+    torchrun --nproc_per_node=4 -m labkit.train gpt --parallel fsdp2   # the same, each weight sharded (FSDP2)
     gcloud compute tpus tpu-vm ssh NAME --zone=ZONE --worker=all --command="python -m labkit.train resnet ..."
 
 Flags are the notebooks' `Params` fields (`--batch-size` is `batch_size`, per chip), read in the order
@@ -14,7 +15,8 @@ How the work is split:
   loads batch_size x chips samples per step and XLA shards them over the devices;
 - a TPU pod slice: the same command on every host (`--worker=all`); each host is one process
   (xr.process_index / process_count become rt.ordinal / rt.world_size) and reads its own shards;
-- torchrun: one process per GPU or CPU rank, DistributedDataParallel averaging gradients.
+- torchrun: one process per GPU or CPU rank, DistributedDataParallel averaging gradients (--parallel replicate),
+  or FSDP2 sharding weights, gradients and AdamW state over them (--parallel fsdp2; auto: by what fits).
 The global batch is batch_size x chips x processes. Only process 0 prints, logs and writes checkpoints.
 The last line on process 0 is machine-readable:
     FINAL loss=<final validation loss> train_loss=<last interval, process 0> steps=N samples=M world=W chips=C
@@ -29,7 +31,7 @@ import sys
 import time
 import typing
 
-from labkit.config import fast_mode, from_env, parse_bool
+from labkit.config import PARALLEL, fast_mode, from_env, parse_bool
 from labkit.optim import scaled_lr
 
 
@@ -142,6 +144,13 @@ def parser() -> argparse.ArgumentParser:
             )
         sub.add_argument("--fast", action="store_true", help="the CI-sized run (as LABKIT_FAST=1)")
         sub.add_argument("--backend", default=None, help="tpu | cuda | xla-cpu | cpu (default: detect)")
+        sub.add_argument(
+            "--parallel",
+            default=None,
+            choices=PARALLEL,
+            help="under torchrun: replicate (DDP) | fsdp2 (fully_shard per block) | auto (by what fits; default "
+            "$LABKIT_PARALLEL, else auto); TrainConfig.parallel",
+        )
     return top
 
 
@@ -180,7 +189,12 @@ def _runtime(P, backend):
     return rt, prec, plan
 
 
-def run_resnet(P: ResNetParams, backend=None) -> dict:
+def _parallel(choice) -> str:
+    """--parallel, else LABKIT_PARALLEL (TrainConfig.parallel's variable), else "auto"."""
+    return choice or os.environ.get("LABKIT_PARALLEL") or "auto"
+
+
+def run_resnet(P: ResNetParams, backend=None, parallel=None) -> dict:
     import labkit
     from data_tools import load_manifest
     from labkit.checkpoint import CheckpointManager
@@ -218,6 +232,7 @@ def run_resnet(P: ResNetParams, backend=None) -> dict:
         log_every=P.log_every,
         accum_steps=P.accum_steps,
         checkpoint_every=P.checkpoint_every or len(train) // P.accum_steps,
+        parallel=_parallel(parallel),
     )
     total = min(cfg.epochs * (len(train) // P.accum_steps), cfg.max_steps or 10**12)
     ckpt = CheckpointManager(f"{ckpt_root}/{time.strftime('run-%Y%m%d-%H%M%S')}", keep=2, rt=rt)
@@ -240,7 +255,7 @@ def run_resnet(P: ResNetParams, backend=None) -> dict:
             server.close()
 
 
-def run_gpt(P: GPTParams, backend=None) -> dict:
+def run_gpt(P: GPTParams, backend=None, parallel=None) -> dict:
     import labkit
     from data_tools.text import split
     from labkit.checkpoint import CheckpointManager
@@ -271,6 +286,7 @@ def run_gpt(P: GPTParams, backend=None) -> dict:
         clip_norm=1.0,
         log_every=P.log_every,
         eval_every=1,
+        parallel=_parallel(parallel),
     )
     ckpt = None
     if P.save_to:
@@ -286,6 +302,7 @@ def run_gpt(P: GPTParams, backend=None) -> dict:
 def _finish(trainer, plan, ckpt, extra: dict) -> dict:
     """Train, evaluate once more if the last step was not evaluated, save, and print the FINAL line."""
     rt = trainer.rt
+    rt.master_print(f"[labkit.train] parallel: {trainer.plan.describe()}")
     history = trainer.fit()
     evals = trainer.eval_history
     final = evals[-1] if evals and evals[-1]["step"] == trainer.step else trainer.evaluate()
@@ -315,7 +332,7 @@ def main(argv=None) -> dict:
     if fast_mode() and os.environ.get("RANK", "0") == "0":
         print(f"[labkit.train] {args.recipe} (fast): {P}", flush=True)
     run = run_resnet if args.recipe == "resnet" else run_gpt
-    result = run(P, backend=args.backend)
+    result = run(P, backend=args.backend, parallel=args.parallel)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
