@@ -29,7 +29,7 @@ import sys
 import time
 import typing
 
-from labkit.config import fast_mode, from_env, parse_bool
+from labkit.config import check_number, fast_mode, from_env, parse_bool
 from labkit.optim import scaled_lr
 
 
@@ -119,10 +119,71 @@ class GPTParams:
 RECIPES = {"resnet": ResNetParams, "gpt": GPTParams}
 
 
-def _flag_type(name: str, typ):
+# What each number and word accepts, checked while argparse reads the flag (its one-line error naming the flag,
+# exit 2, before any set-up) and again for LABKIT_<NAME> values: {field: check_number's bounds}, per recipe where
+# they differ (a GPT needs steps for its schedule; ResNet's max_steps 0 means no cap).
+_COUNTS = ("samples_per_shard", "upsample", "batch_size", "accum_steps", "epochs", "log_every", "resume_steps")
+LIMITS = {
+    **{n: {"low": 1, "integer": True} for n in _COUNTS + ("block_size", "n_layer", "n_head", "n_embd", "evals")},
+    **{n: {"integer": True} for n in ("max_steps", "num_workers", "checkpoint_every", "seed", "gen_tokens", "top_k")},
+    "eval_batches": {"low": 1, "integer": True},
+    "lr": {"above": True},
+    "weight_decay": {},
+    "dropout": {"high": 1.0},
+    "temperature": {"above": True},
+}
+RECIPE_LIMITS = {"gpt": {"max_steps": {"low": 1, "integer": True}}}
+
+
+def _choice(name: str, value: str, recipe: str) -> None:
+    """The words a flag accepts, checked by the module that reads them (ValueError naming the value)."""
+    if name == "optimizer" and value not in ("sgd", "adamw"):
+        raise ValueError(f"{value!r} is not 'sgd' or 'adamw'")
+    if name == "precision":
+        from labkit.precision import parse_mode
+
+        parse_mode(value)
+    if name == "spmd":
+        from labkit.device import parse_spmd
+
+        parse_spmd(value)
+    if name == "source" and recipe == "resnet":
+        from data_tools.sources import SOURCES
+
+        if value not in ("auto", *SOURCES):
+            raise ValueError(f"{value!r} is not one of auto, {', '.join(SOURCES)}")
+
+
+def check_value(recipe: str, name: str, value, label: str):
+    """`value` if the recipe's field `name` accepts it, else ValueError naming `label` (the flag or variable)."""
+    bounds = RECIPE_LIMITS.get(recipe, {}).get(name, LIMITS.get(name))
+    if bounds is not None:
+        check_number(label, value, **bounds)
+    elif isinstance(value, str):
+        try:
+            _choice(name, value, recipe)
+        except ValueError as e:
+            raise ValueError(f"{label}: {e}") from None
+    return value
+
+
+def _flag_type(name: str, typ, recipe: str = ""):
+    flag = f"--{name.replace('_', '-')}"
     if typ is bool:
-        return lambda raw: parse_bool(raw, f"--{name.replace('_', '-')}")
-    return typ
+        return lambda raw: parse_bool(raw, flag)
+
+    def read(raw: str):
+        try:
+            value = typ(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not {'an integer' if typ is int else 'a number'}") from None
+        try:  # the message without the flag's name: argparse puts "argument --flag: " before it
+            return check_value(recipe, name, value, "")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).lstrip("=: ")) from None
+
+    read.__name__ = typ.__name__  # argparse names the type in its own messages
+    return read
 
 
 def parser() -> argparse.ArgumentParser:
@@ -136,7 +197,7 @@ def parser() -> argparse.ArgumentParser:
             sub.add_argument(
                 "--" + f.name.replace("_", "-"),
                 dest=f.name,
-                type=_flag_type(f.name, hints[f.name]),
+                type=_flag_type(f.name, hints[f.name], name),
                 default=None,
                 help=f"default {f.default!r}" + (f", fast {cls.FAST[f.name]!r}" if f.name in cls.FAST else ""),
             )
@@ -150,7 +211,11 @@ def params_from(args) -> object:
     if args.fast:
         os.environ["LABKIT_FAST"] = "1"  # labkit reads it elsewhere too (one meaning of "fast" per process)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name) is not None}
-    return from_env(cls, **given)
+    P = from_env(cls, **given)
+    for f in dataclasses.fields(cls):  # the flags were checked as they were read; the environment's values here
+        if f.name not in given:
+            check_value(args.recipe, f.name, getattr(P, f.name), f"LABKIT_{f.name.upper()}")
+    return P
 
 
 class ConsoleLog:
@@ -310,8 +375,12 @@ def _finish(trainer, plan, ckpt, extra: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    args = parser().parse_args(argv)
-    P = params_from(args)
+    top = parser()
+    args = top.parse_args(argv)
+    try:
+        P = params_from(args)
+    except ValueError as e:  # a LABKIT_<NAME> value: the same one-line error and exit 2 as a flag's
+        top.error(str(e))
     if fast_mode() and os.environ.get("RANK", "0") == "0":
         print(f"[labkit.train] {args.recipe} (fast): {P}", flush=True)
     run = run_resnet if args.recipe == "resnet" else run_gpt
