@@ -30,7 +30,7 @@ from collections.abc import Callable
 from labkit.cloud import gcs
 from labkit.redact import redact  # every URL this package shows goes through it: no password, no token
 
-from .http_read import ATTEMPTS, HttpStream, ObjectChanged, Wrapper, retrying, http_opener, http_request  # noqa: F401
+from .http_read import ATTEMPTS, HttpStream, ObjectChanged, Wrapper, http_opener, http_request, retrying  # noqa: F401
 
 DEFAULT_TIMEOUT = 30.0  # seconds without a byte before a network read gives up
 

@@ -141,7 +141,9 @@ def check_number(name: str, value, *, low: float = 0, above: bool = False, high:
     bound = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
     wrong = isinstance(value, bool) or not isinstance(value, int if integer else (int, float))
     if not wrong:
-        wrong = not math.isfinite(value) or value < low or (above and value == low) or (high is not None and value > high)
+        wrong = (
+            not math.isfinite(value) or value < low or (above and value == low) or (high is not None and value > high)
+        )
     if wrong:
         raise ValueError(f"{name}={value!r}: expected {kind} {bound}")
     return value

@@ -24,8 +24,8 @@ k - 1 micro-batches again); the last len(loader) % k batches of an epoch are dro
 Every step ends with `rt.sync()`. Losses are summed on the device and read only at log
 time, inside a step closure: one device->host transfer per log interval, none per step.
 Callbacks (e.g. labkit's Dashboard) may define on_train_begin, on_step_end (after each step's
-sync, with the batch), on_log, on_eval, on_epoch_end and on_train_end, each taking the trainer
-first; one dispatcher (`_dispatch`) calls the trainer's hook, then every callback. A callback
+sync, with the batch), on_log, on_eval, on_epoch_end, on_train_end and on_fit_end (fit() returned or raised: take
+back any hook put on torch or Python), each taking the trainer first; one dispatcher (`_dispatch`) calls the trainer's hook, then every callback. A callback
 steers the run with `trainer.request_stop()` (stop after the current step; `after_epoch=True`:
 after the current epoch, its evaluation and epoch-end save), `trainer.request_checkpoint()` (save
 after the current step) and `trainer.request_profile(steps)` (labkit.profiling; also SIGUSR1 or
@@ -207,6 +207,7 @@ class Trainer:
                 finish_pending_save(self.checkpoint, self.rt, self.step)
                 raise
             finally:
+                self._dispatch("on_fit_end")  # returned or raised: callbacks take back the hooks they added
                 self.profiler.remove_signal()
                 self._announce(self.profiler.finish_quietly())  # fit() ended inside a capture: keep its steps
             finish_pending_save(self.checkpoint, self.rt, self.step, raise_errors=True)

@@ -19,14 +19,15 @@ Which graphs a compiled step is made of, in torch 2.9, and why there:
    a compiled function it is a graph break (Dynamo traces Tensor.backward only with compiled autograd on,
    `torch._dynamo.config.compiled_autograd`), so the model, not the step, is what gets compiled, and its backward
    comes from AOTAutograd.
-2. the optimizer step: `Optimizer.step` breaks the graph around itself on purpose (`_use_grad` in
-   torch/optim/optimizer.py calls `torch._dynamo.graph_break()`, so that the update is compiled as an inference
-   graph), and Dynamo does not trace the call into a step that an LR scheduler wrapped: those two breaks leave
-   the update as one graph of its own. With clip_norm set, clip_grad_norm_ adds one more (it groups the
-   gradients by device and dtype in a call that returns a dict): the norm and the scaling are graphs around it.
-   All three are named in TORCH_BOUNDARIES. Under fp16 the GradScaler's inf check reads a value on the host:
-   one more boundary, and a host sync per step, as in eager.
-   `fullgraph=True` would raise on them, so it is not used.
+2. the optimizer step: torch breaks it on purpose, and each of those breaks is one row of
+   labkit.runtime.boundaries.TORCH_BOUNDARIES (listed at the end of this docstring, keyed on torch's graph-break
+   registry ids): `Optimizer.step` breaks around itself (`_use_grad` calls `torch._dynamo.graph_break()`, so that
+   the update is compiled as an inference graph), and Dynamo does not trace the call into a step that an LR
+   scheduler wrapped: those two leave the update as one graph of its own. With clip_norm set, clip_grad_norm_'s
+   grouping of the gradients by device and dtype (a call that returns a dict) is one more: the norm and the
+   scaling are graphs around it. Under fp16 Dynamo skips the GradScaler's unscale_/step/update (its inf check
+   reads a value on the host: a host sync per step, as in eager). `fullgraph=True` would raise on them, so it is
+   not used.
 Everything else (zero_grad, the scheduler's step, the loss sums) stays eager: a few small ops per step.
 
 Recompiles: `dynamic=False` specialises each graph to its shapes, so a new batch shape is a new graph (as on
@@ -43,18 +44,17 @@ from __future__ import annotations
 
 import torch
 
-# graph breaks that torch 2.9 makes on purpose in a compiled optimizer step, as they appear in the reasons that
-# torch._dynamo.utils.counters["graph_break"] is keyed by: anything else in a step is a break to look at
-TORCH_BOUNDARIES = (
-    "Call to `torch._dynamo.graph_break()`",  # Optimizer.step's _use_grad: the update as its own graph
-    "Dynamo does not know how to trace method `step` of class",  # the call into a step an LR scheduler wrapped
-    "_group_tensors_by_device_and_dtype",  # clip_grad_norm_ groups the gradients in a call that returns a dict
-)
+from labkit.runtime.boundaries import BY_ID, docs_table, gb_id
+
+if __doc__:  # None under python -OO
+    __doc__ += "\ntorch's own boundaries (labkit.runtime.boundaries):\n" + docs_table() + "\n"
 
 
 def unexpected_breaks(reasons) -> list[str]:
-    """The graph-break reasons (counters["graph_break"]'s keys) that are not one of torch's own TORCH_BOUNDARIES."""
-    return [r for r in reasons if not any(b in r for b in TORCH_BOUNDARIES)]
+    """The graph-break reasons (counters["graph_break"]'s keys: torch's whole message) whose registry id is none of
+    torch's own boundaries. The id only: these keys carry no file, so this is a screen for tests of a step whose
+    code is known; labkit.dashboard.dynamo's record, which has the file, is what decides whose a break is."""
+    return [r for r in reasons if gb_id(r, r) not in BY_ID]
 
 
 class EagerStep:
