@@ -344,6 +344,28 @@ class Trainer:
                 f"accum_steps={self.cfg.accum_steps}; fewer samples than one batch, and partial batches are dropped "
                 "for static shapes): lower the batch size or accum_steps, or add data"
             )
+        self._say_dropped()
+
+    def _say_dropped(self) -> None:
+        """Once per fit(): the samples each epoch leaves out, and why (a short last batch; the batches after the
+        last whole accumulation). Nothing is dropped without a word: where the data's length is not known up front,
+        the DeviceLoader says so the first time it drops a short batch."""
+        loader, k = self.train_loader, self.cfg.accum_steps
+        if not isinstance(loader, DeviceLoader) or not self.cfg.epochs:
+            return
+        bs, short, left = getattr(loader.loader, "batch_size", None), loader.partial_rows(), len(loader) % k
+        parts = []
+        if short:
+            parts.append(f"{short} in the short last batch (every step keeps one shape: no recompile)")
+        if left:
+            rows = f"{left * bs} in" if bs else "the samples of"
+            parts.append(
+                f"{rows} the last {left} batch(es), fewer than accum_steps={k} (every optimizer step averages the "
+                "same number of samples)"
+            )
+        if parts:
+            each = f" on each of the {self.rt.world_size} processes" if self.rt.world_size > 1 else ""
+            self.rt.master_print(f"[labkit] each epoch leaves out, of the training data{each}: " + "; ".join(parts))
 
     def _last_metrics(self) -> dict:
         return dict(self.eval_history[-1]) if self.eval_history else {}

@@ -30,6 +30,7 @@ import time
 import typing
 
 from labkit.config import check_number, fast_mode, from_env, parse_bool
+from labkit.interrupts import sigterm_raises
 from labkit.optim import scaled_lr
 
 
@@ -246,9 +247,6 @@ def _runtime(P, backend):
 
 
 def run_resnet(P: ResNetParams, backend=None) -> dict:
-    import labkit
-    from data_tools import load_manifest
-    from labkit.checkpoint import CheckpointManager
     from labkit.cloud import gcs
     from labkit.lessons import recipes
 
@@ -266,6 +264,19 @@ def run_resnet(P: ResNetParams, backend=None) -> dict:
         ckpt_root = "gs://labkit-local/" + P.checkpoint_dir.strip("/").replace("/", "-")
     else:
         gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_project or None)
+    try:  # whatever fails from here on, the server ends with the run
+        return _train_resnet(P, rt, plan, prec, data, ckpt_root)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _train_resnet(P: ResNetParams, rt, plan, prec, data: str, ckpt_root: str) -> dict:
+    import labkit
+    from data_tools import load_manifest
+    from labkit.checkpoint import CheckpointManager
+    from labkit.lessons import recipes
+
     source = P.source if P.source != "auto" else ("cifar10" if labkit.envsetup.online() else "digits")
     if rt.is_master:  # one writer; the others wait, then find the manifests
         recipes.image_shards(source, data, P.upsample, P.samples_per_shard)
@@ -298,11 +309,7 @@ def run_resnet(P: ResNetParams, backend=None) -> dict:
         checkpoint=ckpt,
         precision=prec,
     )
-    try:
-        return _finish(trainer, plan, ckpt, extra={"source": source})
-    finally:
-        if server is not None:
-            server.close()
+    return _finish(trainer, plan, ckpt, extra={"source": source})
 
 
 def run_gpt(P: GPTParams, backend=None) -> dict:
@@ -384,7 +391,8 @@ def main(argv=None) -> dict:
     if fast_mode() and os.environ.get("RANK", "0") == "0":
         print(f"[labkit.train] {args.recipe} (fast): {P}", flush=True)
     run = run_resnet if args.recipe == "resnet" else run_gpt
-    result = run(P, backend=args.backend)
+    with sigterm_raises():  # SIGTERM as an exception: the finally blocks stop what the run started
+        result = run(P, backend=args.backend)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -33,7 +33,8 @@ Everything else (zero_grad, the scheduler's step, the loss sums) stays eager: a 
 Recompiles: `dynamic=False` specialises each graph to its shapes, so a new batch shape is a new graph (as on
 XLA). A learning rate that changes as a Python float is a guard that fails every step; `prepare` turns each
 param group's lr into a 0-dim CPU tensor (what torch's "compiled optimizer with an LR scheduler" recipe does;
-LambdaLR and the other schedulers then fill it in place), and, off the CPU, sets `capturable=True` on optimizers
+LambdaLR and the other schedulers then fill it in place; the compiled step puts it back where a scheduler assigned a
+float, as ReduceLROnPlateau and CosineAnnealingWarmRestarts do), and, off the CPU, sets `capturable=True` on optimizers
 that have it (Adam, AdamW, ...): their step counts live on the device, so the bias corrections are tensors in the
 graph, not host floats (Dynamo sets it too, but only before the state exists: not after a resume). After
 warm-up (the first step: the model's graph; the optimizer's graph, once its state exists) a run compiles
@@ -83,6 +84,7 @@ class CompiledStep(EagerStep):
 
     def __init__(self, backend: str = "inductor"):
         self.backend = backend
+        self._lr: dict = {}  # id(param group) -> its 0-dim lr tensor (keep_tensor_lr)
 
     def model(self, model):
         """The compiled module: it shares the model's parameters and buffers, and its state_dict's keys gain an
@@ -90,15 +92,38 @@ class CompiledStep(EagerStep):
         return torch.compile(model, dynamic=False, backend=self.backend)
 
     def function(self, fn):
-        return torch.compile(fn, dynamic=False, backend=self.backend)
+        """fn compiled; called with an optimizer first (labkit.optimizer_step), it first puts back the tensor lr
+        that a scheduler may have replaced with a float (keep_tensor_lr)."""
+        compiled = torch.compile(fn, dynamic=False, backend=self.backend)
+
+        def call(*args, **kwargs):
+            if args and isinstance(args[0], torch.optim.Optimizer):
+                self.keep_tensor_lr(args[0])
+            return compiled(*args, **kwargs)
+
+        return call
+
+    def keep_tensor_lr(self, optimizer) -> None:
+        """Each param group's lr as its 0-dim tensor. Most schedulers fill that tensor in place; ReduceLROnPlateau
+        and CosineAnnealingWarmRestarts (torch 2.9) assign a new value instead (a Python float: a guard that fails at
+        every change, a recompile of the update each time): the value is copied into the group's own tensor, which
+        goes back in its place. Once per step, a few host-side assignments."""
+        for group in optimizer.param_groups:
+            lr, own = group["lr"], self._lr.get(id(group))
+            if lr is own:
+                continue
+            if own is None:  # the first look at this group: its tensor from now on
+                own = self._lr[id(group)] = lr if torch.is_tensor(lr) else torch.tensor(float(lr), dtype=torch.float64)
+            else:  # a float, or another tensor a scheduler computed: its value into the group's own (on the CPU)
+                own.fill_(float(lr))
+            group["lr"] = own
 
     def prepare(self, optimizer) -> None:
         """A 0-dim tensor lr in every param group (a float lr that a scheduler changes is a recompile per step);
         off the CPU, capturable=True where the optimizer has it, with its step counts moved to the parameters'
         device. Run again after optimizer.load_state_dict (a checkpoint brings its own param groups)."""
+        self.keep_tensor_lr(optimizer)
         for group in optimizer.param_groups:
-            if not torch.is_tensor(group["lr"]):
-                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64)
             on_device = all(p.device.type != "cpu" for p in group["params"])
             if "capturable" in group and on_device and not group["capturable"]:
                 group["capturable"] = True
