@@ -189,6 +189,8 @@ def _flag_type(name: str, typ, recipe: str = ""):
 
 def parser() -> argparse.ArgumentParser:
     """One sub-command per recipe; its flags are generated from the Params fields (default None: not given)."""
+    from labkit.device import BACKENDS
+
     top = argparse.ArgumentParser(prog="python -m labkit.train", description=__doc__.split("\n")[0])
     subs = top.add_subparsers(dest="recipe", required=True)
     for name, cls in RECIPES.items():
@@ -203,7 +205,9 @@ def parser() -> argparse.ArgumentParser:
                 help=f"default {f.default!r}" + (f", fast {cls.FAST[f.name]!r}" if f.name in cls.FAST else ""),
             )
         sub.add_argument("--fast", action="store_true", help="the CI-sized run (as LABKIT_FAST=1)")
-        sub.add_argument("--backend", default=None, help="tpu | cuda | xla-cpu | cpu (default: detect)")
+        sub.add_argument(
+            "--backend", default=None, choices=BACKENDS, help="tpu | cuda | xla-cpu | cpu (default: detect)"
+        )
     return top
 
 

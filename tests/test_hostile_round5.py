@@ -294,6 +294,7 @@ def test_the_console_twins_trigger_command_is_quoted(monkeypatch, tmp_path):
         (["--spmd", "sometimes"], "--spmd"),
         (["--source", "mnist"], "--source"),
         (["--upsample", "0"], "--upsample"),
+        (["--backend", "gpu"], "--backend"),
     ],
 )
 def test_a_bad_flag_is_argparses_one_line_error_before_any_set_up(monkeypatch, capsys, flags, flag):
@@ -366,6 +367,12 @@ def test_from_env_and_batch_plans_refuse_bools_and_non_finite_numbers(monkeypatc
         from_env(ResNetParams)
     with pytest.raises(ValueError, match="batch size per chip"):
         batch_plan(labkit.setup("cpu"), True)
+    from labkit.dashboard import flops
+
+    for bad in ("nan", "-1", "0", "fast"):
+        monkeypatch.setenv("LABKIT_PEAK_FLOPS", bad)
+        with pytest.raises(ValueError, match="LABKIT_PEAK_FLOPS"):
+            flops.peak_flops(None)
 
 
 # -- servers left behind -------------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ import os
 import re
 import time
 
+from labkit.config import check_number
+
 # Peak dense FLOP/s per chip and dtype (no 2:4 sparsity: the "with sparsity" figures are twice these).
 # TPUs: Google Cloud TPU system-architecture pages, "Peak compute per chip (bf16)": v2 45, v3 123, v4 275,
 # v5e 197, v5p 459, v6e/Trillium 918 TFLOPs. A float32 matmul on a TPU runs at XLA's default precision,
@@ -126,7 +128,11 @@ def peak_flops(rt, dtype: str | None = None) -> tuple[float | None, str]:
     that labkit's automatic choice runs on this chip. LABKIT_PEAK_FLOPS overrides."""
     env = os.environ.get("LABKIT_PEAK_FLOPS")
     if env:
-        return float(env), "LABKIT_PEAK_FLOPS"
+        try:
+            value = float(env)
+        except ValueError:
+            raise ValueError(f"LABKIT_PEAK_FLOPS={env!r}: expected a number of FLOP/s, e.g. 1.97e14") from None
+        return check_number("LABKIT_PEAK_FLOPS", value, above=True), "LABKIT_PEAK_FLOPS"
     chip = detect_chip(rt)
     if chip == "cpu":
         p = measure_cpu_peak()
