@@ -207,9 +207,9 @@ class Trainer:
                 finish_pending_save(self.checkpoint, self.rt, self.step)
                 raise
             finally:
-                self._dispatch("on_fit_end")  # returned or raised: callbacks take back the hooks they added
                 self.profiler.remove_signal()
                 self._announce(self.profiler.finish_quietly())  # fit() ended inside a capture: keep its steps
+                self._dispatch("on_fit_end")  # returned or raised: callbacks take back the hooks they added
             finish_pending_save(self.checkpoint, self.rt, self.step, raise_errors=True)
         return self.history
 

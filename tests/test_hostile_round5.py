@@ -95,7 +95,11 @@ def test_schedulers_that_write_a_float_keep_the_compiled_steps_tensor_lr(compile
     assert trainer.step == 4
     lrs = plateau.lrs
     assert any(b > a for a, b in zip(lrs, lrs[1:])), f"no warm restart seen: {lrs}"
-    assert torch.is_tensor(trainer.optimizer.param_groups[0]["lr"])
+    last = trainer.optimizer.param_groups[0]["lr"]  # the plateau's float, written after the last step
+    assert isinstance(last, float)
+    trainer.capture.keep_tensor_lr(trainer.optimizer)  # what the compiled step does before it runs
+    lr = trainer.optimizer.param_groups[0]["lr"]
+    assert torch.is_tensor(lr) and lr.item() == pytest.approx(last)
     assert dash.health.record.recompiles() == [], [e["guard"] for e in dash.health.record.recompiles()]
 
 
