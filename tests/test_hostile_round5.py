@@ -282,6 +282,16 @@ def test_the_console_twins_trigger_command_is_quoted(monkeypatch, tmp_path):
     assert not (tmp_path / "X").exists()
 
 
+def test_the_missing_bucket_advice_quotes_the_bucket(tmp_path):
+    from labkit.cloud import gcs
+
+    msg = str(gcs._missing("b $(touch X)", "gs://b $(touch X)/data"))
+    cmd = msg.split("region: ", 1)[1]
+    out = subprocess.run(["bash", "-c", cmd.replace("gcloud", "printf '%s\\n'", 1)], cwd=tmp_path, check=True,
+                         capture_output=True, text=True).stdout.splitlines()  # fmt: skip
+    assert "gs://b $(touch X)" in out and not (tmp_path / "X").exists()
+
+
 # -- the command line ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "flags, flag",
