@@ -381,6 +381,11 @@ def test_from_env_and_batch_plans_refuse_bools_and_non_finite_numbers(monkeypatc
         from_env(ResNetParams)
     with pytest.raises(ValueError, match="batch size per chip"):
         batch_plan(labkit.setup("cpu"), True)
+    from data_tools.stream import ShardStream
+
+    for bad in (True, 2.5):
+        with pytest.raises(ValueError, match=r"batch_size=.*expected an integer >= 1"):
+            ShardStream(["unused.tar"], bad, train=False)
     from labkit.dashboard import flops
 
     for bad in ("nan", "-1", "0", "fast"):
