@@ -26,7 +26,8 @@ time, inside a step closure: one device->host transfer per log interval, none pe
 Callbacks (e.g. labkit's Dashboard) may define on_train_begin, on_step_end (after each step's
 sync, with the batch), on_log, on_eval, on_epoch_end, on_train_end and on_fit_end (fit() returned or
 raised: take back any hook put on torch or Python), each taking the trainer first; one dispatcher
-(`_dispatch`) calls the trainer's hook, then every callback. A callback steers the run with `trainer.request_stop()` (stop after the current step; `after_epoch=True`:
+(`_dispatch`) calls the trainer's hook, then every callback. A callback steers the run with
+`trainer.request_stop()` (stop after the current step; `after_epoch=True`:
 after the current epoch, its evaluation and epoch-end save), `trainer.request_checkpoint()` (save
 after the current step) and `trainer.request_profile(steps)` (labkit.profiling; also SIGUSR1 or
 `touch profiles/PROFILE` from another shell). Each finished capture goes out as on_profile(analysis).
