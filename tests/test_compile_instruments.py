@@ -76,6 +76,7 @@ def test_planted_break_and_recompiles_are_named_with_their_lines(capsys):
     assert f"Graph break at {brk[0]['site']}: Failed to trace builtin operator." in out
     assert f"Recompile: {recompile_text(recs[0])}. Fix: a Python value" in out
     assert "size mismatch at index 0. expected 3, actual 4" in out and "mark_dynamic" in out
+    rec.close()  # torch's logger goes back to no handler of labkit's
 
 
 def test_torch_own_boundaries_are_not_blamed_on_the_code():
@@ -115,6 +116,7 @@ def test_torch_own_boundaries_are_not_blamed_on_the_code():
     torch.compile(with_item, backend="eager", dynamic=False)(torch.ones(2, 3))
     mine = rec.breaks()
     assert len(mine) == 1 and mine[0]["owner"] == "yours" and "loss.item()" in mine[0]["site"]
+    rec.close()
 
 
 def test_parse_break_reads_both_forms():
