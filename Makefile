@@ -2,6 +2,7 @@
 # from the pinned requirements, then run.
 #   make notebook   the main job: notebook 01 headless on the default backend (executed copy
 #                   and figures in artifacts/). CI-sized by default: LABKIT_FAST=0 for a full run.
+#   make test-quick the unit tests only (a developer's loop; not what CI runs)
 #   make test       the whole test suite (unit tests + both notebooks under nbval) on XLA:CPU, plus
 #                   both notebooks in the Colab TPU/GPU and Kaggle TPU images and the unit suite on
 #                   Python 3.13 (venvs in .venvs/, built by the tests with uv from images/*.txt).
@@ -15,7 +16,7 @@ PY := .venv/bin/python
 LABKIT_FAST ?= 1
 NOTEBOOK ?= notebooks/01_resnet50_cifar10.ipynb
 
-.PHONY: venv images lint notebook notebooks book test bench clean
+.PHONY: venv images lint notebook notebooks book test test-quick bench clean
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -39,7 +40,13 @@ lint: venv
 
 test: venv lint
 	PJRT_DEVICE=CPU LABKIT_FAST=1 LABKIT_SOLUTIONS=1 MPLBACKEND=Agg LABKIT_CONSOLE=1 $(PY) -m pytest tests notebooks \
-		--nbval-lax --nbval-current-env --durations=15
+		--nbval-lax --nbval-current-env --durations=10
+
+# A few minutes for a developer's loop: the unit tests without notebooks, child-process runs, images or the browser.
+# Not the README's test command: `make test` stays the whole suite.
+test-quick: venv
+	PJRT_DEVICE=CPU LABKIT_FAST=1 LABKIT_SOLUTIONS=1 MPLBACKEND=Agg LABKIT_CONSOLE=1 $(PY) -m pytest tests \
+		-m "not heavy and not images and not slow" -q
 
 bench: venv
 	for b in bench/bench_*.py; do PJRT_DEVICE=$${PJRT_DEVICE:-CPU} $(PY) $$b || exit 1; done

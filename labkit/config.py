@@ -167,6 +167,7 @@ def check_ranges(obj) -> None:
 
 
 COMPILE = ("auto", "on", "off")
+PARALLEL = ("auto", "replicate", "fsdp2")  # TrainConfig.parallel (labkit.parallel's plans)
 
 
 def _compile_setting(value) -> str:
@@ -211,6 +212,10 @@ class TrainConfig:
     # trains on batch x world size x accum_steps samples. `step`, max_steps, log_every, checkpoint_every and the
     # scheduler count optimizer steps; checkpoints are taken only between optimizer steps (labkit.loop)
     accum_steps: int = 1
+    # how the model is laid out over torchrun's processes (labkit.parallel): "replicate" (DDP, a whole copy each),
+    # "fsdp2" (fully_shard per block, then the root), "auto" (replicate where weights + gradients + AdamW state fit
+    # half a device, else fsdp2). One process, XLA and SPMD: "auto" only
+    parallel: str = "auto"
     # removed: mixed precision is labkit.precision's alone (Trainer(..., precision=choose(rt, "bf16")))
     bf16: dataclasses.InitVar[None] = None
 
@@ -243,6 +248,8 @@ class TrainConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: expected True or False")
         self.compile = _compile_setting(self.compile)
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"TrainConfig.parallel={self.parallel!r}: expected one of {', '.join(PARALLEL)}")
         if not isinstance(self.compile_backend, str) or not self.compile_backend.strip():
             raise ValueError(
                 f"TrainConfig.compile_backend={self.compile_backend!r}: expected a torch.compile backend name"

@@ -17,9 +17,10 @@ The step is captured as the runtime says (labkit.runtime.step, TrainConfig.compi
 the optimizer step may be torch.compile'd (CUDA by default); the hooks read the same either way.
 
 Gradient accumulation (cfg.accum_steps = k): k train_steps (each loss divided by k) per run_optimizer, so .grad
-adds up to the gradient of the k-times larger batch. `step` and everything cfg counts in steps count optimizer
-steps; checkpoints are taken only between them (no half-summed gradient is saved: a resumed run trains at most
-k - 1 micro-batches again); the last len(loader) % k batches of an epoch are dropped, as a short batch is.
+adds up to the gradient of the k-times larger batch; under torchrun only the last one reduces (labkit.parallel).
+`step` and everything cfg counts in steps count optimizer steps; checkpoints are taken only between them (no
+half-summed gradient is saved: a resumed run trains at most k - 1 micro-batches again); the last len(loader) % k
+batches of an epoch are dropped, as a short batch is.
 
 Every step ends with `rt.sync()`. Losses are summed on the device and read only at log
 time, inside a step closure: one device->host transfer per log interval, none per step.
@@ -53,10 +54,10 @@ from labkit.config import TrainConfig
 from labkit.interrupts import Preempted, finish_pending_save, sigterm_raises
 from labkit.loader import DeviceLoader
 from labkit.optim import check_lr, move_model, optimizer_step
+from labkit.parallel import choose as choose_plan
 from labkit.precision import Precision, choose
 from labkit.profiling import StepProfiler
 from labkit.steplog import StepLog
-from labkit.torchrun import wrap_ddp
 
 __all__ = ["Preempted", "Trainer"]
 
@@ -81,10 +82,11 @@ class Trainer:
         # loss scale (a GradScaler's) is this run's state
         self.precision = (precision or choose(rt, "fp32")).fresh()
         self.optimizer, self.scheduler = optimizer, scheduler
-        # on the device (the optimizer follows its parameters); under torchrun wrapped in DDP, which
-        # averages gradients during backward, so optimizer_step is a plain step there
-        model = wrap_ddp(move_model(model, optimizer, rt.device), rt)
-        self.module = getattr(model, "module", model)  # unwrapped, never compiled: what checkpoints hold
+        # on the device (the optimizer follows its parameters), then laid out over torchrun's processes by the
+        # run's plan (labkit.parallel, TrainConfig.parallel): as is, DDP (replicate) or fully_shard (fsdp2)
+        self.plan = choose_plan(rt, self.cfg.parallel, self.precision, model)
+        model = self.plan.wrap(move_model(model, optimizer, rt.device), optimizer)
+        self.module = getattr(model, "module", model)  # DDP unwrapped, never compiled: what checkpoints hold
         # how the step is captured (labkit.runtime.step): torch.compile'd model and optimizer step, or as written
         self.capture = rt.step_capture(self.cfg.compile, self.cfg.compile_backend)
         self.capture.prepare(optimizer)
@@ -154,7 +156,8 @@ class Trainer:
         k, micro = self.cfg.accum_steps, []  # accumulation: k micro-batches per optimizer step
         left = (self.steps_per_epoch() - self.batch_in_epoch) * k if k > 1 else None  # the last len % k: not trained
         for batch in itertools.islice(batches, left):
-            micro.append(self.train_step(batch))  # forward + backward: only recorded on XLA, nothing runs yet
+            with self.plan.gradient_sync(len(micro) == k - 1):  # only the last micro-batch reduces gradients
+                micro.append(self.train_step(batch))  # forward + backward: only recorded on XLA, nothing runs yet
             if len(micro) < k:  # gradients add up in .grad; the micro-step's graph ends here, the same one each time
                 self.rt.sync()
                 continue

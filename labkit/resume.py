@@ -155,8 +155,8 @@ def batches_done(state: dict, global_batch: int | None) -> int:
 def trainer_state(self) -> dict:  # self: the Trainer
     """What a checkpoint of this Trainer holds (Trainer.state_dict)."""
     state = {
-        "model": self.module.state_dict(),
-        "optimizer": self.optimizer.state_dict(),
+        "model": self.plan.model_state(self.module),  # the plain names; DTensors under fsdp2 (labkit.parallel)
+        "optimizer": self.plan.optimizer_state(self.module, self.optimizer),
         "step": self.step,
         "epoch": self.epoch,
         "batch_in_epoch": self.batch_in_epoch,
@@ -177,8 +177,8 @@ def load_trainer_state(self, state: dict) -> None:  # self: the Trainer
     data differ (names the first mismatch); the data position is counted in samples and turned into this run's batches."""
     check_compatible(state["model"], self.module)  # names the first mismatched key
     check(state, self.optimizer, self.train_loader)  # other optimizer class or data: refused, nothing loaded
-    self.module.load_state_dict(state["model"])
-    self.optimizer.load_state_dict(state["optimizer"])
+    self.plan.load_model_state(self.module, state["model"])
+    self.plan.load_optimizer_state(self.module, self.optimizer, state["optimizer"])
     self.capture.prepare(self.optimizer)  # the checkpoint's param groups replaced the prepared ones
     if self.scheduler is not None and "scheduler" in state:
         self.scheduler.load_state_dict(state["scheduler"])

@@ -3,8 +3,8 @@
     torchrun --nproc_per_node=2 -m labkit.train gpt --steps 20    # labkit.setup() picks cpu + gloo here
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in every process it starts;
-torch.distributed reads them in init_process_group. DistributedDataParallel (labkit.Trainer wraps the
-model in it when world_size > 1) then averages gradients during backward.
+torch.distributed reads them in init_process_group. How the Trainer then lays the model out over the processes
+(DDP, FSDP2) is the run's plan: labkit.parallel (TrainConfig.parallel).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def torchrun_world() -> int:
 
 def setup_cpu() -> Runtime:
     """Plain PyTorch on the CPU; under torchrun one process per rank, joined over gloo (the CPU
-    collective backend), so DistributedDataParallel averages gradients across processes."""
+    collective backend), over which DDP or FSDP2 (labkit.parallel) reduce gradients."""
     import torch.distributed as dist
 
     world = torchrun_world()
@@ -58,11 +58,3 @@ def setup_cuda() -> Runtime:
         False,
         {"name": torch.cuda.get_device_name(local)},
     )
-
-
-def wrap_ddp(model, rt):
-    """The model in DistributedDataParallel under torchrun (world_size > 1 on cuda or cpu), else as is.
-    DDP all-reduces (averages) gradients during backward, so the optimizer step needs no reduction."""
-    if not rt.uses_ddp or rt.world_size <= 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model  # XLA replicas reduce in optimizer_step (or GSPMD does): no DDP there
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=rt.ddp_device_ids())

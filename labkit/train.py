@@ -3,6 +3,7 @@
     python -m labkit.train gpt --fast --max-steps 50              # one process: TPU, GPU, XLA:CPU or CPU
     python -m labkit.train resnet --epochs 8 --batch-size 128     # a TPU VM: SPMD over every local chip
     torchrun --nproc_per_node=4 -m labkit.train gpt ...           # GPUs (nccl) or CPU ranks (gloo), DDP
+    torchrun --nproc_per_node=4 -m labkit.train gpt --parallel fsdp2   # the same, each weight sharded (FSDP2)
     gcloud compute tpus tpu-vm ssh NAME --zone=ZONE --worker=all --command="python -m labkit.train resnet ..."
 
 Flags are the notebooks' `Params` fields (`--batch-size` is `batch_size`, per chip), read in the order
@@ -14,7 +15,8 @@ How the work is split:
   loads batch_size x chips samples per step and XLA shards them over the devices;
 - a TPU pod slice: the same command on every host (`--worker=all`); each host is one process
   (xr.process_index / process_count become rt.ordinal / rt.world_size) and reads its own shards;
-- torchrun: one process per GPU or CPU rank, DistributedDataParallel averaging gradients.
+- torchrun: one process per GPU or CPU rank, DistributedDataParallel averaging gradients (--parallel replicate),
+  or FSDP2 sharding weights, gradients and AdamW state over them (--parallel fsdp2; auto: by what fits).
 The global batch is batch_size x chips x processes. Only process 0 prints, logs and writes checkpoints.
 The last line on process 0 is machine-readable:
     FINAL loss=<final validation loss> train_loss=<last interval, process 0> steps=N samples=M world=W chips=C
@@ -29,7 +31,7 @@ import sys
 import time
 import typing
 
-from labkit.config import check_number, fast_mode, from_env, parse_bool
+from labkit.config import PARALLEL, check_number, fast_mode, from_env, parse_bool
 from labkit.interrupts import sigterm_raises
 from labkit.optim import scaled_lr
 
@@ -208,6 +210,13 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "--backend", default=None, choices=BACKENDS, help="tpu | cuda | xla-cpu | cpu (default: detect)"
         )
+        sub.add_argument(
+            "--parallel",
+            default=None,
+            choices=PARALLEL,
+            help="under torchrun: replicate (DDP) | fsdp2 (fully_shard per block) | auto (by what fits; default "
+            "$LABKIT_PARALLEL, else auto); TrainConfig.parallel",
+        )
     return top
 
 
@@ -250,7 +259,12 @@ def _runtime(P, backend):
     return rt, prec, plan
 
 
-def run_resnet(P: ResNetParams, backend=None) -> dict:
+def _parallel(choice) -> str:
+    """--parallel, else LABKIT_PARALLEL (TrainConfig.parallel's variable), else "auto"."""
+    return choice or os.environ.get("LABKIT_PARALLEL") or "auto"
+
+
+def run_resnet(P: ResNetParams, backend=None, parallel=None) -> dict:
     from labkit.cloud import gcs
     from labkit.lessons import recipes
 
@@ -269,13 +283,13 @@ def run_resnet(P: ResNetParams, backend=None) -> dict:
     else:
         gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_project or None)
     try:  # whatever fails from here on, the server ends with the run
-        return _train_resnet(P, rt, plan, prec, data, ckpt_root)
+        return _train_resnet(P, rt, plan, prec, data, ckpt_root, parallel)
     finally:
         if server is not None:
             server.close()
 
 
-def _train_resnet(P: ResNetParams, rt, plan, prec, data: str, ckpt_root: str) -> dict:
+def _train_resnet(P: ResNetParams, rt, plan, prec, data: str, ckpt_root: str, parallel=None) -> dict:
     import labkit
     from data_tools import load_manifest
     from labkit.checkpoint import CheckpointManager
@@ -298,6 +312,7 @@ def _train_resnet(P: ResNetParams, rt, plan, prec, data: str, ckpt_root: str) ->
         log_every=P.log_every,
         accum_steps=P.accum_steps,
         checkpoint_every=P.checkpoint_every or len(train) // P.accum_steps,
+        parallel=_parallel(parallel),
     )
     total = min(cfg.epochs * (len(train) // P.accum_steps), cfg.max_steps or 10**12)
     ckpt = CheckpointManager(f"{ckpt_root}/{time.strftime('run-%Y%m%d-%H%M%S')}", keep=2, rt=rt)
@@ -316,7 +331,7 @@ def _train_resnet(P: ResNetParams, rt, plan, prec, data: str, ckpt_root: str) ->
     return _finish(trainer, plan, ckpt, extra={"source": source})
 
 
-def run_gpt(P: GPTParams, backend=None) -> dict:
+def run_gpt(P: GPTParams, backend=None, parallel=None) -> dict:
     import labkit
     from data_tools.text import split
     from labkit.checkpoint import CheckpointManager
@@ -347,6 +362,7 @@ def run_gpt(P: GPTParams, backend=None) -> dict:
         clip_norm=1.0,
         log_every=P.log_every,
         eval_every=1,
+        parallel=_parallel(parallel),
     )
     ckpt = None
     if P.save_to:
@@ -362,6 +378,7 @@ def run_gpt(P: GPTParams, backend=None) -> dict:
 def _finish(trainer, plan, ckpt, extra: dict) -> dict:
     """Train, evaluate once more if the last step was not evaluated, save, and print the FINAL line."""
     rt = trainer.rt
+    rt.master_print(f"[labkit.train] parallel: {trainer.plan.describe()}")
     history = trainer.fit()
     evals = trainer.eval_history
     final = evals[-1] if evals and evals[-1]["step"] == trainer.step else trainer.evaluate()
@@ -396,7 +413,7 @@ def main(argv=None) -> dict:
         print(f"[labkit.train] {args.recipe} (fast): {P}", flush=True)
     run = run_resnet if args.recipe == "resnet" else run_gpt
     with sigterm_raises():  # SIGTERM as an exception: the finally blocks stop what the run started
-        result = run(P, backend=args.backend)
+        result = run(P, backend=args.backend, parallel=args.parallel)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -93,6 +93,11 @@ def wait(job_id: str, fallback: Job | None = None) -> Job:
     return job
 
 
+def jobs() -> list[Job]:
+    """Every job submitted in this session."""
+    return list(_jobs.values())
+
+
 def output(job: Job) -> str:
     with open(job.log, errors="replace") as f:
         return f.read()

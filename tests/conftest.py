@@ -47,20 +47,46 @@ def gcs_bucket(gcs_server):
     return name
 
 
+def pytest_sessionstart(session):
+    from tests import timing
+
+    timing.session_started()
+
+
+def pytest_runtest_logreport(report):
+    from tests import timing
+
+    timing.record(report)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    """The table of where the time went, just above pytest's own summary line (tests/timing.py)."""
+    from tests import background, timing
+
+    timing.add_background(background.jobs())
+    terminalreporter.write_sep("=", "where the time went (tests/timing.py)")
+    for line in timing.table():
+        terminalreporter.write_line(line)
+
+
 @pytest.hookimpl(trylast=True)  # after -m / -k deselection: only the selected tests start a job
 def pytest_collection_modifyitems(config, items):
     """Tests whose module defines background_job(item) start their child process now (tests/background.py)
     and run last, by which time most of their work is done."""
-    from tests import background
+    from tests import background, timing
 
     jobs, later, first = [], [], []
     for item in items:
         make = getattr(getattr(item, "module", None), "background_job", None)
-        if make is None:
+        job = make(item) if make is not None else None
+        if job is None:
             first.append(item)
         else:
             later.append(item)
-            jobs.append(make(item))
+            if job.id not in {j.id for j in jobs}:
+                jobs.append(job)
+            timing.waits_for_background(item.nodeid)
     if config.option.collectonly:
         return
     items[:] = first + later

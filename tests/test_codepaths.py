@@ -43,4 +43,49 @@ def test_labkits_own_files_are_its_own_and_a_longer_sibling_is_not(tmp_path):
     link = tmp_path / "lk"
     link.symlink_to(LABKIT_DIR, target_is_directory=True)
     assert is_labkit_file(str(link / "loop.py"))
-    assert under(str(tmp_path / "a b" / "c.py"), str(tmp_path / "a b")) and not under(str(tmp_path / "a bc"), str(tmp_path / "a b"))
+    assert under(str(tmp_path / "a b" / "c.py"), str(tmp_path / "a b")) and not under(
+        str(tmp_path / "a bc"), str(tmp_path / "a b")
+    )
+
+
+@pytest.mark.heavy  # a child pytest of ~30 s; the 3.13 run leaves it to the 3.11 run
+def test_the_checkers_tests_pass_in_a_clone_named_labkit_under_a_folder_with_a_space(tmp_path):
+    """What `git clone .../labkit` into a Colab Drive folder gives: the package and the tests in
+    '.../My Drive/labkit/'. The tests that read where a learner's code raised run there, on that copy."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    clone = tmp_path / "My Drive" / "labkit"
+    for part in ("labkit", "tests", "data_tools", "notebooks", "scripts", "pyproject.toml"):
+        src = root / part
+        if src.is_dir():
+            shutil.copytree(src, clone / part, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, clone / part)
+    env = dict(os.environ, PYTHONPATH=str(clone))
+    env.pop("PYTEST_ADDOPTS", None)
+    where = subprocess.run(
+        [sys.executable, "-c", "import labkit, tests; print(labkit.__file__); print(tests.__file__)"],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert where.stdout.splitlines() == [str(clone / "labkit" / "__init__.py"), str(clone / "tests" / "__init__.py")], (
+        where.stdout + where.stderr
+    )
+    tests = ["tests/test_exercises.py", "tests/test_codepaths.py", "tests/test_exercises_nb01.py"]
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", "-m", "not heavy"],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    assert " passed" in p.stdout and "failed" not in p.stdout.splitlines()[-1], p.stdout[-2000:]

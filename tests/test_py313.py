@@ -1,10 +1,14 @@
-"""The unit suite on Python 3.13 (Colab's Python), beside the 3.11 run of the main venv.
+"""The unit tests whose outcome depends on the Python version, on Python 3.13 (Colab's Python), beside the 3.11 run.
 
 .venvs/py3.13/ holds requirements.txt, the 3.11 lock, installed with Python 3.13 from wheels only
 (scripts/image_venv.py; it shares the uv cache with the image venvs). Every pin of the lock has a cp313
-wheel, so no version moves. The run leaves out the image runs (`images`, this file included) and the
-`heavy` tests, which the 3.11 run covers. It runs in the background (tests/children/image_job.py py3.13, started
-when collection ends: tests/background.py) while the rest of the suite runs.
+wheel, so no version moves: the torch, torch_xla and every library are the 3.11 run's, and only Python differs.
+So the 3.13 run takes the modules listed in PY_SENSITIVE, each with the part of Python it leans on; the rest
+(arithmetic, network clients, torch's own numerics) gives the same answer on any Python and is the 3.11 run's.
+Where Python matters and a module is too slow to run twice, a notebook in a 3.13 image covers it: torch.compile's
+bytecode tracing (test_compiled_step.py) and torch.export (test_export.py) run on Python 3.13 in the Colab GPU
+image (notebooks 08 and 05, tests/test_images.py). It runs in the background (tests/children/image_job.py py3.13,
+started when collection ends: tests/background.py) while the rest of the suite runs.
 """
 
 from __future__ import annotations
@@ -21,15 +25,48 @@ from tests.children.image_job import ROOT
 
 pytestmark = pytest.mark.images
 
+# module -> the part of Python it leans on (the 3.13 run takes these; heavy tests stay with the 3.11 run)
+PY_SENSITIVE = {
+    "test_codepaths.py": "traceback frames and path resolution (whose code raised)",
+    "test_exercises.py": "traceback frames, SIGALRM timers, exceptions from the learner's code",
+    "test_exercises_nb01.py": "the checkers' frame walk on notebook 01's answers",
+    "test_config.py": "dataclasses and typing (unions, Optional) in the environment overlay",
+    "test_envsetup.py": "importlib.metadata, subprocess and pip: the set-up cell runs on Colab's Python",
+    "test_stream.py": "tarfile, multiprocessing DataLoader workers (3.13 warns about fork in threads)",
+    "test_tar_names.py": "tarfile's pax headers and name decoding",
+    "test_writer.py": "tarfile writing, os.replace",
+    "test_hostile_data.py": "tarfile, json, urllib.parse on hostile bytes",
+    "test_hostile_round4.py": "stdlib decoders and http reads on hostile bytes",
+    "test_loader.py": "DataLoader worker processes and threads",
+    "test_checkpoint_safety.py": "pickle: what torch.load(weights_only=True) lets through",
+    "test_checkpoint_restore.py": "pickle, tempfile and os errors during restores",
+    "test_syncs.py": "sys._getframe and line numbers of the learner's frames",
+    "test_compile_instruments.py": "Dynamo's bytecode tracing and logging handlers",
+    "test_redaction.py": "re and urllib.parse",
+    "test_urls.py": "socket timeouts and http.client",
+    "test_http_deadline.py": "http.client reads",
+    "test_device.py": "torch_xla's start-up on this Python",
+    "test_loop.py": "the Trainer itself (signals, threads, closures)",
+    "test_train_script.py": "argparse's messages (3.12 and 3.13 changed them)",
+    "test_doctor.py": "importlib.metadata and platform",
+}
+
 
 def _job() -> background.Job:
     out = Path(background.job_dir()) / "py3.13.json"
-    argv = [sys.executable, str(ROOT / "tests" / "children" / "image_job.py"), "py3.13", str(out)]
+    modules = [f"tests/{m}" for m in sorted(PY_SENSITIVE)]
+    argv = [sys.executable, str(ROOT / "tests" / "children" / "image_job.py"), "py3.13", *modules, str(out)]
     return background.Job(id="py3.13", argv=argv, cwd=str(ROOT), expected_s=240)
 
 
-def background_job(item) -> background.Job:
-    return _job()
+def test_every_python_sensitive_module_exists():
+    """A renamed module would silently leave the 3.13 run."""
+    missing = [m for m in PY_SENSITIVE if not (ROOT / "tests" / m).is_file()]
+    assert not missing, f"PY_SENSITIVE names modules that do not exist: {missing}"
+
+
+def background_job(item) -> background.Job | None:
+    return _job() if item.name == "test_unit_suite_passes_on_python_313" else None
 
 
 @pytest.mark.timeout(3600)

@@ -19,8 +19,8 @@ import time
 import warnings
 
 from labkit.checkpoint import safe_load
-from labkit.checkpoint.shards import _add_missing, _planner, _planner_kind, stage
-from labkit.checkpoint.state import ReadFailed
+from labkit.checkpoint.shards import _add_missing, _dtensor_split, _planner, _planner_kind, stage
+from labkit.checkpoint.state import ReadFailed, _tensors
 from labkit.checkpoint.state import read as read_checked
 from labkit.checkpoint.writer import no_space
 from labkit.cloud import gcs
@@ -30,6 +30,33 @@ MARKER = "COMMITTED"
 _STEP = re.compile(r"^step-(\d{8,})$")
 # one process and no process group is what this format means (no_dist=True); DCP warns on every call
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
+
+
+def agree(rt, error, what: str, value=None) -> list:
+    """Every process tells the others how its part went (one all_gather_object): its own error is raised again, a
+    failure elsewhere raises RuntimeError naming the process; else the list of every process's `value`."""
+    import torch.distributed as dist
+
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    everyone = [None] * rt.world_size
+    dist.all_gather_object(everyone, (mine, value))
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, (m, _) in enumerate(everyone) if m is not None]
+    if failed:
+        r, m = failed[0]
+        raise RuntimeError(f"{what} failed on process {r} of {rt.world_size} ({m}); nothing was committed")
+    return [v for _, v in everyone]
+
+
+def _first_nonfinite(state) -> str | None:
+    """The path of the first floating-point tensor holding NaN/inf among this process's shards (a DTensor's local
+    part: no collective), else None."""
+    for path, t in _tensors(state):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.is_floating_point() and t.numel() and not bool(t.isfinite().all()):
+            return path or "a tensor"
+    return None
 
 
 def folder_name(step: int) -> str:
@@ -91,12 +118,78 @@ class Sharded:
                 warnings.warn(str(e), stacklevel=3)
         return None
 
+    @staticmethod
+    def together(rt) -> bool:
+        """Several torch.distributed processes, each holding its own shards (FSDP2 under torchrun): every process
+        writes its files (upload_together), not one host."""
+        import torch.distributed as dist
+
+        return rt is not None and rt.world_size > 1 and rt.uses_ddp and dist.is_available() and dist.is_initialized()
+
+    def upload_together(self, step, state, rt, replace) -> dict:
+        """Every process, on the caller's thread (DCP's collectives must not race the training's): DCP writes each
+        process's shards into a folder of its own (process 0 adds `.metadata`, which names every file), each process
+        stores its files create-only with their crc32c. The processes agree after each part (labkit.checkpoint.dcp
+        .agree): a failure or a NaN on any of them fails the save on all, before the commit. Returns (on every
+        process) {"files": every process's files and crc32c, "planner": "default", "processes": n}."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        name, err = folder_name(step), None
+        bad = _first_nonfinite(state)
+        if bad is not None:
+            err = FloatingPointError(
+                f"not saving step {step} to {self._url(name)}: {bad} holds NaN or inf on process {rt.ordinal} (the "
+                "weights went non-finite since the loss was last read); the last good checkpoint stays the newest"
+            )
+        if rt.is_master and err is None:
+            try:
+                old = self.listing().get(step)
+                if old:  # our own earlier save of this step, or one a killed writer left (the manager decides)
+                    replace()
+                    self._remove(step, old)
+            except BaseException as e:
+                err = e
+        agree(rt, err, f"saving {self._url(name)}")
+        folder = self.store.temp_dir(f"{name}-p{rt.ordinal}")
+        try:
+            try:
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), planner=DefaultSavePlanner())
+            except BaseException as e:  # DCP's CheckpointException is a BaseException; it failed on every process
+                shutil.rmtree(folder, ignore_errors=True)
+                raise (no_space(e, self.store) or e) from e
+            files, err = {}, None
+            try:
+                for f in sorted(os.listdir(folder)):
+                    p = os.path.join(folder, f)
+                    crc = gcs.crc32c_b64(p)
+                    files[f] = {"crc32c": crc, "size": os.path.getsize(p)}
+                    self.store.put_if_absent(f"{name}/{f}", p, crc)
+            except BaseException as e:
+                err = e
+            parts = agree(rt, err, f"saving {self._url(name)}", files)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        merged = {}
+        for part in parts:
+            merged.update(part)
+        return {"files": merged, "planner": "default", "processes": rt.world_size}
+
     def stage(self, state, rt):
+        import torch.distributed as dist
+
+        split = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if rt is None and split and any(_dtensor_split(t) for _, t in _tensors(state)):
+            raise ValueError(
+                f"checkpoint to {self.store.url('')}: this state is split over {dist.get_world_size()} processes "
+                "(DTensors: parallel='fsdp2') and the manager was built without rt: pass CheckpointManager(..., "
+                "rt=rt) so that every process writes its own shards and process 0 alone commits"
+            )
         if rt is not None and rt.world_size > 1:
             raise RuntimeError(
-                f"checkpoint to {self.store.url('')}: the sharded format is written by one process (one host with "
-                f"all its devices, SPMD); this run has {rt.world_size} processes. Use format='file', or SPMD "
-                "(labkit.setup(spmd='on')) instead of one process per device"
+                f"checkpoint to {self.store.url('')}: the sharded format of XLA tensors is written by one process "
+                f"(one host with all its devices, SPMD); this run has {rt.world_size} processes. Use format='file', "
+                "or SPMD (labkit.setup(spmd='on')) instead of one process per device"
             )
         return stage(state)  # this host's shards, copied to the CPU in one batched transfer
 

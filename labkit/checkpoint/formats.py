@@ -71,6 +71,13 @@ class OneFile:
         return self.pointer.read()
 
     def stage(self, state, rt):
+        from labkit.checkpoint.shards import is_sharded
+
+        if is_sharded(state) and rt is not None and rt.world_size > 1 and rt.uses_ddp:
+            raise ValueError(
+                f"checkpoint to {self.store.url('')}: format='file' holds whole tensors, and this state is split over "
+                f"{rt.world_size} processes (DTensors: parallel='fsdp2'); use format='auto' or 'sharded' (DCP)"
+            )
         return to_cpu(state, rt)  # every replica calls it: keeps XLA graphs identical across replicas
 
     def upload(self, step, cpu_state, staged, replace) -> dict:

@@ -157,9 +157,11 @@ class CheckpointManager:
             newest = max((s for s, _, committed in self._entries() if committed), default=None)
             runs.refuse_older_step(self.root, step, newest)
             self._continues = True
+        fmt = self._format_of(state)
+        if fmt.kind == "sharded" and fmt.together(self.rt):  # FSDP2 under torchrun: every process writes its shards
+            return self._save_together(fmt, int(step), state, metrics, value if improved else None)
         if self._master:
             self.store.acquire_writer(takeover=self.restored is not None)  # a second writer fails here, before any work
-        fmt = self._format_of(state)
         cpu = fmt.stage(state, self.rt)  # the CPU copy, on this thread (every replica: identical XLA graphs)
         refuse_nonfinite(cpu, self.root, step)  # a NaN since the loss was last read is never saved
         if improved:
@@ -186,6 +188,43 @@ class CheckpointManager:
             fmt.abort(step)
             raise
         self._prune(step, kept, entries)
+
+    def _save_together(self, fmt, step, state, metrics, best_value) -> bool:
+        """Several processes, each holding its own shards: each writes its files now (labkit.checkpoint.dcp's
+        upload_together), process 0 proves its lock, commits and prunes; every process then knows the outcome
+        (a failure anywhere fails the save everywhere, nothing committed). Not in the background: DCP's collectives
+        would race the training's on the same process group."""
+        from labkit.checkpoint.dcp import agree
+
+        self.writer.wait()
+        err = None
+        if self._master:
+            try:
+                self.store.acquire_writer(takeover=self.restored is not None)
+            except BaseException as e:
+                err = e
+        agree(self.rt, err, f"saving {self.store.url(fmt.name(step))}")
+        if best_value is not None:
+            self.best = {"step": step, "name": fmt.name(step), "value": best_value}
+            self.best.update(metric=self.best_metric, mode=self.mode)
+        best = dict(self.best or {})
+        info = fmt.upload_together(step, state, self.rt, lambda: self._may_replace(fmt, step))
+        err = entries = kept = None
+        if self._master:
+            try:
+                self._mine.add(fmt.name(step))
+                entries = self._entries()
+                kept = self._retained(step, best, entries)
+                self.store.check_writer()  # the commit point: only while the lock is still ours
+                meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
+                fmt.commit(step, info, {"metrics": meta, "best": best or None}, kept)
+            except BaseException as e:
+                fmt.abort(step)
+                err = e
+        agree(self.rt, err, f"committing {self.store.url(fmt.name(step))}")
+        if self._master:
+            self._prune(step, kept, entries)
+        return True
 
     def _may_replace(self, fmt, step) -> None:
         """`step` exists already: this run's own earlier save, or one a killed writer stored without

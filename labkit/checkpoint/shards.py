@@ -28,11 +28,19 @@ def _sharded(t) -> bool:
     return _xla.split_over_devices(t)
 
 
+def _dtensor_split(t) -> bool:
+    """True for a DTensor split over processes (FSDP2's Shard(0), tensor parallelism): each holds a part."""
+    placements = getattr(t, "placements", None) if torch.is_tensor(t) else None
+    return bool(placements) and any(p.is_shard() for p in placements)
+
+
 def is_sharded(state) -> bool:
-    """Whether any tensor of a nested state is split over devices (then save it with this module)."""
+    """Whether any tensor of a nested state is split over devices (XLA SPMD) or over processes (DTensor, FSDP2):
+    then save it with this module."""
     from torch.utils._pytree import tree_leaves
 
-    return _xla_loaded() and any(_sharded(t) for t in tree_leaves(state))
+    leaves = tree_leaves(state)
+    return any(_dtensor_split(t) for t in leaves) or (_xla_loaded() and any(_sharded(t) for t in leaves))
 
 
 def stage(state):

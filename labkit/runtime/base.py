@@ -37,7 +37,7 @@ class Runtime:
     # torch_xla's counters (compiles, executions, device->host transfers) describe this backend's work: the
     # dashboard's health panel, labkit.explain and the lessons' measurements read them only where this is True
     reads_metrics = False
-    # several processes average gradients with DistributedDataParallel in backward (labkit.torchrun.wrap_ddp);
+    # several processes average gradients with DistributedDataParallel in backward (labkit.parallel: DDP or FSDP2);
     # XLA replicas reduce in optimizer_step instead, and SPMD's compiler inserts the all-reduce
     uses_ddp = True
     # TrainConfig.compile="auto" compiles the step with torch.compile here (labkit.runtime.step). Not on the plain
