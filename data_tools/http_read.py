@@ -39,7 +39,7 @@ class Wrapper:
         self.close()
 
 
-def _retrying(url: str, timeout: float, attempt: Callable[[], object], transient: tuple) -> object:
+def retrying(url: str, timeout: float, attempt: Callable[[], object], transient: tuple) -> object:
     """Call attempt() up to ATTEMPTS times, backing off 0.5 s, 1 s, ...; re-raise with what was tried."""
     errors = []
     start = time.monotonic()
@@ -191,7 +191,7 @@ class HttpStream(Wrapper):
                     raise
             return r
 
-        return _retrying(self.url, self.timeout, attempt, (ConnectionError, TimeoutError, urllib.error.URLError))
+        return retrying(self.url, self.timeout, attempt, (ConnectionError, TimeoutError, urllib.error.URLError))
 
     def _check_rate(self) -> None:
         elapsed = time.monotonic() - self.t0

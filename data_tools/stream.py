@@ -44,6 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 import multiprocessing as mp
+import numbers
 import os
 import random
 
@@ -109,8 +110,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         transform=None,
         crop_scale=CROP_SCALE,
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}: expected an integer >= 1 (True is not a batch size)")
         if last_batch not in ("pad", "partial", "drop"):
             raise ValueError(f"last_batch must be 'pad', 'partial' or 'drop', got {last_batch!r}")
         if verify not in (True, False, "stream"):

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from labkit.cloud import gcs
 from labkit.redact import redact  # every URL this package shows goes through it: no password, no token
 
-from .http_read import ATTEMPTS, HttpStream, ObjectChanged, Wrapper, _retrying, http_opener, http_request  # noqa: F401
+from .http_read import ATTEMPTS, HttpStream, ObjectChanged, Wrapper, http_opener, http_request, retrying  # noqa: F401
 
 DEFAULT_TIMEOUT = 30.0  # seconds without a byte before a network read gives up
 
@@ -110,7 +110,7 @@ def _s3_filesystem(timeout: float):
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     key = (endpoint, timeout, os.getpid())  # aiohttp sessions do not survive fork: one per DataLoader worker
     if key not in _S3:
-        # one try per call: the retries (and their backoff) are _retrying's, bounded like the other schemes
+        # one try per call: the retries (and their backoff) are retrying's, bounded like the other schemes
         config = {
             "connect_timeout": timeout,
             "read_timeout": timeout,
@@ -148,7 +148,7 @@ def _open_s3(url: str, timeout: float):
         except BotoCoreError as e:  # endpoint unreachable, read timeout after botocore's own retries
             raise ConnectionError(f"{type(e).__name__}: {redact(e)}") from None
 
-    return _retrying(url, timeout, attempt, (ConnectionError, TimeoutError))
+    return retrying(url, timeout, attempt, (ConnectionError, TimeoutError))
 
 
 def _open_file(url: str, timeout: float):

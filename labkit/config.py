@@ -133,20 +133,37 @@ def from_env(cls, fast: dict | None = None, prefix: str = "LABKIT_", **overrides
 POSITIVE = ("batch_size", "lr")
 
 
+def check_number(name: str, value, *, low: float = 0, above: bool = False, high: float | None = None, integer=False):
+    """`value` if it is a real number (not a bool: True is 1 to Python, never a batch size), finite, >= `low` (> `low`
+    when `above`), <= `high` when given, and an int when `integer`; else ValueError naming `name`. The one check
+    every public number of labkit goes through (settings, learning rates, batch sizes)."""
+    kind = "an integer" if integer else "a finite number"
+    bound = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+    wrong = isinstance(value, bool) or not isinstance(value, int if integer else (int, float))
+    if not wrong:
+        wrong = (
+            not math.isfinite(value) or value < low or (above and value == low) or (high is not None and value > high)
+        )
+    if wrong:
+        raise ValueError(f"{name}={value!r}: expected {kind} {bound}")
+    return value
+
+
 def check_ranges(obj) -> None:
     """Numbers in a settings dataclass: finite and >= 0 (a count, a rate, a size), and > 0 for the
-    POSITIVE names. A dataclass lists the fields that may go below 0 in a ClassVar SIGNED.
+    POSITIVE names; a bool given to a number field is refused (True would train with batch 1). A dataclass lists
+    the fields that may go below 0 in a ClassVar SIGNED.
     Raises ValueError naming the setting: batch 0, epochs -1 or lr -0.1 never reach a training run."""
     signed = set(getattr(obj, "SIGNED", ()))
+    hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
+        where = f"{type(obj).__name__}.{f.name}"
+        if isinstance(v, bool) and hints.get(f.name) in (int, float):
+            raise ValueError(f"{where}={v!r}: expected a number, not a bool")
         if f.name in signed or isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
-        where = f"{type(obj).__name__}.{f.name}={v!r}"
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"{where}: expected a finite number >= 0")
-        if f.name in POSITIVE and v <= 0:
-            raise ValueError(f"{where}: expected a number > 0")
+        check_number(where, v, above=f.name in POSITIVE)
 
 
 COMPILE = ("auto", "on", "off")

@@ -117,7 +117,7 @@ def doctor(rt=None, *, quiet: bool = False) -> dict:  # rt optional: the doctor 
     if envsetup.labkit_status()[0] != "ours":
         warnings.append(
             "the importable 'labkit' is not this project's (PyPI's unrelated 'labkit'?): "
-            f"pip uninstall -y labkit && pip install '{envsetup.DIST_NAME} @ {envsetup.PUBLISHED}'"
+            f"pip uninstall -y labkit && {envsetup.shell_words('pip', 'install', f'{envsetup.DIST_NAME} @ {envsetup.PUBLISHED}')}"
         )
     report = {
         "versions": versions,

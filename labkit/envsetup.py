@@ -27,6 +27,7 @@ import importlib.metadata as md
 import importlib.util
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -216,6 +217,19 @@ def minor(v: str | None) -> str | None:
     return f"{m.group(1)}.{m.group(2)}" if m else None
 
 
+def shell_words(*words) -> str:
+    """Words as one command line to paste into a shell: each quoted with shlex.quote, so a path with spaces, quotes,
+    `;` or `$(...)` (a Drive folder, a run named by its user) stays one word and never runs as code."""
+    return " ".join(shlex.quote(str(w)) for w in words)
+
+
+def notebook_line(command: str, prefix: str = "!") -> str:
+    """A shell command as a Jupyter/Colab line (`!cmd`, or a line magic such as `%tensorboard ...`). IPython expands
+    `{expr}` and `$name` in such a line before the shell sees it: braces are doubled, so it gives the command back
+    unchanged (it leaves `$` inside shlex.quote's single quotes alone)."""
+    return prefix + command.replace("{", "{{").replace("}", "}}")
+
+
 def pair_problem(torch_version: str | None, xla_version: str | None) -> str | None:
     """Why this torch / torch_xla pair cannot work together, with the fix; None when it can.
     torch_xla X.Y is built against torch X.Y: any other torch fails at import with an undefined symbol."""
@@ -224,9 +238,10 @@ def pair_problem(torch_version: str | None, xla_version: str | None) -> str | No
     want = minor(xla_version)
     return (
         f"torch {torch_version} does not match torch_xla {xla_version} (torch_xla {want} needs torch {want}.*; "
-        f"importing it fails with an undefined symbol). Fix: pip install 'torch=={want}.*' "
-        f"(keeps torch_xla), or the pair labkit pins: pip install torch=={TORCH} 'torch_xla=={TORCH_XLA}' "
-        f"libtpu=={LIBTPU_FOR[minor(TORCH_XLA)]}; then restart the runtime"
+        f"importing it fails with an undefined symbol). Fix: {shell_words('pip', 'install', f'torch=={want}.*')} "
+        f"(keeps torch_xla), or the pair labkit pins: "
+        f"{shell_words('pip', 'install', f'torch=={TORCH}', f'torch_xla=={TORCH_XLA}', f'libtpu=={LIBTPU_FOR[minor(TORCH_XLA)]}')}; "
+        "then restart the runtime"
     )
 
 

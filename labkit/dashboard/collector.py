@@ -89,7 +89,7 @@ class Dashboard:
         if self._total_given is None:  # not given: follow the trainer (fit() may be called again)
             self.total_steps = trainer.total_steps()
         if self.finder is not None and self._active and rt.reads_metrics:
-            self.finder.start()  # stopped in on_train_end
+            self.finder.start()  # stopped in on_fit_end
         if self.health is None:
             from labkit.dashboard import cuda_syncs
 
@@ -100,9 +100,10 @@ class Dashboard:
                 host_syncs=cuda_syncs.HostSyncCounter() if self.finder is not None and cuda_syncs.applies(rt) else None,
             )
         else:
+            self.health.open()
             self.health.resync()
         if self.health.host_syncs is not None and self._active:
-            self.health.host_syncs.start()  # stopped in on_train_end
+            self.health.host_syncs.start()  # stopped in on_fit_end
         if self.sink is None and self._active:
             self.sink = ConsoleSink() if environment() == "console" else NotebookSink()
         if self.peak_flops is None and self.flops_per_step:
@@ -188,14 +189,20 @@ class Dashboard:
         # the run ended: a fit stopped early otherwise ended on an ETA
         if self._active and self.history and (self._pending or not self._final_drawn):
             self._draw(final=True)
-        if self.finder is not None:
-            self.finder.stop()
-        if self.health is not None and self.health.host_syncs is not None:
-            self.health.host_syncs.stop()
         if self._tb is not None:
             self._tb.flush()
         if self._active and hasattr(self.sink, "end"):
             self.sink.end(trainer, self)
+
+    def on_fit_end(self, trainer) -> None:
+        """fit() returned or raised: take back every hook on_train_begin put on torch or Python (the sync finder,
+        the CUDA sync-debug mode and warnings.showwarning, the listener on torch's structured trace)."""
+        if self.finder is not None:
+            self.finder.stop()
+        if self.health is not None:
+            if self.health.host_syncs is not None:
+                self.health.host_syncs.stop()
+            self.health.close()
 
     # -- drawing -----------------------------------------------------------------------------
     def _maybe_draw(self, force=False) -> None:

@@ -44,6 +44,8 @@ import os
 import signal
 import threading
 
+from labkit.envsetup import shell_words
+
 PROFILE_SIGNAL = "SIGUSR1"  # what labkit.profiling listens to during fit()
 PROFILE_TRIGGER = os.path.join("profiles", "PROFILE")  # its trigger file when labkit.profiling is absent
 PROFILE_STEPS = 5
@@ -64,7 +66,7 @@ def script_help(pid: int | None = None) -> list[str]:
     pid = os.getpid() if pid is None else pid
     return [
         "controls: profile the next N steps: trainer.request_profile(N) from a callback, "
-        f"or `kill -{PROFILE_SIGNAL.removeprefix('SIG')} {pid}` / `touch {profile_trigger()}` from a shell",
+        f"or `kill -{PROFILE_SIGNAL.removeprefix('SIG')} {pid}` / `{shell_words('touch', profile_trigger())}` from a shell",
         "          stop after this epoch: trainer.request_stop(after_epoch=True); "
         "save a checkpoint now: trainer.request_checkpoint()",
     ]

@@ -7,7 +7,8 @@ printing them, with the line of your code that made each one.
     counter.take()                           # {Site('train.py', 41, 'if loss > 1:'): 20, None: 4}  (None: labkit's own)
     counter.stop()
 
-torch.cuda.set_sync_debug_mode("warn") is process-wide; stop() puts back the mode that was set. Each counted sync
+torch.cuda.set_sync_debug_mode("warn") is process-wide; stop() puts back the mode that was set, warnings.showwarning and
+the warnings filter it added (the Dashboard calls it when fit() returns or raises). Each counted sync
 costs a Python warning and a stack walk (a few us) on top of the sync itself; a step without syncs costs nothing.
 Not verified on a GPU here (this project's CI has none): the counting of the warnings is tested on the CPU by
 issuing torch's own warning text; that CUDA raises it for each synchronising call is torch's documented behaviour.
@@ -56,6 +57,7 @@ class HostSyncCounter:
         self.total: Counter = Counter()
         self.active = False
         self._saved = None
+        self._filter = None
         self._mode = None
 
     def start(self) -> HostSyncCounter:
@@ -68,6 +70,7 @@ class HostSyncCounter:
             torch.cuda.set_sync_debug_mode("warn")
         self._saved = warnings.showwarning
         warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")  # every one, not once per line
+        self._filter = warnings.filters[0]  # the entry just added: stop() removes it, and only it
         warnings.showwarning = self._show
         self.active = True
         return self
@@ -79,7 +82,11 @@ class HostSyncCounter:
 
         if self._mode is not None:
             torch.cuda.set_sync_debug_mode(self._mode)
-        warnings.showwarning = self._saved
+        if warnings.showwarning == self._show:  # replaced since by someone else: theirs stays
+            warnings.showwarning = self._saved
+        if self._filter in warnings.filters:
+            # no cache to clear: under "always" Python records no warning as already shown
+            warnings.filters.remove(self._filter)
         self.active = False
 
     def _show(self, message, category, filename, lineno, file=None, line=None):

@@ -10,7 +10,9 @@ reads one or the other, chosen by the runtime's `reads_metrics`).
     print(rec.report())
 
 Where it comes from: Dynamo's structured trace (the events tlparse reads, logger "torch.__trace"), received by one
-logging handler for the whole process, installed by the first CompileRecord (or `listen()`) and never removed:
+logging handler, attached while a record is open (a Dashboard's fit(), `with CompileRecord() as rec:`, or
+`listen()` until `unlisten()`) and detached from torch's logger when the last one closes, whether fit() returned or
+raised:
 `compilation_metrics` (each frame compiled: its function, the failed guard `recompile_reason`, the seconds it
 took), `dynamo_graph_break_reason` (the reason and the user code traceback of each break) and `dynamo_start`
 (where the learner's code called the frame: the live Python stack at that moment). torch._logging.set_logs and
@@ -22,11 +24,14 @@ every structured event once a handler listens (measured here: 0.62 s of a 23 s c
 Inductor, as reported by torch's own structured_logging_overhead_s). Reading a record is a list walk on the host:
 it never touches a device.
 
-A graph break is torch's own, not the learner's, where torch breaks on purpose (TORCH_BOUNDARIES: Optimizer.step's
-`_use_grad` calls torch._dynamo.graph_break() around the update; `loss.backward()` inside a compiled function is
-not traced unless compiled autograd is on; Optimizer.zero_grad is skipped). Those are counted apart
-(`torch_breaks`) and named, never warned about. These are torch 2.9's structures (checked here on 2.9.0); where a
-later torch renames them the record says so in `status` and counts what it still sees.
+A graph break is torch's own, not the learner's, where torch breaks on purpose: labkit.runtime.boundaries holds
+the one table of them (keyed on torch's graph-break registry ids, e.g. GB0025 for Optimizer.step's `_use_grad`),
+and a break counts as torch's only when its id is there and the code the entry names is torch's by resolved file
+or module identity. Those are counted apart (`torch_breaks`) and named, never warned about. A break that is not
+one of them is the code's: the learner's ("yours") or labkit's, by the innermost line outside torch; where no such
+line is known, its owner is "unknown" and every report says it cannot tell. These are torch 2.9's structures
+(checked here on 2.9.0); where a later torch renames them the record says so in `status` and counts what it
+still sees.
 """
 
 from __future__ import annotations
@@ -40,31 +45,15 @@ import torch
 
 from labkit.codepaths import is_labkit_file, under
 from labkit.dashboard.syncs import Site, user_site
+from labkit.runtime.boundaries import boundary_for, gb_id
 
 _BREAK_AT = re.compile(r"Graph break in user code at (.+):(\d+)\s*\nGraph Break Reason: (.*)")
 _WONT_CONVERT = re.compile(r"WON'T CONVERT (\S+) (.+) line (\d+)")
 _EXPLAIN = re.compile(r"^\s*Explanation: (.*)$", re.M)
 _FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)\n\s*(.*)$', re.M)
 _COMPILE_ID = re.compile(r"^\[?\d+/\d+\]?:?\s*")
+_CONTEXT = re.compile(r"Developer debug context: (.*?)(?:\n\s*\n|\n For more details|\nUser code traceback:|\Z)", re.S)
 MAX_EVENTS = 20_000  # a run that compiles forever stops growing the record here (Dynamo's own limit is 8 per frame)
-
-# (test on a break, what it is): graph breaks torch makes on purpose in a compiled training step
-TORCH_BOUNDARIES = (
-    (
-        lambda b: "graph_break()" in b["reason"] and f"{os.sep}torch{os.sep}optim{os.sep}" in b["file"],
-        "Optimizer.step breaks around itself on purpose (_use_grad in torch/optim/optimizer.py calls "
-        "torch._dynamo.graph_break()): the update compiles as its own graph",
-    ),
-    (
-        lambda b: b["reason"].startswith("Unsupported Tensor.backward()"),
-        "loss.backward() inside a compiled function is not traced by Dynamo (compiled autograd is off): "
-        "compiling the model lets AOTAutograd compile its backward instead",
-    ),
-    (
-        lambda b: "Optimizer.zero_grad" in b["explanation"],
-        "Optimizer.zero_grad is skipped by Dynamo on purpose (it runs eagerly between graphs)",
-    ),
-)
 
 
 def _site(file: str, line: int) -> Site:
@@ -99,6 +88,7 @@ def guard_source(guard: str, file: str | None) -> Site | None:
 
 def parse_break(payload: str) -> dict | None:
     """A graph break out of Dynamo's `dynamo_graph_break_reason` text: {'file', 'line', 'reason', 'explanation',
+    'gb_id' (torch's registry id, or None), 'context' (torch's "Developer debug context"),
     'user_frames': [(file, line, func, code)]} (None when the text has neither known form)."""
     m = _BREAK_AT.search(payload)
     if m is not None:
@@ -111,7 +101,10 @@ def parse_break(payload: str) -> dict | None:
     ex = _EXPLAIN.search(payload)
     user = payload.split("User code traceback:", 1)[1].split("\n\n", 1)[0] if "User code traceback:" in payload else ""
     frames = [(f, int(n), fn.strip(), code.strip()) for f, n, fn, code in _FRAME.findall(user)]
+    ctx = _CONTEXT.search(payload)
     return {
+        "gb_id": gb_id(reason, payload),
+        "context": " ".join(ctx.group(1).split()) if ctx else "",
         "file": file,
         "line": line,
         "reason": reason,
@@ -121,8 +114,12 @@ def parse_break(payload: str) -> dict | None:
 
 
 def torch_boundary(brk: dict) -> str | None:
-    """What torch's own boundary this break is (TORCH_BOUNDARIES), or None when it is the code's."""
-    return next((why for test, why in TORCH_BOUNDARIES if test(brk)), None)
+    """What torch's own boundary this break is (labkit.runtime.boundaries), or None when it is not proven torch's."""
+    found = boundary_for(brk)
+    if found is None:
+        return None
+    b, what = found
+    return f"{what} ({b.gb_id}): {b.why}"
 
 
 class _Listener(logging.Handler):
@@ -167,10 +164,18 @@ def _break_event(brk: dict, call: Site | None) -> dict:
     torch_dir = os.path.dirname(torch.__file__)
     # the innermost frame outside torch: a break inside torch's code is reported at the line that called into it
     outside = [f for f in brk["user_frames"] if not under(f[0], torch_dir)]
+    if why is None and not under(brk["file"], torch_dir):
+        outside = outside or [(brk["file"], brk["line"])]
     file, line = (outside[-1][0], outside[-1][1]) if outside and why is None else (brk["file"], brk["line"])
-    owner = "torch" if why else "labkit" if is_labkit_file(file) else "yours"
+    if why:
+        owner = "torch"
+    elif not outside:  # inside torch, and no line outside it is known: whose it is is not proven
+        owner = "unknown"
+    else:
+        owner = "labkit" if is_labkit_file(file) else "yours"
     return {
         "kind": "break",
+        "gb_id": brk.get("gb_id"),
         "reason": brk["reason"],
         "explanation": brk["explanation"],
         "file": file,
@@ -207,26 +212,42 @@ def _compile_event(m: dict, call: Site | None, backward: bool = False) -> dict:
     }
 
 
-_listener: _Listener | None = None
+_listener: _Listener | None = None  # the one listener; its events outlive its attachments (explain() reads them)
+_users = 0  # open records (and listen() calls) that want it attached
 _install_lock = threading.Lock()
 
 
 def listen() -> _Listener | None:
-    """Install the process's one listener (idempotent) and return it; None where torch has no structured trace."""
-    global _listener
+    """Attach the process's one listener to torch's structured trace and return it; None where torch has no
+    structured trace. Counted: each listen() is undone by one unlisten(), and the handler leaves torch's logger
+    when the last is (torch formats its payloads only while a handler listens)."""
+    global _listener, _users
     with _install_lock:
-        if _listener is not None:
-            return _listener
         try:
             from torch._logging._internal import trace_log  # torch's structured trace logger ("torch.__trace")
         except ImportError:
             return None
-        lst = _Listener()
-        lst.events.extend(_backfill())
-        trace_log.setLevel(logging.DEBUG)  # torch keeps it at DEBUG itself; set again in case a test reset it
-        trace_log.addHandler(lst)
-        _listener = lst
-        return lst
+        if _listener is None:
+            _listener = _Listener()
+            _listener.events.extend(_backfill())
+        if _users == 0:
+            trace_log.setLevel(logging.DEBUG)  # torch keeps it at DEBUG itself; set again in case a test reset it
+            trace_log.addHandler(_listener)
+        _users += 1
+        return _listener
+
+
+def unlisten() -> None:
+    """Undo one listen(); the last one detaches the handler from torch's logger."""
+    global _users
+    with _install_lock:
+        if _listener is None or _users == 0:
+            return
+        _users -= 1
+        if _users == 0:
+            from torch._logging._internal import trace_log
+
+            trace_log.removeHandler(_listener)
 
 
 def _backfill() -> list[dict]:
@@ -251,10 +272,29 @@ class CompileRecord:
     interval, snapshot() totals that subtract. Neither touches a device."""
 
     def __init__(self, since_process_start: bool = False):
-        self.listener = listen()
+        self.listener, self.is_open = listen(), True
         events = self.listener.events if self.listener else []
         self.start = 0 if since_process_start else len(events)
         self._taken = self.start
+
+    def open(self) -> CompileRecord:
+        """Listen again after close() (a second fit() of one Dashboard); idempotent. Compiles while closed are
+        not seen."""
+        if not self.is_open:
+            self.listener, self.is_open = listen(), True
+        return self
+
+    def close(self) -> None:
+        """Stop listening (idempotent): what was recorded stays readable."""
+        if self.is_open:
+            self.is_open = False
+            unlisten()
+
+    def __enter__(self) -> CompileRecord:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def status(self) -> str:
@@ -282,7 +322,8 @@ class CompileRecord:
 
     def breaks(self, owner: str | None = "yours") -> list[dict]:
         """Graph breaks, one per (line, reason) with a 'count' of the compiles that met it. owner: 'yours' (the
-        code's), 'torch' (TORCH_BOUNDARIES), 'labkit' (labkit's own code) or None (all)."""
+        code's), 'torch' (labkit.runtime.boundaries), 'labkit' (labkit's own code), 'unknown' (not proven whose)
+        or None (all)."""
         seen: dict = {}
         for e in self.events():
             if e["kind"] == "break" and (owner is None or e["owner"] == owner):
@@ -294,15 +335,18 @@ class CompileRecord:
         return list(seen.values())
 
     def snapshot(self) -> dict:
-        """Totals since the start: compiles (frames), recompiles, breaks (yours, distinct), torch_breaks (distinct),
-        compile_s (forward and backward compiles), failed (frames Dynamo gave up on)."""
+        """Totals since the start: compiles (frames), recompiles, breaks (yours, distinct), labkit_breaks,
+        torch_breaks, unknown_breaks (whose is not proven; each distinct), compile_s (forward and backward compiles),
+        failed (frames Dynamo gave up on)."""
         evs = self.events()
         comp = [e for e in evs if e["kind"] in ("compile", "backward")]
         return {
             "compiles": sum(e["kind"] == "compile" and e["installed"] for e in comp),
             "recompiles": sum(bool(e.get("guard")) for e in comp),
             "breaks": len(self.breaks("yours")),
+            "labkit_breaks": len(self.breaks("labkit")),
             "torch_breaks": len(self.breaks("torch")),
+            "unknown_breaks": len(self.breaks("unknown")),
             "compile_s": sum(e["seconds"] for e in comp),
             "failed": sum(bool(e["failed"]) for e in comp),
         }
@@ -312,9 +356,14 @@ class CompileRecord:
         lines = [
             f"torch.compile: {s['compiles']} frames compiled in {s['compile_s']:.2f} s, {s['recompiles']} recompiles, "
             f"{s['breaks']} graph breaks in your code, {s['torch_breaks']} of torch's own"
+            + (f", {s['labkit_breaks']} in labkit's" if s["labkit_breaks"] else "")
+            + (f", {s['unknown_breaks']} whose labkit cannot tell" if s["unknown_breaks"] else "")
         ]
         lines += [f"recompile: {recompile_text(e)}" for e in self.recompiles()]
         lines += [f"graph break: {break_text(b)}" for b in self.breaks("yours")]
+        lines += [f"graph break in labkit's code: {break_text(b)}" for b in self.breaks("labkit")]
+        lines += [f"graph break, whose not known (inside torch, no caller's line): {break_text(b)}"
+                  for b in self.breaks("unknown")]  # fmt: skip
         lines += [f"torch's own: {b['site']}: {b['torch_boundary']}" for b in self.breaks("torch")]
         return "\n".join(lines)
 

@@ -103,16 +103,19 @@ def _explain_compiled(source, rt, events, fed, feed, verbose) -> dict:
     from labkit.dashboard.dynamo import CompileRecord, recompile_text
 
     health = getattr(source, "health", source)
-    record = getattr(health, "record", None) or CompileRecord(since_process_start=True)
+    record = getattr(health, "record", None)
+    if record is None:  # read the process's record and let go of torch's logger at once
+        with CompileRecord(since_process_start=True) as record:
+            pass
     s = record.snapshot()
     where = rt.kind if rt is not None else "no labkit runtime set up"  # shown, not tested: the backend's name
     recs = record.recompiles()
     breaks = record.breaks("yours") + record.breaks("labkit")
-    own = record.breaks("torch")
+    own, unknown = record.breaks("torch"), record.breaks("unknown")
     d = dict(s, xla=False, engine="torch.compile", feed=feed, status=record.status)
     d["recompile_events"] = events or [dict(e, reason=f"{GUARD_REASON} in {e['frame']}: {e['guard']}") for e in recs]
-    d["breaks"], d["torch_breaks"] = breaks, own
-    if not (s["compiles"] or breaks or own):
+    d["breaks"], d["torch_breaks"], d["unknown_breaks"] = breaks, own, unknown
+    if not (s["compiles"] or breaks or own or unknown):
         d["advice"] = [
             f"not running on XLA ({where}) and nothing was compiled with torch.compile here: nothing to explain; "
             "on CUDA use torch.profiler, on CPU time the step directly"
@@ -122,18 +125,22 @@ def _explain_compiled(source, rt, events, fed, feed, verbose) -> dict:
             print(d["text"])
         return d
     found = recompile_findings(events) if events else []
-    advice = [f.advice for f in fed + found + break_findings(breaks)]
+    advice = [f.advice for f in fed + found + break_findings(breaks + unknown)]
     if not events:  # no Dashboard: every recompile of the process, each with its guard and line
         advice += [f"Recompile: {recompile_text(e)}. Fix: {_fix_for(GUARD_REASON + ': ' + e['guard'])}." for e in recs]
-    advice += [f"torch's own boundary (not yours) at {b['site']}: {b['torch_boundary']}." for b in own]
+    notes = [f"torch's own boundary (not yours, nothing to fix) at {b['site']}: {b['torch_boundary']}." for b in own]
     if s["failed"]:
         advice.append(f"Dynamo gave up on {s['failed']} frame(s): they run eagerly ({record.status}).")
     d["advice"] = advice or ["Nothing to fix: no recompiles, no graph breaks in your code."]
+    d["notes"] = notes
     d["text"] = (
         f"not running on XLA ({where}): torch.compile compiled {s['compiles']} frames in {s['compile_s']:.2f} s, "
         f"{len(d['recompile_events'])} recompiles{' after warm-up' if events or health is not None else ''}, "
-        f"{len(breaks)} graph breaks in your code, {len(own)} of torch's own\n"
-        + "\n".join(f"- {a}" for a in d["advice"])
+        f"graph breaks: yours: {len(record.breaks('yours'))}, labkit's: {len(record.breaks('labkit'))}, "
+        f"torch's own: {len(own)}"
+        + (f", not known whose: {len(unknown)}" if unknown else "")
+        + "\n"
+        + "\n".join(f"- {a}" for a in d["advice"] + notes)
     )
     if verbose:
         print(d["text"])

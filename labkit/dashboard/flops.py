@@ -20,6 +20,8 @@ import os
 import re
 import time
 
+from labkit.config import check_number
+
 # Peak dense FLOP/s per chip and dtype (no 2:4 sparsity: the "with sparsity" figures are twice these).
 # TPUs: Google Cloud TPU system-architecture pages, "Peak compute per chip (bf16)": v2 45, v3 123, v4 275,
 # v5e 197, v5p 459, v6e/Trillium 918 TFLOPs. A float32 matmul on a TPU runs at XLA's default precision,
@@ -27,7 +29,11 @@ import time
 # matmul precision is several passes and several times slower; set LABKIT_PEAK_FLOPS then).
 # NVIDIA data sheets, tensor-core dense: T4 fp16 65 / fp32 8.1 (Turing has no bf16 tensor cores);
 # V100 SXM2 fp16 125 / fp32 15.7 (no bf16); A100 bf16=fp16 312 / fp32 19.5; L4 bf16=fp16 121 / fp32 30.3;
-# H100 SXM bf16=fp16 989 / fp32 67; H100 PCIe 756 / 51; H200 989 / 67. fp32 is plain IEEE fp32: torch
+# H100 SXM bf16=fp16 989 / fp32 67; H100 PCIe 756 / 51; H200 989 / 67. The NVL cards (H100 NVL, H200 NVL: two
+# or four boards bridged by NVLink, each with a lower power limit) are rated 835 / 60 per GPU, not SXM's 989;
+# GH200's Hopper GPU is SXM-class, 989 / 67 (NVIDIA H100 and H200 data sheets, "H100 NVL" and "H200 NVL"
+# columns, and the GH200 Grace Hopper Superchip data sheet; each "1,671 TFLOPS with sparsity" is 835 dense).
+# fp32 is plain IEEE fp32: torch
 # does not use TF32 for matmuls unless torch.backends.cuda.matmul.allow_tf32 is set (cuDNN convolutions
 # do by default, so an fp32 ResNet on an A100 can exceed 100% of the fp32 figure).
 _TPU = {"TPU v2": 45e12, "TPU v3": 123e12, "TPU v4": 275e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6e": 918e12}
@@ -41,10 +47,18 @@ PEAKS.update(
         "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
         "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
         "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+        "H100 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12},
+        "H200 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12},
+        "GH200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
     }
 )
 PEAK_FLOPS: dict[str, float] = {k: v.get("bf16") or v["fp16"] for k, v in PEAKS.items()}  # 16-bit peaks
-SOURCES = {"TPU": "Google Cloud TPU docs"}  # a table key's first word -> where its figures come from
+SOURCES = {  # a table key, or its first word -> where its figures come from (else "NVIDIA data sheet")
+    "TPU": "Google Cloud TPU docs",
+    "H100 NVL": "NVIDIA H100 data sheet, H100 NVL column",
+    "H200 NVL": "NVIDIA H200 data sheet, H200 NVL column",
+    "GH200": "NVIDIA GH200 Grace Hopper Superchip data sheet",
+}
 
 # Names as the chips report themselves -> PEAK_FLOPS keys, first match wins. XLA's device kind
 # says "TPU v5 lite" for v5e, "TPU v5" for v5p, "TPU v6 lite" for v6e; TPU_ACCELERATOR_TYPE says
@@ -58,6 +72,9 @@ _ALIASES = [
     (r"\bv2", "TPU v2"),
     (r"\bA100", "A100"),
     (r"\bH100.*PCIe", "H100 PCIe"),
+    (r"\bH100.*\bNVL", "H100 NVL"),
+    (r"\bH200.*\bNVL", "H200 NVL"),
+    (r"\bGH200", "GH200"),  # before H200: "NVIDIA GH200 480GB" (the word boundary already keeps H200 from it)
     (r"\bH100", "H100"),
     (r"\bH200", "H200"),
     (r"\bL4\b", "L4"),
@@ -111,7 +128,11 @@ def peak_flops(rt, dtype: str | None = None) -> tuple[float | None, str]:
     that labkit's automatic choice runs on this chip. LABKIT_PEAK_FLOPS overrides."""
     env = os.environ.get("LABKIT_PEAK_FLOPS")
     if env:
-        return float(env), "LABKIT_PEAK_FLOPS"
+        try:
+            value = float(env)
+        except ValueError:
+            raise ValueError(f"LABKIT_PEAK_FLOPS={env!r}: expected a number of FLOP/s, e.g. 1.97e14") from None
+        return check_number("LABKIT_PEAK_FLOPS", value, above=True), "LABKIT_PEAK_FLOPS"
     chip = detect_chip(rt)
     if chip == "cpu":
         p = measure_cpu_peak()
@@ -127,7 +148,7 @@ def peak_flops(rt, dtype: str | None = None) -> tuple[float | None, str]:
             return None, f"{known[0]} ({chip}) has no {dtype} peak in the table (no {dtype} matrix units)"
         return None, f"unknown chip {chip!r}: no peak (set LABKIT_PEAK_FLOPS to give one)"
     key, v = found
-    source = SOURCES.get(key.split()[0], "NVIDIA data sheet")
+    source = SOURCES.get(key) or SOURCES.get(key.split()[0], "NVIDIA data sheet")
     return v, f"{key} ({chip}): {v / 1e12:.1f} TFLOP/s {dtype} dense, {source}"
 
 

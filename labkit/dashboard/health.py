@@ -237,6 +237,16 @@ class HealthMonitor:
             self.events.append(ev)
             self._new_events.append(ev)
 
+    def open(self) -> None:
+        """Listen to torch.compile again (a second fit()); the first is open from the start."""
+        if self.record is not None:
+            self.record.open()
+
+    def close(self) -> None:
+        """Detach from torch's structured trace (fit() returned or raised); the record stays readable."""
+        if self.record is not None:
+            self.record.close()
+
     def resync(self) -> None:
         """Forget compiles since the last step (e.g. evaluation graphs): they are not recompilations."""
         if self.record is not None:
@@ -294,7 +304,7 @@ class HealthMonitor:
         """The interval off XLA: torch.compile's record and, on CUDA, the host syncs per line."""
         now, prev = self.record.snapshot(), self._last_compiled
         self._last_compiled = now
-        breaks = self.record.breaks("yours") + self.record.breaks("labkit")
+        breaks = self.record.breaks("yours") + self.record.breaks("labkit") + self.record.breaks("unknown")
         out.update(
             xla=False,
             engine="torch.compile",

@@ -119,13 +119,22 @@ def break_findings(breaks: list[dict]) -> list[Finding]:
     out = []
     for b in breaks:
         why = f" {b['explanation'].rstrip('.')}." if b.get("explanation") else ""
+        owner = b.get("owner", "yours")
+        if owner == "yours":
+            fix = (
+                "Fix: move it out of the compiled function, or use a tensor op (torch.where instead of `if t:`; "
+                "no print(), .item() or .tolist() inside)."
+            )
+        elif owner == "labkit":
+            fix = "It is in labkit's own code, not yours: nothing for you to change (a labkit bug to report)."
+        else:  # inside torch with no caller's line: not proven whose
+            fix = "labkit cannot tell whose code this is (no line outside torch is known): nothing is blamed."
         out.append(
             Finding(
                 f"break:{b['file']}:{b['line']}",
-                f"graph break at {b['site']}: {b['reason']}",
+                f"graph break at {b['site']}: {b['reason']}" + ("" if owner == "yours" else f" ({owner})"),
                 f"Graph break at {b['site']}: {b['reason']}.{why} The compiled function splits into two graphs "
-                "here and Python runs in between. Fix: move it out of the compiled function, or use a tensor op "
-                "(torch.where instead of `if t:`; no print(), .item() or .tolist() inside).",
+                f"here and Python runs in between. {fix}",
             )
         )
     return out

@@ -82,13 +82,20 @@ def health_lines(f: dict) -> list[str]:
     if h.get("engine") == "torch.compile" and (h.get("graphs_total") or h.get("breaks")):
         lines = [
             f"torch.compile: {h['compiles']} frames compiled ({h['compile_s']:.2f} s) last interval, "
-            f"{h['graphs_total']} in all, {h['recompiles']} recompiles after warm-up, "
-            f"{len(h.get('breaks', []))} graph breaks in your code"
+            f"{h['graphs_total']} in all, {h['recompiles']} recompiles after warm-up"
             + (f", {h['transfers']} host syncs" if h.get("transfers") is not None else "")
         ]
-        lines += [f"graph break at {b['site']}: {b['reason']}" for b in h.get("breaks", [])[:3]]
-        if h.get("torch_breaks"):
-            lines.append(f"torch's own boundaries (not yours): {len(h['torch_breaks'])}")
+        owners = [b.get("owner") for b in h.get("breaks", [])]
+        lines.append(
+            f"graph breaks: yours: {owners.count('yours')}, labkit's: {owners.count('labkit')}, "
+            f"torch's own: {len(h.get('torch_breaks', []))}"
+            + (f", not known whose: {owners.count('unknown')}" if "unknown" in owners else "")
+        )
+        lines += [
+            f"graph break at {b['site']}: {b['reason']}"
+            + (" (whose: not known)" if b.get("owner") == "unknown" else "")
+            for b in h.get("breaks", [])[:3]
+        ]
     elif not h.get("xla"):
         return []
     else:

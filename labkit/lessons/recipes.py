@@ -27,9 +27,15 @@ def local_gcs_root(data_dir: str, server=None, server_root: str = "data/local-gc
     from labkit.cloud import gcs
     from labkit.cloud.emulator import LocalGCSServer
 
+    own = server is None
     server = server or LocalGCSServer(root=os.path.abspath(server_root)).start()
-    if gcs.client().lookup_bucket("labkit-local") is None:
-        gcs.client().create_bucket("labkit-local")
+    try:
+        if gcs.client().lookup_bucket("labkit-local") is None:
+            gcs.client().create_bucket("labkit-local")
+    except BaseException:
+        if own:  # started here and not handed back: stopped here
+            server.close()
+        raise
     return server, "gs://labkit-local/" + data_dir.strip("/").replace("/", "-")
 
 

@@ -36,6 +36,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from labkit.envsetup import notebook_line, shell_words
+
 PINNED = ("torch", "torch_xla", "numpy", "protobuf")  # what installing the viewers must not move
 # ops that only lay out or make up values: left out of a fusion's summary unless asked for (all=True)
 LAYOUT = frozenset({"parameter", "constant", "broadcast", "iota", "bitcast", "reshape", "tuple", "get-tuple-element"})
@@ -125,19 +127,21 @@ def how_to_open(folder, colab: bool | None = None) -> str:
     xplane = sorted(folder.glob("plugins/profile/*/*.xplane.pb"))
     keep = folder / "keep-installed.txt"
     keep.write_text("\n".join(_pins()) + "\n")
-    install = f"pip install tensorboard xprof -c {keep}"
+    # every path quoted (shlex.quote): a Drive folder holds spaces, a run may be named anything
+    install = shell_words("pip", "install", "tensorboard", "xprof", "-c", keep)
+    board = shell_words("tensorboard", "--logdir", folder)
     lines = []
     if xplane:
         lines.append(f"TensorBoard / XProf (the profile plugin reads {xplane[-1].relative_to(folder)}):")
         if colab:
-            lines += [f"  !{install}   # Colab's TPU image has no tensorboard", "  %load_ext tensorboard",
-                      f"  %tensorboard --logdir {folder}"]  # fmt: skip
+            lines += [f"  {notebook_line(install)}   # Colab's TPU image has no tensorboard", "  %load_ext tensorboard",
+                      f"  {notebook_line(board, '%')}"]  # fmt: skip
         else:
-            lines += [f"  {install}", f"  tensorboard --logdir {folder}   # then the 'Profile' tab"]
+            lines += [f"  {install}", f"  {board}   # then the 'Profile' tab"]
     trace = folder / "trace.json"
     lines.append(
         "Perfetto: open ui.perfetto.dev and drop "
-        + (f"{trace}" if trace.exists() else f"the file labkit.profiling.viewers.chrome_trace('{folder}') writes")
+        + (f"{trace}" if trace.exists() else f"the file labkit.profiling.viewers.chrome_trace({str(folder)!r}) writes")
         + (" (on Colab: download it first, files.download)" if colab else "")
     )
     return "\n".join(lines)

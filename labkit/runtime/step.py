@@ -19,20 +19,22 @@ Which graphs a compiled step is made of, in torch 2.9, and why there:
    a compiled function it is a graph break (Dynamo traces Tensor.backward only with compiled autograd on,
    `torch._dynamo.config.compiled_autograd`), so the model, not the step, is what gets compiled, and its backward
    comes from AOTAutograd.
-2. the optimizer step: `Optimizer.step` breaks the graph around itself on purpose (`_use_grad` in
-   torch/optim/optimizer.py calls `torch._dynamo.graph_break()`, so that the update is compiled as an inference
-   graph), and Dynamo does not trace the call into a step that an LR scheduler wrapped: those two breaks leave
-   the update as one graph of its own. With clip_norm set, clip_grad_norm_ adds one more (it groups the
-   gradients by device and dtype in a call that returns a dict): the norm and the scaling are graphs around it.
-   All three are named in TORCH_BOUNDARIES. Under fp16 the GradScaler's inf check reads a value on the host:
-   one more boundary, and a host sync per step, as in eager.
-   `fullgraph=True` would raise on them, so it is not used.
+2. the optimizer step: torch breaks it on purpose, and each of those breaks is one row of
+   labkit.runtime.boundaries.TORCH_BOUNDARIES (listed at the end of this docstring, keyed on torch's graph-break
+   registry ids): `Optimizer.step` breaks around itself (`_use_grad` calls `torch._dynamo.graph_break()`, so that
+   the update is compiled as an inference graph), and Dynamo does not trace the call into a step that an LR
+   scheduler wrapped: those two leave the update as one graph of its own. With clip_norm set, clip_grad_norm_'s
+   grouping of the gradients by device and dtype (a call that returns a dict) is one more: the norm and the
+   scaling are graphs around it. Under fp16 Dynamo skips the GradScaler's unscale_/step/update (its inf check
+   reads a value on the host: a host sync per step, as in eager). `fullgraph=True` would raise on them, so it is
+   not used.
 Everything else (zero_grad, the scheduler's step, the loss sums) stays eager: a few small ops per step.
 
 Recompiles: `dynamic=False` specialises each graph to its shapes, so a new batch shape is a new graph (as on
 XLA). A learning rate that changes as a Python float is a guard that fails every step; `prepare` turns each
 param group's lr into a 0-dim CPU tensor (what torch's "compiled optimizer with an LR scheduler" recipe does;
-LambdaLR and the other schedulers then fill it in place), and, off the CPU, sets `capturable=True` on optimizers
+LambdaLR and the other schedulers then fill it in place; the compiled step puts it back where a scheduler assigned a
+float, as ReduceLROnPlateau and CosineAnnealingWarmRestarts do), and, off the CPU, sets `capturable=True` on optimizers
 that have it (Adam, AdamW, ...): their step counts live on the device, so the bias corrections are tensors in the
 graph, not host floats (Dynamo sets it too, but only before the state exists: not after a resume). After
 warm-up (the first step: the model's graph; the optimizer's graph, once its state exists) a run compiles
@@ -43,18 +45,17 @@ from __future__ import annotations
 
 import torch
 
-# graph breaks that torch 2.9 makes on purpose in a compiled optimizer step, as they appear in the reasons that
-# torch._dynamo.utils.counters["graph_break"] is keyed by: anything else in a step is a break to look at
-TORCH_BOUNDARIES = (
-    "Call to `torch._dynamo.graph_break()`",  # Optimizer.step's _use_grad: the update as its own graph
-    "Dynamo does not know how to trace method `step` of class",  # the call into a step an LR scheduler wrapped
-    "_group_tensors_by_device_and_dtype",  # clip_grad_norm_ groups the gradients in a call that returns a dict
-)
+from labkit.runtime.boundaries import BY_ID, docs_table, gb_id
+
+if __doc__:  # None under python -OO
+    __doc__ += "\ntorch's own boundaries (labkit.runtime.boundaries):\n" + docs_table() + "\n"
 
 
 def unexpected_breaks(reasons) -> list[str]:
-    """The graph-break reasons (counters["graph_break"]'s keys) that are not one of torch's own TORCH_BOUNDARIES."""
-    return [r for r in reasons if not any(b in r for b in TORCH_BOUNDARIES)]
+    """The graph-break reasons (counters["graph_break"]'s keys: torch's whole message) whose registry id is none of
+    torch's own boundaries. The id only: these keys carry no file, so this is a screen for tests of a step whose
+    code is known; labkit.dashboard.dynamo's record, which has the file, is what decides whose a break is."""
+    return [r for r in reasons if gb_id(r, r) not in BY_ID]
 
 
 class EagerStep:
@@ -83,6 +84,7 @@ class CompiledStep(EagerStep):
 
     def __init__(self, backend: str = "inductor"):
         self.backend = backend
+        self._lr: dict = {}  # id(param group) -> its 0-dim lr tensor (keep_tensor_lr)
 
     def model(self, model):
         """The compiled module: it shares the model's parameters and buffers, and its state_dict's keys gain an
@@ -90,15 +92,38 @@ class CompiledStep(EagerStep):
         return torch.compile(model, dynamic=False, backend=self.backend)
 
     def function(self, fn):
-        return torch.compile(fn, dynamic=False, backend=self.backend)
+        """fn compiled; called with an optimizer first (labkit.optimizer_step), it first puts back the tensor lr
+        that a scheduler may have replaced with a float (keep_tensor_lr)."""
+        compiled = torch.compile(fn, dynamic=False, backend=self.backend)
+
+        def call(*args, **kwargs):
+            if args and isinstance(args[0], torch.optim.Optimizer):
+                self.keep_tensor_lr(args[0])
+            return compiled(*args, **kwargs)
+
+        return call
+
+    def keep_tensor_lr(self, optimizer) -> None:
+        """Each param group's lr as its 0-dim tensor. Most schedulers fill that tensor in place; ReduceLROnPlateau
+        and CosineAnnealingWarmRestarts (torch 2.9) assign a new value instead (a Python float: a guard that fails at
+        every change, a recompile of the update each time): the value is copied into the group's own tensor, which
+        goes back in its place. Once per step, a few host-side assignments."""
+        for group in optimizer.param_groups:
+            lr, own = group["lr"], self._lr.get(id(group))
+            if lr is own:
+                continue
+            if own is None:  # the first look at this group: its tensor from now on
+                own = self._lr[id(group)] = lr if torch.is_tensor(lr) else torch.tensor(float(lr), dtype=torch.float64)
+            else:  # a float, or another tensor a scheduler computed: its value into the group's own (on the CPU)
+                own.fill_(float(lr))
+            group["lr"] = own
 
     def prepare(self, optimizer) -> None:
         """A 0-dim tensor lr in every param group (a float lr that a scheduler changes is a recompile per step);
         off the CPU, capturable=True where the optimizer has it, with its step counts moved to the parameters'
         device. Run again after optimizer.load_state_dict (a checkpoint brings its own param groups)."""
+        self.keep_tensor_lr(optimizer)
         for group in optimizer.param_groups:
-            if not torch.is_tensor(group["lr"]):
-                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64)
             on_device = all(p.device.type != "cpu" for p in group["params"])
             if "capturable" in group and on_device and not group["capturable"]:
                 group["capturable"] = True

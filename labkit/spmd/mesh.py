@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from labkit import envsetup
+from labkit.config import check_number
 from labkit.device import addressable_devices  # noqa: F401  (re-exported: labkit.spmd.addressable_devices)
 
 
@@ -84,8 +85,7 @@ class BatchPlan:
 
 def batch_plan(rt, per_chip: int) -> BatchPlan:
     """The batch plan for a Runtime: under SPMD one process feeds all of its addressable devices."""
-    if per_chip <= 0:
-        raise ValueError(f"batch size per chip must be positive, got {per_chip}")
+    check_number("batch_plan: batch size per chip", per_chip, low=1, integer=True)
     chips = rt.devices_per_process()  # labkit.runtime: every addressable device under SPMD, else 1
     # rt.spmd is read as data here (the plan describes how it was made), not to choose what to run
     return BatchPlan(per_chip=per_chip, chips=chips, hosts=max(1, rt.world_size), spmd=bool(rt.spmd))
