@@ -54,6 +54,7 @@ from labkit.loader import DeviceLoader
 from labkit.optim import check_lr, move_model, optimizer_step
 from labkit.precision import Precision, choose
 from labkit.profiling import StepProfiler
+from labkit.runtime.step import planned_steps
 from labkit.steplog import StepLog
 from labkit.torchrun import wrap_ddp
 
@@ -85,7 +86,9 @@ class Trainer:
         model = wrap_ddp(move_model(model, optimizer, rt.device), rt)
         self.module = getattr(model, "module", model)  # unwrapped, never compiled: what checkpoints hold
         # how the step is captured (labkit.runtime.step): torch.compile'd model and optimizer step, or as written
-        self.capture = rt.step_capture(self.cfg.compile, self.cfg.compile_backend)
+        self.capture = rt.step_capture(
+            self.cfg.compile, self.cfg.compile_backend, planned_steps(self.cfg, train_loader)
+        )
         self.capture.prepare(optimizer)
         self.model = self.capture.model(model)
         self._optimizer_step = self.capture.function(optimizer_step)
