@@ -1,0 +1,100 @@
+"""The GPU check's own dry run: scripts/gpu_check.sh end to end on the CPU, in a venv that stands in for the lent
+NVIDIA machine, so a wheel or an import that is missing fails here and not in the device's 15 minutes.
+
+The venv is .venvs/nvidia-cuda/ (Python 3.12, torch 2.11, only the device's packages: images/device/nvidia-cuda.txt;
+scripts/image_venv.py builds it with the image venvs' uv cache). The wheels the device lacks are prepared as the
+device tool's README says (scripts/gpu_wheels.py: one `pip download --no-deps` each, for CPython 3.12 manylinux) and
+checked (one version each, every Requires-Dist carried or on the device, under the size limit). The script then
+installs them `--no-index --target` and runs every step with GPU_CHECK_DRY=1: tiny sizes, the CPU, torch.compile
+with backend aot_eager (the capture without Inductor's codegen: minutes on 2 cores), and notebook 08 only up to its
+first training cell (its imports, parameters and set-up cell, in a kernel from the carried ipykernel: what can be
+missing there; the whole notebooks run on the device, and in the main suite). Runs in the background
+(tests/background.py) like the image tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import background
+from tests.children.image_job import ROOT, load_image_venv
+
+pytestmark = pytest.mark.images
+JOB = "gpu-check-dry"
+# measured on the shared 2-core machine: venv reused ~1 s (built from a warm uv cache ~20 s, cold ~130 s),
+# the dry run ~2-4 minutes of wall time under load, ~60-90 s of CPU
+EXPECTED_S = 240
+
+
+def _job() -> background.Job:
+    out = Path(background.job_dir()) / JOB
+    argv = [sys.executable, "-m", "tests.test_gpu_check", str(out)]
+    return background.Job(id=JOB, argv=argv, cwd=str(ROOT), expected_s=EXPECTED_S)
+
+
+def background_job(item) -> background.Job:
+    return _job()
+
+
+def run(out: Path) -> int:
+    """The job: build or reuse the device venv, prepare and check the wheels, run the dry run into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    image_venv = load_image_venv()
+    img = image_venv.load(ROOT / "images" / "device" / "nvidia-cuda.txt")
+    built = image_venv.build(img, log=lambda msg: None)
+    wheels = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_wheels.py")], capture_output=True, text=True)
+    (out / "wheels.txt").write_text(wheels.stdout + wheels.stderr)
+    rc = None
+    if wheels.returncode == 0:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LABKIT_", "PYTHON", "VIRTUAL_ENV"))}
+        env.update(img.run_env, OUT=str(out / "OUT"), PY=str(img.python_bin), PATH=f"{img.venv / 'bin'}:{env['PATH']}")
+        env.update(GPU_CHECK_SITE=str(out / "site"), GPU_CHECK_LOGS=str(out / "logs"))
+        with open(out / "gpu_check.txt", "w") as log:
+            rc = subprocess.run(
+                ["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, stdout=log, stderr=log
+            ).returncode
+    summary = dict(built=built, wheels_rc=wheels.returncode, gpu_check_rc=rc, seconds=time.perf_counter() - t0)
+    (out / "job.json").write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+@pytest.mark.timeout(1800)
+def test_gpu_check_dry_run(capsys):
+    job = background.wait(JOB, _job())
+    out = Path(job.argv[-1])
+    assert job.returncode == 0 and (out / "job.json").exists(), f"the job failed:\n{background.output(job)[-4000:]}"
+    summary = json.loads((out / "job.json").read_text())
+    assert summary["wheels_rc"] == 0, f"the carried wheels are not ready:\n{(out / 'wheels.txt').read_text()[-3000:]}"
+    log = (out / "gpu_check.txt").read_text(errors="replace")
+    assert (out / "OUT" / "results.json").exists(), f"gpu_check.sh wrote no results:\n{log[-4000:]}"
+    r = json.loads((out / "OUT" / "results.json").read_text())
+    with capsys.disabled():
+        print(
+            f"\n[gpu_check] venv {summary['built']['action']} in {summary['built']['seconds']:.1f} s; job {job.seconds:.0f} s"
+        )
+        print((out / "OUT" / "results.txt").read_text(), end="")
+    assert r["dry_run"] and r["ran_on"]["torch"].startswith("2.11"), r["ran_on"]
+    names = [s["name"] for s in r["steps"]]
+    want = ["wheels", "imports", "bench_compile_gpt2", "bench_compile_resnet50", "bench_loop_eager"]
+    want += ["bench_loop_compiled", "notebook_08"]
+    assert names == want, names
+    bad = [s for s in r["steps"] if s["status"] != "passed"]
+    assert not bad and summary["gpu_check_rc"] == 0, f"steps that did not pass: {bad}\n{log[-4000:]}"
+    figures = [f for s in r["steps"] for f in s["figures"]]
+    for prefix in ("PAYBACK gpt", "RATIO gpt compiled/eager", "RATIO resnet", "RATIO labkit/hand-written"):
+        assert any(f.startswith(prefix) for f in figures), f"no {prefix!r} line in {figures}"
+    assert sum("(compile on)" in f for f in figures) == 1 and sum("(compile off)" in f for f in figures) == 1
+    sent = sorted(p.name for p in (out / "OUT").iterdir())  # what the device tool would bring back: 8 files at most
+    assert "logs.tar.gz" in sent and len(sent) <= 8 and all((out / "OUT" / n).is_file() for n in sent), sent
+
+
+if __name__ == "__main__":
+    sys.exit(run(Path(sys.argv[1])))
