@@ -34,7 +34,7 @@ BUDGET=${BUDGET:-$([ "${GPU_CHECK_DRY:-0}" = 1 ] && echo 1500 || echo 480)}
 DRY_LIMIT=300
 START=$(date +%s)
 LOGS=${GPU_CHECK_LOGS:-/tmp/gpu_check_logs} # each step's log; $OUT gets 4 files (the tool returns at most 8)
-rm -rf "$LOGS" /tmp/gpu_check_nb
+rm -rf "$LOGS" "$LOGS"_nb
 mkdir -p "$OUT" "$LOGS"
 STEPS="$LOGS/steps.tsv"
 : >"$STEPS"
@@ -117,7 +117,7 @@ for i in "${!NOTEBOOKS[@]}"; do
     nb=${NOTEBOOKS[$i]}
     name=notebook_$(basename "$nb" .ipynb | cut -d_ -f1)
     step "$name" "${NB_LIMITS[$i]}" env LABKIT_SOLUTIONS=0 LABKIT_FAST=1 LABKIT_BACKEND=$DEV \
-        "$PY" scripts/run_notebooks.py --quiet --timeout 300 --out /tmp/gpu_check_nb "${NB_ARGS[@]}" "$nb"
+        "$PY" scripts/run_notebooks.py --quiet --timeout 300 --out "$LOGS"_nb "${NB_ARGS[@]}" "$nb"
 done
 
 # -- the results: what ran where, every step's status, the figures ------------------------------------------------
@@ -157,6 +157,6 @@ lines.append(f"{result['passed']} of {result['of']} steps passed in {result['sec
 print("\n".join(lines))
 EOF
 tar czf "$OUT/logs.tar.gz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" \
-    $([ -d /tmp/gpu_check_nb ] && echo -C /tmp gpu_check_nb) 2>/dev/null
+    $([ -d "$LOGS"_nb ] && echo "$(basename "$LOGS")_nb") 2>/dev/null
 # exit status: 0 only when every step passed (the results files are there either way)
 ! grep -qv $'\tpassed\t' "$STEPS"

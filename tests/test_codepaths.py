@@ -43,4 +43,6 @@ def test_labkits_own_files_are_its_own_and_a_longer_sibling_is_not(tmp_path):
     link = tmp_path / "lk"
     link.symlink_to(LABKIT_DIR, target_is_directory=True)
     assert is_labkit_file(str(link / "loop.py"))
-    assert under(str(tmp_path / "a b" / "c.py"), str(tmp_path / "a b")) and not under(str(tmp_path / "a bc"), str(tmp_path / "a b"))
+    assert under(str(tmp_path / "a b" / "c.py"), str(tmp_path / "a b")) and not under(
+        str(tmp_path / "a bc"), str(tmp_path / "a b")
+    )

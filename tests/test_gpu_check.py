@@ -9,22 +9,19 @@ installs them `--no-index --target` and runs every step with GPU_CHECK_DRY=1: ti
 with backend aot_eager (the capture without Inductor's codegen: minutes on 2 cores), and notebook 08 only up to its
 first training cell (its imports, parameters and set-up cell, in a kernel from the carried ipykernel: what can be
 missing there; the whole notebooks run on the device, and in the main suite). Runs in the background
-(tests/background.py) like the image tests.
+(tests/background.py) like the image tests; the job is tests/children/gpu_check_job.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests import background
-from tests.children.image_job import ROOT, load_image_venv
+from tests.children.image_job import ROOT
 
 pytestmark = pytest.mark.images
 JOB = "gpu-check-dry"
@@ -35,35 +32,12 @@ EXPECTED_S = 240
 
 def _job() -> background.Job:
     out = Path(background.job_dir()) / JOB
-    argv = [sys.executable, "-m", "tests.test_gpu_check", str(out)]
+    argv = [sys.executable, str(ROOT / "tests" / "children" / "gpu_check_job.py"), str(out)]
     return background.Job(id=JOB, argv=argv, cwd=str(ROOT), expected_s=EXPECTED_S)
 
 
 def background_job(item) -> background.Job:
     return _job()
-
-
-def run(out: Path) -> int:
-    """The job: build or reuse the device venv, prepare and check the wheels, run the dry run into `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    image_venv = load_image_venv()
-    img = image_venv.load(ROOT / "images" / "device" / "nvidia-cuda.txt")
-    built = image_venv.build(img, log=lambda msg: None)
-    wheels = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_wheels.py")], capture_output=True, text=True)
-    (out / "wheels.txt").write_text(wheels.stdout + wheels.stderr)
-    rc = None
-    if wheels.returncode == 0:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("LABKIT_", "PYTHON", "VIRTUAL_ENV"))}
-        env.update(img.run_env, OUT=str(out / "OUT"), PY=str(img.python_bin), PATH=f"{img.venv / 'bin'}:{env['PATH']}")
-        env.update(GPU_CHECK_SITE=str(out / "site"), GPU_CHECK_LOGS=str(out / "logs"))
-        with open(out / "gpu_check.txt", "w") as log:
-            rc = subprocess.run(
-                ["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, stdout=log, stderr=log
-            ).returncode
-    summary = dict(built=built, wheels_rc=wheels.returncode, gpu_check_rc=rc, seconds=time.perf_counter() - t0)
-    (out / "job.json").write_text(json.dumps(summary, indent=1))
-    return 0
 
 
 @pytest.mark.timeout(1800)
@@ -78,7 +52,8 @@ def test_gpu_check_dry_run(capsys):
     r = json.loads((out / "OUT" / "results.json").read_text())
     with capsys.disabled():
         print(
-            f"\n[gpu_check] venv {summary['built']['action']} in {summary['built']['seconds']:.1f} s; job {job.seconds:.0f} s"
+            f"\n[gpu_check] venv {summary['built']['action']} in {summary['built']['seconds']:.1f} s; job "
+            f"{job.seconds:.0f} s wall, {summary['cpu_seconds']:.0f} s of CPU"
         )
         print((out / "OUT" / "results.txt").read_text(), end="")
     assert r["dry_run"] and r["ran_on"]["torch"].startswith("2.11"), r["ran_on"]
@@ -94,7 +69,3 @@ def test_gpu_check_dry_run(capsys):
     assert sum("(compile on)" in f for f in figures) == 1 and sum("(compile off)" in f for f in figures) == 1
     sent = sorted(p.name for p in (out / "OUT").iterdir())  # what the device tool would bring back: 8 files at most
     assert "logs.tar.gz" in sent and len(sent) <= 8 and all((out / "OUT" / n).is_file() for n in sent), sent
-
-
-if __name__ == "__main__":
-    sys.exit(run(Path(sys.argv[1])))
