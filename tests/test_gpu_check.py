@@ -6,7 +6,7 @@ scripts/image_venv.py builds it with the image venvs' uv cache). The wheels the 
 device tool's README says (scripts/gpu_wheels.py: one `pip download --no-deps` each, for CPython 3.12 manylinux) and
 checked (one version each, every Requires-Dist carried or on the device, under the size limit). The script then
 installs them `--no-index --target` and runs every step with GPU_CHECK_DRY=1: tiny sizes, the CPU, torch.compile
-with backend aot_eager (the capture without Inductor's codegen: minutes on 2 cores), and notebook 08 only up to its
+with backend eager (Dynamo's capture without AOTAutograd or Inductor: minutes on 2 cores), and notebook 08 only up to its
 first training cell (its imports, parameters and set-up cell, in a kernel from the carried ipykernel: what can be
 missing there; the whole notebooks run on the device, and in the main suite). Runs in the background
 (tests/background.py) like the image tests; the job is tests/children/gpu_check_job.py.
