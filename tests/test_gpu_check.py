@@ -9,7 +9,9 @@ installs them `--no-index --target` and runs every step with GPU_CHECK_DRY=1: ti
 with backend eager (Dynamo's capture without AOTAutograd or Inductor: minutes on 2 cores), and notebook 08 only up to its
 first training cell (its imports, parameters and set-up cell, in a kernel from the carried ipykernel: what can be
 missing there; the whole notebooks run on the device, and in the main suite). Runs in the background
-(tests/background.py) like the image tests; the job is tests/children/gpu_check_job.py.
+(tests/background.py) like the image tests; the job is tests/children/gpu_check_job.py. The same job runs the
+compiled engine's instruments' tests (tests/test_compile_instruments.py) in that venv: torch 2.11 there, 2.9 in the
+main suite, so a change of torch.compile's graph-break records fails CI.
 """
 
 from __future__ import annotations
@@ -69,3 +71,31 @@ def test_gpu_check_dry_run(capsys):
     assert sum("(compile on)" in f for f in figures) == 1 and sum("(compile off)" in f for f in figures) == 1
     sent = sorted(p.name for p in (out / "OUT").iterdir())  # what the device tool would bring back: 8 files at most
     assert "logs.tar.gz" in sent and len(sent) <= 8 and all((out / "OUT" / n).is_file() for n in sent), sent
+
+
+# torch 2.11 words a graph break at print() "Encountered graph break when attempting to trace CALL: a function call,
+# e.g. f(x, y):" where torch 2.9 said "Failed to trace builtin operator" (seen 2026-11-26 in this venv): these tests
+# of labkit.dashboard.dynamo fail there until its parser and the tests know the 2.11 wording
+KNOWN_2_11 = {
+    "test_planted_break_and_recompiles_are_named_with_their_lines",
+    "test_torch_own_boundaries_are_not_blamed_on_the_code",
+    "test_dashboard_and_explain_name_them_off_xla",
+}
+
+
+@pytest.mark.timeout(1800)
+def test_compile_instruments_under_torch_2_11(capsys):
+    """tests/test_compile_instruments.py (the readers of torch.compile's graph-break and recompile records) in the
+    torch 2.11 venv: a change of torch's record format fails here. The failures already known under 2.11 are
+    listed (KNOWN_2_11) and reported as xfail; a new one fails, and so does a known one that passes (remove it)."""
+    job = background.wait(JOB, _job())
+    out = Path(job.argv[-1])
+    assert job.returncode == 0 and (out / "job.json").exists(), f"the job failed:\n{background.output(job)[-4000:]}"
+    inst = json.loads((out / "job.json").read_text())["instruments"]
+    assert inst is not None, "the dry run did not get far enough to run the instruments' tests"
+    with capsys.disabled():
+        print(f"\n[gpu_check] test_compile_instruments.py under torch 2.11: {inst['summary']}, {inst['seconds']:.0f} s")
+    failed = set(inst["failed"])
+    assert failed <= KNOWN_2_11 and (failed or inst["returncode"] == 0), f"under torch 2.11:\n{inst['output']}"
+    assert failed == KNOWN_2_11, f"these pass under torch 2.11 now: remove them from KNOWN_2_11: {KNOWN_2_11 - failed}"
+    pytest.xfail(f"known under torch 2.11 (graph-break wording): {sorted(failed)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -21,6 +22,30 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.children.image_job import load_image_venv  # noqa: E402
+
+
+def instruments_tests(img, site: Path) -> dict:
+    """The compiled engine's instruments' tests (they read torch.compile's graph-break and recompile records) under
+    this venv's torch 2.11, the Colab GPU image's and the device's, beside the main suite's torch 2.9: a change in
+    torch's record format fails here. The image's pytest has no pytest-timeout: the project's addopts are replaced."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LABKIT_", "PYTHON", "VIRTUAL_ENV", "PYTEST_"))}
+    env.update(PYTHONPATH=f"{ROOT}:{site}", LABKIT_CONSOLE="1", MPLBACKEND="Agg", LABKIT_BACKEND="cpu")
+    cmd = [str(img.python_bin), "-m", "pytest", "tests/test_compile_instruments.py", "-q", "-o", "addopts="]
+    cmd += ["-p", "no:cacheprovider", "-p", "no:logging", "-rfE"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.strip().splitlines()
+    summary = next((ln for ln in reversed(lines) if " passed" in ln or " failed" in ln or " error" in ln), "")
+    failed = sorted(
+        {m.split("::")[-1].split(" ")[0] for m in re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)}
+    )
+    return dict(
+        returncode=proc.returncode,
+        summary=summary.strip("= "),
+        seconds=time.perf_counter() - t0,
+        failed=failed,
+        output=(proc.stdout[-4000:] + proc.stderr[-2000:]) if proc.returncode else "",
+    )
 
 
 def run(out: Path) -> int:
@@ -44,6 +69,9 @@ def run(out: Path) -> int:
             rc = subprocess.run(
                 ["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, stdout=log, stderr=log
             ).returncode
+    instruments = None
+    if rc is not None and (out / "site").is_dir():
+        instruments = instruments_tests(img, out / "site")
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN)  # what the venv build, the wheels and the dry run used
     summary = dict(
         built=built,
@@ -51,6 +79,7 @@ def run(out: Path) -> int:
         gpu_check_rc=rc,
         seconds=time.perf_counter() - t0,
         cpu_seconds=cpu.ru_utime + cpu.ru_stime,
+        instruments=instruments,
     )
     (out / "job.json").write_text(json.dumps(summary, indent=1))
     return 0
