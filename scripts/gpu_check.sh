@@ -71,7 +71,7 @@ step() {
 # -- the carried wheels: installed beside the device's packages, never over them (its torch stays) ---------------
 {
     date -u
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "no nvidia-smi"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$LOGS/nvidia_smi.txt"
     git log -1 --oneline 2>/dev/null
     ldd --version 2>&1 | head -n 1
     "$PY" -m pip list 2>&1
@@ -142,14 +142,14 @@ try:
                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
 except Exception as e:  # the results are written whatever broke
     ran = dict(torch=f"not importable: {e!r}")
-env = (out / "env.txt").read_text(errors="replace").splitlines() if (out / "env.txt").exists() else []
-ran["nvidia_smi"] = next((ln for ln in env[1:4] if "," in ln and "name" not in ln), None)
+smi = (logs / "nvidia_smi.txt").read_text(errors="replace").strip() if (logs / "nvidia_smi.txt").exists() else ""
+ran["nvidia_smi"] = smi if smi.count(",") >= 2 and "not found" not in smi else None  # name, memory, driver
 ran["python"] = sys.version.split()[0]
 result = dict(dry_run=dry, ran_on=ran, seconds=int(time.time()) - start, steps=steps,
               passed=sum(s["status"] == "passed" for s in steps), of=len(steps))
 (out / "results.json").write_text(json.dumps(result, indent=1))
 lines = [f"gpu_check{' (dry run, CPU)' if dry else ''}: torch {ran.get('torch')}, CUDA {ran.get('cuda')}, "
-         f"GPU {ran.get('gpu')}, driver line {ran.get('nvidia_smi')}, Python {ran['python']}"]
+         f"GPU {ran.get('gpu')}, nvidia-smi {ran.get('nvidia_smi')}, Python {ran['python']}"]
 for s in steps:
     lines.append(f"{s['name']}: {s['status']} (exit {s['exit']}) {s['seconds']} s of {s['limit']} s")
     lines += [f"    {f}" for f in s["figures"]]
