@@ -1,6 +1,7 @@
 """Child process of tests/test_gpu_check.py (run in the background, tests/background.py).
 
-    python tests/children/gpu_check_job.py OUT_DIR
+    python tests/children/gpu_check_job.py dry OUT_DIR           # the dry run of scripts/gpu_check.sh
+    python tests/children/gpu_check_job.py instruments OUT_DIR   # tests/test_compile_instruments.py under torch 2.11
 
 Builds or reuses the device venv (.venvs/nvidia-cuda/, images/device/nvidia-cuda.txt), prepares and checks the carried
 wheels (scripts/gpu_wheels.py), runs scripts/gpu_check.sh with GPU_CHECK_DRY=1 in that venv, its $OUT in OUT_DIR/OUT;
@@ -48,6 +49,21 @@ def instruments_tests(img, site: Path) -> dict:
     )
 
 
+def run_instruments(out: Path) -> int:
+    """The other job: the carried wheels into a folder of its own (as gpu_check.sh puts them), then the tests."""
+    out.mkdir(parents=True, exist_ok=True)
+    image_venv = load_image_venv()
+    img = image_venv.load(ROOT / "images" / "device" / "nvidia-cuda.txt")
+    image_venv.build(img, log=lambda msg: None)
+    folder = image_venv.CACHE.parent / "labkit-gpu-wheels"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_wheels.py"), "--out", str(folder)], check=True)
+    site = out / "site"
+    pip = [str(img.python_bin), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade"]
+    subprocess.run([*pip, "--target", str(site), *map(str, sorted(folder.glob("*.whl")))], check=True)
+    (out / "instruments.json").write_text(json.dumps(instruments_tests(img, site), indent=1))
+    return 0
+
+
 def run(out: Path) -> int:
     """The job: build or reuse the device venv, prepare and check the wheels, run the dry run into `out`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -69,9 +85,6 @@ def run(out: Path) -> int:
             rc = subprocess.run(
                 ["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, stdout=log, stderr=log
             ).returncode
-    instruments = None
-    if rc is not None and (out / "site").is_dir():
-        instruments = instruments_tests(img, out / "site")
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN)  # what the venv build, the wheels and the dry run used
     summary = dict(
         built=built,
@@ -79,11 +92,11 @@ def run(out: Path) -> int:
         gpu_check_rc=rc,
         seconds=time.perf_counter() - t0,
         cpu_seconds=cpu.ru_utime + cpu.ru_stime,
-        instruments=instruments,
     )
     (out / "job.json").write_text(json.dumps(summary, indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(run(Path(sys.argv[1])))
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    sys.exit(run_instruments(out) if mode == "instruments" else run(out))
