@@ -17,7 +17,9 @@ hand-written loop then finds most kernels in the cache, so its warm-up is not a 
 --size gpt2 (for a GPU: `--device cuda --size gpt2`): the GPT at GPT-2-small shape (12 layers, 12 heads, 768
 wide, T=1024, a 50,304-token vocabulary: 124 M parameters), batch 16, bf16, with its MFU (FLOPs per token from
 GPT.flops_per_token, the chip's peak from labkit.dashboard.flops), and ResNet-50 at 224 px, batch 128, images/s.
-Prints per-trial times and RATIO lines: compiled/eager, and labkit compiled/hand-written (goal <= 1.01).
+Prints per-trial times, RATIO lines (compiled/eager, and labkit compiled/hand-written: goal <= 1.01) and a PAYBACK
+line: the compile's seconds (labkit's warm-up minus 3 compiled steps) over the per-step saving (eager minus compiled),
+in steps: the run length above which TrainConfig(compile="auto") compiles on that device (labkit.runtime.step).
 """
 
 from __future__ import annotations
@@ -196,6 +198,13 @@ def bench(work, rt, precision, a):
             f"{work.name}: {total / 1e6:.1f} M parameters ({counted / 1e6:.1f} M in the FLOP count: no position table)"
         )
         print(f"MFU {work.name} labkit compiled = {mfu * 100:.1f} % of {source}" if mfu else f"MFU: no peak ({source})")
+    compile_s, saving = warm["labkit"] - 3 * med["labkit"], med["eager"] - med["labkit"]
+    payback = compile_s / saving if saving > 0 else float("inf")
+    print(
+        f"PAYBACK {work.name} {rt.kind}: compile {compile_s:.1f} s / saving {saving * 1000:.1f} ms/step = "
+        + (f"{payback:,.0f} steps" if saving > 0 else "never (compiled is not faster)")
+        + " (labkit.runtime.step.PAYBACK_STEPS holds one figure per device kind)"
+    )
     print(f"RATIO {work.name} compiled/eager step time = {med['labkit'] / med['eager']:.3f}")
     print(
         f"RATIO {work.name} labkit compiled/hand-written compiled step time = {med['labkit'] / med['hand']:.3f} (goal <= 1.01)"

@@ -1,13 +1,16 @@
 """Step time of labkit's Trainer vs a hand-written loop, same model, same run, on the default backend.
 
     PJRT_DEVICE=CPU .venv/bin/python bench/bench_loop.py [--model resnet50] [--steps 12] [--trials 3]
-        [--batch 8] [--size 32] [--precision fp32|auto|bf16|fp16] [--backend tpu|cuda|xla-cpu|cpu]
+        [--batch 8] [--size 32] [--precision fp32|auto|bf16|fp16] [--backend tpu|cuda|xla-cpu|cpu] [--compile off|on]
 
 Both loops: torchvision model (10 classes), SGD+momentum, batches of BATCHx3xSIZExSIZE from an in-memory
 dataset, loss read every 20 steps. On XLA the hand-written loop is pytorch/xla's examples' (MpDeviceLoader,
 xm.optimizer_step, the loss read in a step closure, torch_xla.sync()); on CUDA and the CPU it is plain PyTorch
 (a pinned DataLoader, non_blocking copies, torch.autocast at the same dtype labkit chose, a GradScaler under
-fp16, loss.item()). Trials alternate (hand, labkit, labkit, hand, ...) after each loop's own warm-up (its
+fp16, loss.item()). --compile sets both sides alike: "off" (the default) compares eager with eager
+(TrainConfig(compile="off")), "on" compiled with compiled (compile="on" against the hand loop with
+torch.compile(model, dynamic=False) and its optimizer step in a compiled function, as bench_compile.py's); never
+one compiled side against one eager side. On XLA only "off" applies (the lazy trace is both loops' compiler). Trials alternate (hand, labkit, labkit, hand, ...) after each loop's own warm-up (its
 compiles), so slow drifts of a noisy machine hit both. Each timed run ends by waiting for the device. Prints
 per-trial times and the ratio labkit / hand-written (goal <= 1.01).
 """
@@ -80,6 +83,7 @@ class EagerHandLoop:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16 else None
         self.data = data
         self.losses = []
+        self.optimizer_step = self.opt.step
 
     def run(self, steps):
         it = iter(self.data)
@@ -91,7 +95,7 @@ class EagerHandLoop:
                 loss = F.cross_entropy(self.model(x), y)
             if self.scaler is None:
                 loss.backward()
-                self.opt.step()
+                self.optimizer_step()
             else:
                 self.scaler.scale(loss).backward()
                 self.scaler.step(self.opt)
@@ -102,11 +106,28 @@ class EagerHandLoop:
             torch.cuda.synchronize(self.device)
 
 
+class CompiledHandLoop(EagerHandLoop):
+    """The same loop with torch.compile: the model (forward and backward), and the optimizer step in a compiled
+    function (the PyTorch tutorials' compiled optimizer); under fp16 the GradScaler's step stays eager."""
+
+    def __init__(self, model_name, rt, data, precision, backend="inductor"):
+        super().__init__(model_name, rt, data, precision)
+        self.model = torch.compile(self.model, dynamic=False, backend=backend)
+        opt = self.opt
+
+        @torch.compile(dynamic=False, backend=backend)
+        def opt_step():
+            opt.step()
+
+        if self.scaler is None:
+            self.optimizer_step = opt_step
+
+
 class LabkitLoop:
-    def __init__(self, model_name, rt, data, precision):
+    def __init__(self, model_name, rt, data, precision, compile="off", backend="inductor"):
         model = make_model(model_name)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        cfg = labkit.TrainConfig(epochs=10**6, log_every=20, eval_every=0)
+        cfg = labkit.TrainConfig(epochs=10**6, log_every=20, eval_every=0, compile=compile, compile_backend=backend)
         self.tr = labkit.Trainer(model, opt, rt, cfg, data, precision=precision)
 
     def run(self, steps):
@@ -131,12 +152,27 @@ def main():
     ap.add_argument("--size", type=int, default=32, help="image side in pixels")
     ap.add_argument("--precision", default="fp32", help="labkit.precision.choose's want: fp32 | auto | bf16 | fp16")
     ap.add_argument("--backend", default=None, help="labkit.setup's: tpu | cuda | xla-cpu | cpu (default: detected)")
+    ap.add_argument(
+        "--compile", default="off", choices=("off", "on"), help="both loops eager (off) or both torch.compile'd (on)"
+    )
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile's backend with --compile on")
     a = ap.parse_args()
     rt = labkit.setup(a.backend)
     precision = labkit.precision.choose(rt, a.precision)
     data = make_data(a.batch * (a.steps + 4), a.batch, a.size, pin=rt.device.type == "cuda")
-    hand = HandLoop if rt.is_xla else EagerHandLoop  # the two ways a careful user writes a loop
-    loops = {"hand-written": hand(a.model, rt, data, precision), "labkit": LabkitLoop(a.model, rt, data, precision)}
+    if rt.is_xla and a.compile == "on":
+        ap.error("--compile on: not on XLA (torch_xla's lazy trace already compiles both loops' steps); use off")
+    # the ways a careful user writes a loop: pytorch/xla's examples on XLA, plain PyTorch elsewhere (eager or compiled)
+    if rt.is_xla:
+        hand = HandLoop(a.model, rt, data, precision)
+    elif a.compile == "on":
+        hand = CompiledHandLoop(a.model, rt, data, precision, a.compile_backend)
+    else:
+        hand = EagerHandLoop(a.model, rt, data, precision)
+    loops = {
+        "hand-written": hand,
+        "labkit": LabkitLoop(a.model, rt, data, precision, compile=a.compile, backend=a.compile_backend),
+    }
     for name, loop in loops.items():
         t = time.perf_counter()
         loop.run(3)  # compiles: step 0, step 1 (optimizer state appears), steady state
@@ -148,10 +184,13 @@ def main():
         print(f"trial {trial}: " + ", ".join(f"{k} {v[-1] * 1000:.0f} ms/step" for k, v in times.items()), flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(
-        f"{rt.kind} ({rt.chip_name()}) {a.model} batch {a.batch} at {a.size} px, {precision.name}: hand-written {med['hand-written'] * 1000:.0f} ms/step, "
+        f"{rt.kind} ({rt.chip_name()}) {a.model} batch {a.batch} at {a.size} px, {precision.name}, compile "
+        f"{a.compile} on both sides: hand-written {med['hand-written'] * 1000:.0f} ms/step, "
         f"labkit {med['labkit'] * 1000:.0f} ms/step"
     )
-    print(f"RATIO labkit/hand-written step time = {med['labkit'] / med['hand-written']:.3f} (goal <= 1.01)")
+    print(
+        f"RATIO labkit/hand-written step time (compile {a.compile}) = {med['labkit'] / med['hand-written']:.3f} (goal <= 1.01)"
+    )
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from labkit.optim import check_lr, move_model, optimizer_step
 from labkit.parallel import choose as choose_plan
 from labkit.precision import Precision, choose
 from labkit.profiling import StepProfiler
+from labkit.runtime.step import planned_steps
 from labkit.steplog import StepLog
 
 __all__ = ["Preempted", "Trainer"]
@@ -88,7 +89,9 @@ class Trainer:
         model = self.plan.wrap(move_model(model, optimizer, rt.device), optimizer)
         self.module = getattr(model, "module", model)  # DDP unwrapped, never compiled: what checkpoints hold
         # how the step is captured (labkit.runtime.step): torch.compile'd model and optimizer step, or as written
-        self.capture = rt.step_capture(self.cfg.compile, self.cfg.compile_backend)
+        self.capture = rt.step_capture(
+            self.cfg.compile, self.cfg.compile_backend, planned_steps(self.cfg, train_loader)
+        )
         self.capture.prepare(optimizer)
         self.model = self.capture.model(model)
         self._optimizer_step = self.capture.function(optimizer_step)

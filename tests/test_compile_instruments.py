@@ -6,6 +6,7 @@ host-sync counter's counting (its CUDA half needs a GPU, which CI lacks).
 Dynamo-level tests compile with backend="eager": guards, graph breaks and recompiles are Dynamo's, the same under
 Inductor, which would add tens of seconds of C++ compilation per graph on these 2 cores without testing more."""
 
+import importlib.util
 import inspect
 import io
 import warnings
@@ -23,7 +24,10 @@ from tests.helpers import blobs, mlp
 
 @pytest.fixture(autouse=True, scope="module")
 def _xla_first():
-    labkit.setup("xla-cpu")  # XLA's devices start before any backward in this process (labkit.device says why)
+    # XLA's devices start before any backward in this process (labkit.device says why); where torch_xla is absent (the
+    # torch 2.11 venv of tests/test_gpu_check.py, which runs this module too) there is nothing to start
+    if importlib.util.find_spec("torch_xla") is not None:
+        labkit.setup("xla-cpu")
 
 
 def _line_of(fn, text: str) -> int:

@@ -170,6 +170,40 @@ def test_each_runtime_chooses_its_capture():
     assert type(cuda.step_capture("auto")) is CompiledStep and type(cuda.step_capture("off")) is EagerStep
 
 
+def test_auto_compiles_when_the_planned_steps_exceed_the_payback(capsys):
+    """compile="auto" decides by numbers: the run's planned steps against the kind's PAYBACK_STEPS figure, and says
+    which and why in one line; a kind without a figure, or a figure of never, stays eager."""
+    from labkit.runtime import step as step_mod
+
+    cuda = labkit.Runtime("cuda", torch.device("cuda", 0))  # the class only: no GPU is touched
+    payback = step_mod.PAYBACK_STEPS["cuda"].steps
+    assert type(cuda.step_capture("auto", steps=int(payback) + 1)) is CompiledStep
+    assert type(cuda.step_capture("auto", steps=int(payback))) is EagerStep
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "-> torch.compile step" in lines[0] and "-> eager step" in lines[1], lines
+    assert f"{int(payback) + 1:,} planned steps > the cuda payback" in lines[0] and "estimate" in lines[0]
+    cpu = labkit.setup("cpu")  # measured there: never pays
+    assert type(cpu.step_capture("auto", steps=10**9)) is EagerStep
+    assert "the cpu payback of never" in capsys.readouterr().out
+    assert type(cpu.step_capture("on")) is CompiledStep and capsys.readouterr().out == ""  # only "auto" explains
+    odd = labkit.Runtime("cpu", torch.device("cpu"))
+    odd.kind = "quantum"
+    assert type(odd.step_capture("auto", steps=10**9)) is EagerStep
+    assert "no payback figure for 'quantum'" in capsys.readouterr().out
+
+
+def test_planned_steps_read_the_config_and_the_loader():
+    from labkit.runtime.step import planned_steps
+
+    loader = list(range(10))  # 10 batches an epoch
+    assert planned_steps(labkit.TrainConfig(epochs=3), loader) == 30
+    assert planned_steps(labkit.TrainConfig(epochs=3, accum_steps=2), loader) == 15
+    assert planned_steps(labkit.TrainConfig(epochs=3, max_steps=7), loader) == 7
+    assert planned_steps(labkit.TrainConfig(epochs=3), iter(loader)) is None  # a stream: no length
+    assert planned_steps(labkit.TrainConfig(max_steps=5), iter(loader)) == 5
+    assert planned_steps(labkit.TrainConfig(), None) is None
+
+
 def test_xla_keeps_its_lazy_step_and_refuses_on():
     """On XLA the setting is not ignored: "on" is refused (the lazy trace is XLA's compiler); auto/off give the
     step exactly as before: the model object itself and labkit.optimizer_step, nothing wrapped."""

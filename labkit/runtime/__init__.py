@@ -19,7 +19,7 @@
 | memory() / chip_name()     | None / "cpu"      | allocator / device name   | xm.get_memory_info / device kind | same                     |
 | reads_metrics / uses_ddp   | no / yes          | no / yes                  | yes (torch_xla's) / no           | same                     |
 | devices_per_process()      | 1                 | 1                         | 1                                | every addressable device |
-| step_capture(compile, ...) | eager; "on": torch.compile | torch.compile ("auto") | the lazy trace ("on" refused)    | same                     |
+| step_capture(compile, ...) | eager; "on": torch.compile | torch.compile ("auto": past the payback) | the lazy trace ("on" refused) | same |
 
 step.py holds the two captures that step_capture() returns (EagerStep, CompiledStep) and says which graphs a
 compiled step is made of. One module per family: base.py (Runtime, the CPU), cuda.py (CudaRuntime), xla.py (XlaRuntime on XLA:CPU,

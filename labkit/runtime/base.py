@@ -40,9 +40,6 @@ class Runtime:
     # several processes average gradients with DistributedDataParallel in backward (labkit.parallel: DDP or FSDP2);
     # XLA replicas reduce in optimizer_step instead, and SPMD's compiler inserts the all-reduce
     uses_ddp = True
-    # TrainConfig.compile="auto" compiles the step with torch.compile here (labkit.runtime.step). Not on the plain
-    # CPU: the compile costs tens of seconds for ~15 % per step (bench/bench_compile.py); CudaRuntime does
-    compile_auto = False
 
     # (kind, spmd) pairs this class runs; each subclass names its own, and Runtime(kind, ...) builds the class
     # registered for them (labkit.runtime imports every backend module, so all are registered)
@@ -89,10 +86,12 @@ class Runtime:
     def wait(self) -> None:
         """Block until the device finished what was queued (to time a step)."""
 
-    def step_capture(self, setting: str = "auto", backend: str = "inductor") -> _step.EagerStep:
-        """How the Trainer captures a step (labkit.runtime.step): torch.compile for TrainConfig.compile="on" (and
-        "auto" where compile_auto), else the step as written."""
-        return _step.choose(setting, backend, auto=self.compile_auto)
+    def step_capture(self, setting: str = "auto", backend: str = "inductor", steps: int | None = None):
+        """How the Trainer captures a step (labkit.runtime.step): torch.compile for TrainConfig.compile="on", and for
+        "auto" when the run's planned `steps` exceed this kind's compile payback (step.PAYBACK_STEPS; one line says
+        which and why), else the step as written."""
+        log = self.master_print if setting == "auto" else None
+        return _step.choose(setting, backend, self.kind, steps, log=log)
 
     # -- replicas ------------------------------------------------------------------------------
     def master_print(self, *args, **kwargs) -> None:

@@ -12,9 +12,8 @@ class CudaRuntime(Runtime):
     """torch's own CUDA: eager, asynchronous kernels; under torchrun one process per GPU over nccl."""
 
     backs = (("cuda", False),)
-    # TrainConfig.compile="auto" compiles the step: fused kernels and fewer launches usually repay the compile
-    # (about a minute) within the first few hundred steps (bench/bench_compile.py --device cuda)
-    compile_auto = True
+    # TrainConfig.compile="auto" compiles the step for runs longer than the compile's payback on CUDA
+    # (labkit.runtime.step.PAYBACK_STEPS["cuda"], from bench/bench_compile.py --device cuda)
 
     def wait(self) -> None:
         torch.cuda.synchronize(self.device)

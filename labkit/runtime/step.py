@@ -8,8 +8,8 @@
 
 The Trainer asks its runtime for one of these and calls it the same way on every backend: no hook asks which
 engine runs. XLA's runtimes always give `EagerStep` (torch_xla records the step and compiles it at
-`rt.sync()`; TrainConfig.compile="on" is refused there), CUDA compiles by default, the plain CPU does not
-(TrainConfig.compile, "auto"). The backend is one argument: "inductor" on CPU and CUDA, "tpu" for TorchTPU
+`rt.sync()`; TrainConfig.compile="on" is refused there). compile="auto" compiles where the run's planned steps
+exceed the compile's payback on that kind of device (PAYBACK_STEPS below: measured, or an estimate until measured). The backend is one argument: "inductor" on CPU and CUDA, "tpu" for TorchTPU
 (its guide: `torch.compile(backend="tpu", dynamic=False)`), "aot_eager" to test the capture without codegen.
 
 Which graphs a compiled step is made of, in torch 2.9, and why there:
@@ -42,6 +42,9 @@ nothing new; evaluation compiles its own graph once (eval mode, no grad).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -136,9 +139,60 @@ class CompiledStep(EagerStep):
         return f"CompiledStep(backend={self.backend!r})"
 
 
-def choose(setting: str, backend: str, auto: bool) -> EagerStep:
-    """The capture for TrainConfig.compile's `setting` ("auto" | "on" | "off"); `auto`: what "auto" means on this
-    runtime (the runtime's compile_auto)."""
-    if setting == "on" or (setting == "auto" and auto):
-        return CompiledStep(backend)
-    return EagerStep()
+@dataclass(frozen=True)
+class Payback:
+    """How many steps a torch.compile'd step takes to repay its compile on one kind of device: the compile's seconds
+    over the seconds it saves per step (bench/bench_compile.py prints it as PAYBACK). inf: compiled is no faster."""
+
+    steps: float
+    source: str  # measured where, when and how loaded; or "not measured" and what the estimate rests on
+
+
+# One row per runtime kind (Runtime.kind), read by TrainConfig(compile="auto"): it compiles when the run's planned
+# steps exceed the row's figure. The README's table ("When compile='auto' compiles") quotes these rows.
+PAYBACK_STEPS = {
+    "cpu": Payback(
+        math.inf,
+        "measured 2026-11-26, bench/bench_compile.py --device cpu (GPT 2x128, T=128, batch 8, fp32, inductor) on a "
+        "shared 2-core x86 machine at load ~10: compiled 1.11x the eager step after a 390 s compile, so it never pays "
+        "(an earlier, less loaded reading of a 3.3 M GPT step: 0.85x after 97 s)",
+    ),
+    "cuda": Payback(
+        500,
+        "not measured: no GPU lent yet (scripts/gpu_check.sh prints it). Estimate: about a minute of Inductor compile "
+        "repaid by fused kernels and fewer launches within a few hundred steps",
+    ),
+}
+
+
+def planned_steps(cfg, loader) -> int | None:
+    """The optimizer steps a run plans: epochs x len(loader) // accum_steps, capped by max_steps; None when the loader
+    has no length and no max_steps caps it (a stream)."""
+    try:
+        per_epoch = len(loader) // cfg.accum_steps if loader is not None else None
+    except TypeError:  # an IterableDataset without __len__
+        per_epoch = None
+    total = cfg.epochs * per_epoch if per_epoch is not None else None
+    if cfg.max_steps:
+        return min(total, cfg.max_steps) if total is not None else cfg.max_steps
+    return total
+
+
+def choose(setting: str, backend: str, kind: str = "cpu", steps: int | None = None, log=None) -> EagerStep:
+    """The capture for TrainConfig.compile's `setting` ("auto" | "on" | "off") on a runtime of this `kind`. "auto"
+    compiles when the run's planned `steps` exceed the kind's PAYBACK_STEPS figure (unknown steps: a long run, so
+    wherever the figure is finite), and says once through `log` which it chose and why."""
+    if setting != "auto":
+        return CompiledStep(backend) if setting == "on" else EagerStep()
+    row = PAYBACK_STEPS.get(kind)
+    if row is None:
+        compile, why = False, f"no payback figure for {kind!r} in labkit.runtime.step.PAYBACK_STEPS"
+    else:
+        figure = "never" if math.isinf(row.steps) else f"{row.steps:,.0f} steps"
+        estimate = " (an estimate, not measured)" if row.source.startswith("not measured") else ""
+        plan = f"{steps:,} planned steps" if steps is not None else "a run of unknown length"
+        compile = steps > row.steps if steps is not None else math.isfinite(row.steps)
+        why = f"{plan} {'>' if compile else '<='} the {kind} payback of {figure}{estimate}"
+    if log is not None:
+        log(f"labkit: compile='auto' -> {'torch.compile' if compile else 'eager'} step: {why}")
+    return CompiledStep(backend) if compile else EagerStep()

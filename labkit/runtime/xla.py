@@ -32,7 +32,7 @@ class XlaRuntime(Runtime):
 
         xm.wait_device_ops()
 
-    def step_capture(self, setting: str = "auto", backend: str = "inductor") -> _step.EagerStep:
+    def step_capture(self, setting: str = "auto", backend: str = "inductor", steps: int | None = None):
         """The lazy trace is this backend's capture: the step is recorded and compiled at sync(), so it stays as it
         is. "on" is refused rather than ignored: torch.compile on lazy tensors is another engine (openxla)."""
         if setting == "on":
