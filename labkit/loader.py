@@ -233,3 +233,26 @@ def _map(obj, fn):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map(v, fn) for v in obj)
     return obj
+
+
+def epoch_leftovers(loader, accum_steps: int, world_size: int = 1) -> str | None:
+    """What each epoch leaves out of the training data, and why, as one line (None when nothing is): the short last
+    batch (every step keeps one shape, so nothing recompiles) and the batches after the last whole accumulation
+    (every optimizer step averages the same number of samples). Where the data's length is not known up front, the
+    DeviceLoader says so the first time it drops a short batch."""
+    if not isinstance(loader, DeviceLoader):
+        return None
+    bs, short, left = getattr(loader.loader, "batch_size", None), loader.partial_rows(), len(loader) % accum_steps
+    parts = []
+    if short:
+        parts.append(f"{short} in the short last batch (every step keeps one shape: no recompile)")
+    if left:
+        rows = f"{left * bs} in" if bs else "the samples of"
+        parts.append(
+            f"{rows} the last {left} batch(es), fewer than accum_steps={accum_steps} (every optimizer step averages "
+            "the same number of samples)"
+        )
+    if not parts:
+        return None
+    each = f" on each of the {world_size} processes" if world_size > 1 else ""
+    return f"[labkit] each epoch leaves out, of the training data{each}: " + "; ".join(parts)

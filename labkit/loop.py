@@ -3,41 +3,36 @@
     trainer = Trainer(model, optimizer, rt, TrainConfig.from_env(), train_loader, eval_loader)
     history = trainer.fit()
 
-One step, as `_run_epoch` spells it out: train_step (forward + backward) -> run_optimizer -> add the
-loss to the device-side sums -> at log time, a closure that reads them -> rt.sync() -> housekeeping.
-Change behaviour by overriding one hook in a subclass, not by copying the loop:
+One step, as `_run_epoch` spells it out: train_step (forward + backward) -> run_optimizer -> add the loss to the
+device-side sums -> at log time, a closure that reads them -> rt.sync() -> housekeeping. Change behaviour by
+overriding one hook in a subclass, not by copying the loop:
   train_step(batch) -> loss    forward + backward under the Precision's autocast; may return
                                {"loss": t, "acc": t, ...}: extras are averaged into the records
   run_optimizer()              gradient reduction/clipping + step (labkit.optimizer_step)
   eval_step(batch) -> dict     summed device tensors, e.g. loss_sum, correct, count (uses loss_fn)
-  on_log(record)               a dict of Python numbers every cfg.log_every steps (master only);
-                               does nothing by default: overriding it never cuts callbacks off
+  on_log(record)               Python numbers every cfg.log_every steps (master only); a no-op: callbacks still run
 
-The step is captured as the runtime says (labkit.runtime.step, TrainConfig.compile): off XLA, `self.model` and
-the optimizer step may be torch.compile'd (CUDA by default); the hooks read the same either way.
+The step is captured as the runtime says (labkit.runtime.step, TrainConfig.compile): off XLA, `self.model` and the
+optimizer step may be torch.compile'd (where the run's steps repay the compile); the hooks read the same either way.
 
 Gradient accumulation (cfg.accum_steps = k): k train_steps (each loss divided by k) per run_optimizer, so .grad
 adds up to the gradient of the k-times larger batch; under torchrun only the last one reduces (labkit.parallel).
-`step` and everything cfg counts in steps count optimizer steps; checkpoints are taken only between them (no
-half-summed gradient is saved: a resumed run trains at most k - 1 micro-batches again); the last len(loader) % k
-batches of an epoch are dropped, as a short batch is.
+`step` and what cfg counts in steps are optimizer steps; checkpoints fall only between them (a resumed run trains at
+most k - 1 micro-batches again); an epoch's last len(loader) % k batches are dropped, as a short batch is (said once).
 
-Every step ends with `rt.sync()`. Losses are summed on the device and read only at log
-time, inside a step closure: one device->host transfer per log interval, none per step.
-Callbacks (e.g. labkit's Dashboard) may define on_train_begin, on_step_end (after each step's
-sync, with the batch), on_log, on_eval, on_epoch_end, on_train_end and on_fit_end (fit() returned or
-raised: take back any hook put on torch or Python), each taking the trainer first; one dispatcher
-(`_dispatch`) calls the trainer's hook, then every callback. A callback steers the run with
-`trainer.request_stop()` (stop after the current step; `after_epoch=True`:
-after the current epoch, its evaluation and epoch-end save), `trainer.request_checkpoint()` (save
-after the current step) and `trainer.request_profile(steps)` (labkit.profiling; also SIGUSR1 or
-`touch profiles/PROFILE` from another shell). Each finished capture goes out as on_profile(analysis).
+Every step ends with `rt.sync()`. Losses are summed on the device and read only at log time, inside a step closure:
+one device->host transfer per log interval, none per step. Callbacks (e.g. labkit's Dashboard) may define
+on_train_begin, on_step_end (after each step's sync, with the batch), on_log, on_eval, on_epoch_end, on_train_end
+and on_fit_end (fit() returned or raised: take back any hook put on torch or Python), each taking the trainer first;
+`_dispatch` calls the trainer's hook, then every callback. A callback steers the run with `trainer.request_stop()`
+(stop after this step; `after_epoch=True`: after this epoch, its evaluation and save), `request_checkpoint()` and
+`request_profile(steps)` (labkit.profiling; also SIGUSR1 or `touch profiles/PROFILE`), whose captures go out as
+on_profile(analysis).
 
-Nothing fails silently: a loader error stops fit() with its own traceback (on XLA too, see
-labkit.loader); a NaN/inf loss, or fp16 steps that the GradScaler keeps skipping, stop the run
-naming the step (cfg.continue_on_nonfinite to train on); a resume with another batch size, chip
-count or optimizer continues at the same sample or says why it cannot (labkit.resume); Ctrl-C or
-SIGTERM lets the pending checkpoint upload finish, then is re-raised (labkit.interrupts).
+Nothing fails silently: a loader error stops fit() with its own traceback (on XLA too, see labkit.loader); a NaN/inf
+loss, or fp16 steps the GradScaler keeps skipping, stop the run naming the step (cfg.continue_on_nonfinite to train
+on); a resume with another batch size, chip count or optimizer continues at the same sample or says why it cannot
+(labkit.resume); Ctrl-C or SIGTERM lets the pending checkpoint upload finish, then is re-raised (labkit.interrupts).
 """
 
 from __future__ import annotations
@@ -52,7 +47,7 @@ from labkit import resume
 from labkit.accumulate import mean_of, read
 from labkit.config import TrainConfig
 from labkit.interrupts import Preempted, finish_pending_save, sigterm_raises
-from labkit.loader import DeviceLoader
+from labkit.loader import DeviceLoader, epoch_leftovers
 from labkit.optim import check_lr, move_model, optimizer_step
 from labkit.parallel import choose as choose_plan
 from labkit.precision import Precision, choose
@@ -89,9 +84,8 @@ class Trainer:
         model = self.plan.wrap(move_model(model, optimizer, rt.device), optimizer)
         self.module = getattr(model, "module", model)  # DDP unwrapped, never compiled: what checkpoints hold
         # how the step is captured (labkit.runtime.step): torch.compile'd model and optimizer step, or as written
-        self.capture = rt.step_capture(
-            self.cfg.compile, self.cfg.compile_backend, planned_steps(self.cfg, train_loader)
-        )
+        cfg, steps = self.cfg, planned_steps(self.cfg, train_loader)  # "auto" compiles where the steps repay it
+        self.capture = rt.step_capture(cfg.compile, cfg.compile_backend, steps)
         self.capture.prepare(optimizer)
         self.model = self.capture.model(model)
         self._optimizer_step = self.capture.function(optimizer_step)
@@ -351,28 +345,9 @@ class Trainer:
                 f"accum_steps={self.cfg.accum_steps}; fewer samples than one batch, and partial batches are dropped "
                 "for static shapes): lower the batch size or accum_steps, or add data"
             )
-        self._say_dropped()
-
-    def _say_dropped(self) -> None:
-        """Once per fit(): the samples each epoch leaves out, and why (a short last batch; the batches after the
-        last whole accumulation). Nothing is dropped without a word: where the data's length is not known up front,
-        the DeviceLoader says so the first time it drops a short batch."""
-        loader, k = self.train_loader, self.cfg.accum_steps
-        if not isinstance(loader, DeviceLoader) or not self.cfg.epochs:
-            return
-        bs, short, left = getattr(loader.loader, "batch_size", None), loader.partial_rows(), len(loader) % k
-        parts = []
-        if short:
-            parts.append(f"{short} in the short last batch (every step keeps one shape: no recompile)")
-        if left:
-            rows = f"{left * bs} in" if bs else "the samples of"
-            parts.append(
-                f"{rows} the last {left} batch(es), fewer than accum_steps={k} (every optimizer step averages the "
-                "same number of samples)"
-            )
-        if parts:
-            each = f" on each of the {self.rt.world_size} processes" if self.rt.world_size > 1 else ""
-            self.rt.master_print(f"[labkit] each epoch leaves out, of the training data{each}: " + "; ".join(parts))
+        said = self.cfg.epochs and epoch_leftovers(self.train_loader, self.cfg.accum_steps, self.rt.world_size)
+        if said:  # once per fit(): nothing is dropped without a word
+            self.rt.master_print(said)
 
     def _last_metrics(self) -> dict:
         return dict(self.eval_history[-1]) if self.eval_history else {}

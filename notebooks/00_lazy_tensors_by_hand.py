@@ -223,7 +223,7 @@ for name in ("CompileTime", "ExecuteTime", "TransferFromDeviceTime"):
     print(f"{name:24s} {count:4d} samples, {total_ns / 1e9:7.3f} s in total")
 for name in ("UncachedCompile", "CachedCompile", "MarkStep"):
     print(f"{name:24s} {met.counter_value(name)}")
-from labkit.dashboard.rules import NOT_FALLBACKS  # aten::_local_scalar_dense: .item(), a read, not a fallback
+from labkit.dashboard import NOT_FALLBACKS  # aten::_local_scalar_dense: .item(), a read, not a fallback
 
 aten = {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")}
 print("aten::* CPU fallbacks:", {n: v for n, v in aten.items() if n not in NOT_FALLBACKS},

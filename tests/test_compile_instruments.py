@@ -28,6 +28,9 @@ def _xla_first():
     # torch 2.11 venv of tests/test_gpu_check.py, which runs this module too) there is nothing to start
     if importlib.util.find_spec("torch_xla") is not None:
         labkit.setup("xla-cpu")
+    torch._dynamo.reset()  # the frames other modules compiled (an optimizer's step) are not this module's recompiles
+    yield
+    torch._dynamo.reset()
 
 
 def _line_of(fn, text: str) -> int:

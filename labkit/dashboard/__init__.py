@@ -19,12 +19,13 @@ from labkit.dashboard.cuda_syncs import HostSyncCounter
 from labkit.dashboard.dynamo import CompileRecord
 from labkit.dashboard.explain import explain, feed_of, parse_report
 from labkit.dashboard.health import HealthMonitor, compile_count
-from labkit.dashboard.rules import INPUT_BOUND
+from labkit.dashboard.rules import INPUT_BOUND, NOT_FALLBACKS
 from labkit.dashboard.sinks import ConsoleSink, NotebookSink, environment, force_console
 from labkit.dashboard.syncs import SyncFinder
 
 __all__ = [
     "INPUT_BOUND",
+    "NOT_FALLBACKS",
     "CompileRecord",
     "HostSyncCounter",
     "ConsoleSink",
