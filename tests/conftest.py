@@ -47,27 +47,13 @@ def gcs_bucket(gcs_server):
     return name
 
 
-def pytest_sessionstart(session):
+def pytest_configure(config):
+    """Where the time went, for every item of the run (notebooks/ too, which this folder's hooks would not see):
+    tests/timing.py's hooks as a plugin of the whole session."""
     from tests import timing
 
-    timing.session_started()
-
-
-def pytest_runtest_logreport(report):
-    from tests import timing
-
-    timing.record(report)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_terminal_summary(terminalreporter):
-    """The table of where the time went, just above pytest's own summary line (tests/timing.py)."""
-    from tests import background, timing
-
-    timing.add_background(background.jobs())
-    terminalreporter.write_sep("=", "where the time went (tests/timing.py)")
-    for line in timing.table():
-        terminalreporter.write_line(line)
+    if not config.pluginmanager.has_plugin("labkit-timing"):
+        config.pluginmanager.register(timing.Plugin(), "labkit-timing")
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k deselection: only the selected tests start a job

@@ -23,6 +23,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 OWN_ROW_S = 30.0  # a test this long is a row of its own
 _rows: dict[str, list] = defaultdict(lambda: [0.0, 0, "fg"])  # name -> [seconds, count, fg | bg]
 _phases: dict[str, float] = defaultdict(float)  # node id -> seconds so far (setup, call)
@@ -85,7 +87,9 @@ def add_background(jobs) -> None:
         try:
             r = json.loads(Path(job.argv[-1]).read_text())
         except (OSError, ValueError, IndexError):
-            add(f"{job.id} (no result written)", job.seconds)
+            r = None
+        if not isinstance(r, dict) or not ({"built", "runs", "seconds"} & set(r)):
+            add(job.id, job.seconds)  # a job whose result has no parts this table knows: its whole time
             continue
         name = job.id.removeprefix("image-")
         parts = 0.0
@@ -101,7 +105,7 @@ def add_background(jobs) -> None:
             add(f"image {name}: {stem} (solutions off)", run["seconds"])
         if "seconds" in r and not r.get("runs"):
             parts += r["seconds"]
-            add(f"{name} unit suite", r["seconds"])
+            add(f"{name} unit tests (the Python-sensitive modules)", r["seconds"])
         if job.seconds - parts > 5:
             add(f"{job.id}: the rest (start-up, pip freeze, clean-up)", job.seconds - parts)
 
@@ -130,3 +134,23 @@ def table(limit: int = 30) -> list[str]:
         f"{os.cpu_count()} cores busy on average"
     )
     return lines
+
+
+class Plugin:
+    """The hooks, registered for the whole session by tests/conftest.py (pytest_configure)."""
+
+    def pytest_sessionstart(self, session):
+        session_started()
+
+    def pytest_runtest_logreport(self, report):
+        record(report)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_terminal_summary(self, terminalreporter):
+        """The table, just above pytest's own summary line."""
+        from tests import background
+
+        add_background(background.jobs())
+        terminalreporter.write_sep("=", "where the time went (tests/timing.py)")
+        for line in table():
+            terminalreporter.write_line(line)
