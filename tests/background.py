@@ -8,7 +8,9 @@ processes, one XLA compile thread). A test module opts in with
 
 conftest.py submits the jobs of the selected tests when collection ends and moves those tests to the
 end of the run; each test then calls `wait(job_id)` and asserts on what the job wrote. One background
-worker runs the jobs one after another, longest first, so at most two heavy things share the cores.
+worker runs the jobs one after another, longest first, so at most two heavy things share the cores. When the
+rest of the suite is done (the first of those tests calls `wait`), a second worker takes the jobs not yet
+started, so the second core is not left idle while the last jobs run one by one.
 Output goes to files (no pipe to fill up); jobs still running when the session ends are killed.
 """
 
@@ -38,13 +40,24 @@ class Job:
 
 
 _jobs: dict[str, Job] = {}
+_queue: list[Job] = []  # submitted, not yet started (longest first)
 _procs: list[subprocess.Popen] = []
 _lock = threading.Lock()
+_running = 0  # workers running (a worker stops when it finds the queue empty)
 _dir = None
 
 
-def _run(queue: list[Job]) -> None:
-    for job in queue:
+def _next() -> Job | None:
+    global _running
+    with _lock:
+        if _queue:
+            return _queue.pop(0)
+        _running -= 1  # under the lock: submit() sees this worker gone and starts another
+        return None
+
+
+def _run() -> None:
+    while (job := _next()) is not None:
         job.started = time.perf_counter()
         try:
             with open(job.log, "w") as out:
@@ -70,15 +83,32 @@ def job_dir() -> str:
     return _dir
 
 
+def _start_worker() -> None:
+    """Call with _lock held."""
+    global _running
+    _running += 1
+    threading.Thread(target=_run, name=f"background-tests-{_running}", daemon=True).start()
+
+
 def submit(jobs: list[Job]) -> None:
-    """Start one worker thread that runs `jobs`, longest first (call once, when collection ends)."""
+    """Queue `jobs`, longest first, and start a worker if none runs (call once, when collection ends)."""
     if not jobs:
         return
-    queue = sorted(jobs, key=lambda j: -j.expected_s)
-    for job in queue:
+    for job in jobs:
         job.log = os.path.join(job_dir(), f"{job.id}.log")
         _jobs[job.id] = job
-    threading.Thread(target=_run, args=(queue,), name="background-tests", daemon=True).start()
+    with _lock:
+        _queue.extend(jobs)
+        _queue.sort(key=lambda j: -j.expected_s)
+        if _running == 0:
+            _start_worker()
+
+
+def second_worker() -> None:
+    """The suite's own tests are done: a second worker takes the jobs not yet started."""
+    with _lock:
+        if _running == 1 and _queue:
+            _start_worker()
 
 
 def wait(job_id: str, fallback: Job | None = None) -> Job:
@@ -89,6 +119,7 @@ def wait(job_id: str, fallback: Job | None = None) -> Job:
             raise KeyError(f"no background job {job_id!r} was submitted")
         submit([fallback])
         job = _jobs[job_id]
+    second_worker()
     job.done.wait()
     return job
 

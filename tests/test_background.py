@@ -1,0 +1,57 @@
+"""tests/background.py, the suite's background worker: jobs longest first, one at a time while the suite runs, a
+second worker once the suite's own tests are done, and a new worker for a job submitted after the others stopped.
+
+A fresh copy of the module is loaded for each test, so the session's own jobs (the images) are not touched."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+# each child writes "id start end" (time.time()) to the file it is given, after sleeping
+_CHILD = "import sys, time; t = time.time(); time.sleep(float(sys.argv[2])); open(sys.argv[3], 'a').write(f'{sys.argv[1]} {t} {time.time()}\\n')"
+
+
+_loaded = {}
+
+
+def fresh():
+    name = f"background_under_test_{len(_loaded)}"
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("background.py"))
+    mod = _loaded[name] = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def sleeper(bg, name, seconds, out):
+    return bg.Job(name, [sys.executable, "-c", _CHILD, name, str(seconds), str(out)], expected_s=seconds)
+
+
+def spans(out):
+    rows = [ln.split() for ln in out.read_text().splitlines()]
+    return {name: (float(a), float(b)) for name, a, b in rows}
+
+
+def test_one_worker_runs_the_longest_first_then_the_rest_one_at_a_time(tmp_path):
+    bg, out = fresh(), tmp_path / "spans"
+    jobs = [sleeper(bg, "short", 0.2, out), sleeper(bg, "long", 0.6, out)]
+    bg.submit(jobs)
+    for job in jobs:  # not bg.wait(): that is the suite's end, which brings in the second worker
+        assert job.done.wait(60) and job.returncode == 0
+    s = spans(out)
+    assert s["long"][1] <= s["short"][0], f"the long job first, the short one after it ended: {s}"
+
+
+def test_a_second_worker_takes_the_queued_jobs_when_the_suite_is_done(tmp_path):
+    bg, out = fresh(), tmp_path / "spans"
+    bg.submit([sleeper(bg, name, 1.0, out) for name in ("a", "b", "c")])
+    bg.wait("a")  # wait() is what the suite's last tests call: it starts the second worker
+    bg.wait("b")
+    bg.wait("c")
+    s = spans(out)
+    assert s["b"][0] < s["a"][1], f"b started while a ran (two workers): {s}"
+    assert min(s["a"][1], s["b"][1]) <= s["c"][0], f"c waited for a free worker (never three at once): {s}"
+    # both workers have stopped (queue empty): a job submitted now still runs
+    late = sleeper(bg, "late", 0.1, out)
+    assert bg.wait("late", late).returncode == 0 and "late" in spans(out)
