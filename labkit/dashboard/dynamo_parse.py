@@ -21,7 +21,9 @@ from labkit.runtime.boundaries import gb_id, registry
 
 _BREAK_AT = re.compile(r"Graph break in user code at (.+):(\d+)\s*\nGraph Break Reason: ")
 # where the reason's own text ends: the first of torch's labelled parts after it
-_REASON_END = re.compile(r"\n\s*(?:Explanation:|Hint:|Developer debug context:|For more details)|\nUser code traceback:")
+_REASON_END = re.compile(
+    r"\n\s*(?:Explanation:|Hint:|Developer debug context:|For more details)|\nUser code traceback:"
+)
 _WONT_CONVERT = re.compile(r"WON'T CONVERT (\S+) (.+) line (\d+)")
 _EXPLAIN = re.compile(r"^\s*Explanation: (.*)$", re.M)
 _FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)\n\s*(.*)$', re.M)
