@@ -17,7 +17,7 @@ import torch
 import labkit
 from labkit import Dashboard, TrainConfig, Trainer
 from labkit.dashboard import ConsoleSink
-from labkit.dashboard.dynamo import CompileRecord, break_text, parse_break, recompile_text
+from labkit.dashboard.dynamo import CompileRecord, break_text, guard_source, parse_break, recompile_text
 from labkit.dashboard.view import health_lines
 from tests.helpers import blobs, mlp
 
@@ -135,6 +135,21 @@ def test_parse_break_reads_both_forms():
     w = parse_break("WON'T CONVERT f /a/c.py line 3\n===== TorchDynamo Stack Trace =====")
     assert (w["file"], w["line"], w["reason"]) == ("/a/c.py", 3, "could not compile f")
     assert parse_break("something else") is None
+    # torch 2.11's form: what Dynamo was tracing, a blank line, then the break's type (the registry's, by the link)
+    n = parse_break('Graph break in user code at /a/b.py:9\nGraph Break Reason: Encountered graph break when '
+                    'attempting to trace CALL: a function call, e.g. f(x, y):\n\nFailed to trace builtin operator\n'
+                    '  Explanation: Dynamo does not know how to trace builtin operator `print`\n\n For more details '
+                    'about this graph break, please visit: https://x/gb/gb0059.html\n\nUser code traceback:\n'
+                    '  File "/a/b.py", line 9, in g\n    print(y)\n\nTraceback (most recent call last):\n')  # fmt: skip
+    assert (n["file"], n["line"], n["gb_id"]) == ("/a/b.py", 9, "GB0059")
+    assert n["reason"] == "Failed to trace builtin operator" and n["explanation"].startswith("Dynamo does not know")
+    assert n["user_frames"] == [("/a/b.py", 9, "g", "print(y)")]
+    # and its failed guard, with a "User stack trace" below: the line is the trace's innermost frame, read whole
+    g = 's == 2.0  # y = x * s  # why  # b.py:4 in f\nUser stack trace:\n  File "%s", line %d, in f\n    y = x * s  # why'
+    line = _line_of(planted, "y = x * s")
+    assert str(guard_source(g % (__file__, line), __file__)).endswith(
+        f":{line} y = x * s  # a Python float: Dynamo specialises the graph on its value (a guard)"
+    )
 
 
 class PlantedStep(Trainer):

@@ -78,21 +78,16 @@ def test_gpu_check_dry_run(capsys):
     assert "logs.tar.gz" in sent and len(sent) <= 8 and all((out / "OUT" / n).is_file() for n in sent), sent
 
 
-# torch 2.11 words a graph break at print() "Encountered graph break when attempting to trace CALL: a function call,
-# e.g. f(x, y):" where torch 2.9 said "Failed to trace builtin operator" (seen 2026-11-26 in this venv): these tests
-# of labkit.dashboard.dynamo fail there until its parser and the tests know the 2.11 wording
-KNOWN_2_11 = {
-    "test_planted_break_and_recompiles_are_named_with_their_lines",
-    "test_torch_own_boundaries_are_not_blamed_on_the_code",
-    "test_dashboard_and_explain_name_them_off_xla",
-}
+# tests of labkit.dashboard.dynamo known to fail under torch 2.11, each with why (none now: the parser reads 2.11's
+# graph-break and guard records since 2026-11-27); one that fails and is not listed fails the test
+KNOWN_2_11: dict[str, str] = {}
 
 
 @pytest.mark.timeout(1800)
 def test_compile_instruments_under_torch_2_11(capsys):
     """tests/test_compile_instruments.py (the readers of torch.compile's graph-break and recompile records) in the
-    torch 2.11 venv: a change of torch's record format fails here. The failures already known under 2.11 are
-    listed (KNOWN_2_11) and reported as xfail; a new one fails, and so does a known one that passes (remove it)."""
+    torch 2.11 venv: a change of torch's record format fails here. A failure listed in KNOWN_2_11 is reported as
+    xfail; a new one fails, and so does a known one that passes (remove it)."""
     job = background.wait(INSTRUMENTS, _job(INSTRUMENTS))
     out = Path(job.argv[-1])
     done = job.returncode == 0 and (out / "instruments.json").exists()
@@ -101,6 +96,10 @@ def test_compile_instruments_under_torch_2_11(capsys):
     with capsys.disabled():
         print(f"\n[gpu_check] test_compile_instruments.py under torch 2.11: {inst['summary']}, {inst['seconds']:.0f} s")
     failed = set(inst["failed"])
-    assert failed <= KNOWN_2_11 and (failed or inst["returncode"] == 0), f"under torch 2.11:\n{inst['output']}"
-    assert failed == KNOWN_2_11, f"these pass under torch 2.11 now: remove them from KNOWN_2_11: {KNOWN_2_11 - failed}"
-    pytest.xfail(f"known under torch 2.11 (graph-break wording): {sorted(failed)}")
+    assert failed <= set(KNOWN_2_11) and (failed or inst["returncode"] == 0), f"under torch 2.11:\n{inst['output']}"
+    assert failed == set(KNOWN_2_11), (
+        f"these pass under torch 2.11 now: remove them from KNOWN_2_11: {set(KNOWN_2_11) - failed}"
+    )
+    assert " passed" in inst["summary"], inst["summary"]
+    if failed:
+        pytest.xfail(f"known under torch 2.11: {[f'{t}: {KNOWN_2_11[t]}' for t in sorted(failed)]}")

@@ -29,9 +29,9 @@ the one table of them (keyed on torch's graph-break registry ids, e.g. GB0025 fo
 and a break counts as torch's only when its id is there and the code the entry names is torch's by resolved file
 or module identity. Those are counted apart (`torch_breaks`) and named, never warned about. A break that is not
 one of them is the code's: the learner's ("yours") or labkit's, by the innermost line outside torch; where no such
-line is known, its owner is "unknown" and every report says it cannot tell. These are torch 2.9's structures
-(checked here on 2.9.0); where a later torch renames them the record says so in `status` and counts what it
-still sees.
+line is known, its owner is "unknown" and every report says it cannot tell. These are torch 2.9's and 2.11's
+structures (checked here on 2.9.0 and 2.11.0: labkit.dashboard.dynamo_parse reads both wordings); where a later torch
+renames them the record says so in `status` and counts what it still sees.
 """
 
 from __future__ import annotations

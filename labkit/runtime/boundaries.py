@@ -14,7 +14,8 @@ each message ends with a link to .../gb/gb0025.html). A break is torch's own onl
 Anything else is the code's (the learner's or labkit's, by the line that called into torch), or, where no line
 outside torch is known, whose it is is not known and the record says so. The step's docstring
 (labkit.runtime.step), the dashboard, labkit.explain() and the recompile detective all read this one table.
-Checked on torch 2.9.0; tests/test_hostile_round5.py checks each id and type against torch's own registry.
+Checked on torch 2.9.0 and 2.11.0 (the same ids and types in both registries); tests/test_hostile_round5.py checks
+each id and type against torch's own registry.
 """
 
 from __future__ import annotations
