@@ -1,9 +1,9 @@
 """The Trainer past one process: TrainConfig.parallel (labkit.parallel) under torchrun on gloo, a tiny GPT.
 
 Child runs (tests/children/fsdp_trainer.py under `python -m torch.distributed.run`), each a few steps:
-- accumulation: k = 4 micro-batches per optimizer step issue the gradient reductions of k = 1 (DDP: the same
-  all-reduces; FSDP2: the same reduce-scatters, while its all-gathers run per micro-batch, 4x) and train as the
-  4-times larger batch: every logged loss within LOSS_TOL.
+- accumulation: k = 4 micro-batches per optimizer step issue the collectives of k = 1, counted (DDP: the same
+  all-reduces; FSDP2: the same all-gathers and reduce-scatters, the weights kept gathered through the window) and
+  train as the 4-times larger batch: every logged loss within LOSS_TOL.
 - sharded checkpoints: FSDP2 on 4 processes saves through DCP at step 3 (each process its own shards, a COMMITTED
   marker last) to a local folder, 2 processes resume it (and 2 -> 4 the other way, through gs:// on the loopback GCS
   server), and the resumed steps' losses equal an
@@ -210,11 +210,13 @@ def test_accumulation_reduces_once_per_optimizer_step(runs):
         assert k4["comm"][reduce_op] == k1["comm"][reduce_op] > 0, (plan, k1["comm"], k4["comm"])
         assert _close(k4["losses"], k1["losses"]), (plan, k1["losses"], k4["losses"])
     assert r["ddp_k4"]["comm"] == r["ddp_k1"]["comm"]  # DDP: nothing else runs per micro-batch
-    # FSDP2: 2 layers -> 2 x 2 + 1 all-gathers per forward + backward, once per micro-batch; L + 1 reduce-scatters;
-    # one all-reduce of the gradient norm's partial sums (clip_norm=1.0) per optimizer step
+    # FSDP2: 2 layers -> 2 x 2 + 1 all-gathers per forward + backward; L + 1 reduce-scatters; one all-reduce of the
+    # gradient norm's partial sums (clip_norm=1.0) per optimizer step. At k = 4 the weights stay gathered through the
+    # window: the first forward gathers, the last backward gathers again, the same 5 (20 if each micro-batch gathered)
     assert r["fsdp_k1"]["comm"] == {"all-gather": 5, "reduce-scatter": 3, "all-reduce": 1}
-    assert r["fsdp_k4"]["comm"] == {"all-gather": 20, "reduce-scatter": 3, "all-reduce": 1}
-    assert r["fsdp_k4"]["comm_bytes"]["reduce-scatter"] == r["fsdp_k1"]["comm_bytes"]["reduce-scatter"]
+    assert r["fsdp_k4"]["comm"] == r["fsdp_k1"]["comm"]
+    for op in ("all-gather", "reduce-scatter"):
+        assert r["fsdp_k4"]["comm_bytes"][op] == r["fsdp_k1"]["comm_bytes"][op], (op, r["fsdp_k4"]["comm_bytes"])
 
 
 @heavy
