@@ -47,7 +47,8 @@ class SigtermVote:
 
     The cost: one all_reduce of one int32 per optimizer step, on a gloo group over the host's CPUs (a group of its
     own under NCCL), so it never waits for the accelerator: a round trip of a few bytes between the processes, tens of
-    microseconds on one host (loopback TCP), about a network round trip between hosts. One process (or XLA's
+    microseconds on one host (loopback TCP), about a network round trip between hosts; it is left out of
+    labkit.parallel.collective_counter's counts, which are the model's traffic. One process (or XLA's
     replicas, whose collectives torch.distributed does not run): inactive, SIGTERM raises Preempted at once."""
 
     def __init__(self, rt):
@@ -60,8 +61,13 @@ class SigtermVote:
             return False
         if self._group is None:  # the default group where it runs on the CPU, else a gloo one (made once, together)
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        flag = torch.tensor([int(self.got)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        # outside any dispatch mode: a step's collective count (labkit.parallel.collective_counter) is the model's
+        # traffic, which this 4-byte message is not part of
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            flag = torch.tensor([int(self.got)], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         self.agreed_on = bool(flag.item())
         return self.agreed_on
 
