@@ -8,6 +8,8 @@ Child runs (tests/children/fsdp_trainer.py under `python -m torch.distributed.ru
   marker last) to a local folder, 2 processes resume it (and 2 -> 4 the other way, through gs:// on the loopback GCS
   server), and the resumed steps' losses equal an
   uninterrupted run's within LOSS_TOL, starting at the exact next step; another model's checkpoint is refused by name.
+- SIGTERM to one of 2 processes: both stop after the same step, saved once (DCP, both writing), and a resume
+  continues at the next step.
 - two torchrun launches (--nnodes 2 --nproc-per-node 2, c10d rendezvous on 127.0.0.1) train `labkit.train gpt
   --parallel fsdp2` together, as two hosts would.
 
