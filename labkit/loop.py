@@ -15,24 +15,22 @@ overriding one hook in a subclass, not by copying the loop:
 The step is captured as the runtime says (labkit.runtime.step, TrainConfig.compile): off XLA, `self.model` and the
 optimizer step may be torch.compile'd (where the run's steps repay the compile); the hooks read the same either way.
 
-Gradient accumulation (cfg.accum_steps = k): k train_steps (each loss divided by k) per run_optimizer, so .grad
-adds up to the gradient of the k-times larger batch; under torchrun only the last one reduces (labkit.parallel).
-`step` and what cfg counts in steps are optimizer steps; checkpoints fall only between them (a resumed run trains at
-most k - 1 micro-batches again); an epoch's last len(loader) % k batches are dropped, as a short batch is (said once).
+Gradient accumulation (cfg.accum_steps = k): k train_steps (each loss divided by k) per run_optimizer, so .grad adds up
+to the gradient of the k-times larger batch; under torchrun only the last one reduces (labkit.parallel). `step` and what
+cfg counts in steps are optimizer steps; checkpoints fall only between them (a resumed run trains at most k - 1
+micro-batches again); an epoch's last len(loader) % k batches are dropped, as a short batch is (said once).
 
-Every step ends with `rt.sync()`. Losses are summed on the device and read only at log time, inside a step closure:
-one device->host transfer per log interval, none per step. Callbacks (e.g. labkit's Dashboard) may define
-on_train_begin, on_step_end (after each step's sync, with the batch), on_log, on_eval, on_epoch_end, on_train_end
-and on_fit_end (fit() returned or raised: take back any hook put on torch or Python), each taking the trainer first;
-`_dispatch` calls the trainer's hook, then every callback. A callback steers the run with `trainer.request_stop()`
-(stop after this step; `after_epoch=True`: after this epoch, its evaluation and save), `request_checkpoint()` and
-`request_profile(steps)` (labkit.profiling; also SIGUSR1 or `touch profiles/PROFILE`), whose captures go out as
-on_profile(analysis).
+Every step ends with `rt.sync()`. Losses are summed on the device, read at log time in a step closure: one device->host
+transfer per log interval, none per step. Callbacks (e.g. labkit's Dashboard) may define on_train_begin, on_step_end
+(after each step's sync, with the batch), on_log, on_eval, on_epoch_end, on_train_end, on_profile and on_fit_end
+(returned or raised: undo hooks put on torch or Python), each taking the trainer first; `_dispatch` calls the trainer's
+hook, then every callback's. They steer the run with `trainer.request_stop()` (`after_epoch=True`: after this epoch's
+evaluation and save), `request_checkpoint()` and `request_profile(steps)` (labkit.profiling).
 
-Nothing fails silently: a loader error stops fit() with its own traceback (on XLA too, see labkit.loader); a NaN/inf
-loss, or fp16 steps the GradScaler keeps skipping, stop the run naming the step (cfg.continue_on_nonfinite to train
-on); a resume with another batch size, chip count or optimizer continues at the same sample or says why it cannot
-(labkit.resume); Ctrl-C or SIGTERM lets the pending checkpoint upload finish, then is re-raised (labkit.interrupts).
+Nothing fails silently: a loader error stops fit() with its traceback; a NaN/inf loss, or fp16 steps the GradScaler
+keeps skipping, stop the run naming the step (cfg.continue_on_nonfinite to train on); a resume on another batch size,
+chip count or optimizer continues at the same sample or says why not (labkit.resume); Ctrl-C or SIGTERM lets the pending
+upload finish, then is re-raised; torchrun: SIGTERM to one process stops all at one step, saved (labkit.interrupts).
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ import torch.nn.functional as F
 from labkit import resume
 from labkit.accumulate import mean_of, read
 from labkit.config import TrainConfig
-from labkit.interrupts import Preempted, finish_pending_save, sigterm_raises
+from labkit.interrupts import Preempted, SigtermVote, finish_pending_save, sigterm_raises
 from labkit.loader import DeviceLoader, epoch_leftovers
 from labkit.optim import check_lr, move_model, optimizer_step
 from labkit.parallel import choose as choose_plan
@@ -101,7 +99,7 @@ class Trainer:
         self.log = StepLog(rt, self.cfg, self.precision)  # losses summed on the device, read once per interval
         self._stop = self._stop_after_epoch = self._save_requested = False
         self._step_offset = 0  # steps trained at another batch size before a resume (see total_steps)
-        self.profiler = StepProfiler(rt)  # idle until a capture is requested: one attribute test per step
+        self.profiler, self.sigterm = StepProfiler(rt), SigtermVote(rt)  # idle until asked; SIGTERM under torchrun
 
     def _wrap(self, loader):
         if loader is None or isinstance(loader, DeviceLoader):
@@ -183,7 +181,7 @@ class Trainer:
         self.log.begin_fit()
         self._stop = self._stop_after_epoch = self._save_requested = False
         self.profiler.install_signal()
-        with sigterm_raises():
+        with sigterm_raises(self.sigterm):
             try:
                 self._dispatch("on_train_begin")
                 self._announce(self.profiler.boundary(self))  # a capture requested before fit() starts now
@@ -257,6 +255,7 @@ class Trainer:
     def _after_step(self, batch) -> None:
         self.log.raise_problem(self.step)  # before any save: never checkpoint weights a NaN loss produced
         self._dispatch("on_step_end", batch)  # host-side only (e.g. the dashboard notes batch shapes)
+        self._save_requested |= self.sigterm.agreed()  # torchrun: SIGTERM to any process -> all save this step
         periodic = self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0
         if self._save_requested or periodic:
             self._save_requested = False
@@ -264,6 +263,7 @@ class Trainer:
                 warnings.warn("request_checkpoint() ignored: this Trainer has no CheckpointManager", stacklevel=3)
             else:
                 self.checkpoint.save(self.step, self.state_dict(), metrics=self._last_metrics(), force=not periodic)
+        self.sigterm.stop_if_agreed(self.step)  # then Preempted on every process: fit() waits for the save
         self._announce(self.profiler.boundary(self))  # closes a captured step, polls the trigger file
 
     def _record(self, rec: dict) -> None:

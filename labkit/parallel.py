@@ -25,9 +25,13 @@ activations, the batch and the allocator's slack); replicate where that fits, fs
 
 Gradient accumulation (TrainConfig.accum_steps = k): `gradient_sync(False)` for the first k-1 micro-batches keeps
 their gradients on each process (DDP's no_sync(); FSDP2's set_requires_gradient_sync(False)), so the gradient
-reduction runs once per optimizer step, as with k = 1. Under FSDP2 the all-gathers still run per micro-batch (every
-forward and backward needs the weights) and the unreduced gradients are whole until the last micro-batch: memory
-for traffic.
+reduction runs once per optimizer step, as with k = 1. Under FSDP2 those micro-batches also keep the weights gathered
+(set_reshard_after_forward(False) on the units, set_reshard_after_backward(False)): the first forward gathers each
+unit once and nothing is gathered again until the last micro-batch, whose backward gathers the units as k = 1's does.
+Counted (tests/test_fsdp_trainer.py, 2 blocks): 5 all-gathers, 3 reduce-scatters, 1 all-reduce per optimizer step at
+k = 1 and at k = 4 (20 all-gathers at k = 4 before). The price is memory, for the whole accumulation window: every
+process holds the whole model's gathered weights (in the gather dtype) and its whole unreduced gradients, as DDP
+does, only AdamW's state staying sharded. Where that does not fit, accumulation under FSDP2 is not the tool.
 
 State: FSDP2's parameters are DTensors; `model_state` / `optimizer_state` are torch.distributed.checkpoint's
 get_model_state_dict / get_optimizer_state_dict (keys as the plain model names them: "blocks.0.attn.qkv.weight",
@@ -119,7 +123,7 @@ class FullyShard(Single):
     name = "fsdp2"
 
     def __init__(self, rt, precision=None):
-        self.rt, self.precision, self.root, self.mesh = rt, precision, None, None
+        self.rt, self.precision, self.root, self.mesh, self.units = rt, precision, None, None, []
 
     def mixed_precision(self):
         """MixedPrecisionPolicy(bf16 gathers, fp32 reduction) under bf16, else None (everything float32)."""
@@ -144,7 +148,8 @@ class FullyShard(Single):
         if self.mixed_precision() is not None:
             kw["mp_policy"] = self.mixed_precision()
         before = dict(model.named_parameters())
-        for unit in units(model):
+        self.units = units(model)
+        for unit in self.units:
             fully_shard(unit, **kw)
         self.root = fully_shard(model, **kw)
         after = dict(model.named_parameters())  # the same names, new Parameter objects (DTensors)
@@ -155,7 +160,14 @@ class FullyShard(Single):
         return self.root
 
     def gradient_sync(self, enabled: bool):
+        """enabled=False (a micro-batch before the last): no reduce-scatter (the gradients add up unsharded), and the
+        weights, once gathered, stay gathered: no reshard after the units' forward nor after backward, so the next
+        micro-batches gather nothing. enabled=True (the last, or k = 1): torch's defaults again, so its forward
+        frees each unit, its backward gathers it again, reduce-scatters and reshards: k = 1's collectives."""
         self.root.set_requires_gradient_sync(enabled)  # read at backward: reduce-scatter now, or keep adding up
+        self.root.set_reshard_after_backward(enabled)
+        for unit in self.units:  # the root keeps its own default (no reshard after forward)
+            unit.set_reshard_after_forward(enabled, recurse=False)
         return contextlib.nullcontext()
 
     def model_state(self, module) -> dict:

@@ -7,14 +7,16 @@ and tests/test_fsdp_trainer.py.
 
 launch() starts `python -m torch.distributed.run --standalone --nproc-per-node N -m labkit.lessons.fsdp_trainer JOB`
 and returns process 0's report. A run is {"name", "parallel", "accum_steps", "merge", "steps", "stop_at", "ckpt",
-"checkpoint_every", "resume", "count", "compile", "compile_backend", "clip", "n_embd"}. Every run trains the same
+"checkpoint_every", "resume", "count", "compile", "compile_backend", "clip", "n_embd", "progress", "step_sleep"}. Every run trains the same
 data: `steps` optimizer steps of GLOBAL rows per micro-batch, split over the processes (each its rows of every
 micro-batch). merge=True feeds each process its k micro-batches as one batch (accum_steps=1): the k-times larger
 batch, row for row the same. Each run's report: "losses" (process 0's, per step), "global_losses" (per micro-batch,
 averaged over the processes: what does not depend on their number), "first_step", "param_bytes" / "opt_bytes" (process
-0's shards), "comm" (count=True: {op: count per optimizer step}), "comm_bytes", "seconds", or "error" (a refusal).
+0's shards), "comm" (count=True: {op: count per optimizer step}), "comm_bytes", "seconds", "ends" (progress=PATH: each
+process's [last step, stopped by SIGTERM], while PATH.RANK holds "PID STEP"), or "error" (a refusal).
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -29,6 +31,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit.checkpoint import CheckpointManager
+from labkit.interrupts import Preempted
 from labkit.lm import LMTrainer
 from labkit.models.gpt import GPT, GPTConfig, adamw
 from labkit.parallel import collective_counter
@@ -81,6 +84,20 @@ class GlobalLoss(LMTrainer):
         return loss
 
 
+class Progress:
+    """A callback: after each step, `PATH.RANK` holds "PID STEP" (a test signals one process by it); `sleep` seconds
+    a step, so that a signal finds the run still going."""
+
+    def __init__(self, path, rank, sleep):
+        self.path, self.sleep = f"{path}.{rank}", sleep
+
+    def on_step_end(self, trainer, batch):
+        with open(self.path + ".tmp", "w") as f:
+            f.write(f"{os.getpid()} {trainer.step}")
+        os.replace(self.path + ".tmp", self.path)
+        time.sleep(self.sleep)
+
+
 def run(rt, spec, steps_total):
     k = spec.get("accum_steps", 1)
     merge = k if spec.get("merge") else 1
@@ -105,15 +122,16 @@ def run(rt, spec, steps_total):
     )
     ckpt = CheckpointManager(spec["ckpt"], keep=2, rt=rt, async_save=False) if spec.get("ckpt") else None
     loader = Rows(text, rt.ordinal, rt.world_size, merge)
-    trainer = GlobalLoss(model, opt, rt, cfg, loader, checkpoint=ckpt)
+    progress = [Progress(spec["progress"], rt.ordinal, spec.get("step_sleep", 0.0))] if spec.get("progress") else []
+    trainer = GlobalLoss(model, opt, rt, cfg, loader, checkpoint=ckpt, callbacks=progress)
     mode = collective_counter() if spec.get("count") else None
     trainer.global_losses = None if mode is not None else []
-    t0 = time.perf_counter()
-    if mode is not None:
-        with mode:
+    t0, preempted = time.perf_counter(), False
+    try:
+        with mode if mode is not None else contextlib.nullcontext():
             trainer.fit()
-    else:
-        trainer.fit()
+    except Preempted:  # SIGTERM to one process: every process stopped at one step and saved it
+        preempted = True
     seconds = time.perf_counter() - t0
     if ckpt is not None:
         ckpt.close()
@@ -134,6 +152,10 @@ def run(rt, spec, steps_total):
         "placements": sorted({D.placement(p) for p in params.values()}),
         "keys": sorted(trainer.module.state_dict())[:3],
     }
+    if progress:  # each process's last step and whether fit() ended in Preempted
+        ends = [None] * rt.world_size
+        dist.all_gather_object(ends, [trainer.step, preempted])
+        out["ends"] = ends
     if mode is not None:
         out["comm"] = {op: v["count"] / done for op, v in D.comm_counts(mode).items()}
         out["comm_bytes"] = {op: v["bytes"] / done for op, v in D.comm_counts(mode).items()}
