@@ -29,7 +29,7 @@ import sys
 import time
 
 from labkit.config import fast_mode
-from labkit.interrupts import sigterm_raises
+from labkit.interrupts import Preempted, sigterm_raises
 from labkit.optim import scaled_lr
 
 # the recipes' parameters and the flags' checks (labkit.train.parser() is the script's command line)
@@ -226,4 +226,8 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except Preempted as e:  # what was started is saved and stopped: one line, no traceback, 128 + SIGTERM's 15
+        print(f"[labkit.train] Preempted: {e}", file=sys.stderr, flush=True)
+        sys.exit(143)

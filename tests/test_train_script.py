@@ -177,3 +177,40 @@ def test_torchrun_on_a_cpu_host_picks_the_plain_cpu(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(device.BackendError, match="WORLD_SIZE='two'"):
         device.resolve_backend()
+
+
+def test_sigterm_stops_the_script_with_one_line_and_exit_143(tmp_path):
+    """A preempted host's SIGTERM: the script stops what it started and exits 143 (128 + 15) with one line naming
+    it, not a traceback (a scheduler reads the code; a person reads the line)."""
+    import signal
+    import time
+
+    log = tmp_path / "out"
+    with open(log, "w") as out:
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "labkit.train",
+                "gpt",
+                "--fast",
+                "--max-steps",
+                "100000",
+                "--log-every",
+                "5",
+                "--backend",
+                "cpu",
+            ],
+            cwd=ROOT,
+            env=_env(LABKIT_FAST="1", PYTHONUNBUFFERED="1"),
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.time() + 120
+        while not re.search(r"^step +\d", log.read_text(), re.M) and p.poll() is None and time.time() < deadline:
+            time.sleep(0.2)  # training has begun once a step is logged ("step     10  epoch 0  loss ...")
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    assert p.returncode == 143, f"rc={p.returncode}\n{log.read_text()[-2000:]}\n{err[-2000:]}"
+    assert "[labkit.train] Preempted: SIGTERM" in err and "Traceback" not in err, err[-2000:]
