@@ -12,7 +12,8 @@
 # make venv (bootstrap.sh) also installs Debian's chromium + chromium-driver when root with apt-get:
 # tests/test_browser.py drives JupyterLab with them (the live dashboard on two widget stacks, the book).
 SHELL := /bin/bash
-PY := .venv/bin/python
+# the venv's resolved path: under a path with a space .venv links to a folder outside it (scripts/bootstrap.sh)
+PY = $(shell readlink -f .venv)/bin/python
 LABKIT_FAST ?= 1
 NOTEBOOK ?= notebooks/01_resnet50_cifar10.ipynb
 

@@ -7,7 +7,22 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c 'import sys; sys.exit(0 if sys.version_info[:2] >= (3, 10) else 1)'; then
   echo "labkit needs Python >= 3.10 (3.11 recommended); found $("$PY" --version 2>&1)" >&2; exit 1
 fi
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# In a folder whose path holds a space (a Drive folder: ".../My Drive/labkit"), the venv lives outside it and .venv
+# links to it: torch's Inductor passes the path of torch's libraries to the C++ compiler unquoted, so every
+# torch.compile on the CPU fails to link from a venv under such a path ("cannot find -ltorch", torch 2.9).
+# The Makefile runs the venv by its resolved path for the same reason.
+case "$PWD" in
+  *[[:space:]]*)
+    away="${XDG_CACHE_HOME:-$HOME/.cache}/labkit/venvs/$(basename "$PWD" | tr -c 'A-Za-z0-9._\n-' '_')-$(printf %s "$PWD" | sha256sum | cut -c1-10)"
+    if [ ! -L .venv ]; then
+      [ -e .venv ] && { echo "[bootstrap] .venv is a folder under a path with a space ($PWD): remove it, then run again" >&2; exit 1; }
+      mkdir -p "$away" && ln -s "$away" .venv
+      echo "[bootstrap] the path holds a space: the venv is $away (.venv links to it)" >&2
+    fi
+    ;;
+esac
+venv=$(readlink -f .venv 2>/dev/null || echo .venv)
+[ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
 stamp=.venv/.labkit-installed
 want=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
@@ -24,10 +39,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[bootstrap] installing pinned requirements into .venv (first time: ~2 min, ~8.5 GB)" >&2
   start=$(date +%s)
   # --no-cache-dir: pip would also keep a second copy of every wheel (~3.5 GB) in ~/.cache/pip
-  .venv/bin/python -m pip install --quiet --no-cache-dir --upgrade pip
-  .venv/bin/python -m pip install --quiet --no-cache-dir -r requirements.txt
-  .venv/bin/python -m pip install --quiet --no-deps -e . > .venv/labkit-editable.log 2>&1 || { cat .venv/labkit-editable.log >&2; exit 1; }
-  .venv/bin/python -c "import labkit, data_tools" || { echo "[bootstrap] editable install of labkit failed" >&2; exit 1; }
+  "$venv/bin/python" -m pip install --quiet --no-cache-dir --upgrade pip
+  "$venv/bin/python" -m pip install --quiet --no-cache-dir -r requirements.txt
+  "$venv/bin/python" -m pip install --quiet --no-deps -e . > .venv/labkit-editable.log 2>&1 || { cat .venv/labkit-editable.log >&2; exit 1; }
+  "$venv/bin/python" -c "import labkit, data_tools" || { echo "[bootstrap] editable install of labkit failed" >&2; exit 1; }
   echo "$want" > "$stamp"
   echo "[bootstrap] done in $(( $(date +%s) - start )) s" >&2
 fi

@@ -34,7 +34,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES_DIR = ROOT / "images"
-VENVS = ROOT / ".venvs"
+
+
+def venvs_dir(root: Path) -> Path:
+    """.venvs/ in the checkout, unless the checkout's path holds a space: torch's Inductor then cannot link what it
+    compiles (torch 2.9 hands `-L<site-packages>/torch/lib` to the C++ compiler unquoted: "cannot find -ltorch"), so
+    the venvs live in ~/.cache/labkit/venvs/<folder>-<hash of the path>/ and .venvs is a link to that folder."""
+    if not any(c.isspace() for c in str(root)):
+        return root / ".venvs"
+    tag = hashlib.sha256(str(root).encode()).hexdigest()[:10]
+    return Path.home() / ".cache" / "labkit" / "venvs" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', root.name)}-{tag}"
+
+
+VENVS = venvs_dir(ROOT)
 # outside the checkout, so every clone on a machine (and CI's fresh one) reuses the downloaded wheels;
 # on the same filesystem as the venvs, uv hardlinks files from it instead of copying
 CACHE = Path(os.environ.get("LABKIT_UV_CACHE") or Path.home() / ".cache" / "labkit-uv")
@@ -234,7 +246,10 @@ def _stamp(img: Image, requirement_files: list[Path]) -> str:
 
 @contextlib.contextmanager
 def _lock():
-    VENVS.mkdir(exist_ok=True)
+    VENVS.mkdir(parents=True, exist_ok=True)
+    link = ROOT / ".venvs"
+    if VENVS != link and not link.is_symlink() and not link.exists():
+        link.symlink_to(VENVS, target_is_directory=True)
     with open(VENVS / ".lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # two test runs must not build the same venv at once
         yield
