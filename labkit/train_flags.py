@@ -104,36 +104,47 @@ RECIPES = {"resnet": ResNetParams, "gpt": GPTParams}
 # What each number and word accepts, checked while argparse reads the flag (its one-line error naming the flag,
 # exit 2, before any set-up) and again for LABKIT_<NAME> values: {field: check_number's bounds}, per recipe where
 # they differ (a GPT needs steps for its schedule; ResNet's max_steps 0 means no cap).
-_COUNTS = ("samples_per_shard", "upsample", "batch_size", "accum_steps", "epochs", "log_every", "resume_steps")
-LIMITS = {
-    **{n: {"low": 1, "integer": True} for n in _COUNTS + ("block_size", "n_layer", "n_head", "n_embd", "evals")},
-    **{n: {"integer": True} for n in ("max_steps", "num_workers", "checkpoint_every", "seed", "gen_tokens", "top_k")},
-    "eval_batches": {"low": 1, "integer": True},
-    "lr": {"above": True},
-    "weight_decay": {},
-    "dropout": {"high": 1.0},
-    "temperature": {"above": True},
-}
-RECIPE_LIMITS = {"gpt": {"max_steps": {"low": 1, "integer": True}}}
+_COUNT = {"low": 1, "integer": True}
+_BOUNDS = (  # (bounds, the fields that have them)
+    (_COUNT, ("samples_per_shard", "upsample", "batch_size", "accum_steps", "epochs", "log_every", "resume_steps",
+              "block_size", "n_layer", "n_head", "n_embd", "evals", "eval_batches")),
+    ({"integer": True}, ("max_steps", "num_workers", "checkpoint_every", "seed", "gen_tokens", "top_k")),
+    ({"above": True}, ("lr", "temperature")),
+    ({"high": 1.0}, ("dropout",)),
+    ({}, ("weight_decay",)),
+)  # fmt: skip
+LIMITS = {name: dict(bounds) for bounds, names in _BOUNDS for name in names}
+RECIPE_LIMITS = {"gpt": {"max_steps": dict(_COUNT)}}
 
 
-def _choice(name: str, value: str, recipe: str) -> None:
-    """The words a flag accepts, checked by the module that reads them (ValueError naming the value)."""
-    if name == "optimizer" and value not in ("sgd", "adamw"):
+# The words a flag accepts, each checked by the module that reads them (imported only when a word is checked): a
+# ValueError naming the value. {field: its check}, per recipe where they differ (only ResNet's source is a list).
+def _optimizer(value: str) -> None:
+    if value not in ("sgd", "adamw"):
         raise ValueError(f"{value!r} is not 'sgd' or 'adamw'")
-    if name == "precision":
-        from labkit.precision import parse_mode
 
-        parse_mode(value)
-    if name == "spmd":
-        from labkit.device import parse_spmd
 
-        parse_spmd(value)
-    if name == "source" and recipe == "resnet":
-        from data_tools.sources import SOURCES
+def _precision(value: str) -> None:
+    from labkit.precision import parse_mode
 
-        if value not in ("auto", *SOURCES):
-            raise ValueError(f"{value!r} is not one of auto, {', '.join(SOURCES)}")
+    parse_mode(value)
+
+
+def _spmd(value: str) -> None:
+    from labkit.device import parse_spmd
+
+    parse_spmd(value)
+
+
+def _resnet_source(value: str) -> None:
+    from data_tools.sources import SOURCES
+
+    if value not in ("auto", *SOURCES):
+        raise ValueError(f"{value!r} is not one of auto, {', '.join(SOURCES)}")
+
+
+CHOICES = {"optimizer": _optimizer, "precision": _precision, "spmd": _spmd}
+RECIPE_CHOICES = {"resnet": {"source": _resnet_source}}
 
 
 def check_value(recipe: str, name: str, value, label: str):
@@ -141,9 +152,9 @@ def check_value(recipe: str, name: str, value, label: str):
     bounds = RECIPE_LIMITS.get(recipe, {}).get(name, LIMITS.get(name))
     if bounds is not None:
         check_number(label, value, **bounds)
-    elif isinstance(value, str):
+    elif isinstance(value, str) and (check := RECIPE_CHOICES.get(recipe, {}).get(name, CHOICES.get(name))):
         try:
-            _choice(name, value, recipe)
+            check(value)
         except ValueError as e:
             raise ValueError(f"{label}: {e}") from None
     return value

@@ -17,7 +17,7 @@ Any failure names the package. On the device: `run(command="bash scripts/gpu_che
 from __future__ import annotations
 
 import argparse
-import re
+import importlib.util
 import subprocess
 import sys
 import zipfile
@@ -43,21 +43,13 @@ LATER_PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(36, 40)]
 WHEELS_MAX_MB = 40  # of the 64 MiB a device call carries: the checkout itself is the rest
 
 
-def read_pins(path: Path) -> dict[str, str]:
-    """name==version lines of a pin list, as {canonical name: version}."""
-    pins = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        line = line.split("#")[0].strip()
-        if not line:
-            continue
-        m = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([^\s;]+)", line)
-        if not m:
-            raise ValueError(f"{path}:{n}: expected 'name==version', got {line!r}")
-        name = canonicalize_name(m.group(1))
-        if name in pins:
-            raise ValueError(f"{path}:{n}: {name} is pinned twice")
-        pins[name] = m.group(2)
-    return pins
+def _image_venv():
+    """scripts/image_venv.py, loaded from its file (scripts/ is no package): its read_pins reads the pin lists."""
+    spec = importlib.util.spec_from_file_location("image_venv", ROOT / "scripts" / "image_venv.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["image_venv"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def target_environment() -> dict[str, str]:
@@ -148,6 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--check", action="store_true", help="only check the folder; download nothing")
     a = ap.parse_args(argv)
+    read_pins = _image_venv().read_pins
     carry, device = read_pins(CARRY), read_pins(DEVICE)
     a.out.mkdir(exist_ok=True)
     if not a.check:

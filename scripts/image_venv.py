@@ -83,32 +83,40 @@ def _pairs(text: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in text.split())
 
 
-def load(name_or_path: str | Path) -> Image:
-    """Read images/<name>.txt (or a path): header keys and `name==version` lines."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = IMAGES_DIR / f"{name_or_path}.txt"
-    header: dict[str, str] = {}
+def read_pins(path: Path) -> dict[str, str]:
+    """The `name==version` lines of a pin list (comments and the header skipped), as {normalised name: version}."""
     pins: dict[str, str] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
-        m = re.match(r"#\s*(python|env|run-env|expect|colab|notebooks):\s*(.*)$", line)
-        if m:
-            header[m.group(1)] = m.group(2).strip()
-            continue
         line = line.split("#")[0].strip()
         if not line:
             continue
         m = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([^\s;]+)", line)
         if not m:
             raise ValueError(f"{path}:{n}: expected 'name==version', got {line!r}")
-        pins[norm(m.group(1))] = m.group(2)
+        name = norm(m.group(1))
+        if name in pins:
+            raise ValueError(f"{path}:{n}: {name} is pinned twice")
+        pins[name] = m.group(2)
+    return pins
+
+
+def load(name_or_path: str | Path) -> Image:
+    """Read images/<name>.txt (or a path): header keys and `name==version` lines."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = IMAGES_DIR / f"{name_or_path}.txt"
+    header: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"#\s*(python|env|run-env|expect|colab|notebooks):\s*(.*)$", line)
+        if m:
+            header[m.group(1)] = m.group(2).strip()
     if "python" not in header:
         raise ValueError(f"{path}: the header has no '# python: X.Y' line")
     return Image(
         name=path.stem,
         pin_file=path,
         python=header["python"],
-        pins=pins,
+        pins=read_pins(path),
         env=_pairs(header.get("env", "")),
         run_env=_pairs(header.get("run-env", "")),
         expect=_pairs(header.get("expect", "")),

@@ -1,4 +1,6 @@
-"""Tiny data and models shared by tests."""
+"""Tiny data and models shared by tests, and the environment of a child process."""
+
+import os
 
 import torch
 import torch.nn as nn
@@ -14,6 +16,15 @@ def blobs(n=256, dim=16, classes=4, seed=0):
 def mlp(dim=16, classes=4, seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(dim, 32), nn.ReLU(), nn.Linear(32, classes))
+
+
+def child_env(root, **extra) -> dict:
+    """This process's environment for a child Python that imports labkit and tests from `root` (a checkout or a
+    copy of one), plus `extra` variables. The outer pytest's PYTEST_ADDOPTS is left out: a child pytest would read
+    the outer run's options (its -x, -k, plugins) as its own."""
+    env = dict(os.environ, PYTHONPATH=str(root), **extra)
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
 
 
 def xla_counts():

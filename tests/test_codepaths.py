@@ -9,6 +9,7 @@ import pytest
 import labkit
 from labkit.codepaths import LABKIT_DIR, is_labkit_file, under
 from labkit.lessons import exercises
+from tests.helpers import child_env
 
 
 def _raise_from(path, tmp_path):
@@ -65,8 +66,7 @@ def test_the_checkers_tests_pass_in_a_clone_named_labkit_under_a_folder_with_a_s
             shutil.copytree(src, clone / part, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(src, clone / part)
-    env = dict(os.environ, PYTHONPATH=str(clone))
-    env.pop("PYTEST_ADDOPTS", None)
+    env = child_env(clone)
     where = subprocess.run(
         [sys.executable, "-c", "import labkit, tests; print(labkit.__file__); print(tests.__file__)"],
         cwd=clone,

@@ -23,7 +23,7 @@ import torch
 import labkit
 from labkit import Dashboard, TrainConfig, Trainer
 from labkit.dashboard import ConsoleSink
-from labkit.dashboard.dynamo import _break_event, parse_break
+from labkit.dashboard.dynamo import CompileRecord
 from labkit.dashboard.view import health_lines
 from labkit.precision import Precision
 from labkit.runtime import boundaries
@@ -130,6 +130,17 @@ def _payload(file, line, gb_type, explanation, context, gb_id, frames=()):
     )
 
 
+def _recorded(payload):
+    """The break as the compile record keeps it: the payload reaches the record the way torch sends it, a record
+    on torch's structured trace logger with the dynamo_graph_break_reason artifact."""
+    record = logging.makeLogRecord({"levelno": logging.DEBUG, "levelname": "DEBUG", "payload": payload,
+                                    "metadata": {"artifact": {"name": "dynamo_graph_break_reason"}}})  # fmt: skip
+    with CompileRecord() as rec:
+        logging.getLogger("torch.__trace").handle(record)
+        (ev,) = rec.take()
+    return ev
+
+
 def test_the_table_matches_torchs_registry():
     reg = boundaries.registry()
     assert reg, "torch ships no graph_break_registry.json"
@@ -144,19 +155,18 @@ def test_a_break_is_torchs_only_by_id_and_identity(tmp_path):
     (clone / "mine.py").write_text("torch._dynamo.graph_break()\n")
     gb = ("Call to `torch._dynamo.graph_break()`", "User-inserted graph break.", "Called `graph_break()`", "GB0025")
 
-    ours = parse_break(_payload(optimizer_py, 81, *gb, frames=[(optimizer_py, 81)]))
-    assert ours["gb_id"] == "GB0025" and _break_event(ours, None)["owner"] == "torch"
-    spelled = parse_break(_payload(str(clone / "mine.py"), 1, *gb, frames=[(str(clone / "mine.py"), 1)]))
-    ev = _break_event(spelled, None)
+    ours = _recorded(_payload(optimizer_py, 81, *gb, frames=[(optimizer_py, 81)]))
+    assert ours["gb_id"] == "GB0025" and ours["owner"] == "torch"
+    ev = _recorded(_payload(str(clone / "mine.py"), 1, *gb, frames=[(str(clone / "mine.py"), 1)]))
     assert ev["owner"] == "yours" and ev["torch_boundary"] is None  # "/torch/optim/" in a path proves nothing
 
     step = ("Unsupported method call", "Dynamo does not know how to trace method `step` of class `SGD`")
-    wrapped = parse_break(_payload("/w/train.py", 9, *step, "call_method OptimizerVariable(SGD) step [] {}", "GB0156",
-                                   frames=[("/w/train.py", 9)]))  # fmt: skip
-    assert _break_event(wrapped, None)["owner"] == "torch"
-    other = parse_break(_payload("/w/train.py", 9, "Unsupported method call", "no", "call_method "
-                                 "UserDefinedObjectVariable(Foo) bar [] {}", "GB0156", frames=[("/w/train.py", 9)]))  # fmt: skip
-    assert _break_event(other, None)["owner"] == "yours"
+    wrapped = _recorded(_payload("/w/train.py", 9, *step, "call_method OptimizerVariable(SGD) step [] {}", "GB0156",
+                                  frames=[("/w/train.py", 9)]))  # fmt: skip
+    assert wrapped["owner"] == "torch"
+    other = _recorded(_payload("/w/train.py", 9, "Unsupported method call", "no", "call_method "
+                                "UserDefinedObjectVariable(Foo) bar [] {}", "GB0156", frames=[("/w/train.py", 9)]))  # fmt: skip
+    assert other["owner"] == "yours"
 
     group = (
         "torch.* op returned non-Tensor",
@@ -164,22 +174,21 @@ def test_a_break_is_torchs_only_by_id_and_identity(tmp_path):
         "example_value type: dict; target: _group_tensors_by_device_and_dtype",
     )
     foreach = os.path.join(TORCH_DIR, "utils", "_foreach_utils.py")
-    grouped = parse_break(_payload(foreach, 48, *group, "GB0208", frames=[("/w/a.py", 3), (foreach, 48)]))
-    assert _break_event(grouped, None)["owner"] == "torch"
-    mine = parse_break(_payload("/w/a.py", 3, *group, "GB0208", frames=[("/w/a.py", 3)]))
-    assert _break_event(mine, None)["owner"] == "yours"
+    grouped = _recorded(_payload(foreach, 48, *group, "GB0208", frames=[("/w/a.py", 3), (foreach, 48)]))
+    assert grouped["owner"] == "torch"
+    mine = _recorded(_payload("/w/a.py", 3, *group, "GB0208", frames=[("/w/a.py", 3)]))
+    assert mine["owner"] == "yours"
 
     skipped = ("Attempted to inline function marked as skipped", "Dynamo developers have intentionally marked ...")
     grad_scaler = os.path.join(TORCH_DIR, "amp", "grad_scaler.py")
     ctx = f"qualname: GradScaler.update, name: update, filename: `{grad_scaler}`, skip reason: MOD_SKIPLIST"
-    assert _break_event(parse_break(_payload("/w/a.py", 3, *skipped, ctx, "GB0008")), None)["owner"] == "torch"
+    assert _recorded(_payload("/w/a.py", 3, *skipped, ctx, "GB0008"))["owner"] == "torch"
     fake = f"qualname: GradScaler.update, name: update, filename: `{clone / 'mine.py'}`, skip reason: x"
-    assert _break_event(parse_break(_payload("/w/a.py", 3, *skipped, fake, "GB0008")), None)["owner"] == "yours"
+    assert _recorded(_payload("/w/a.py", 3, *skipped, fake, "GB0008"))["owner"] == "yours"
 
     # inside torch, not one of its boundaries, and no line outside torch: whose it is is not proven, and said so
     inside = os.path.join(TORCH_DIR, "nn", "functional.py")
-    lost = parse_break(_payload(inside, 5, "Data-dependent branching", "x", "y", "GB0170", frames=[(inside, 5)]))
-    ev = _break_event(lost, None)
+    ev = _recorded(_payload(inside, 5, "Data-dependent branching", "x", "y", "GB0170", frames=[(inside, 5)]))
     assert ev["owner"] == "unknown" and ev["torch_boundary"] is None
     from labkit.dashboard.rules import break_findings
 
@@ -304,6 +313,7 @@ def test_the_console_twins_trigger_command_is_quoted(monkeypatch, tmp_path):
 def test_the_missing_bucket_advice_quotes_the_bucket(tmp_path):
     from labkit.cloud import gcs
 
+    # the advice's own quoting, called directly: ensure_bucket refuses such a name before it asks GCS (check_bucket)
     msg = str(gcs._missing("b $(touch X)", "gs://b $(touch X)/data"))
     cmd = msg.split("region: ", 1)[1]
     out = subprocess.run(["bash", "-c", cmd.replace("gcloud", "printf '%s\\n'", 1)], cwd=tmp_path, check=True,
@@ -364,24 +374,24 @@ def test_an_environment_value_is_the_same_error_naming_the_variable(monkeypatch,
 
 # -- numbers taken on trust ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "call, name",
+    "fn, args, name",
     [
-        (lambda o: o.scaled_lr(float("nan"), 128, 256), "lr"),
-        (lambda o: o.scaled_lr(float("inf"), 128, 256), "lr"),
-        (lambda o: o.scaled_lr(-0.1, 128, 256), "lr"),
-        (lambda o: o.scaled_lr(0.1, True, 256), "base_batch"),
-        (lambda o: o.scaled_lr(0.1, 128, 256.0), "global_batch"),
-        (lambda o: o.scaled_lr(0.1, 0, 256), "base_batch"),
-        (lambda o: o.WarmupCosine(True, 10), "warmup"),
-        (lambda o: o.WarmupCosine(1, 10, float("nan")), "floor"),
-        (lambda o: o.WarmupCosine(1, 10, 1.5), "floor"),
+        ("scaled_lr", (float("nan"), 128, 256), "lr"),
+        ("scaled_lr", (float("inf"), 128, 256), "lr"),
+        ("scaled_lr", (-0.1, 128, 256), "lr"),
+        ("scaled_lr", (0.1, True, 256), "base_batch"),
+        ("scaled_lr", (0.1, 128, 256.0), "global_batch"),
+        ("scaled_lr", (0.1, 0, 256), "base_batch"),
+        ("WarmupCosine", (True, 10), "warmup"),
+        ("WarmupCosine", (1, 10, float("nan")), "floor"),
+        ("WarmupCosine", (1, 10, 1.5), "floor"),
     ],
 )
-def test_numbers_are_refused_by_name(call, name):
+def test_numbers_are_refused_by_name(fn, args, name):
     from labkit import optim
 
     with pytest.raises(ValueError, match=name):
-        call(optim)
+        getattr(optim, fn)(*args)
 
 
 def test_from_env_and_batch_plans_refuse_bools_and_non_finite_numbers(monkeypatch):

@@ -2,23 +2,23 @@
 SPMD and XLA's HLO dump must be set before torch_xla starts): same losses, predicted collectives,
 per-device bytes."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.heavy
 def test_strategies_agree_and_cost_what_the_paper_says():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
     p = subprocess.run(
         [sys.executable, "-m", "tests.children.parallel_gpt_run"],
         cwd=ROOT,
-        env=env,
+        env=child_env(ROOT, TF_CPP_MIN_LOG_LEVEL="3"),
         capture_output=True,
         text=True,
         timeout=900,

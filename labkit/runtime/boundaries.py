@@ -41,6 +41,15 @@ class Boundary:
     why: str  # why torch breaks there, and what it costs
 
 
+# GB0007 (a call) and GB0008 (an inline) are one boundary under two ids: the same functions, the same cost
+_SKIPPED = (
+    "skipped",
+    ("torch.optim.optimizer", "torch.amp.grad_scaler"),
+    "a function Dynamo skips",
+    "Dynamo skips it on purpose (zero_grad, the GradScaler's unscale_/step/update): it runs eagerly between "
+    "graphs; under fp16 the GradScaler's inf check reads a value on the host, as in eager",
+)
+
 TORCH_BOUNDARIES = (
     Boundary(
         "GB0025",
@@ -69,24 +78,8 @@ TORCH_BOUNDARIES = (
         "clip_grad_norm_ groups the gradients by device and dtype in a call that returns a dict: the norm and "
         "the scaling compile as graphs around it",
     ),
-    Boundary(
-        "GB0007",
-        "Attempted to call function marked as skipped",
-        "skipped",
-        ("torch.optim.optimizer", "torch.amp.grad_scaler"),
-        "a function Dynamo skips",
-        "Dynamo skips it on purpose (zero_grad, the GradScaler's unscale_/step/update): it runs eagerly between "
-        "graphs; under fp16 the GradScaler's inf check reads a value on the host, as in eager",
-    ),
-    Boundary(
-        "GB0008",
-        "Attempted to inline function marked as skipped",
-        "skipped",
-        ("torch.optim.optimizer", "torch.amp.grad_scaler"),
-        "a function Dynamo skips",
-        "Dynamo skips it on purpose (zero_grad, the GradScaler's unscale_/step/update): it runs eagerly between "
-        "graphs; under fp16 the GradScaler's inf check reads a value on the host, as in eager",
-    ),
+    Boundary("GB0007", "Attempted to call function marked as skipped", *_SKIPPED),
+    Boundary("GB0008", "Attempted to inline function marked as skipped", *_SKIPPED),
     Boundary(
         "GB0123",
         "Unsupported Tensor.backward() call",
