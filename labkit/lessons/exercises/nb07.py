@@ -108,7 +108,7 @@ def check_fixed_step(fixed_step, rt, steps: int = 8, warmup: int = 2) -> str:
 
 LOADER_STEP_S = 0.02  # the step (seconds of device work) exercise 2's loader must keep fed
 # exercise 2's bar: under this share of each timed step waiting for the batch. On a busy 2-core machine each batch's
-# hand-over from a worker costs milliseconds, and right fixes (4 workers) waited 19 % to 35 % there; so a loader over
+# hand-over from a worker costs milliseconds, and right fixes (4 workers) waited 24 % to 37 % there; so a loader over
 # the bar is timed again in turns with a right fix, both under the same load, and passes if its median wait per step
 # is within LOADER_TOLERANCE of a step of the fix's. A loader decoding in the main process waits its whole decode
 # (batch x 0.6 ms, at least 19 ms a step), one worker on a batch of 64 about 18 ms (38 ms of decode per 20 ms step):
@@ -117,16 +117,17 @@ LOADER_BAR, LOADER_TOLERANCE = 0.3, 0.25
 TIMED_STEPS = (2, 12)  # the steps timed: the first two wait for the workers to start
 
 
-def _in_turns(a, b, compute_s: float) -> tuple[float, float]:
-    """Median seconds that loaders a and b wait for a batch, timed in turns (a's batch and half a step, then b's),
-    so that both meet the same load; each still gets a whole step (its half and the other's) between its batches."""
-    its, waits = (iter(a), iter(b)), ([], [])
-    for step in range(TIMED_STEPS[1]):
-        for it, w in zip(its, waits):
+def _in_turns(a, b, compute_s: float, steps: int = 24, skip: int = 4) -> tuple[float, float]:
+    """Median seconds that loaders a and b wait for a batch, timed in turns (one's batch and half a step, then the
+    other's; who goes first alternates), so that both meet the same load; each still gets a whole step (its half and
+    the other's) between its batches. The first `skip` steps, the workers' start, are not timed."""
+    its, waits = [iter(a), iter(b)], ([], [])
+    for step in range(steps):
+        for j in (0, 1) if step % 2 == 0 else (1, 0):
             t0 = time.perf_counter()
-            next(it)
-            if step >= TIMED_STEPS[0]:
-                w.append(time.perf_counter() - t0)
+            next(its[j])
+            if step >= skip:
+                waits[j].append(time.perf_counter() - t0)
             time.sleep(compute_s / 2)
     return statistics.median(waits[0]), statistics.median(waits[1])
 
