@@ -204,11 +204,13 @@ print(f"{sum(p.numel() for p in probe.parameters()):,} parameters ({PARAM_BYTES 
 #   the collectives the layout needs.
 #
 # Megatron's pair for every MLP: `mlp.fc` (4C x C, output by input features) split by its rows, so each device of a
-# model group computes a slice of the hidden units and GELU needs nothing from the others; `mlp.proj` (C x 4C) split
-# by its columns, so each device multiplies its own hidden slice and holds a *partial sum* of the output. Predict
-# before running: completing that sum takes an **all-reduce within each model group** (2 devices), and the weights
-# left whole (attention, embeddings) get gradients summed over the data groups. The batch is split by sequences over
-# `"data"`. Two training steps, then the layout read back and the collectives read from the compiled step's HLO.
+# model group computes a slice of the hidden units and GELU needs nothing from the others (*column parallel*, in
+# Megatron's terms: the weight's output columns when it is written input x output); `mlp.proj` (C x 4C) split
+# by its columns, so each device multiplies its own hidden slice and holds a *partial sum* of the output (*row
+# parallel*). Predict before running: completing that sum takes an **all-reduce within each model group** (the 2
+# devices of one row of the mesh, over the `model` axis), and the weights left whole here (attention, embeddings)
+# get gradients summed over the data groups. The batch is split by sequences over `"data"`. Two training steps,
+# then the layout read back and the collectives read from the compiled step's HLO.
 
 # %%
 import numpy as np
@@ -266,6 +268,16 @@ if DUMPING:
         "the row-parallel proj's partial sums are completed by an all-reduce within each model group"
     assert any(o["op"] == "all-reduce" and o["group"] > P.model_axis for o in ops), \
         "gradients of the weights left whole are summed across the data groups"
+
+# %% [markdown]
+# **The whole Megatron block.** Attention gets the same pair: q, k and v are column parallel (each device of a model
+# group computes whole heads of its own, and attention needs nothing from the other heads) and the attention's output
+# projection is row parallel (a partial sum, completed by an all-reduce). labkit's tensor-parallel strategy (section
+# 4) splits both, the MLP as above. Per block that makes **2 all-reduces in the forward** (attention's output and the
+# MLP's), each of one data slice's activations, (B/data, T, C). The backward mirrors them: the gradient with respect
+# to a column-parallel layer's input is a partial sum over the devices' slices, so the inputs of q/k/v and of
+# `mlp.fc` need **2 more**: 4 all-reduces per block, all within a model group. Section 7 counts them in the HLO;
+# exercise 4 asks for their bytes.
 
 # %% [markdown]
 # **Reading a sharding string.** `S.sharding_of` prints torch_xla's own text, XLA's HLO sharding. For
@@ -330,9 +342,9 @@ assert drift <= P.loss_tol, (hand_losses, tp.losses[:2])
 #   cores (section 8). It is the reference the other three must agree with.
 # * **data parallel**: the MLP's weights are whole on every device (grey); the batch's rows (sequences) are split
 #   into 8.
-# * **tensor parallel**: `mlp.fc` (4C x C) is split by rows (*column parallel*: each model group half computes
-#   half the hidden units), `mlp.proj` (C x 4C) by columns (*row parallel*: each half produces a partial sum of
-#   the output, which an all-reduce completes). Devices 0,2,4,6 hold the same half; the batch is split in 4 over
+# * **tensor parallel**: as in section 3, `mlp.fc` (4C x C) is split by rows (column parallel: each device of a
+#   model group computes half the hidden units), `mlp.proj` (C x 4C) by columns (row parallel: each half produces
+#   a partial sum of the output, which an all-reduce completes). Devices 0,2,4,6 hold the same half; the batch is split in 4 over
 #   `data`, each quarter held by a model pair.
 # * **FSDP**: every weight is split 8 ways along its largest dimension (FSDPv2's choice: rows of `mlp.fc`, columns
 #   of `mlp.proj`), one slice per device; the batch too.
@@ -472,11 +484,9 @@ if ex.solutions_on():
 ex.check("03.fsdp_bytes", lambda: nb03.check_fsdp_bytes(fsdp_bytes, mesh, probe, results["fsdp"].param_bytes))
 
 # %% [markdown]
-# **4.** Megatron's tensor parallelism all-reduces activations inside every block: section 3 found one after the
-# row-split `mlp.proj`, whose devices each hold a partial sum. Per block there are two such row-parallel outputs
-# (attention's projection and the MLP's) completed in the forward, and the backward mirrors them: the input
-# gradients of the two column-parallel layers (q/k/v and `mlp.fc`) are partial sums too, **4 all-reduces per block**,
-# each of one data slice's activations, (B/data, T, C) (section 7 counts them in the HLO). Write
+# **4.** Megatron's tensor parallelism all-reduces activations inside every block: section 3 counted **4 per block**
+# (2 in the forward, 2 in the backward), each of one data slice's activations, (B/data, T, C), within a model
+# group (section 7 finds them in the HLO). Write
 # `megatron_bytes(B, T, C, L, data)`: the float32 bytes of the activation buffers one model group all-reduces in one
 # training step (every model group does the same for its own data slice: do not add the groups up), for a global
 # batch of B sequences of T tokens, width C, L blocks, on a mesh whose `data` axis has `data` devices.
@@ -505,10 +515,9 @@ ex.check("03.megatron", lambda: nb03.check_megatron_bytes(megatron_bytes))
 #
 # * **data parallel** (`predict_data_parallel`): every device computes the gradient of its slice of the batch, and
 #   the step needs their sum: one **all-reduce** per parameter tensor, of the parameter bytes. Nothing else moves.
-# * **tensor parallel** (`predict_tensor_parallel`, Megatron): per block, forward, the two row-parallel outputs
-#   (attention projection, MLP projection) are partial sums: 2 all-reduces over the model group of one data slice's
-#   activations (B/data, T, C); backward, the input gradients of the two column-parallel layers (q/k/v, MLP fc):
-#   2 more. Then data parallelism over the `data` axis: each gradient all-reduced at the size one device holds.
+# * **tensor parallel** (`predict_tensor_parallel`, Megatron): section 3's 4 all-reduces per block (2 forward, 2
+#   backward), each within one model group, of one data slice's activations (B/data, T, C). Then data parallelism
+#   over the `data` axis: each gradient all-reduced at the size one device holds.
 # * **FSDP** (`predict_fsdp`): the textbook (ZeRO-3, and what PyTorch's FSDP2 issues by construction) gathers
 #   every weight before its forward and again before its backward (**all-gather**, 2 x the parameter bytes) and
 #   **reduce-scatters** each gradient (the parameter bytes).

@@ -568,8 +568,10 @@ assert (static, marked, automatic) == (3, 1, 2) and outside != "ran"
 # %% [markdown]
 # ### The same findings from `labkit.explain()`
 # labkit's `explain()` reads torch.compile's own record off XLA: graphs, recompiles with the guard that failed and
-# the line, graph breaks with their reason and line, and the time spent compiling. Here it reads the planted runs
-# again.
+# the line, graph breaks with their reason and line, and the time spent compiling. Given a `CompileRecord`, it reads
+# only what ran since that record started: here the two planted runs again, the break and the recompiles, and
+# nothing from section 2. Each recompile site is one line, with every guard that failed there in order: the four
+# smoothing values are one cause, the short batch another.
 
 # %%
 from labkit.dashboard import CompileRecord
@@ -577,15 +579,26 @@ from labkit.dashboard import CompileRecord
 record = CompileRecord()  # labkit listens to Dynamo's structured trace from here on (a Trainer's dashboard does this)
 torch._dynamo.reset()
 torch.compile(Watched(), dynamic=False, backend=DYNAMO)(batches[0][0])  # the planted break, compiled
-run_loss(smoothed_loss, ragged)  # the planted recompiles (run_loss resets Dynamo first: the break is run again after)
-torch.compile(Watched(), dynamic=False, backend=DYNAMO)(batches[0][0])
-found = labkit.explain(verbose=True, rt=rt)
+run_loss(smoothed_loss, ragged)  # the planted recompiles
+found = labkit.explain(record, verbose=True, rt=rt)
+record.close()
+recompile_lines = [a for a in found["advice"] if a.startswith("Recompile")]
 assert "item" in found["text"] and "smoothing ==" in found["text"], "the break and the guard, named"
 assert f":{planted_line}" in found["text"], "the planted break's line"
-assert record.snapshot()["recompiles"] >= len(ragged) - 1, record.snapshot()
+assert found["recompiles"] == len(ragged) - 1, "one per new smoothing value, one for the short batch"
+assert len(recompile_lines) == 2 and f"({len(ragged) - 2} times)" in recompile_lines[0], recompile_lines
+assert len(found["breaks"]) == 1 and not found["torch_breaks"], "no optimizer ran here: none of torch's own"
+assert found["compiles"] == 2 + len(ragged), "forward before and after the break; smoothed_loss once per step"
 torch._dynamo.reset()
 
 # %% [markdown]
+# Read the first line's counts. *Frames* are the Python functions Dynamo compiled, each compile counted: eight here,
+# the watched `forward` twice (the part before the break, and the rest after it, which Dynamo compiles as a frame of
+# its own) and `smoothed_loss` six times (its first compile and five recompiles). The time is Dynamo's and
+# AOTAutograd's work with the `aot_eager` backend. One break is yours (the `.item()`); none is torch's own, because
+# no optimizer ran in this cell (section 2's two were `Optimizer.step`'s). The five recompiles are four smoothing
+# values, then the short batch: two lines, one per cause.
+
 # **Every kind of guard, once.** Section 3 showed a size guard and a value guard. Dynamo checks more about each tensor
 # argument: its size, its stride (how the elements are laid out in memory), dtype, device and `requires_grad`; and
 # global state (grad mode, autocast) on every call. Below, a function compiled with `dynamic=False` is called once,

@@ -86,6 +86,41 @@ def test_planted_break_and_recompiles_are_named_with_their_lines(capsys):
     rec.close()  # torch's logger goes back to no handler of labkit's
 
 
+def test_explain_of_a_record_lists_each_recompile_once_and_reads_id_guards():
+    torch._dynamo.reset()
+    rec = CompileRecord()
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opts = [opt, torch.optim.SGD(model.parameters(), lr=0.1)]  # both kept alive: an id guard, not a freed object
+
+    def step(o):
+        o.step()
+
+    f = torch.compile(step, backend="eager", dynamic=False)
+    model(torch.ones(2, 3)).sum().backward()
+    for o in opts:
+        f(o)
+    g = torch.compile(planted, backend="eager", dynamic=False)
+    for s in (2.0, 3.0, 4.0):
+        g(torch.ones(3), s)
+    try:
+        info = labkit.explain(rec, rt=labkit.setup("cpu"), verbose=False)
+    finally:
+        rec.close()
+        torch._dynamo.reset()  # the optimizer's compiled step is not the next test's
+    lines = info["text"].splitlines()
+    smooth = [ln for ln in lines if "s == " in ln]
+    assert (
+        len(smooth) == 1
+        and smooth[0].startswith("- Recompile (2 times): planted (")
+        and "s == 2.0, then s == 3.0 (at " in smooth[0]
+    )
+    ids = [ln for ln in lines if "___check_obj_id" in ln]
+    assert ids and all("an id guard" in ln and "a new optimizer" in ln for ln in ids), ids
+    assert "keep it the same from step to step" not in info["text"]
+    assert len(info["recompile_events"]) == info["recompiles"] == 2 + len(ids), info["text"]  # nothing from before
+
+
 def test_torch_own_boundaries_are_not_blamed_on_the_code():
     rec = CompileRecord()
     model = torch.nn.Linear(3, 1)

@@ -102,12 +102,15 @@ def test_fixed_loader():
     def right(dataset, batch_size):
         return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=4)
 
-    assert "one shape" in nb07.check_fixed_loader(right)
+    said = nb07.check_fixed_loader(right)
+    assert "one shape" in said and "of each step waiting for the loader" in said, said
 
     def in_process(dataset, batch_size):
         return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True)
 
-    with pytest.raises(Wrong, match="waiting for the loader: the chip would starve"):
+    with pytest.raises(
+        Wrong, match=r"in turns with a right fix \(4 workers\): a median wait of .*: the chip would starve"
+    ):
         nb07.check_fixed_loader(in_process)
 
     def still_drops(dataset, batch_size):

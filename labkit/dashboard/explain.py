@@ -4,6 +4,7 @@
     ...train...
     info = labkit.explain(dash)      # prints a short summary, returns it as a dict
     labkit.explain(open("report.txt").read())   # or a saved met.metrics_report() text
+    rec = CompileRecord(); ...compile...; labkit.explain(rec)   # off XLA: only what ran since rec started
 
 It reads the same host-side counters as the dashboard (no device sync): compile vs execute time,
 compiles and recompilations (with the causes and lines the dashboard saw, when given one), aten:: ops that
@@ -98,12 +99,36 @@ def feed_of(source) -> dict | None:
     return {"data_wait_frac": frac, "data_wait_s": wait / sum(steps), "step_s": wall / sum(steps)}
 
 
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def recompile_lines(recs: list[dict]) -> list[str]:
+    """One line per recompile site: recompiles of one frame whose guards differ only in their numbers (a float
+    that changes every step, an object id) are one cause, said once with how many times and each guard's text."""
+    from labkit.dashboard.dynamo import recompile_text
+
+    groups: dict = {}
+    for e in recs:
+        key = (e["frame"], e.get("guard_site") or e.get("call"), _NUMBER.sub("#", e["guard"]))
+        groups.setdefault(key, []).append(e)
+    out = []
+    for evs in groups.values():
+        first, n = evs[0], len(evs)
+        guards = ", then ".join(dict.fromkeys(e["guard"] for e in evs))
+        times = "" if n == 1 else f" ({n} times)"
+        text = recompile_text(dict(first, guard=guards))
+        out.append(f"Recompile{times}: {text}. Fix: {_fix_for(GUARD_REASON + ': ' + first['guard'])}.")
+    return out
+
+
 def _explain_compiled(source, rt, events, fed, feed, verbose) -> dict:
     """Off XLA: torch.compile's record, the Dashboard's (from its first step) or the whole process's."""
-    from labkit.dashboard.dynamo import CompileRecord, recompile_text
+    from labkit.dashboard.dynamo import CompileRecord
 
     health = getattr(source, "health", source)
-    record = getattr(health, "record", None)
+    record = health if isinstance(health, CompileRecord) else getattr(health, "record", None)
+    if isinstance(health, CompileRecord):
+        health = None  # a bare record: what it saw since it started, no warm-up to leave out
     if record is None:  # read the process's record and let go of torch's logger at once
         with CompileRecord(since_process_start=True) as record:
             pass
@@ -126,8 +151,8 @@ def _explain_compiled(source, rt, events, fed, feed, verbose) -> dict:
         return d
     found = recompile_findings(events) if events else []
     advice = [f.advice for f in fed + found + break_findings(breaks + unknown)]
-    if not events:  # no Dashboard: every recompile of the process, each with its guard and line
-        advice += [f"Recompile: {recompile_text(e)}. Fix: {_fix_for(GUARD_REASON + ': ' + e['guard'])}." for e in recs]
+    if not events:  # no Dashboard: every recompile the record saw, each once, with its guard, line and fix
+        advice += recompile_lines(recs)
     notes = [f"torch's own boundary (not yours, nothing to fix) at {b['site']}: {b['torch_boundary']}." for b in own]
     if s["failed"]:
         advice.append(f"Dynamo gave up on {s['failed']} frame(s): they run eagerly ({record.status}).")
@@ -150,12 +175,17 @@ def _explain_compiled(source, rt, events, fed, feed, verbose) -> dict:
 def explain(source=None, verbose: bool = True, report: str | None = None, rt=None) -> dict:  # rt: or the source's
     """Summarise the XLA metrics of this process (or of `report`, a metrics_report() text).
 
-    source: the Dashboard (or its HealthMonitor) that watched the run: then each recompilation
+    source: a CompileRecord (labkit.dashboard.dynamo): torch.compile's record since it started, nothing else.
+    Or the Dashboard (or its HealthMonitor) that watched the run: then each recompilation
     comes with what changed and the line that compiled it, and the read warning names the lines
     that read from the device. (A metrics_report() text may also be passed first, as before.)
     rt: the Runtime labkit.setup() returned, when no Dashboard is passed."""
     if isinstance(source, str):
         source, report = None, source
+    from labkit.dashboard.dynamo import CompileRecord
+
+    if isinstance(source, CompileRecord):  # torch.compile's record from where it started, nothing else
+        return _explain_compiled(source, rt, [], [], None, verbose)
     events, syncs = _events_of(source)
     feed = feed_of(source)
     fed = feed_finding(feed["data_wait_frac"], feed["data_wait_s"], feed["step_s"]) if feed else []

@@ -74,6 +74,20 @@ def _fix_for(reason: str) -> str:
                 "keep shapes fixed (pad to a fixed batch size or drop_last=True; bucket variable lengths), or mark "
                 "the dimension dynamic (torch._dynamo.mark_dynamic) when it must vary"
             )
+        if "___check_obj_id" in guard or "got deallocated" in guard:  # ID_MATCH: Dynamo compiled for one object
+            return (
+                "an id guard: the code was compiled for one particular object (a module, an optimizer, a function or "
+                "a closure) and now sees a different one, e.g. a new optimizer or model built for a second run, or a "
+                "function defined again; build such objects once and reuse them, or call torch._dynamo.reset() "
+                "before starting over on purpose"
+            )
+        if "requires_grad mismatch" in guard:
+            return (
+                "an input requires grad now and did not before (or the reverse), e.g. an activation where data was: "
+                "one graph per case is expected; detach the input if its gradient is not needed"
+            )
+        if "___check_type_id" in guard:  # TYPE_MATCH
+            return "a value's type changed between calls (an int where a float was, another class): keep it one type"
         if "==" in guard or "is " in guard:
             return (
                 "a Python value the graph was specialised on changed: pass it as a tensor (e.g. torch.tensor(lr) "
