@@ -1,5 +1,7 @@
 """Notebook 07's checkers on XLA:CPU: each passes the fix and turns away the faked or half fixes."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -197,7 +199,18 @@ def test_fixed_plan():
                 plan[name] = ("fsdp", None) if d == 0 else (None, "fsdp")
         return plan
 
-    assert "(1.00x an even split), the same losses as replicated" in nb07.check_fixed_plan(right)
+    said = nb07.check_fixed_plan(right)
+    m = re.match(
+        r"width (\d+): each of 4 devices holds ([\d,]+) bytes \((\d\.\d\d)x an even split\), the same losses", said
+    )
+    assert m, said
+    # every weight matrix split over the 4 devices; the biases whole, or split where XLA's propagation chose to:
+    # the bytes one device holds lie between those two, from the model's shapes (the width changes per call)
+    params = list(capstone.make_model(None, width=int(m[1]), seed=0).parameters())
+    split = sum(p.numel() for p in params if p.dim() == 2) * 4 // 4
+    biases = sum(p.numel() for p in params if p.dim() != 2) * 4
+    assert split + biases // 4 <= int(m[2].replace(",", "")) <= split + biases, said
+    assert 1.0 <= float(m[3]) <= (split + biases) / ((split * 4 + biases) / 4) + 0.005, said
     with pytest.raises(Wrong, match=r"2.weight \((\d+), \1\) over 4 devices: left whole"):
         nb07.check_fixed_plan(larger_dim_plan)
     with pytest.raises(Wrong, match=r"2.weight .* left whole"):
