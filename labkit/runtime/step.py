@@ -32,9 +32,10 @@ Everything else (zero_grad, the scheduler's step, the loss sums) stays eager: a 
 
 Recompiles: `dynamic=False` specialises each graph to its shapes, so a new batch shape is a new graph (as on
 XLA). A learning rate that changes as a Python float is a guard that fails every step; `prepare` turns each
-param group's lr into a 0-dim CPU tensor (what torch's "compiled optimizer with an LR scheduler" recipe does;
-LambdaLR and the other schedulers then fill it in place; the compiled step puts it back where a scheduler assigned a
-float, as ReduceLROnPlateau and CosineAnnealingWarmRestarts do), and, off the CPU, sets `capturable=True` on optimizers
+param group's lr into a 0-dim CPU tensor (float32, or float64 for float64 parameters: lr_dtype; what torch's
+"compiled optimizer with an LR scheduler" recipe does; LambdaLR and the other schedulers then fill it in place; the
+compiled step puts it back where a scheduler assigned a float, as ReduceLROnPlateau and CosineAnnealingWarmRestarts
+do), and, off the CPU, sets `capturable=True` on optimizers
 that have it (Adam, AdamW, ...): their step counts live on the device, so the bias corrections are tensors in the
 graph, not host floats (Dynamo sets it too, but only before the state exists: not after a resume). After
 warm-up (the first step: the model's graph; the optimizer's graph, once its state exists) a run compiles
@@ -59,6 +60,16 @@ def unexpected_breaks(reasons) -> list[str]:
     torch's own boundaries. The id only: these keys carry no file, so this is a screen for tests of a step whose
     code is known; labkit.dashboard.dynamo's record, which has the file, is what decides whose a break is."""
     return [r for r in reasons if gb_id(r, r) not in BY_ID]
+
+
+def lr_dtype(group) -> torch.dtype:
+    """The dtype of a param group's tensor lr: float64 where its parameters are float64, else float32 (torch's
+    recipe, `lr=torch.tensor(0.01)`). A float64 lr in a float32 update is a `const double*` input of Inductor's fused
+    AdamW kernel (torch 2.9, CPU): the step size and eps terms, recomputed for each 16 lanes, then run in double with
+    two conversions, where a float lr is a float constant; the rest of the kernel is the same. Measured (2026-11-27,
+    the GPT of bench/bench_compile.py, its compiled AdamW step alone, CPU seconds on one thread, 12 interleaved
+    rounds of a loaded 2-core x86 machine): 2.27 ms with a float64 lr, 2.08 ms float32, 2.03 ms a float constant."""
+    return torch.float64 if any(p.dtype == torch.float64 for p in group["params"]) else torch.float32
 
 
 class EagerStep:
@@ -116,7 +127,9 @@ class CompiledStep(EagerStep):
             if lr is own:
                 continue
             if own is None:  # the first look at this group: its tensor from now on
-                own = self._lr[id(group)] = lr if torch.is_tensor(lr) else torch.tensor(float(lr), dtype=torch.float64)
+                own = self._lr[id(group)] = (
+                    lr if torch.is_tensor(lr) else torch.tensor(float(lr), dtype=lr_dtype(group))
+                )
             else:  # a float, or another tensor a scheduler computed: its value into the group's own (on the CPU)
                 own.fill_(float(lr))
             group["lr"] = own
