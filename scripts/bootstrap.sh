@@ -13,7 +13,7 @@ fi
 # The Makefile runs the venv by its resolved path for the same reason.
 case "$PWD" in
   *[[:space:]]*)
-    away="${XDG_CACHE_HOME:-$HOME/.cache}/labkit/venvs/$(basename "$PWD" | tr -c 'A-Za-z0-9._\n-' '_')-$(printf %s "$PWD" | sha256sum | cut -c1-10)"
+    away="${XDG_CACHE_HOME:-$HOME/.cache}/labkit/venvs/$(basename "$PWD" | tr -c 'A-Za-z0-9._\n-' '_')-$(printf %s "$PWD" | sha256sum | cut -c1-10)/venv"
     if [ ! -L .venv ]; then
       [ -e .venv ] && { echo "[bootstrap] .venv is a folder under a path with a space ($PWD): remove it, then run again" >&2; exit 1; }
       mkdir -p "$away" && ln -s "$away" .venv

@@ -39,11 +39,13 @@ IMAGES_DIR = ROOT / "images"
 def venvs_dir(root: Path) -> Path:
     """.venvs/ in the checkout, unless the checkout's path holds a space: torch's Inductor then cannot link what it
     compiles (torch 2.9 hands `-L<site-packages>/torch/lib` to the C++ compiler unquoted: "cannot find -ltorch"), so
-    the venvs live in ~/.cache/labkit/venvs/<folder>-<hash of the path>/ and .venvs is a link to that folder."""
+    the venvs live in ~/.cache/labkit/venvs/<folder>-<hash of the path>/images/ and .venvs is a link to that folder
+    (scripts/bootstrap.sh puts the project venv beside it, in .../venv)."""
     if not any(c.isspace() for c in str(root)):
         return root / ".venvs"
     tag = hashlib.sha256(str(root).encode()).hexdigest()[:10]
-    return Path.home() / ".cache" / "labkit" / "venvs" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', root.name)}-{tag}"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "labkit" / "venvs" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', root.name)}-{tag}" / "images"
 
 
 VENVS = venvs_dir(ROOT)
