@@ -17,7 +17,7 @@ import torch
 import labkit
 from labkit import Dashboard, TrainConfig, Trainer
 from labkit.dashboard import ConsoleSink
-from labkit.dashboard.dynamo import CompileRecord, break_text, guard_source, parse_break, recompile_text
+from labkit.dashboard.dynamo import CompileRecord, break_text, guard_line, guard_source, parse_break, recompile_text
 from labkit.dashboard.view import health_lines
 from tests.helpers import blobs, mlp
 
@@ -185,6 +185,10 @@ def test_parse_break_reads_both_forms():
     assert str(guard_source(g % (__file__, line), __file__)).endswith(
         f":{line} y = x * s  # a Python float: Dynamo specialises the graph on its value (a guard)"
     )
+    # torch 2.11's id guard prints the object after it, over several lines: the guard is its first line
+    idg = "___check_obj_id(self, 140325040022704), type=SGD (\nParameter Group 0\n    lr: 0.1\n)"
+    assert guard_line(idg) == "___check_obj_id(self, 140325040022704), type=SGD"
+    assert guard_line("lr == 0.1  # y = x * lr  # a.py:3 in f") == "lr == 0.1"  # torch 2.9's form
 
 
 class PlantedStep(Trainer):

@@ -43,7 +43,7 @@ import threading
 import torch
 
 from labkit.codepaths import is_labkit_file, under
-from labkit.dashboard.dynamo_parse import _site, clean_guard, guard_source, parse_break  # noqa: F401 (re-exported)
+from labkit.dashboard.dynamo_parse import _site, clean_guard, guard_line, guard_source, parse_break  # noqa: F401 (re-exported)
 from labkit.dashboard.syncs import Site, user_site
 from labkit.runtime.boundaries import boundary_for
 
@@ -139,7 +139,7 @@ def _compile_event(m: dict, call: Site | None, backward: bool = False) -> dict:
         "file": file,
         "first_line": first,
         "seconds": float(secs or 0.0),
-        "guard": guard.split("  #")[0].strip() if guard else None,
+        "guard": guard_line(guard) if guard else None,
         "guard_text": guard,
         "guard_site": str(src) if src else None,
         "call": str(call) if call else None,

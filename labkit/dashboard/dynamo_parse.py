@@ -45,6 +45,14 @@ def clean_guard(reason: str | None) -> str | None:
     return _COMPILE_ID.sub("", reason.strip(), count=1)
 
 
+def guard_line(guard: str) -> str:
+    """The failed guard itself, on one line: without the source-line comments, a "User stack trace:" below it, or,
+    torch 2.11, the object an id guard names printed over several lines after it ("___check_obj_id(self, 1403...),
+    type=SGD (" + the optimizer's repr + ")"): that first line, less the repr's opening bracket."""
+    first = guard.split("  #")[0].split("\n")[0].strip()
+    return first[:-1].rstrip() if first.endswith("(") else first
+
+
 def guard_source(guard: str, file: str | None) -> Site | None:
     """The learner's line a failed guard came from, when Dynamo wrote it after the guard ("... # code  # a.py:3 in f";
     value guards carry it, tensor shape guards do not). `file`: the recompiled frame's file, to restore the path
