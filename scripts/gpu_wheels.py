@@ -17,13 +17,14 @@ Any failure names the package. On the device: `run(command="bash scripts/gpu_che
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 import zipfile
 from email.parser import HeaderParser
 from pathlib import Path
 
+# run as a script (python scripts/gpu_wheels.py): scripts/ is on the path, so its sibling's pin reader is one import
+from image_venv import read_pins
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
@@ -41,15 +42,6 @@ PLATFORMS = ["manylinux1_x86_64", "manylinux2010_x86_64", "manylinux2014_x86_64"
 ]
 LATER_PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(36, 40)]
 WHEELS_MAX_MB = 40  # of the 64 MiB a device call carries: the checkout itself is the rest
-
-
-def _image_venv():
-    """scripts/image_venv.py, loaded from its file (scripts/ is no package): its read_pins reads the pin lists."""
-    spec = importlib.util.spec_from_file_location("image_venv", ROOT / "scripts" / "image_venv.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["image_venv"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def target_environment() -> dict[str, str]:
@@ -140,7 +132,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--check", action="store_true", help="only check the folder; download nothing")
     a = ap.parse_args(argv)
-    read_pins = _image_venv().read_pins
     carry, device = read_pins(CARRY), read_pins(DEVICE)
     a.out.mkdir(exist_ok=True)
     if not a.check:

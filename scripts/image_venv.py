@@ -71,6 +71,8 @@ class Image:
     expect: dict[str, str]  # what the set-up cell should print, e.g. {"platform": "colab-tpu", "choice": "keep"}
     colab: bool
     notebooks: tuple[str, ...] = ("01", "02")  # the notebooks CI runs in this image (their number prefixes)
+    # notebooks run on several virtual XLA:CPU devices, as the image's chips: {"01": 2} (`# devices: 01=2 02=4`)
+    devices: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def venv(self) -> Path:
@@ -109,12 +111,12 @@ def load(name_or_path: str | Path) -> Image:
         path = IMAGES_DIR / f"{name_or_path}.txt"
     header: dict[str, str] = {}
     for line in path.read_text().splitlines():
-        m = re.match(r"#\s*(python|env|run-env|expect|colab|notebooks):\s*(.*)$", line)
+        m = re.match(r"#\s*(python|env|run-env|expect|colab|notebooks|devices):\s*(.*)$", line)
         if m:
             header[m.group(1)] = m.group(2).strip()
     if "python" not in header:
         raise ValueError(f"{path}: the header has no '# python: X.Y' line")
-    return Image(
+    img = Image(
         name=path.stem,
         pin_file=path,
         python=header["python"],
@@ -124,7 +126,22 @@ def load(name_or_path: str | Path) -> Image:
         expect=_pairs(header.get("expect", "")),
         colab="colab" in header,
         notebooks=tuple(header.get("notebooks", "01 02").split("(")[0].split()),  # "(why)" is a comment
+        devices=_devices(path, header.get("devices", "").split("(")[0]),
     )
+    if stray := sorted(set(img.devices) - set(img.notebooks)):
+        raise ValueError(f"{path}: '# devices:' names notebook(s) {stray}, which '# notebooks:' does not run")
+    return img
+
+
+def _devices(path: Path, text: str) -> dict[str, int]:
+    """`01=2 02=4` -> {"01": 2, "02": 4}; anything else is an error naming the file."""
+    found = {}
+    for item in text.split():
+        m = re.fullmatch(r"(\d\d)=(\d+)", item)
+        if not m or int(m.group(2)) < 1:
+            raise ValueError(f"{path}: '# devices:' expects NOTEBOOK=COUNT pairs such as 01=2, got {item!r}")
+        found[m.group(1)] = int(m.group(2))
+    return found
 
 
 def image_names() -> list[str]:

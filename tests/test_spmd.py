@@ -1,6 +1,7 @@
 """SPMD data parallelism over 4 virtual CPU devices, each case in a subprocess: SPMD must be switched
 on before the first XLA tensor exists, and this test process already has some."""
 
+import json
 import os
 import subprocess
 import sys
@@ -8,10 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests import background, test_images
+from tests.children.image_job import load_image_venv
+
 # heavy: minutes of XLA:CPU compiles or real child processes; the Python 3.13 run leaves them to the 3.11 run
 pytestmark = pytest.mark.heavy
 
 ROOT = Path(__file__).resolve().parent.parent
+image_venv = load_image_venv()
 
 
 def _env(**extra):
@@ -54,39 +59,43 @@ def test_setup_auto_switches_spmd_on_with_several_devices_and_off_with_one():
     assert "SPMD False False 1 8" in one.stdout, one.stdout + one.stderr[-2000:]
 
 
-# Notebooks 01 and 02 in fast mode, a second time, on several virtual devices: the batch-size parameter is per chip,
-# so a fraction of the fast size keeps the global batch (32, and the learning the asserts check) of the 1-device run.
-# Their own asserts (loss falls, exact sample counts in evaluation, no recompilation after warm-up, the resume)
-# must hold under SPMD too. Notebook 02: 4 devices, ~2 min. Notebook 01: one epoch of the fast mode's two (44 steps,
-# then the 8-step resume) on 2 devices of 16: ResNet-50's partitioned step on 4 virtual devices sharing 2 cores ran
-# at ~6 images/s (686 s for this epoch in a full suite run); on 2 devices the same notebook took 241 s alone (44
-# steps in 153 s, validation accuracy 62 %), and a 2-device mesh exercises the same sharded batches, evaluation
-# counts, checkpoints and lr rule as a 4-device one.
-NOTEBOOKS = {
-    # lr: the notebook scales it from the per-chip batch to the global one (AdamW in fast mode: square-root rule,
-    # x sqrt(32 / 16)), so 1e-3 / sqrt(2) gives the 1-device run's learning rate back
-    "01_resnet50_cifar10": (2, {"LABKIT_BATCH_SIZE": "16", "LABKIT_EPOCHS": "1", "LABKIT_LR": "0.000707107"}, 1500),
-    "02_transformer_lm": (4, {"LABKIT_BATCH_SIZE": "4"}, 600),
-}
-# what notebook 01 prints when it applies the rule (the lr rounded as the notebook prints it)
+# Notebooks 01 and 02 in fast mode on several virtual devices run once, in the Kaggle TPU image (a v5e-8: its header's
+# `# devices:` line, the per-chip batch in tests/children/image_job.py MULTI_DEVICE_ENV), beside the suite in the
+# background; this test reads those runs. Their own asserts (loss falls, exact sample counts in evaluation, no
+# recompilation after warm-up, the resume) must hold under SPMD too, and tests/test_images.py fails if a cell fails.
+# What notebook 01 prints when it applies the lr rule (the lr rounded as the notebook prints it):
 LR_LINE = "global batch 32, lr 0.000707107 -> 0.001 by the sqrt rule"
+NOTEBOOKS = ("01_resnet50_cifar10", "02_transformer_lm")
 
 
-@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
-def test_notebook_trains_on_every_device_with_spmd(name, tmp_path):
-    devices, extra, timeout = NOTEBOOKS[name]
-    env = _env(LABKIT_FAST="1", LABKIT_SPMD="on", LABKIT_CONSOLE="1", CPU_NUM_DEVICES=str(devices), **extra)
-    p = subprocess.run(
-        [sys.executable, "scripts/run_notebooks.py", f"notebooks/{name}.ipynb", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    out = p.stdout[-6000:] + p.stderr[-3000:]
-    assert p.returncode == 0, out
-    assert f"over {devices} chip(s)" in p.stdout and f"SPMD over {devices} device(s) per host" in p.stdout, out
-    assert "recompilations after warm-up: 0" in p.stdout, out
+def _image_for(stem: str) -> tuple[str, int]:
+    """The image that runs notebook `stem` on several devices, and how many."""
+    for name in image_venv.image_names():
+        n = image_venv.load(name).devices.get(stem[:2], 1)
+        if n > 1:
+            return name, n
+    raise LookupError(f"no image under images/ runs {stem} on several devices (its '# devices:' header line)")
+
+
+def background_job(item) -> background.Job | None:
+    if item.originalname != "test_notebook_trains_on_every_device_with_spmd":
+        return None
+    return test_images.job(_image_for(item.callspec.params["name"])[0])
+
+
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_trains_on_every_device_with_spmd(name):
+    image, devices = _image_for(name)
+    job = background.wait(f"image-{image}", test_images.job(image))
+    result = Path(job.argv[-1])
+    assert job.returncode == 0 and result.exists(), f"the image job failed:\n{background.output(job)[-6000:]}"
+    run = json.loads(result.read_text())["runs"].get(name)
+    assert run is not None, f"{image} did not run {name}"
+    out = f"{name} in {image} on {run['devices']} devices:\n{(run['error'] or '')[-3000:]}\n{run['printed'][-6000:]}"
+    assert run["devices"] == devices and not run["error"], out
+    printed = run["printed"]
+    assert f"over {devices} chip(s)" in printed and f"SPMD over {devices} device(s) per host" in printed, out
+    assert "recompilations after warm-up: 0" in printed, out
     if name.startswith("01"):  # the learning-rate rule applied, and said, when the chips multiply the batch
-        assert LR_LINE in p.stdout, out
+        assert LR_LINE in printed, out

@@ -41,9 +41,37 @@ def notebooks_of(img) -> list[Path]:
 
 # Notebook 01's fast mode trains two epochs; the images run one. What an image run proves is its packages, its
 # set-up cell and the learner's Run all (exercises unsolved); one epoch already clears the notebook's asserts (the
-# loss falls ~0.7, validation accuracy ~45 %: tests/test_spmd.py runs the same epoch on 4 devices), and the
-# two-epoch run is the main suite's nbval run of notebook 01. Saves ~2 minutes of one core per TPU image.
+# loss falls ~0.7, validation accuracy ~45 %), and the two-epoch run is the main suite's nbval run of notebook 01.
+# Saves ~2 minutes of one core per TPU image.
 PER_NOTEBOOK_ENV = {"01_resnet50_cifar10": {"LABKIT_EPOCHS": "1"}}
+
+# An image whose header says `# devices: 01=2 02=4` (Kaggle's v5e-8: one process drives every chip) runs those
+# notebooks on that many virtual XLA:CPU devices, where their spmd="auto" switches SPMD on. The batch size is per
+# chip, so a fraction of the fast size keeps the 1-device run's global batch of 32 (and the learning its asserts
+# check). tests/test_spmd.py reads these runs: SPMD over every device, no recompilation after warm-up, the lr rule.
+MULTI_DEVICE_ENV = {
+    # notebook 01 scales the lr from the per-chip batch to the global one (AdamW in fast mode: square-root rule,
+    # x sqrt(32 / 16)), so 1e-3 / sqrt(2) gives the 1-device run's learning rate back. 2 devices, not 4: ResNet-50's
+    # partitioned step on 4 virtual devices sharing 2 cores ran at ~6 images/s (686 s for this epoch); a 2-device
+    # mesh exercises the same sharded batches, evaluation counts, checkpoints and lr rule as a 4-device one.
+    "01_resnet50_cifar10": {"LABKIT_BATCH_SIZE": "16", "LABKIT_LR": "0.000707107"},
+    "02_transformer_lm": {"LABKIT_BATCH_SIZE": "4"},
+}
+
+
+def notebook_env(img, stem: str) -> dict[str, str]:
+    """What a run of notebook `stem` adds to the kernel's environment in image `img`."""
+    env = dict(PER_NOTEBOOK_ENV.get(stem, {}))
+    devices = img.devices.get(stem[:2], 1)
+    if devices > 1:
+        if stem not in MULTI_DEVICE_ENV:
+            raise ValueError(
+                f"{img.pin_file}: '# devices:' runs {stem} on {devices} devices, but tests/children/image_job.py "
+                "has no per-chip batch for it in MULTI_DEVICE_ENV"
+            )
+        env.update(MULTI_DEVICE_ENV[stem], CPU_NUM_DEVICES=str(devices))
+    return env
+
 
 CELL_TIMEOUT = 2400  # a hang guard: the image runs share the cores with the rest of the suite
 
@@ -132,7 +160,7 @@ def run_notebook(path: Path, img, kernel: str, workdir: Path, out_dir: Path) -> 
     nb = nbformat.read(path, as_version=4)
     env = kernel_env(img, workdir)
     env["LABKIT_ARTIFACTS"] = str(out_dir / path.stem)
-    env.update(PER_NOTEBOOK_ENV.get(path.stem, {}))
+    env.update(notebook_env(img, path.stem))
     client = NotebookClient(
         nb, timeout=CELL_TIMEOUT, kernel_name=kernel, resources={"metadata": {"path": str(workdir)}}
     )
@@ -149,7 +177,17 @@ def run_notebook(path: Path, img, kernel: str, workdir: Path, out_dir: Path) -> 
         "error": error,
         "setup": setup_lines(nb),
         "exercises": exercise_lines(nb),
+        "devices": int(env.get("CPU_NUM_DEVICES", "1")),
+        "printed": printed(nb),
     }
+
+
+def printed(nb, limit: int = 200_000) -> str:
+    """Everything the notebook's cells printed (stream outputs), for tests that read a run's lines."""
+    text = "".join(
+        o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "stream"
+    )
+    return text[-limit:]
 
 
 def image_run(name: str) -> dict:
