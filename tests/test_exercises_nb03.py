@@ -264,7 +264,7 @@ def test_comm_time_wrong_all_reduce_rules_are_named(ring, why):
     [
         (lambda b, r: 0.0, "not all of it hides: the last gradient computed"),  # all communication hidden
         (lambda b, r: sum(r), "not all of it is exposed"),  # all of it exposed: compute + comm, the sum not the max
-        (lambda b, r: max(0.0, sum(r) - sum(b)), "comparing the sums is not enough"),  # hidden behind the whole backward
+        (lambda b, r: max(0.0, sum(r) - sum(b)), "comparing the sums is not enough"),  # behind the whole backward
         (lambda b, r: r[-1], "the last reduction is not all"),
         (lambda b, r: sum(max(0.0, x - y) for x, y in zip(r[:-1], b[1:])) + r[-1], "a queue"),  # each on its own
         (lambda b, r: max(0.0, b[0] + sum(r) - sum(b)), "cannot start before the backward has made its gradient"),
@@ -318,4 +318,5 @@ def test_comm_time_cases_tell_every_wrong_rule_apart():
             want = [right(*a) for a in args]
             for h, v in vals.items():
                 assert not all(m._near(x, y) for x, y in zip(v, want)), (seed, h)
-                assert not [g for g, u in vals.items() if g != h and all(m._near(x, y) for x, y in zip(v, u))], (seed, h)
+                same = [g for g, u in vals.items() if g != h and all(m._near(x, y) for x, y in zip(v, u))]
+                assert not same, (seed, h, same)
