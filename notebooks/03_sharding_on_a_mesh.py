@@ -39,7 +39,7 @@
 # - save a sharded checkpoint and restore it onto another layout.
 #
 # **Time**: about 1.5 min of CPU time in fast mode, 4–5 min of wall time on a 2-core CPU (8 virtual XLA:CPU devices
-# compiling four partitioned training graphs); 45–60 minutes to read and do the four exercises.
+# compiling four partitioned training graphs); 50–70 minutes to read and do the five exercises.
 #
 # **In the course**: after 02; next: 08.
 #
@@ -402,7 +402,7 @@ assert results["fsdp"].param_bytes < results["tensor"].param_bytes < single_byte
 
 # %% [markdown]
 # ## Your turn: predict, then measure
-# Four exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
+# Four exercises that check themselves (`labkit.lessons.exercises`; a fifth follows section 7b): replace each `...`, run the cell, then the
 # check cell below it. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`).
 # If you leave an exercise, its check prints "not yet" and the rest of the notebook runs on.
 #
@@ -723,6 +723,80 @@ for chip, c in crit.items():
     peak, send = F_.PEAKS["TPU " + chip]["bf16"], comm.ICI[chip].send_bytes_per_s
     assert abs(c["data"] - peak / send) < 1e-6 * c["data"] and abs(c["fsdp"] - c["data"]) < 1e-6 * c["fsdp"]
 assert crit["v6e"]["fsdp"] > 2048 > crit["v5e"]["fsdp"], "one 2,048-token sequence per chip: enough on v5e, not on v6e"
+
+# %% [markdown]
+# **5. Your turn: time over the links, and what hides.** Two predictions nothing here can run (no TPU). The check
+# holds them to `labkit.spmd.comm`'s rules on inputs it draws anew on every call, and refuses that module's own
+# functions while yours run.
+#
+# - `allreduce_seconds(nbytes, chips, send_bytes_per_s, wraparound)`: the seconds of a ring all-reduce of a buffer
+#   of `nbytes` along one axis of `chips` chips, each chip sending `send_bytes_per_s` over the ports that axis uses
+#   (section 7b: 2·B·(n−1)/n bytes per chip), and twice that when the axis has no wraparound link
+#   (`wraparound=False`: a line, the rough factor above).
+# - `exposed_seconds(backward_s, reduce_s)`: per layer, its backward time and its gradient's reduction time, both
+#   listed in the order the backward runs (index 0: the last layer, computed first). Return the seconds the step
+#   still waits for reductions after its backward ends, when each reduction starts as soon as its gradient exists
+#   *and* the links are free (the previous reduction is done).
+
+# %%
+def allreduce_seconds(nbytes, chips, send_bytes_per_s, wraparound):
+    ...   # your code
+
+
+def exposed_seconds(backward_s, reduce_s):
+    ...   # your code
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
+if ex.solutions_on():
+    def allreduce_seconds(nbytes, chips, send_bytes_per_s, wraparound):
+        ring = 2 * nbytes * (chips - 1) / chips / send_bytes_per_s   # reduce-scatter + all-gather
+        return ring if wraparound else 2 * ring                      # a line: about twice a ring
+
+    def exposed_seconds(backward_s, reduce_s):
+        ready = end = 0.0
+        for back, red in zip(backward_s, reduce_s):
+            ready += back                     # this layer's gradient exists
+            end = max(ready, end) + red       # its reduction waits for the gradient and for the links
+        return end - ready
+
+# %%
+ex.check("03.comm_time", lambda: nb03.check_comm_time(allreduce_seconds, exposed_seconds))
+
+# %% [markdown]
+# Your functions on two slices of v5e (the library's, if the check has not passed yet): data parallelism over one
+# axis, a GPT of 24 blocks of width 2,048 (12·C² weights a block, bf16 gradients: 101 MB each), 2,048 tokens per
+# chip, each block's gradient all-reduced as soon as its backward is done. The axis of 4 chips of a v5e-8 (2×4)
+# is a line; the axis of 16 of a v5e-256 (16×16) is a ring. A ring along one axis uses 2 of a v5e's 4 ports.
+
+# %%
+passed = ex.results.get("03.comm_time", False)
+ring_fn = allreduce_seconds if passed else (lambda b, n, s, w: comm.ring_seconds("all-reduce", b, n, s, w))
+exposed_fn = exposed_seconds if passed else comm.exposed_seconds
+C_X, L_X, TOK_X = 2048, 24, 2048
+grad_bytes = 12 * C_X**2 * 2
+axis_rate = comm.ICI["v5e"].send_bytes_per_s * 2 / comm.ICI["v5e"].ports
+back_peak = 4 * 12 * C_X**2 * TOK_X / F_.PEAKS["TPU v5e"]["bf16"]   # a block's backward at the chip's peak
+print("(your functions)" if passed else "(the library's functions: exercise 5 is not done yet)")
+waits = {}
+for name, shape in (("v5e-8", (2, 4)), ("v5e-256", (16, 16))):
+    n, wrap = shape[1], comm.wraparound("v5e", shape)[1]
+    t = ring_fn(grad_bytes, n, axis_rate, wrap)
+    waits[name] = {mfu: exposed_fn([back_peak / mfu] * L_X, [t] * L_X) for mfu in (1.0, 0.4)}
+    print(f"{name:8s} axis of {n:2d} ({'ring' if wrap else 'line'}): a block's all-reduce {1e3 * t:5.2f} ms; "
+          f"after a backward of {1e3 * L_X * back_peak:.0f} ms at the peak the step waits {1e3 * waits[name][1.0]:5.2f} ms, "
+          f"after {1e3 * L_X * back_peak / 0.4:.0f} ms at 40% MFU {1e3 * waits[name][0.4]:5.2f} ms")
+print("not verified here (no TPU): Google's ICI figure and wraparound rule, and the line's factor 2, are the inputs")
+assert waits["v5e-8"][1.0] > 10 * waits["v5e-256"][1.0], waits   # the line's reductions queue; the ring's hide
+assert 0.4 < waits["v5e-8"][1.0] / (L_X * back_peak) < 0.6, waits   # "about half its backward again"
+assert abs(waits["v5e-8"][0.4] / waits["v5e-256"][0.4] - 2 * (3 / 4) / (15 / 16)) < 1e-5, waits   # only the last
+
+# %% [markdown]
+# At the chip's peak the line's all-reduce of a block takes longer than the next block's backward, so the reductions
+# queue and the step waits about half its backward again; on the ring each hides behind the next block's backward
+# and only the first block's, computed last, is left. At 40 % MFU the backward is slow enough on both, and what is
+# left is that last all-reduce alone: the line's is 1.6 times the ring's, as (3/4)·2 / (15/16) says.
 
 # %% [markdown]
 # **A prediction for what cannot run here.** A GPT of 24 layers, width 2,048, context 2,048 (about 1.2 B weights),

@@ -111,3 +111,38 @@ def test_all_reduce_then_own_slice_is_found_as_a_reduce_scatter_in_disguise():
     ]
     assert got[1]["user"] == "ds (dynamic-slice)"
     assert S.sliced_all_reduces(HLO.replace("%partition-id)", "%other)")) == []
+
+
+def test_wraparound_follows_googles_rule_and_a_line_takes_twice_a_ring():
+    # v5e/v6e: an axis wraps only with 16 chips; v4/v5p: only slices of whole 4x4x4 cubes, then every axis
+    assert comm.wraparound("v5e", (2, 4)) == (False, False) and comm.wraparound("v6e", (16, 16)) == (True, True)
+    assert comm.wraparound("v5e", (8, 16)) == (False, True)
+    assert comm.wraparound("v4", (2, 2, 1)) == (False,) * 3 and comm.wraparound("v5p", (4, 4, 8)) == (True,) * 3
+    assert comm.wraparound("v4", (4, 4, 2)) == (False,) * 3
+    for bad in [("v5e", (2, 2, 2)), ("v4", (2, 4)), ("v5e", (0, 4)), ("v5e", (2.0, 4))]:
+        with pytest.raises(ValueError, match="positive whole numbers"):
+            comm.wraparound(*bad)
+    with pytest.raises(ValueError, match="no ICI figure"):
+        comm.wraparound("v3", (2, 2))
+    # the ring's time is sent / rate (Ici.seconds over the 2 ports a ring along one axis uses); a line twice that
+    link = comm.ICI["v5e"]
+    for n in (2, 4, 16):
+        ring = comm.ring_seconds("all-reduce", 1e8, n, link.send_bytes_per_s * 2 / link.ports)
+        assert ring == pytest.approx(link.seconds(comm.sent("all-reduce", 1e8, n), ports=2), rel=1e-12)
+        assert comm.ring_seconds("all-reduce", 1e8, n, 1e11, wraparound=False) == comm.LINE_FACTOR * comm.ring_seconds(
+            "all-reduce", 1e8, n, 1e11
+        )
+    with pytest.raises(ValueError, match="a rate is positive"):
+        comm.ring_seconds("all-reduce", 1, 2, 0)
+
+
+def test_exposed_seconds_queues_the_reductions_behind_the_backward():
+    # keep up: each reduction hides behind the next layer's backward; only the last one (the first layer's) shows
+    assert comm.exposed_seconds([1, 1, 1, 1], [0.5, 0.5, 0.5, 0.25]) == 0.25
+    # one large early reduction (ready at 1, done at 3.5) delays those after it: done at 5, the backward at 4
+    assert comm.exposed_seconds([1, 1, 1, 1], [2.5, 0.5, 0.5, 0.5]) == 1.0
+    # never keep up: the first starts at 1, then back to back
+    assert comm.exposed_seconds([1, 1, 1], [2, 2, 2]) == pytest.approx(1 + 6 - 3)
+    for b, r in [([], []), ([1, 1], [1]), ([1], [-1]), ([1], [float("nan")])]:
+        with pytest.raises(ValueError, match="one backward time and one reduction time"):
+            comm.exposed_seconds(b, r)

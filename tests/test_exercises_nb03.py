@@ -1,7 +1,9 @@
 """Notebook 03's checkers: right answers pass; "split dim 0 always", "the last on a tie", work copied through the
 host, a tensor left whole, a parameter count for bytes, a bf16 model counted at 4 bytes, a hard-coded number, the
 forward-only Megatron count, a lying __eq__, a placeholder and an exception inside the learner's code all fail with
-a reason. The FSDP checkers read torch_xla's own layouts on a mesh: those cases run in a child process with 4
+a reason; for the time over the links, a ring's time on an axis without wraparound, the communication all hidden or
+all exposed, hidden behind the whole backward, or not queued, fail with the rule they miss, and labkit.spmd.comm's
+own functions are refused. The FSDP checkers read torch_xla's own layouts on a mesh: those cases run in a child process with 4
 virtual XLA:CPU devices under SPMD (SPMD must be on before the first XLA tensor exists; ~15 s)."""
 
 import json
@@ -217,3 +219,104 @@ def test_fsdp_bytes_measured_on_the_mesh(on_a_mesh):
     assert "summed over the model" in r["bytes.wrong_total"], r
     assert "is an exact 1/4" in r["bytes.exact"], r
     assert "you say 0" in r["bytes.lying"], r
+
+
+# -- 03.comm_time: an all-reduce along an axis with and without wraparound, and the communication left exposed --
+
+
+def ring_right(nbytes, chips, rate, wraparound):
+    ring = 2 * nbytes * (chips - 1) / chips / rate
+    return ring if wraparound else 2 * ring
+
+
+def exposed_right(backward_s, reduce_s):
+    ready = end = 0.0
+    for back, red in zip(backward_s, reduce_s):
+        ready += back
+        end = max(ready, end) + red
+    return end - ready
+
+
+def test_comm_time_right_answers_pass():
+    for _ in range(3):  # inputs drawn anew on every call
+        assert "8 all-reduces" in nb03.check_comm_time(ring_right, exposed_right)
+    # the learner's own order of arithmetic is not the library's: rounding passes
+    assert nb03.check_comm_time(lambda b, n, s, w: b / s * 2 * (n - 1) / n * (1 + (not w)), exposed_right)
+
+
+@pytest.mark.parametrize(
+    "ring, why",
+    [
+        (lambda b, n, s, w: ring_right(b, n, s, True), "is a line, not a ring: .* about twice"),  # no wraparound factor
+        (lambda b, n, s, w: ring_right(b, n, s, not w), "the doubling belongs to the axis WITHOUT wraparound"),
+        (lambda b, n, s, w: ring_right(b, n, s, w) / 2, "a reduce-scatter then an all-gather"),
+        (lambda b, n, s, w: 2 * b / s * (1 + (not w)), r"\(n−1\)/n of the buffer, not all of it"),
+        (lambda b, n, s, w: 0.001, r"you say 0\.001 s, it is [\d.e-]+ s$"),  # hard-coded: no rule named
+    ],
+)
+def test_comm_time_wrong_all_reduce_rules_are_named(ring, why):
+    with pytest.raises(Wrong, match=why):
+        nb03.check_comm_time(ring, exposed_right)
+
+
+@pytest.mark.parametrize(
+    "exposed, why",
+    [
+        (lambda b, r: 0.0, "not all of it hides: the last gradient computed"),  # all communication hidden
+        (lambda b, r: sum(r), "not all of it is exposed"),  # all of it exposed: compute + comm, the sum not the max
+        (lambda b, r: max(0.0, sum(r) - sum(b)), "comparing the sums is not enough"),  # behind the whole backward
+        (lambda b, r: r[-1], "the last reduction is not all"),
+        (lambda b, r: sum(max(0.0, x - y) for x, y in zip(r[:-1], b[1:])) + r[-1], "a queue"),  # each on its own
+        (lambda b, r: max(0.0, b[0] + sum(r) - sum(b)), "cannot start before the backward has made its gradient"),
+        (lambda b, r: exposed_right(b[::-1], r[::-1]), "index 0 is the layer the backward computes first"),
+        (lambda b, r: sum(b) + exposed_right(b, r), "the whole backward plus what is exposed"),
+    ],
+)
+def test_comm_time_wrong_overlap_rules_are_named(exposed, why):
+    with pytest.raises(Wrong, match=why):
+        nb03.check_comm_time(ring_right, exposed)
+
+
+def test_comm_time_refuses_the_library_and_waits_for_both_answers():
+    from labkit.spmd import comm
+
+    why = "labkit.spmd.comm computing the time is the answer"
+    with pytest.raises(Wrong, match=why):
+        nb03.check_comm_time(lambda b, n, s, w: comm.ring_seconds("all-reduce", b, n, s, w), exposed_right)
+    with pytest.raises(Wrong, match=why):  # the ring formula's own home, called from the learner's code
+        nb03.check_comm_time(lambda b, n, s, w: comm.sent("all-reduce", b, n) / s * (1 + (not w)), exposed_right)
+    with pytest.raises(Wrong, match=why):
+        nb03.check_comm_time(ring_right, comm.exposed_seconds)
+    saved = comm.exposed_seconds  # a reference taken before the check is refused too
+    with pytest.raises(Wrong, match=why):
+        nb03.check_comm_time(ring_right, lambda b, r: saved(b, r))
+    assert comm.exposed_seconds([1.0], [0.5]) == 0.5 and comm.ring_seconds("all-reduce", 8, 2, 4.0) == 2.0  # restored
+    with pytest.raises(NotDone):
+        nb03.check_comm_time(..., exposed_right)
+    with pytest.raises(NotDone):  # the first function done, the second still its placeholder
+        nb03.check_comm_time(ring_right, ...)
+    with pytest.raises(NotDone):
+        nb03.check_comm_time(ring_right, lambda b, r: None)
+    with pytest.raises(Wrong, match="must be a number"):
+        nb03.check_comm_time(lambda b, n, s, w: "1 ms", exposed_right)
+
+
+def test_comm_time_cases_tell_every_wrong_rule_apart():
+    """On every draw, each wrong rule misses at least one case and no two wrong rules agree on all of them (else the
+    hint could not name one)."""
+    import random
+
+    from labkit.lessons.exercises import nb03_comm as m
+
+    for seed in range(200):
+        rng = random.Random(seed)
+        for table, args, right in (
+            (m._RING_WRONG, m._ring_cases(rng), m._ring),
+            (m._EXPOSED_WRONG, m._exposed_cases(rng), m._queue),
+        ):
+            vals = {h: [float(f(*a)) for a in args] for h, f in table.items()}
+            want = [right(*a) for a in args]
+            for h, v in vals.items():
+                assert not all(m._near(x, y) for x, y in zip(v, want)), (seed, h)
+                same = [g for g, u in vals.items() if g != h and all(m._near(x, y) for x, y in zip(v, u))]
+                assert not same, (seed, h, same)

@@ -27,7 +27,12 @@ architecture, read 2026-11) give wraparound only to axes of 16 chips on v5e and 
 whole 4x4x4 cubes on v4 and v5p: full pods and large slices. The slices a learner rents
 (v5e-8 is 2x4, v4-8 is 2x2x1) have none: a collective along an axis without wraparound runs over a line, not a
 ring, which sends in one direction over the longest path and takes roughly twice the ring's time (pass half the
-ports, or double the seconds, for such slices). Not verified here: no TPU.
+ports, or double the seconds, for such slices: `ring_seconds(..., wraparound=False)`, and `wraparound` says which
+axes of a slice have it). Not verified here: no TPU.
+
+Overlap (`exposed_seconds`): a gradient's reduction can run only while the backward of the layers below it goes
+on; the reductions share the links, so they queue in the order the backward produces the gradients, and the
+last gradient computed (the first layer's) has nothing left to hide behind.
 """
 
 from __future__ import annotations
@@ -81,6 +86,53 @@ def sent(op: str, nbytes: float, devices: int) -> float:
     if op not in RING_FACTOR:
         raise ValueError(f"unknown collective {op!r}: one of {sorted(RING_FACTOR) + ['collective-permute']}")
     return RING_FACTOR[op] * nbytes * (devices - 1) / devices
+
+
+LINE_FACTOR = 2  # an axis without wraparound is a line: about twice a ring's time (module docstring)
+
+
+def wraparound(chip: str, shape) -> tuple[bool, ...]:
+    """Which axes of a `chip` slice of `shape` (chips per axis: a v5e-8 is (2, 4), a v5e-256 (16, 16), a v4-8
+    (2, 2, 1)) close into a ring with a wraparound link. Google's TPU pages (system architecture, read 2026-11; not
+    verified here): v5e and v6e (2-D) wrap an axis only when it has 16 chips; v4 and v5p (3-D) wrap only slices made
+    of whole 4x4x4 cubes (every axis a multiple of 4), and then every axis."""
+    ici(chip)
+    dims = tuple(shape)
+    want = 2 if chip in ("v5e", "v6e") else 3
+    if len(dims) != want or not all(isinstance(d, int) and d >= 1 for d in dims):
+        raise ValueError(f"a {chip} slice's shape is {want} positive whole numbers of chips per axis, not {shape!r}")
+    if want == 2:
+        return tuple(d == 16 for d in dims)
+    return (all(d % 4 == 0 for d in dims),) * 3
+
+
+def ring_seconds(op: str, nbytes: float, devices: int, send_bytes_per_s: float, wraparound: bool = True) -> float:
+    """Seconds for collective `op` on a buffer of `nbytes` along one axis of `devices` chips, each chip sending
+    `send_bytes_per_s` over the ports that axis uses: sent(op, nbytes, devices) / send_bytes_per_s when the axis is a
+    ring (its ends joined by a wraparound link: see `wraparound` for which axes are, after Google's TPU pages), and
+    LINE_FACTOR (2) times that when it is a line (no wraparound): a ring laid on a line comes back over the same
+    links, so each link's two directions carry one ring where a closed axis runs two (one each way), and a chip
+    sends at half the rate. An estimate, not a measurement (no TPU here)."""
+    if send_bytes_per_s <= 0:
+        raise ValueError(f"send_bytes_per_s={send_bytes_per_s}: a rate is positive")
+    return sent(op, nbytes, devices) / send_bytes_per_s * (1 if wraparound else LINE_FACTOR)
+
+
+def exposed_seconds(backward_s, reduce_s) -> float:
+    """Seconds a step waits for gradient reductions after its backward ends, with perfect overlap otherwise.
+    `backward_s[i]`: the backward time of layer i, `reduce_s[i]`: its gradient's reduction time, both in the order
+    the backward runs (index 0: the last layer, computed first). Gradient i exists once backward_s[0..i] are done;
+    the reductions share the links, so reduction i starts at the later of that moment and the end of reduction
+    i-1. What is left after the backward (at least the last reduction: the first layer's gradient has nothing to
+    hide behind) is what the optimizer step waits for."""
+    b, r = [float(x) for x in backward_s], [float(x) for x in reduce_s]
+    if not b or len(b) != len(r) or any(not x >= 0 for x in b + r):  # `not x >= 0` is true for NaN too
+        raise ValueError(f"one backward time and one reduction time (>= 0) per layer, got {len(b)} and {len(r)}")
+    ready = end = 0.0
+    for back, red in zip(b, r):
+        ready += back
+        end = max(ready, end) + red
+    return end - ready
 
 
 def traffic(ops) -> float:

@@ -8,6 +8,7 @@ same shapes on the notebook's mesh, and the bytes and layouts it chose are read 
     check("03.fsdp_shard", lambda: nb03.check_fsdp_shard(fsdp_shard, mesh))      # needs SPMD on XLA devices
     check("03.fsdp_bytes", lambda: nb03.check_fsdp_bytes(fsdp_bytes, mesh, probe, fsdp_run_bytes))
     check("03.megatron", lambda: nb03.check_megatron_bytes(megatron_bytes))
+    check("03.comm_time", lambda: nb03.check_comm_time(allreduce_seconds, exposed_seconds))   # in nb03_comm
 """
 
 from __future__ import annotations
@@ -19,9 +20,17 @@ import random
 import torch
 
 from labkit.lessons.exercises import Wrong, call, integer, mistake, refusing, require, todo, xla_metric
+from labkit.lessons.exercises.nb03_comm import check_comm_time  # exercise 5's checker lives there
 from labkit.spmd import sharding as S
 
-__all__ = ["check_dp_bytes", "check_fsdp_bytes", "check_fsdp_shard", "check_megatron_bytes", "fsdpv2_layout"]
+__all__ = [
+    "check_comm_time",
+    "check_dp_bytes",
+    "check_fsdp_bytes",
+    "check_fsdp_shard",
+    "check_megatron_bytes",
+    "fsdpv2_layout",
+]
 
 _calls = itertools.count(1)
 
