@@ -706,10 +706,15 @@ print(f"textbook, this GPT in float32 on {N_DEV} devices: data parallel sends {t
 # optimizer step waits for its reduction.
 #
 # **Across slices.** Chips of one slice talk over ICI; slices talk over the data-centre network (DCN), far slower
-# per chip (Google's multislice documentation, read 2026-11; not verified here). The usual layout follows from the
-# bounds above: FSDP (or tensor parallelism) inside a slice over ICI, and data parallelism across slices over DCN,
-# where the only traffic is one gradient all-reduce per step, hidden behind the backward, with a bound of the same
-# form as above and S the DCN rate per chip: far more tokens per chip before it hides.
+# per chip. Google's TPU pages (read 2026-11) give a v5e host two 100 Gbit/s NICs for its 8 chips (25 Gbit/s, about
+# 3.1 GB/s per chip, against 400 GB/s of ICI) and a v5p chip 50 Gbit/s of DCN (against 1,200 GB/s of ICI). The usual
+# layout follows from the bounds above: FSDP (or tensor parallelism) inside a slice over ICI, and data parallelism
+# across slices over DCN, where the only traffic is one gradient all-reduce per step, hidden behind the backward.
+# The gradients are first reduce-scattered inside each slice, so each of a slice's M chips sends over DCN only its
+# 1/M share: the bound keeps the data-parallel form with S the DCN rate per chip, but it counts the tokens of a
+# whole slice, **b·M ≥ g·F / (2·S_DCN)**. The cell below prints it: tens of thousands of tokens per slice, a few
+# hundred per chip on a 256-chip slice. A prediction from the pages' figures, not verified here (no TPU; XLA may
+# arrange multislice collectives differently, and the NICs also carry the input pipeline).
 
 # %%
 print(f"{'chip':5s} {'F/S':>6s} {'data: tokens/chip':>18s} {'FSDP: tokens/chip':>18s} {'Megatron axis at C=2048':>24s}")
@@ -723,6 +728,15 @@ for chip, c in crit.items():
     peak, send = F_.PEAKS["TPU " + chip]["bf16"], comm.ICI[chip].send_bytes_per_s
     assert abs(c["data"] - peak / send) < 1e-6 * c["data"] and abs(c["fsdp"] - c["data"]) < 1e-6 * c["fsdp"]
 assert crit["v6e"]["fsdp"] > 2048 > crit["v5e"]["fsdp"], "one 2,048-token sequence per chip: enough on v5e, not on v6e"
+# data parallelism across slices over DCN: tokens per slice (b·M) >= g·F / (2·S_DCN), S_DCN per chip (bytes/s)
+DCN_PER_CHIP = {"v5e": 2 * 100e9 / 8 / 8, "v5p": 50e9 / 8}  # tpu/docs/v5e: 2 x 100 Gbps NICs per 8-chip host; v5p: 50 Gbps
+for chip, dcn in DCN_PER_CHIP.items():
+    peak = F_.PEAKS["TPU " + chip]["bf16"]
+    per_slice = 2 * peak / (2 * dcn)
+    print(f"{chip}: DCN {dcn / 1e9:.2f} GB/s per chip ({comm.ICI[chip].send_bytes_per_s / dcn:.0f}x less than its ICI send rate): data "
+          f"parallelism across slices hides behind the backward from {per_slice:,.0f} tokens per slice, "
+          f"{per_slice / 256:,.0f} per chip of a 256-chip slice")
+    assert per_slice / 256 < crit[chip]["data"], "the slice's reduce-scatter leaves DCN a 1/M share: a lower bar per chip"
 
 # %% [markdown]
 # **5. Your turn: time over the links, and what hides.** Two predictions nothing here can run (no TPU). The check
