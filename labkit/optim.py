@@ -80,7 +80,7 @@ def scaled_lr(lr: float, base_batch: int, global_batch: int, rule: str = "linear
     only. For SGD that form is older (Krizhevsky 2014, "One weird trick"; Hoffer et al. 2017). For Adam, Malladi et al.
     2022 derive a square-root rule that also scales the betas (1 - beta times k) and eps (divided by sqrt(k)); this
     function does not touch them. Both are starting points to tune from, not laws: past the statistical critical batch
-    size (McCandlish et al. 2018) neither keeps the loss per sample."""
+    size (McCandlish et al. 2018; batch_tradeoff below) neither keeps the loss per sample."""
     check_number("scaled_lr: lr", lr)
     check_number("scaled_lr: base_batch", base_batch, low=1, integer=True)
     check_number("scaled_lr: global_batch", global_batch, low=1, integer=True)
@@ -90,6 +90,21 @@ def scaled_lr(lr: float, base_batch: int, global_batch: int, rule: str = "linear
     if rule == "sqrt":
         return lr * math.sqrt(ratio)
     raise ValueError(f"scaled_lr: rule {rule!r} is not 'linear' or 'sqrt'")
+
+
+def batch_tradeoff(batch: int, s_min: float, b_noise: float) -> tuple[float, float]:
+    """(steps, examples) a run at a constant `batch` needs to reach a given loss, in McCandlish et al. 2018's model
+    ("An Empirical Model of Large-Batch Training", arXiv 1812.06162): S = S_min (1 + B_noise / B) and
+    E = B S = E_min (1 + B / B_noise), with E_min = S_min B_noise. Their eq. 2.11, (S/S_min - 1)(E/E_min - 1) = 1, and
+    eq. 2.12, B_crit = E_min / S_min, which they find close to the gradient noise scale B_noise. Below B_noise a k-times
+    batch needs nearly k times fewer steps for nearly the same examples (linear scaling pays); above it the steps
+    stop falling (never below S_min) while the examples grow with B. At B = B_noise: 2 S_min steps, 2 E_min examples.
+    B_noise is a property of the task and of the loss reached (it grows as the loss falls): measure it, do not guess."""
+    check_number("batch_tradeoff: batch", batch, low=1)
+    check_number("batch_tradeoff: s_min", s_min, above=True)
+    check_number("batch_tradeoff: b_noise", b_noise, above=True)
+    steps = s_min * (1 + b_noise / batch)
+    return steps, batch * steps
 
 
 class WarmupCosine:

@@ -356,6 +356,54 @@ plt.show()
 assert max(lrs) == LR and 0.02 * LR <= lrs[-1] < lrs[len(lrs) // 2] <= LR   # up to LR, then down to 2 %
 
 # %% [markdown]
+# ### How large a batch still pays: the statistical critical batch
+# McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", arXiv 1812.06162) measure, for a fixed
+# target loss, the optimizer steps S and the training examples E = B·S a run at a constant batch B needs. Their runs
+# lie on a hyperbola, (S/S_min − 1)(E/E_min − 1) = 1 (their eq. 2.11), with the critical batch B_crit = E_min/S_min
+# (eq. 2.12) close to the **gradient noise scale** B_noise: how noisy one example's gradient is against the mean
+# gradient, a property of the task and of the loss reached (it grows as the loss falls, their abstract says).
+# Solved for B with E = B·S and B_crit = B_noise (so E_min = S_min·B_noise):
+#
+# S(B) = S_min·(1 + B_noise/B) and E(B) = E_min·(1 + B/B_noise).
+#
+# Well below B_noise, k× the batch needs about k× fewer steps for about the same examples: the linear rule above pays.
+# At B = B_noise a run takes 2·S_min steps and 2·E_min examples. Well above it the steps stop falling, never below
+# S_min, while the examples grow with B: more chips there buy little time.
+#
+# **Exercise (01.critical_batch), predicted.** Write `steps_and_examples(batch, s_min, b_noise)` -> `(steps,
+# examples)`. The check draws S_min, B_noise and batches from a sixteenth of B_noise to 32 times it on every call and
+# passes within 1 %; `labkit.optim.batch_tradeoff`, the reference, is refused while your function runs.
+
+# %%
+from labkit.lessons import exercises as ex
+from labkit.lessons.exercises import nb01
+
+
+def steps_and_examples(batch, s_min, b_noise):
+    ...   # your code
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
+if ex.solutions_on():
+    def steps_and_examples(batch, s_min, b_noise):
+        steps = s_min * (1 + b_noise / batch)   # never below S_min, however large the batch
+        return steps, batch * steps             # = E_min (1 + B / B_noise), E_min = S_min * B_noise
+
+# %%
+from labkit.optim import batch_tradeoff
+
+ex.check("01.critical_batch", lambda: nb01.check_critical_batch(steps_and_examples))
+print(f"this run's global batch: {GLOBAL}. B_noise is not measured here: three guesses of it")
+for b_noise in (GLOBAL // 4 or 1, GLOBAL, 4 * GLOBAL):
+    steps, examples = batch_tradeoff(GLOBAL, 1.0, b_noise)
+    print(f"  B_noise {b_noise:>5}: {steps:.2f} x S_min steps, {examples / b_noise:.2f} x E_min examples; doubling "
+          f"the batch would cut the steps by {1 - batch_tradeoff(2 * GLOBAL, 1.0, b_noise)[0] / steps:.0%}")
+print("Where B_noise is above the batch, more chips still cut the steps nearly in proportion; where it is below, they "
+      "mostly cost examples (S_min, E_min: the fewest steps and examples any batch needs for the same loss).")
+assert batch_tradeoff(GLOBAL, 1.0, GLOBAL) == (2.0, 2.0 * GLOBAL)   # at the noise scale: twice both minima
+
+# %% [markdown]
 # Accumulation is the larger batch, checked: a model without BatchNorm (a linear classifier on these images) trained
 # 4 steps on batches of 32, and 4 steps of 4 accumulated micro-batches of 8, gives the same losses. Float32 sums taken
 # in another order differ by ~1e-7 here; the tolerance, 2e-3, leaves room for a TPU's float32 matmuls, which multiply
@@ -579,8 +627,9 @@ assert again.step == done + 8
 
 # %% [markdown]
 # ## Your turn
-# Four exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
-# check cell. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`).
+# Four more exercises that check themselves (`labkit.lessons.exercises`; the fifth, 01.critical_batch, is in
+# section 5): replace each `...`, run the cell, then the check cell. A solution hides in the collapsed cell between
+# them (it runs only with `LABKIT_SOLUTIONS=1`).
 #
 # **1. Bytes to the chip, predicted then measured.** Every step copies a batch from the host to the device: after
 # decoding and normalising, float32 images `(N, C, H, W)` and their int64 labels. Write `step_bytes(batch,

@@ -29,6 +29,8 @@
 #   failed, fix both and prove there are none left (`torch.compiler.set_stance("fail_on_recompile")`);
 # - keep an optimizer's state on the device (`capturable=True`, a tensor learning rate) so a schedule does not
 #   compile a new graph each step;
+# - measure what the host pays to launch each eager op, count a step's ops, and say when a step is host-bound and
+#   what a CUDA graph's single launch would save;
 # - place tensors and a model on a device mesh with DTensor (`Shard`, `Replicate`, `distribute_tensor`) and FSDP2
 #   (`fully_shard`), and say how FSDP2's layout differs from torch_xla's FSDPv2.
 #
@@ -36,8 +38,8 @@
 # nbval, solutions off and on, with the machine's load at 12–18; 1–1.5 minutes of it is the 4-process DTensor run
 # at the end of section 5, 20–60 s one Inductor compile of the step in section 2 (59 s measured cold, with an
 # empty Inductor cache, on the busy machine; a warm cache or a quiet machine is nearer 20 s), the rest compiles with
-# `backend="aot_eager"` or `"eager"`); full mode about 3 minutes plus the same DTensor run; 30–45 minutes to read
-# and do the three exercises.
+# `backend="aot_eager"` or `"eager"`); full mode about 3 minutes plus the same DTensor run; 35–50 minutes to read
+# and do the four exercises.
 #
 # **In the course**: after 03; next: 07. It builds on 00 (a step and its graphs), 03 (the sharding plans) and 04
 # (recompiles and syncs), on the engine TorchTPU and GPUs run.
@@ -712,7 +714,8 @@ exercises.check("08.guard", lambda: nb08.check_failing_guard(failing_guard))
 # bias corrections there, so the whole update can stay one device graph (the name comes from CUDA graph capture:
 # `torch.compile(mode="reduce-overhead")` records a compiled graph's GPU kernels once as a CUDA graph and replays
 # them with one launch per call; a replay runs no host code and reads only fixed GPU addresses, so every value the
-# update uses, its step counter and its lr included, must already be a tensor on the GPU; not run here: no GPU).
+# update uses, its step counter and its lr included, must already be a tensor on the GPU; not run here: no GPU;
+# what its one launch saves on the host is measured and modelled at the end of this section).
 # Without it, on a GPU, Adam's `step` is a CPU tensor and the bias corrections are Python numbers worked out on the
 # host every update. torch.compile turns `capturable` on by itself only for parameters on CUDA or XPU, and only
 # while the optimizer's state is still empty (before its first step; `torch/_dynamo/variables/optimizer.py`, torch
@@ -800,6 +803,80 @@ if exercises.solutions_on():
 exercises.check("08.graphs", lambda: nb08.check_predict_graphs(predict_graphs))
 
 # %% [markdown]
+# ### What a CUDA graph saves: the host's launches, measured here
+# Eager, every op the step runs costs the host a dispatch (Python, torch's dispatcher, autograd's checks) before its
+# kernel can start on the device. A GPU runs a launched kernel while the host goes on to the next one, so the host
+# can stay ahead, unless its launches take longer than the kernels run: then the GPU waits on the host. The cell
+# measures the host's part on this machine: the time per eager op (16-element in-place adds, whose arithmetic takes
+# nanoseconds) and the ops one step of section 2's model dispatches, its backward and AdamW's update included
+# (`labkit.profiling.roofline.count_kernels`: views and `.item()` left out, as they launch no kernel). What a GPU adds
+# to a launch, and a CUDA graph's replay, are **not verified here** (no GPU).
+
+# %%
+from labkit.profiling import roofline
+
+model = make_model()
+opt = torch.optim.AdamW(model.parameters(), lr=P.lr)
+x, y = batches[0]
+
+
+def eager_step():
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+eager_step()  # AdamW's state exists from here on: the step counted and timed below is an ordinary one
+ops = roofline.count_kernels(eager_step)
+K = sum(ops.values())
+L = roofline.dispatch_s()
+rt.wait()  # on a GPU the timing starts with nothing queued and ends when the device is done
+t0 = time.perf_counter()
+for _ in range(20):
+    eager_step()
+rt.wait()
+step_s = (time.perf_counter() - t0) / 20
+print(f"host time per eager op on this machine: {L * 1e6:.1f} µs; one training step dispatches K = {K} ops "
+      f"({len(ops)} kinds, most: {', '.join(f'{n} x{c}' for n, c in sorted(ops.items(), key=lambda kv: -kv[1])[:3])})")
+print(f"K x L = {K * L * 1e3:.2f} ms of dispatch alone; the whole eager step took {step_s * 1e3:.2f} ms here (the rest: "
+      "Python around the ops, and the arithmetic itself: on a CPU the host is the device)")
+print(f"on a GPU this step would be host-bound at least where its kernels run shorter than about {L * 1e6:.0f} µs each "
+      "(a GPU launch adds the driver's own cost to this dispatch: not measured here)")
+assert ops.get("aten.addmm", 0) >= 2 and "aten.threshold_backward" in ops  # the forward and the backward counted
+assert K >= 2 * len(list(model.parameters())) and 1e-7 < L < 1e-3  # the update too: at least two ops per weight
+assert step_s >= 0.5 * K * L  # the dispatches are a floor under the step (0.5: noise on a loaded machine)
+
+# %% [markdown]
+# ### Exercise 3 (08.overhead): host-bound, device-bound, and a CUDA graph
+# A step of `kernels` kernels, each costing the host `launch_us` µs to launch and the device `kernel_us` µs to run,
+# timed alone from its first launch to its last kernel's end. Eager, the host launches one kernel after another while
+# the device runs what it was given (a kernel starts once it is launched and the one before it has ended).
+# `torch.compile(mode="reduce-overhead")` records the kernels once as a CUDA graph and replays them with **one**
+# launch. Write `step_time_us(kernels, launch_us, kernel_us, cuda_graph)`. The checker draws a host-bound step, a
+# device-bound one and a tiny one on every call, passes within 2 % (so for many kernels the rough form is enough)
+# and refuses `roofline.launch_bound_s`, the model it compares with.
+
+
+# %%
+# your turn
+def step_time_us(kernels, launch_us, kernel_us, cuda_graph):
+    return ...
+
+
+# %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
+# solution (runs only with LABKIT_SOLUTIONS=1)
+if exercises.solutions_on():
+
+    def step_time_us(kernels, launch_us, kernel_us, cuda_graph):
+        if cuda_graph:
+            return launch_us + kernels * kernel_us  # one launch, then the kernels back to back
+        return kernels * max(launch_us, kernel_us)  # the slower stream sets the time (host- or device-bound)
+
+
+# %%
+exercises.check("08.overhead", lambda: nb08.check_overhead(step_time_us))
+
+# %% [markdown]
 # ## 5. Placing a model with DTensor
 # On torch_xla one process drove every device and `mark_sharding` told GSPMD how to split a tensor (notebook 03). On
 # this engine each device has its own process (torchrun, one rank per GPU or TPU chip), they join a process group,
@@ -879,7 +956,7 @@ print(
 )
 
 # %% [markdown]
-# ### Exercise 3 (08.fsdp2_bytes): bytes per device under FSDP2, on meshes this machine does not have
+# ### Exercise 4 (08.fsdp2_bytes): bytes per device under FSDP2, on meshes this machine does not have
 # Write `fsdp2_bytes(shape, devices, bytes_per)`: the bytes ONE device allocates for its shard of a parameter of
 # that shape when `fully_shard` splits it over `devices` ranks (elements of `bytes_per` bytes). The checker asks
 # about 8, 16 and 64 devices, shapes that do not divide and biases shorter than the mesh, new ones each time, and
@@ -1036,11 +1113,12 @@ assert max(abs(a - b) for a, b in zip(four["saved"]["global_losses"] + resumed, 
 # | a graph break | `loss.backward()` in a compiled function; `.item()` in a forward; `Optimizer.step` (on purpose) | `torch._dynamo.explain` (reason, line), `counters["graph_break"]` | compile the loss (AOTAutograd compiles its backward); keep values on the device |
 # | a recompile | a Python number that changes (a smoothing, a float lr), a new shape | the failed guard: `TORCH_LOGS=recompiles`, `guard_failures` | tensors for changing numbers, fixed shapes (`drop_last`, padding); `set_stance("fail_on_recompile")` proves it |
 # | optimizer state on the host | `capturable=False` on a GPU, a float lr | the guard on `param_groups[0]['lr']` | `lr=torch.tensor(...)`, `capturable=True` |
+# | a host-bound step | many small kernels, each launched by the host | ops per step × host time per op (`roofline.count_kernels`, `dispatch_s`) against the kernels' time | one launch for the whole step: a CUDA graph (`mode="reduce-overhead"`); fewer, larger kernels (Inductor's fusion, a larger batch) |
 # | a layout | `Shard(0)` / FSDP2 (dim 0, padded) vs FSDPv2 (largest dimension) | `.to_local()`, `.placements`, the padded buffers | choose the plan per weight |
 #
 # On TorchTPU (not verified here) the same code runs with `backend="tpu"` and a `"tpu"` process group, one process
 # per chip; on a GPU, with Inductor and NCCL.
 
 # %%
-passed = sum(exercises.results.get(n, False) for n in ("08.guard", "08.graphs", "08.fsdp2_bytes"))
-print(f"exercises passed: {passed} of 3")
+passed = sum(exercises.results.get(n, False) for n in ("08.guard", "08.graphs", "08.overhead", "08.fsdp2_bytes"))
+print(f"exercises passed: {passed} of 4")

@@ -174,3 +174,62 @@ def test_resume_position():
         nb01.check_resume_position(lambda step, per: Pair((step // per, step % per, 0)))
     with pytest.raises(Wrong, match="your code raised ZeroDivisionError"):
         nb01.check_resume_position(lambda step, per: divmod(per, step))
+
+
+def right_tradeoff(batch, s_min, b_noise):
+    steps = s_min * (1 + b_noise / batch)
+    return steps, batch * steps
+
+
+def test_batch_tradeoff_is_the_papers_hyperbola():
+    from labkit.optim import batch_tradeoff
+
+    s_min, b_noise = 1000.0, 512.0
+    assert batch_tradeoff(512, s_min, b_noise) == (2000.0, 2 * s_min * b_noise)  # at B_noise: twice both minima
+    for batch in (1, 8, 512, 4096, 10**6):
+        steps, examples = batch_tradeoff(batch, s_min, b_noise)
+        assert steps > s_min and examples > s_min * b_noise and examples == pytest.approx(batch * steps)
+        assert (steps / s_min - 1) * (examples / (s_min * b_noise) - 1) == pytest.approx(1.0)  # eq. 2.11
+    with pytest.raises(ValueError, match="batch_tradeoff: batch=0"):
+        batch_tradeoff(0, s_min, b_noise)
+    with pytest.raises(ValueError, match="b_noise"):
+        batch_tradeoff(8, s_min, -1.0)
+
+
+def test_critical_batch_right_and_wrong():
+    assert "from a 16th of B_noise to 32 times it" in nb01.check_critical_batch(right_tradeoff)
+    wrong = [
+        (lambda b, s, n: (s * n / b, s * n), "linear scaling forever"),  # no floor at S_min
+        (lambda b, s, n: (s * (1 + b / n), s * n * (1 + n / b)), "swapped"),
+        (lambda b, s, n: (s * (1 + n / b), s * (1 + b / n)), r"E_min is S_min x B_noise"),
+        (lambda b, s, n: (s * (1 + n / b), s * n * b / n), "examples = batch x steps"),  # the examples with no floor
+        (lambda b, s, n: (s * (1 + n / b) * 1.05, b * s * (1 + n / b)), "within 1% passes"),
+        (lambda b, s, n: (2 * s, 2 * s * n), "the model says"),  # the knee's answer, for every batch
+    ]
+    for answer, says in wrong:
+        for _ in range(3):  # inputs drawn anew each call: refused every time
+            with pytest.raises(Wrong, match=says):
+                nb01.check_critical_batch(answer)
+    with pytest.raises(Wrong, match="return the pair"):
+        nb01.check_critical_batch(lambda b, s, n: s * (1 + n / b))
+    with pytest.raises(Wrong, match="must be a number"):
+        nb01.check_critical_batch(lambda b, s, n: (AlwaysEqual(), AlwaysEqual()))
+    with pytest.raises(NotDone):
+        nb01.check_critical_batch(lambda b, s, n: ...)
+    with pytest.raises(Wrong, match="your code raised ZeroDivisionError"):
+        nb01.check_critical_batch(lambda b, s, n: (s / 0, 1))
+
+
+def test_critical_batch_refuses_the_library_answer(monkeypatch, capsys):
+    import labkit.optim
+    from labkit.lessons.exercises import check
+    from labkit.optim import batch_tradeoff as saved  # a reference saved before the check: refused all the same
+
+    with pytest.raises(Wrong, match="batch_tradeoff is the answer"):
+        nb01.check_critical_batch(lambda b, s, n: saved(b, s, n))
+    with pytest.raises(Wrong, match="batch_tradeoff is the answer"):
+        nb01.check_critical_batch(lambda b, s, n: labkit.optim.batch_tradeoff(b, s, n))
+    assert saved(4, 10.0, 4.0) == (20.0, 80.0)  # and it works again afterwards
+    monkeypatch.setenv("LABKIT_SOLUTIONS", "0")
+    assert not check("01.critical_batch", lambda: nb01.check_critical_batch(saved))
+    assert "✗ 01.critical_batch: not yet: work it out" in capsys.readouterr().out

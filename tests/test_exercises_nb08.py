@@ -221,3 +221,81 @@ def test_labkits_own_shard_helpers_are_refused(capsys, monkeypatch):
     assert "not yet" in out and "labkit.spmd.dtensor_plans.fsdp2_shard_shape" in out, out
     with pytest.raises(Wrong, match="your code called nb08.fsdp2_rule"):
         nb08.check_fsdp2_bytes(nb08.fsdp2_rule)
+
+
+def right_step_time(kernels, launch_us, kernel_us, cuda_graph):
+    if cuda_graph:
+        return launch_us + kernels * kernel_us  # one launch, then the kernels back to back
+    return max(kernels * launch_us, kernels * kernel_us)  # the slower of the two streams (the rough form passes)
+
+
+def test_overhead_right_and_wrong():
+    assert "host-bound, a device-bound and a tiny step" in nb08.check_overhead(right_step_time)
+    from labkit.profiling.roofline import launch_bound_s
+
+    exact = lambda k, lu, ku, g: launch_bound_s(k, lu, ku, graph=g)  # noqa: E731 - the same model in µs, unrefused copy
+    assert exact(4, 10, 1, False) == 41 and exact(4, 10, 1, True) == 14 and exact(4, 1, 10, False) == 41
+    wrong = [
+        (lambda k, lu, ku, g: k * (lu + ku) if not g else lu + k * ku, "the two streams overlap"),  # sum, not max
+        (lambda k, lu, ku, g: k * ku if not g else lu + k * ku, "the device waits on the host"),  # device time only
+        (lambda k, lu, ku, g: k * lu if not g else lu + k * ku, "the queue waits on the device"),  # host time only
+        (lambda k, lu, ku, g: right_step_time(k, lu, ku, False), "launched once"),  # the graph changes nothing
+        (lambda k, lu, ku, g: k * ku if g else right_step_time(k, lu, ku, g), "one launch before the first kernel"),
+        (lambda k, lu, ku, g: max(lu, k * ku) if g else right_step_time(k, lu, ku, g), "they do not overlap"),
+        (lambda k, lu, ku, g: 2 * right_step_time(k, lu, ku, g), "the model says"),
+    ]
+    for answer, says in wrong:
+        for _ in range(3):  # new steps each call: refused every time
+            with pytest.raises(Wrong, match=says):
+                nb08.check_overhead(answer)
+    with pytest.raises(Wrong, match="must be a number"):
+        nb08.check_overhead(lambda k, lu, ku, g: (lu, ku))
+    with pytest.raises(NotDone):
+        nb08.check_overhead(lambda k, lu, ku, g: ...)
+
+
+def test_overhead_refuses_the_library_model(capsys, monkeypatch):
+    from labkit.profiling import roofline
+    from labkit.profiling.roofline import launch_bound_s as saved
+
+    def borrowed(k, lu, ku, g):
+        return saved(k, lu, ku, graph=g)  # the right numbers, computed by labkit
+
+    with pytest.raises(Wrong, match="launch_bound_s is the answer"):
+        nb08.check_overhead(borrowed)
+    with pytest.raises(Wrong, match="launch_bound_s is the answer"):
+        nb08.check_overhead(lambda k, lu, ku, g: roofline.launch_bound_s(k, lu, ku, g))
+    monkeypatch.setenv("LABKIT_SOLUTIONS", "0")
+    assert not check("08.overhead", lambda: nb08.check_overhead(borrowed))
+    assert "✗ 08.overhead: not yet: work it out" in capsys.readouterr().out
+    assert saved(3, 2.0, 1.0) == 7.0  # restored afterwards
+
+
+def test_dispatch_and_kernel_count_of_a_real_step():
+    """The notebook's measurement, small: a host cost per eager op in a sane range, and the ops of one training step
+    counted with its backward and optimizer (views and `.item()` left out), the same count twice."""
+    from labkit.profiling import roofline
+
+    per_op = roofline.dispatch_s(n=500, repeats=3)
+    assert 1e-7 < per_op < 1e-3, per_op  # 0.1 µs .. 1 ms: any CPU, loaded or not
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    ops = roofline.count_kernels(step)
+    assert ops == roofline.count_kernels(step)
+    assert ops["aten.addmm"] == 2 and ops["aten.threshold_backward"] == 1  # the forward and the backward
+    assert not {"aten.t", "aten.detach", "aten.view", "aten._local_scalar_dense"} & set(ops)
+    with pytest.raises(ValueError, match="dispatch_s: n=0"):
+        roofline.dispatch_s(n=0)
+    with pytest.raises(ValueError, match="launch_bound_s: kernels=2.5"):
+        roofline.launch_bound_s(2.5, 1e-6, 1e-6)
+    with pytest.raises(ZeroDivisionError):
+        roofline.count_kernels(lambda: 1 / 0)  # the mode is popped: the next count still works
+    assert roofline.count_kernels(step) == ops

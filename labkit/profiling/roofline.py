@@ -10,12 +10,18 @@ A kernel that does F FLOPs and moves B bytes takes at least max(F / peak FLOP/s,
 intensity F / B against the machine's ridge point (peak / bandwidth) says which term wins: compute-bound above the
 ridge, memory-bound below. Real steps add overheads the roofline does not see (launching work, Python,
 collectives), so a prediction is a lower bound; how far above it a measured step lands is the lesson.
+
+The launches themselves: dispatch_s() times the host's cost of one eager op, count_kernels(step) counts the ops a
+step dispatches, and launch_bound_s(kernels, launch_s, kernel_s, graph) says whether the host or the device sets an
+eager step's time and what replaying it as one CUDA graph would leave.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+
+from labkit.config import check_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,3 +92,70 @@ def predict(flops: float, bytes_moved: float, machine: Machine) -> dict:
         "intensity": intensity,
         "bound": "compute" if intensity >= machine.ridge else "memory",
     }
+
+
+# -- launch overhead: the host's share of an eager step ---------------------------------------------------------------
+
+# Ops that launch no kernel on a GPU: the profiler's markers, and `.item()` (a device->host copy and a wait, not work)
+_NOT_KERNELS = ("profiler.", "aten._local_scalar_dense")
+
+
+def dispatch_s(n: int = 2000, repeats: int = 5) -> float:
+    """Host seconds per eager op: the median over `repeats` of n in-place adds on a 16-element CPU tensor, after a
+    warm-up. The add's arithmetic is a few nanoseconds; the rest is Python, torch's dispatcher and autograd's checks,
+    the work the host does before any kernel, on any device. About 20 ms in all."""
+    import statistics
+
+    import torch
+
+    check_number("dispatch_s: n", n, low=1, integer=True)
+    check_number("dispatch_s: repeats", repeats, low=1, integer=True)
+    x = torch.zeros(16)
+    for _ in range(n // 10):
+        x.add_(1.0)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x.add_(1.0)
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
+def count_kernels(fn) -> dict[str, int]:
+    """{aten op: calls} of the ops fn() dispatches (its backward too, where it calls one) that would each launch a
+    kernel on a GPU: a TorchDispatchMode sees every op after autograd, and views (`t`, `view`, `detach`: metadata,
+    no kernel), profiler markers and `.item()` are left out. Ops, not kernels exactly: Inductor fuses many into one,
+    a cuBLAS call may launch two."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: collections.Counter = collections.Counter()
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            if not func.is_view and not name.startswith(_NOT_KERNELS):
+                seen[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():  # a context manager: the mode is popped even when fn raises
+        fn()
+    return dict(seen)
+
+
+def launch_bound_s(kernels: int, launch_s: float, kernel_s: float, graph: bool = False) -> float:
+    """Seconds for one step timed alone, from its first launch to its last kernel's end: `kernels` kernels, each taking
+    the host `launch_s` to launch and the device `kernel_s` to run, on a device that runs them in order, each once it
+    is launched and the one before it has ended. Eager, the host launches them one by one, queued ahead while the
+    device works, so the slower stream sets the time: kernels x max(launch_s, kernel_s) plus the faster one's last
+    (or first) item, host-bound when a kernel runs shorter than its launch, device-bound otherwise. Replayed as a CUDA
+    graph, the host launches the whole graph once: launch_s + kernels x kernel_s. A model of the overlap, not a
+    measurement (it leaves out Python between launches, syncs, and the replay's own cost on the device)."""
+    check_number("launch_bound_s: kernels", kernels, low=1, integer=True)
+    check_number("launch_bound_s: launch_s", launch_s)
+    check_number("launch_bound_s: kernel_s", kernel_s)
+    if graph:
+        return launch_s + kernels * kernel_s
+    return kernels * max(launch_s, kernel_s) + min(launch_s, kernel_s)

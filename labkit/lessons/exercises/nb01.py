@@ -1,10 +1,12 @@
 """Checkers for notebook 01 (ResNet-50 on streamed shards). Each one runs the learner's code on inputs that change
 with every call and judges what it does. Two are predicted, then measured on the device: 01.feed_bytes against
-torch_xla's count of bytes sent to the device, 01.graphs against its count of new graphs.
+torch_xla's count of bytes sent to the device, 01.graphs against its count of new graphs. One is arithmetic only:
+01.critical_batch, the steps and examples a batch size costs in McCandlish et al.'s model (labkit.optim).
 
     from labkit.lessons.exercises import check, nb01
     check("01.feed_bytes", lambda: nb01.check_feed_bytes(step_bytes, rt))
     check("01.graphs", lambda: nb01.check_graphs(graphs_compiled, rt))
+    check("01.critical_batch", lambda: nb01.check_critical_batch(steps_and_examples))
 
 On XLA:CPU the two device checks cost at most 6 small compiles (about half a second each on two loaded cores).
 """
@@ -16,9 +18,27 @@ import random
 
 import torch
 
-from labkit.lessons.exercises import Wrong, call, integer, mistake, predicting, require, todo, xla_metric
+from labkit.lessons.exercises import (
+    Wrong,
+    call,
+    integer,
+    mistake,
+    number,
+    predicting,
+    refusing,
+    require,
+    todo,
+    xla_metric,
+)
 
-__all__ = ["check_feed_bytes", "check_graphs", "check_pad_labels", "check_resume_position", "require"]
+__all__ = [
+    "check_critical_batch",
+    "check_feed_bytes",
+    "check_graphs",
+    "check_pad_labels",
+    "check_resume_position",
+    "require",
+]
 
 _calls = itertools.count(1)
 # every model the graphs check trains has a width of its own: XLA keeps the graphs of an earlier attempt in memory,
@@ -208,3 +228,59 @@ def check_resume_position(resume_position) -> str:
                 f"(counting from 0 over all epochs): the next batch to train is #{bad}"
             )
     return "every batch trained exactly once"
+
+
+def _near(got: float, want: float, rel: float = 0.01) -> bool:
+    return abs(got - want) <= rel * abs(want)
+
+
+def _batch_cases(rng: random.Random) -> list[tuple[int, float, float]]:
+    """(batch, S_min, B_noise): one noise scale and S_min per call, batches from a 16th of it to 32 times it (linear
+    scaling's region, the knee, far past it) and one drawn between."""
+    b_noise = float(rng.randint(5, 200) * 100)
+    s_min = float(rng.randint(10, 200) * 100)
+    mults = [1 / 16, 1, 4, 32, rng.choice([1 / 4, 1 / 2, 2, 8])]
+    cases = [(max(1, round(b_noise * m)), s_min, b_noise) for m in mults]
+    rng.shuffle(cases)
+    return cases
+
+
+def check_critical_batch(steps_and_examples) -> str:
+    """01.critical_batch: steps_and_examples(batch, s_min, b_noise) -> (steps, examples) a run at that constant
+    batch needs to reach a given loss, in McCandlish et al. 2018's model (labkit.optim.batch_tradeoff). Judged within
+    1% on batches below, at and far above the noise scale, drawn anew on every call; batch_tradeoff is refused while
+    the answer runs. Pure arithmetic: nothing runs on a device."""
+    from labkit.optim import batch_tradeoff
+
+    todo(steps_and_examples)
+    rng = random.Random(next(_calls))
+    cases = _batch_cases(rng)
+    for batch, s_min, b_noise in cases:
+        with refusing([batch_tradeoff], "work it out from the model: labkit.optim.batch_tradeoff is the answer"):
+            out = call(steps_and_examples, batch, s_min, b_noise)
+        what = f"steps_and_examples({batch}, {s_min:g}, {b_noise:g})"
+        require(type(out) in (tuple, list) and len(out) == 2, f"{what} = {out!r}: return the pair (steps, examples)")
+        steps, examples = number(out[0], f"the steps of {what}"), number(out[1], f"the examples of {what}")
+        want_s, want_e = batch_tradeoff(batch, s_min, b_noise)
+        if _near(steps, want_s) and _near(examples, want_e):
+            continue
+        e_min, ratio = s_min * b_noise, b_noise / batch
+        where = f"batch {batch} with S_min {s_min:g} and B_noise {b_noise:g}"
+        if _near(steps, s_min * (1 + 1 / ratio)) and _near(examples, e_min * (1 + ratio)):
+            raise Wrong(f"{where}: steps and examples swapped: a larger batch needs fewer steps and more examples")
+        if _near(steps, s_min * ratio):
+            raise Wrong(
+                f"{where}: you say {steps:,.4g} steps, linear scaling forever (S_min x B_noise / B); no batch gets "
+                f"a run below S_min = {s_min:g} steps: S = S_min (1 + B_noise / B) = {want_s:,.4g}"
+            )
+        require(
+            _near(steps, want_s),
+            f"{where}: you say {steps:,.4g} steps, the model says {want_s:,.4g} (within 1% passes)",
+        )
+        if _near(examples, s_min * (1 + 1 / ratio)):
+            raise Wrong(f"{where}: E_min is S_min x B_noise = {e_min:g} examples, not S_min")
+        raise Wrong(
+            f"{where}: you say {examples:,.4g} examples; every step takes a batch, so examples = batch x steps "
+            f"= {want_e:,.4g}"
+        )
+    return f"{len(cases)} batches from a 16th of B_noise to 32 times it"

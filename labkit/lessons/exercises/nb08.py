@@ -10,6 +10,7 @@ or re-import gets around the refusal.
     check("08.graphs", lambda: nb08.check_predict_graphs(predict_graphs))
     check("08.guard", lambda: nb08.check_failing_guard(failing_guard))
     check("08.fsdp2_bytes", lambda: nb08.check_fsdp2_bytes(fsdp2_bytes))
+    check("08.overhead", lambda: nb08.check_overhead(step_time_us))   # nb08_overhead.py: launches vs kernels
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import random
 import sys
 
 from labkit.lessons.exercises import Wrong, call, integer, require, todo
+from labkit.lessons.exercises.nb08_overhead import check_overhead  # 08.overhead's checker lives there
 
 __all__ = [
     "CHANGES",
@@ -29,6 +31,7 @@ __all__ = [
     "RECOMPILE_LIMIT",
     "check_failing_guard",
     "check_fsdp2_bytes",
+    "check_overhead",
     "check_predict_graphs",
 ]
 
