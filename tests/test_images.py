@@ -26,7 +26,7 @@ from tests.children.image_job import ROOT, field_of, load_image_venv
 image_venv = load_image_venv()
 pytestmark = pytest.mark.images
 # seconds on 2 cores, measured: the background worker starts the longest first
-EXPECTED_S = {"colab-tpu": 1000, "kaggle-tpu": 1300, "colab-gpu": 260}
+EXPECTED_S = {"colab-tpu": 700, "kaggle-tpu": 1100, "colab-gpu": 450}
 
 
 def job(name: str) -> background.Job:

@@ -1,9 +1,12 @@
 """Where the venvs live: in the checkout (.venv, .venvs), except under a path that holds a space, where torch's
-Inductor cannot link (it hands torch's library folder to the linker unquoted) and they move to the user's cache."""
+Inductor cannot link (it hands torch's library folder to the linker unquoted) and they move to the user's cache;
+and what an image's pin-file header says about the runs in it."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from tests.children.image_job import load_image_venv
 
@@ -17,3 +20,20 @@ def test_image_venvs_stay_in_the_checkout_unless_its_path_holds_a_space(monkeypa
     assert drive.is_relative_to(tmp_path / "cache" / "labkit" / "venvs") and drive.name == "images"
     assert not any(c.isspace() for c in str(drive)) and drive != tab  # one folder per checkout
     assert drive.parent.name.startswith("labkit-")  # the checkout's folder name, then a hash of its path
+
+
+def test_an_image_header_says_which_notebooks_run_on_several_devices(tmp_path):
+    """`# devices: 01=2 02=4` is read per notebook; a malformed pair or a notebook the image does not run is an error
+    naming the pin file (tests/test_spmd.py finds its multi-device runs through it)."""
+    image_venv = load_image_venv()
+    head = "# python: 3.12\n# notebooks: 00 01 02  (why)\n"
+    good = tmp_path / "good.txt"
+    good.write_text(head + "# devices: 01=2 02=4  (a v5e-8)\nnumpy==2.0.0\n")
+    assert image_venv.load(good).devices == {"01": 2, "02": 4}
+    assert image_venv.load("kaggle-tpu").devices == {"01": 2, "02": 4}
+    for line, said in (("01=two", "01=two"), ("1=2", "1=2"), ("01=0", "01=0"), ("07=2", "['07']")):
+        bad = tmp_path / "bad.txt"
+        bad.write_text(head + f"# devices: {line}\nnumpy==2.0.0\n")
+        with pytest.raises(ValueError, match="bad.txt") as err:
+            image_venv.load(bad)
+        assert said in str(err.value)
