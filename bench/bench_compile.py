@@ -17,15 +17,18 @@ hand-written loop then finds most kernels in the cache, so its warm-up is not a 
 --size gpt2 (for a GPU: `--device cuda --size gpt2`): the GPT at GPT-2-small shape (12 layers, 12 heads, 768
 wide, T=1024, a 50,304-token vocabulary: 124 M parameters), batch 16, bf16, with its MFU (FLOPs per token from
 GPT.flops_per_token, the chip's peak from labkit.dashboard.flops), and ResNet-50 at 224 px, batch 128, images/s.
-Prints per-trial times, RATIO lines (compiled/eager, and labkit compiled/hand-written: goal <= 1.01) and a PAYBACK
-line: the compile's seconds (labkit's warm-up minus 3 compiled steps) over the per-step saving (eager minus compiled),
+Prints per-trial times, RATIO lines (compiled/eager, and labkit compiled/hand-written: goal <= 1.01), a HOST line
+(the Python calls per step of labkit's compiled loop and the hand-written one, counted by cProfile: what labkit adds
+on the host, exactly, where a timing on a shared machine spreads by more than the goal's 1 %) and a PAYBACK line: the compile's seconds (labkit's warm-up minus 3 compiled steps) over the per-step saving (eager minus compiled),
 in steps: the run length above which TrainConfig(compile="auto") compiles on that device (labkit.runtime.step).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -67,13 +70,13 @@ class Workload:
             self.shape, self.batch = spec[0], batch or spec[1]
             T, V = self.shape["block_size"], self.shape["vocab_size"]
             g = torch.Generator().manual_seed(0)
-            tok = torch.randint(0, V, (self.batch * (steps + 4), T + 1), generator=g)
+            tok = torch.randint(0, V, (self.batch * (max(steps, 11) + 4), T + 1), generator=g)
             ds = torch.utils.data.TensorDataset(tok[:, :-1], tok[:, 1:])
             self.label = f"GPT {self.shape['n_layer']}x{self.shape['n_embd']} T={T} batch {self.batch}"
         else:
             self.arch, self.size, self.batch = spec[0], spec[1], batch or spec[2]
             g = torch.Generator().manual_seed(0)
-            n = self.batch * (steps + 4)
+            n = self.batch * (max(steps, 11) + 4)  # the HOST count runs 11 steps
             ds = torch.utils.data.TensorDataset(
                 torch.randn(n, 3, self.size, self.size, generator=g), torch.randint(0, 10, (n,), generator=g)
             )
@@ -150,6 +153,16 @@ class HandCompiledLoop:
         self.rt.wait()
 
 
+def host_calls(loop, steps) -> int:
+    """Python function calls the host makes to run `steps` steps (cProfile's count: exact, where a timing on a
+    noisy machine cannot resolve a few per cent)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    loop.run(steps)
+    prof.disable()
+    return pstats.Stats(prof).total_calls
+
+
 def timed(loop, steps):
     t = time.perf_counter()
     loop.run(steps)
@@ -198,6 +211,16 @@ def bench(work, rt, precision, a):
             f"{work.name}: {total / 1e6:.1f} M parameters ({counted / 1e6:.1f} M in the FLOP count: no position table)"
         )
         print(f"MFU {work.name} labkit compiled = {mfu * 100:.1f} % of {source}" if mfu else f"MFU: no peak ({source})")
+    per_step, per_run = {}, {}
+    for name in ("labkit", "hand"):  # 1 step and 11: the difference is 10 steps' calls, the rest each run's own
+        one, eleven = host_calls(loops[name], 1), host_calls(loops[name], 11)
+        per_step[name] = (eleven - one) / 10
+        per_run[name] = one - per_step[name]
+    print(
+        f"HOST {work.name}: Python calls per step labkit compiled {per_step['labkit']:,.0f}, hand-written "
+        f"{per_step['hand']:,.0f} ({per_step['labkit'] / per_step['hand']:.3f}x); per run of the loop (labkit: one "
+        f"fit() with its set-up and end) {per_run['labkit']:,.0f} vs {per_run['hand']:,.0f}"
+    )
     compile_s, saving = warm["labkit"] - 3 * med["labkit"], med["eager"] - med["labkit"]
     payback = compile_s / saving if saving > 0 else float("inf")
     print(
