@@ -28,6 +28,10 @@ right after the optimizer step, before the sync: 12-13 vs 28-35 ms per MLP step 
 with zero_grad moved. Fabric's single-device XLA strategy copies each batch in the main thread (no
 MpDeviceLoader) and cuts the graph inside its optimizer step (barrier=True). On ResNet-18 labkit's own
 Python per step (loop, accumulator, hooks) is ~1-2 ms of a ~450 ms step; the rest is the device.
+ResNet-18's graphs: 3 for labkit, the hand-written loop and Accelerate, 2 for Fabric. The third is compiled once,
+at the first sync, when the device loader's first batch is still being moved (the hand-written loop, which uses
+the same MpDeviceLoader, compiles it too; Fabric copies batches in the main thread, so it has none); it falls in the
+warm-up, outside the timed trials, so it is not what separates labkit from Fabric there.
 """
 
 from __future__ import annotations
