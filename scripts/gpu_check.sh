@@ -12,7 +12,7 @@
 #   4. notebooks 08, 02, 01 on CUDA with the exercises unsolved (LABKIT_SOLUTIONS=0, LABKIT_FAST=1), each whole and
 #      under its own limit.
 # Results: $OUT/results.json and $OUT/results.txt (which torch, GPU, CUDA and driver ran; every step's status, exit
-# code, seconds and limit, also for a step the limit stopped or the budget left out; the RATIO/MFU/PAYBACK lines),
+# code, seconds and limit, also for a step the limit stopped or the budget left out; the RATIO/MFU/PAYBACK/HOST lines),
 # env.txt (nvidia-smi, glibc, the wheels' install, pip list), and logs.tar.gz: each step's log and the executed
 # notebooks (the device tool returns at most 8 files from $OUT).
 #
@@ -132,7 +132,7 @@ for line in (logs / "steps.tsv").read_text().splitlines():
     name, status, rc, seconds, limit = line.split("\t")
     log = logs / f"{name}.txt"
     text = log.read_text(errors="replace") if log.exists() else ""
-    figures = [ln for ln in text.splitlines() if re.match(r"(RATIO|MFU|PAYBACK) ", ln)]
+    figures = [ln for ln in text.splitlines() if re.match(r"(RATIO|MFU|PAYBACK|HOST) ", ln)]
     steps.append(dict(name=name, status=status, exit=int(rc) if rc else None, seconds=int(seconds),
                       limit=int(limit), figures=figures, tail=text.splitlines()[-3:] if status != "passed" else []))
 ran = {}

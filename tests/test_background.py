@@ -55,3 +55,15 @@ def test_a_second_worker_takes_the_queued_jobs_when_the_suite_is_done(tmp_path):
     # both workers have stopped (queue empty): a job submitted now still runs
     late = sleeper(bg, "late", 0.1, out)
     assert bg.wait("late", late).returncode == 0 and "late" in spans(out)
+
+
+def test_run_here_runs_the_job_now_outside_the_queue(tmp_path):
+    bg = fresh()
+    out = tmp_path / "log.txt"
+    queued = sleeper(bg, "queued", 0.3, out)
+    bg.submit([queued])
+    job = bg.run_here(sleeper(bg, "here", 0.1, out))
+    assert job.done.is_set() and job.returncode == 0 and job.seconds >= 0.1
+    assert [j.id for j in bg.jobs()] == ["queued"]  # not counted again as a background job in the closing table
+    bg.wait("queued")
+    assert sorted(line.split()[0] for line in out.read_text().splitlines()) == ["here", "queued"]
