@@ -3,8 +3,8 @@
     with sigterm_raises():          # SIGTERM (a preempted TPU VM, a stopped container) -> Preempted
         ...train...
     finish_pending_save(manager, rt, step, interrupt=e)
-    vote = SigtermVote(rt)          # torchrun: SIGTERM to one process stops them all at one step, after one save
-    with sigterm_raises(vote): ...; if vote.agreed(): save; vote.stop_if_agreed(step)   # at a step boundary
+    vote = StepVote(rt)             # torchrun: SIGTERM or a NaN on one process stops them all at one step
+    with sigterm_raises(vote): ...; problem = vote.cast(mine); if vote.agreed_on: save; vote.stop_if_agreed(step)
 
 A preempted TPU VM or a stopped Colab runtime gets SIGTERM, whose default action ends the process at
 once: an upload still in flight would be lost. Turned into an exception (Preempted, a
@@ -39,51 +39,70 @@ class Preempted(KeyboardInterrupt):
     so `except Exception` in user code does not swallow it."""
 
 
-class SigtermVote:
-    """SIGTERM to one of torchrun's processes, made every process's: the signal only sets `got` (raising would leave
-    the other processes waiting in the step's collectives for ever), and at each step boundary `agreed()` takes the
-    MAX of the flag over all processes, so every process learns it at the same optimizer step, saves that step
-    together (one checkpoint, DCP with every process writing its shards) and stops.
+class StepVote:
+    """What one of torchrun's processes learns, made every process's at the same optimizer step: SIGTERM (the signal
+    only sets `got`; raising would leave the other processes waiting in the step's collectives for ever) and a
+    problem (a NaN/inf loss, a stalled fp16 loss scale: labkit.steplog reads the losses on process 0 only, so the
+    others would train on into the next collective and wait there until a timeout). At each step boundary `cast()`
+    takes the MAX of both flags over all processes: every process then saves the same step and stops (SIGTERM), or
+    raises the same FloatingPointError before any save (a problem, its text sent to all with one all_gather_object,
+    only when there is one).
 
-    The cost: one all_reduce of one int32 per optimizer step, on a gloo group over the host's CPUs (a group of its
-    own under NCCL), so it never waits for the accelerator: a round trip of a few bytes between the processes, tens of
-    microseconds on one host (loopback TCP), about a network round trip between hosts; it is left out of
-    labkit.parallel.collective_counter's counts, which are the model's traffic. One process (or XLA's
-    replicas, whose collectives torch.distributed does not run): inactive, SIGTERM raises Preempted at once."""
+    The cost: one all_reduce of two int32 per optimizer step, on a gloo group over the host's CPUs (a group of its
+    own under NCCL), so it never waits for the accelerator: a round trip of a few bytes between the processes, tens
+    of microseconds on one host (loopback TCP; bench/bench_fsdp.py prints it per step), about a network round trip
+    between hosts; it is left out of labkit.parallel.collective_counter's counts, which are the model's traffic. One
+    process (or XLA's replicas, whose collectives torch.distributed does not run): inactive, SIGTERM raises Preempted
+    at once and a problem raises where it was seen."""
 
     def __init__(self, rt):
+        self.rt = rt
         self.active = bool(rt.uses_ddp and rt.world_size > 1 and dist.is_available() and dist.is_initialized())
         self.got, self.agreed_on, self._group = False, False, None
 
-    def agreed(self) -> bool:
-        """Whether any process got SIGTERM (a collective: every process calls it at the same step)."""
+    def cast(self, problem: str | None = None) -> str | None:
+        """Every process's vote (a collective: every process calls it at the same step). Sets agreed_on (SIGTERM
+        anywhere) and returns the problem seen anywhere ("on process r: ..."), else None."""
         if not self.active:
-            return False
+            return problem
         if self._group is None:  # the default group where it runs on the CPU, else a gloo one (made once, together)
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         # outside any dispatch mode: a step's collective count (labkit.parallel.collective_counter) is the model's
-        # traffic, which this 4-byte message is not part of
+        # traffic, which this 8-byte message is not part of
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
-            flag = torch.tensor([int(self.got)], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        self.agreed_on = bool(flag.item())
+            flags = torch.tensor([int(self.got), int(problem is not None)], dtype=torch.int32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+            self.agreed_on = bool(flags[0])
+            if not flags[1]:
+                return None
+            seen = [None] * self.rt.world_size
+            dist.all_gather_object(seen, problem, group=self._group)
+        r, text = next((r, t) for r, t in enumerate(seen) if t is not None)
+        return f"{text} on process {r} of {self.rt.world_size}"
+
+    def agreed(self) -> bool:
+        """Whether any process got SIGTERM (cast() without a problem)."""
+        self.cast()
         return self.agreed_on
 
     def stop_if_agreed(self, step: int) -> None:
-        """After the save at `step`: Preempted on every process, where agreed() said so."""
+        """After the save at `step`: Preempted on every process, where cast() said so."""
         if not self.agreed_on:
             return
         where = "this process" if self.got else "another process"
         raise Preempted(f"SIGTERM to {where}: every process stopped after step {step} and saved it")
 
 
+SigtermVote = StepVote  # its older name
+
+
 @contextlib.contextmanager
-def sigterm_raises(vote: SigtermVote | None = None):
+def sigterm_raises(vote: StepVote | None = None):
     """During fit, SIGTERM raises Preempted in the main thread (its default action kills the
     process on the spot, losing the pending upload). Elsewhere (a worker thread) nothing changes.
-    With an active SigtermVote (torchrun's processes) it only sets vote.got: the step boundary acts on it."""
+    With an active StepVote (torchrun's processes) it only sets vote.got: the step boundary acts on it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -106,6 +125,26 @@ def sigterm_raises(vote: SigtermVote | None = None):
     finally:
         signal.signal(signal.SIGTERM, old)
         signal.signal(signal.SIGINT, old_int)
+
+
+@contextlib.contextmanager
+def sigterm_deferred():
+    """SIGTERM only noted while the block runs (a final evaluation and save whose collectives every process must
+    finish); yields a list that holds True afterwards if one came, for the caller to stop then. Outside the main
+    thread, nothing changes."""
+    got: list = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+    try:
+        old = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(True))
+    except (ValueError, OSError):
+        yield got
+        return
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def finish_pending_save(ck, rt, step: int, interrupt=None, raise_errors: bool = False) -> None:

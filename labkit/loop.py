@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from labkit import resume
 from labkit.accumulate import mean_of, read
 from labkit.config import TrainConfig
-from labkit.interrupts import Preempted, SigtermVote, finish_pending_save, sigterm_raises
+from labkit.interrupts import Preempted, StepVote, finish_pending_save, sigterm_raises
 from labkit.loader import DeviceLoader, epoch_leftovers
 from labkit.optim import check_lr, move_model, optimizer_step
 from labkit.parallel import choose as choose_plan
@@ -91,6 +91,7 @@ class Trainer:
         self.train_loader = self._wrap(train_loader)
         self.eval_loader = self._wrap(eval_loader) if eval_loader is not None else None
         self.callbacks, self.checkpoint = list(callbacks), checkpoint
+        self._last_batch = None  # the last training batch: evaluation's padding forwards under torchrun
         self.step = 0  # optimizer steps done
         self.epoch = 0  # current epoch
         self.batch_in_epoch = 0  # batches of the current epoch done
@@ -99,7 +100,7 @@ class Trainer:
         self.log = StepLog(rt, self.cfg, self.precision)  # losses summed on the device, read once per interval
         self._stop = self._stop_after_epoch = self._save_requested = False
         self._step_offset = 0  # steps trained at another batch size before a resume (see total_steps)
-        self.profiler, self.sigterm = StepProfiler(rt), SigtermVote(rt)  # idle until asked; SIGTERM under torchrun
+        self.profiler, self.vote = StepProfiler(rt), StepVote(rt)  # idle until asked; torchrun: SIGTERM and NaN
 
     def _wrap(self, loader):
         if loader is None or isinstance(loader, DeviceLoader):
@@ -174,14 +175,16 @@ class Trainer:
         c = self.cfg
         self._check_inputs()
         if c.resume and self.checkpoint is not None:
-            state = self.checkpoint.restore(into=self.state_dict())  # None: nothing saved yet
+            template = self.state_dict()  # DCP fills it in place; what a checkpoint of another world size holds
+            template.pop("rng_by_process", None)  # per process is added from the checkpoint as it was saved
+            state = self.checkpoint.restore(into=template)  # None: nothing saved yet
             if state is not None:
                 self.load_state_dict(state)
         self.model.train()
         self.log.begin_fit()
         self._stop = self._stop_after_epoch = self._save_requested = False
         self.profiler.install_signal()
-        with sigterm_raises(self.sigterm):
+        with sigterm_raises(self.vote):
             try:
                 self._dispatch("on_train_begin")
                 self._announce(self.profiler.boundary(self))  # a capture requested before fit() starts now
@@ -216,12 +219,16 @@ class Trainer:
         """Run eval_step over the eval loader; sums are reduced across replicas and read once."""
         if self.eval_loader is None:
             return {}
+        self.plan.sync_buffers(self.module)  # torchrun: process 0's BatchNorm statistics on every process
         self.model.eval()
         totals: dict = {}
         with torch.no_grad():
-            for batch in self.eval_loader:
+            # torchrun: every process runs as many forwards as the one with the most batches (a forward may
+            # all-gather); a process out of batches repeats one that counts nothing (labkit.parallel)
+            for batch, real in self.plan.lockstep(self.eval_loader, spare=self._last_batch):
                 for k, v in self.eval_step(batch).items():
-                    totals[k] = totals[k] + v.float() if k in totals else v.float()
+                    v = v.float() if real else torch.zeros_like(v, dtype=torch.float32)  # the keys, all-reduced below
+                    totals[k] = totals[k] + v if k in totals else v
                 self.rt.sync()
         self.model.train()
         totals = {k: self.rt.all_reduce(v, "sum") for k, v in totals.items()}
@@ -253,9 +260,12 @@ class Trainer:
         return loader
 
     def _after_step(self, batch) -> None:
-        self.log.raise_problem(self.step)  # before any save: never checkpoint weights a NaN loss produced
+        self._last_batch = batch
+        # torchrun: one vote per step carries SIGTERM and a NaN loss seen on any process to all of them
+        problem = self.vote.cast(self.log.take_problem())
+        self.log.raise_problem(self.step, problem)  # before any save: never checkpoint weights a NaN loss produced
         self._dispatch("on_step_end", batch)  # host-side only (e.g. the dashboard notes batch shapes)
-        self._save_requested |= self.sigterm.agreed()  # torchrun: SIGTERM to any process -> all save this step
+        self._save_requested |= self.vote.agreed_on  # SIGTERM to any process -> all save this step
         periodic = self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0
         if self._save_requested or periodic:
             self._save_requested = False
@@ -263,7 +273,7 @@ class Trainer:
                 warnings.warn("request_checkpoint() ignored: this Trainer has no CheckpointManager", stacklevel=3)
             else:
                 self.checkpoint.save(self.step, self.state_dict(), metrics=self._last_metrics(), force=not periodic)
-        self.sigterm.stop_if_agreed(self.step)  # then Preempted on every process: fit() waits for the save
+        self.vote.stop_if_agreed(self.step)  # then Preempted on every process: fit() waits for the save
         self._announce(self.profiler.boundary(self))  # closes a captured step, polls the trigger file
 
     def _record(self, rec: dict) -> None:

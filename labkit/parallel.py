@@ -53,6 +53,67 @@ from labkit.spmd.dtensor_plans import collective_bytes, op_name
 STATE_BYTES_PER_WEIGHT = 16  # float32 weight 4 + gradient 4 + AdamW's two moments 8 (labkit.spmd.comm.fits)
 
 
+class PlanError(ValueError):
+    """A parallel setting this run cannot use (a flag, LABKIT_PARALLEL or TrainConfig.parallel): `python -m
+    labkit.train` prints it as one line naming the setting, exit 2, no traceback."""
+
+
+def _param_names(module, optimizer) -> list:
+    """The optimizer's parameters in its own order (param_groups, as optimizer.state_dict() numbers them), each by
+    the module's name for it."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [names.get(id(p), str(i)) for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])]
+
+
+def _renumber(state: dict, key) -> dict:
+    groups = [dict(g, params=[key(p) for p in g["params"]]) for g in state.get("param_groups", [])]
+    return {**state, "state": {key(k): v for k, v in state.get("state", {}).items()}, "param_groups": groups}
+
+
+def optimizer_by_name(state: dict, module, optimizer) -> dict:
+    """An optimizer state keyed by parameter position (torch's optimizer.state_dict(), a one-file checkpoint) turned
+    into the form keyed by parameter name that torch.distributed.checkpoint's set_optimizer_state_dict reads; a
+    state already keyed by name is returned as it is."""
+    params = [p for g in state.get("param_groups", []) for p in g["params"]]
+    if not params or not all(isinstance(p, int) for p in params):
+        return state
+    names = _param_names(module, optimizer)
+    return _renumber(state, lambda i: names[i])
+
+
+def optimizer_by_id(state: dict, module, optimizer) -> dict:
+    """The other way: a state keyed by parameter name (a DCP checkpoint of an FSDP2 run) into the positions
+    optimizer.load_state_dict reads; a state already keyed by position is returned as it is."""
+    params = [p for g in state.get("param_groups", []) for p in g["params"]]
+    if not params or not all(isinstance(p, str) for p in params):
+        return state
+    where = {n: i for i, n in enumerate(_param_names(module, optimizer))}
+    unknown = sorted(set(params) - set(where))
+    if unknown:
+        raise ValueError(f"the checkpoint's optimizer state names parameters this model lacks: {unknown[:3]}")
+    return _renumber(state, lambda n: where[n])
+
+
+def _batchnorms(model) -> list:
+    return [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+
+
+def _plain(state: dict) -> bool:
+    """Whether a model or optimizer state holds whole tensors only (a one-file checkpoint), no DTensor shard."""
+    from torch.distributed.tensor import DTensor
+
+    stack = [state]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, DTensor):
+            return False
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return True
+
+
 class Single:
     """One process (or XLA's own replication): nothing to wrap, nothing to sync."""
 
@@ -75,7 +136,20 @@ class Single:
         return optimizer.state_dict()
 
     def load_optimizer_state(self, module, optimizer, state: dict) -> None:
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(optimizer_by_id(state, module, optimizer))  # a DCP checkpoint's is by name
+
+    def sync_buffers(self, module) -> None:
+        """Make every process's buffers (BatchNorm's running statistics) equal: nothing to do with one process."""
+
+    def per_process(self, key: str, value) -> dict:
+        """{key + "_by_process": {"process<r>": every process's value}} for what differs per process (its RNG), so
+        that a DCP checkpoint, which keeps one copy of an entry every process saves, keeps all of them; {} here."""
+        return {}
+
+    def lockstep(self, batches, spare=None):
+        """(batch, real) for each batch: with one process every batch is real (see Processes.lockstep)."""
+        for batch in batches:
+            yield batch, True
 
     def describe(self) -> str:
         return self.name
@@ -84,13 +158,60 @@ class Single:
         return f"{type(self).__name__}()"
 
 
-class Replicate(Single):
+class Processes(Single):
+    """What every plan over several torchrun processes shares: buffers made equal, evaluation in step."""
+
+    def __init__(self, rt):
+        self.rt, self._cpu = rt, None
+
+    def sync_buffers(self, module) -> None:
+        broadcast_buffers(module)
+
+    def per_process(self, key: str, value) -> dict:
+        import torch.distributed as dist
+
+        every = [None] * self.rt.world_size
+        dist.all_gather_object(every, value, group=_cpu_group(self))
+        return {f"{key}_by_process": {f"process{r}": v for r, v in enumerate(every)}}
+
+    def lockstep(self, batches, spare=None):
+        """(batch, real) until EVERY process is out of batches: a process whose share ran out first gets (its last
+        batch, or `spare`, False), a forward that keeps its collectives in step with the others and counts nothing.
+        Evaluation shards rarely split evenly over the processes, and under FSDP2 each forward all-gathers: the
+        process with one batch more would wait in an all-gather while the others wait in the metrics' all-reduce,
+        for ever. Before each batch the processes agree whether any still has one: one all-reduce (MAX) of a
+        4-byte flag over the CPU (gloo), a few tens of microseconds on one host."""
+        import torch.distributed as dist
+
+        group = _cpu_group(self)
+        it, last = iter(batches), spare
+        while True:
+            batch = next(it, None)
+            flag = torch.tensor([batch is not None], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            if not flag.item():
+                return
+            if batch is not None:
+                last = batch
+                yield batch, True
+            elif last is None:
+                raise RuntimeError(
+                    f"evaluation: process {self.rt.ordinal} of {self.rt.world_size} has no evaluation batch at all "
+                    "while others do, and no training batch to run the padding forwards with: give every process at "
+                    "least one evaluation batch (fewer processes, or more evaluation shards)"
+                )
+            else:
+                yield last, False
+
+
+class Replicate(Processes):
     """DistributedDataParallel: a whole copy per process, gradients all-reduced (averaged) in backward."""
 
     name = "replicate"
 
     def __init__(self, rt):
-        self.rt, self.ddp = rt, None
+        super().__init__(rt)
+        self.ddp = None
 
     def wrap(self, model, optimizer):
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -106,6 +227,35 @@ class Replicate(Single):
         return f"replicate (DDP) over {self.rt.world_size} processes"
 
 
+def _cpu_group(plan):
+    """A gloo group over every process for the plan's small CPU votes: the default group where it is gloo, else
+    one made once per plan (dist.new_group is itself collective: every process makes it at the same call)."""
+    import torch.distributed as dist
+
+    if plan._cpu is None:
+        plan._cpu = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    return plan._cpu
+
+
+def broadcast_buffers(module) -> None:
+    """Every buffer (BatchNorm's running mean, variance and batch count) sent from process 0 to the others, joined
+    into one broadcast per dtype (a ResNet-50's 159 buffers, 0.2 MB, in two). Each process updates its running
+    statistics from its own batches, so without this they drift apart: each process would evaluate with its own,
+    and a checkpoint would keep whichever copy DCP's de-duplication picks. DDP sends process 0's buffers at each
+    training forward (broadcast_buffers=True), so after this both plans evaluate and save process 0's statistics.
+    The Trainer calls it before every evaluation and save; every process must call it (a collective)."""
+    import torch.distributed as dist
+
+    by_dtype: dict = {}
+    for b in module.buffers():
+        by_dtype.setdefault((b.dtype, b.device), []).append(b)
+    for bufs in by_dtype.values():
+        flat = torch.cat([b.detach().reshape(-1) for b in bufs])
+        dist.broadcast(flat, src=0)
+        for b, part in zip(bufs, flat.split([b.numel() for b in bufs])):
+            b.data.copy_(part.view_as(b))
+
+
 def units(model) -> list:
     """The submodules FSDP2 shards as units of their own, before the root: model.fsdp_units() if it has one, the
     GPT's transformer blocks, a (torchvision) ResNet's four stages; [] otherwise (the root alone: one unit)."""
@@ -117,13 +267,14 @@ def units(model) -> list:
     return stages if all(isinstance(s, torch.nn.Module) for s in stages) else []
 
 
-class FullyShard(Single):
+class FullyShard(Processes):
     """FSDP2: fully_shard on each unit (labkit.parallel.units), then the root, over all torchrun processes."""
 
     name = "fsdp2"
 
     def __init__(self, rt, precision=None):
-        self.rt, self.precision, self.root, self.mesh, self.units = rt, precision, None, None, []
+        super().__init__(rt)
+        self.precision, self.root, self.mesh, self.units = precision, None, None, []
 
     def mixed_precision(self):
         """MixedPrecisionPolicy(bf16 gathers, fp32 reduction) under bf16, else None (everything float32)."""
@@ -132,6 +283,18 @@ class FullyShard(Single):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def batchnorm_precision(self):
+        """BatchNorm under a bf16 policy: its weight and bias gathered in float32 (its running statistics are
+        float32 buffers, which FSDP2 never casts), and its bf16 input left as it comes (cast_forward_inputs=False):
+        torch's batch_norm takes a bf16 input with float32 parameters and statistics (CPU and cuDNN alike), but not
+        bf16 parameters with float32 statistics, the error "expected scalar type BFloat16 but found Float" that a
+        single bf16 policy over a ResNet gives at its first BatchNorm. The cost: each BatchNorm is a unit of its own,
+        so one small all-gather in forward, one in backward and one small reduce-scatter per BatchNorm and step
+        (53 of each in ResNet-50): latency, a few KB each, not bandwidth."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
     def wrap(self, model, optimizer):
         from torch.distributed.device_mesh import init_device_mesh
@@ -149,6 +312,9 @@ class FullyShard(Single):
             kw["mp_policy"] = self.mixed_precision()
         before = dict(model.named_parameters())
         self.units = units(model)
+        if "mp_policy" in kw:  # BatchNorm keeps float32 weights: its own unit, gathered in float32
+            for bn in _batchnorms(model):
+                fully_shard(bn, mesh=self.mesh, mp_policy=self.batchnorm_precision())
         for unit in self.units:
             fully_shard(unit, **kw)
         self.root = fully_shard(model, **kw)
@@ -176,9 +342,18 @@ class FullyShard(Single):
         return get_model_state_dict(module)  # DTensors under the plain names
 
     def load_model_state(self, module, state: dict) -> None:
+        """A sharded state (DTensors, from a DCP checkpoint) loads shard by shard; a whole one (plain tensors: a
+        one-file checkpoint of a one-process run, or a notebook's) is split into this process's shards on the way
+        in (torch's StateDictOptions(full_state_dict=True): every process holds the whole state while loading)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(module, state)
+        set_model_state_dict(module, state, options=self._options(state))
+
+    @staticmethod
+    def _options(state):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=_plain(state))
 
     def optimizer_state(self, module, optimizer) -> dict:
         """The optimizer's state keyed by parameter name, as DTensors. torch creates an empty optimizer's state with
@@ -195,7 +370,8 @@ class FullyShard(Single):
     def load_optimizer_state(self, module, optimizer, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(module, optimizer, state)
+        state = optimizer_by_name(state, module, optimizer)  # a one-file checkpoint's is by position
+        set_optimizer_state_dict(module, optimizer, state, options=self._options(state))
 
     def describe(self) -> str:
         mp = " (bf16 gathers, fp32 reduction)" if self.mixed_precision() is not None else ""
@@ -224,9 +400,10 @@ def auto_plan(params: int, memory: int | None, devices: int) -> str:
     return "replicate" if fits(params, memory / 2, devices, "data", STATE_BYTES_PER_WEIGHT) else "fsdp2"
 
 
-def check_setting(setting) -> str:
+def check_setting(setting, name: str = "TrainConfig.parallel") -> str:
+    """`setting` when it names a plan; else PlanError naming where it came from (`name`: a flag, a variable)."""
     if setting not in PLANS:
-        raise ValueError(f"TrainConfig.parallel={setting!r}: expected one of {', '.join(PLANS)}")
+        raise PlanError(f"{name}={setting!r}: expected one of {', '.join(PLANS)}")
     return setting
 
 
@@ -239,7 +416,7 @@ def choose(rt, setting: str = "auto", precision=None, model=None) -> Single:
     if not torchrun:
         if setting != "auto":
             where = f"world size {rt.world_size}" if rt.uses_ddp else f"the {rt.kind} runtime (spmd={rt.spmd})"
-            raise ValueError(
+            raise PlanError(
                 f"TrainConfig.parallel={setting!r} needs torchrun with 2 or more processes of torch.distributed "
                 f"(cpu/gloo or cuda/nccl); this run has {where}. Use parallel='auto' here, or launch with "
                 "`torchrun --nproc-per-node N -m labkit.train ...`"
@@ -250,7 +427,7 @@ def choose(rt, setting: str = "auto", precision=None, model=None) -> Single:
         setting = auto_plan(params, device_memory(rt), rt.world_size)
     if setting == "fsdp2":
         if precision is not None and precision.needs_scaler:
-            raise ValueError(
+            raise PlanError(
                 "parallel='fsdp2' with fp16: the GradScaler of labkit.precision does not handle sharded gradients; "
                 "use bf16 (MixedPrecisionPolicy) or fp32 under FSDP2, or parallel='replicate'"
             )

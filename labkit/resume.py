@@ -27,7 +27,7 @@ import warnings
 from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
 from labkit.checkpoint.state import check_compatible
-from labkit.seeding import rng_state, set_rng_state
+from labkit.seeding import manual_seed, rng_state, set_rng_state
 from labkit.versions import versions
 
 # samplers that draw a new order each epoch from a generator whose state no checkpoint holds
@@ -154,6 +154,7 @@ def batches_done(state: dict, global_batch: int | None) -> int:
 
 def trainer_state(self) -> dict:  # self: the Trainer
     """What a checkpoint of this Trainer holds (Trainer.state_dict)."""
+    self.plan.sync_buffers(self.module)  # torchrun: process 0's BatchNorm statistics, whichever copy DCP keeps
     state = {
         "model": self.plan.model_state(self.module),  # the plain names; DTensors under fsdp2 (labkit.parallel)
         "optimizer": self.plan.optimizer_state(self.module, self.optimizer),
@@ -162,6 +163,7 @@ def trainer_state(self) -> dict:  # self: the Trainer
         "batch_in_epoch": self.batch_in_epoch,
         "config": self.cfg.to_dict(),
         "rng": rng_state(self.rt),
+        **self.plan.per_process("rng", rng_state(self.rt)),  # torchrun: every process's generators, each its own
         "versions": versions(),
         **position(self),  # the data position in samples, the global batch, world size, optimizer class
     }
@@ -189,5 +191,27 @@ def load_trainer_state(self, state: dict) -> None:  # self: the Trainer
     if self.train_loader is not None:  # the step counter goes on; the epochs count samples
         self._step_offset = self.step - self.epoch * self.steps_per_epoch() - self.batch_in_epoch
     if "rng" in state:  # dropout/augmentation draws continue exactly where they stopped
-        set_rng_state(state["rng"], self.rt)
+        _load_rng(self, state)
     self.rt.master_print(f"[labkit] resumed at step {self.step} (epoch {self.epoch}, batch {self.batch_in_epoch})")
+
+
+def _load_rng(self, state: dict) -> None:  # self: the Trainer
+    """Each process's generators as they were at the save: its own (`rng_by_process`, saved by every process under
+    torchrun), else the one `rng` (one process; or an older checkpoint, whose `rng` was one process's). Resumed on
+    another number of processes, a process the checkpoint had no generators for is seeded from (step, process)
+    instead, and the run says so: its dropout and augmentation draws differ from an uninterrupted run's."""
+    rank, world = self.rt.ordinal, self.rt.world_size
+    mine = (state.get("rng_by_process") or {}).get(f"process{rank}")
+    set_rng_state(mine if mine is not None else state["rng"], self.rt)
+    saved = int(state.get("world_size") or 1)
+    if saved == world and (mine is not None or world == 1):
+        return
+    if mine is None and rank > 0:
+        manual_seed(int(state["step"]) * 1_000_003 + rank, self.rt)
+    if saved == world:
+        said = "the checkpoint kept one process's generators; processes 1.. reseeded from (step, process)"
+    elif world > saved:
+        said = f"processes {saved}..{world - 1} reseeded from (step, process), 0..{saved - 1} continue their own"
+    else:
+        said = f"processes 0..{world - 1} continue the generators of the same number, {world}..{saved - 1}'s are unused"
+    self.rt.master_print(f"[labkit] resumed on {world} processes from a checkpoint of {saved}: {said}")

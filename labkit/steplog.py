@@ -111,10 +111,16 @@ class StepLog:
         if self.rt.is_master:  # only the master reads and draws
             self.rt.add_step_closure(self._emit, args=(sums, meta, optimizer, on_record))
 
-    def raise_problem(self, step: int) -> None:
-        """After the step's sync: a problem the closure found raises FloatingPointError naming the step
-        (cfg.continue_on_nonfinite=True: a RuntimeWarning, and training goes on)."""
+    def take_problem(self) -> str | None:
+        """The problem the closure found since the last call (a NaN loss, a stalled loss scale), else None."""
         problem, self._problem = self._problem, None
+        return problem
+
+    def raise_problem(self, step: int, problem: str | None = None) -> None:
+        """After the step's sync: a problem (this process's, or `problem` as the processes' vote returned it)
+        raises FloatingPointError naming the step (cfg.continue_on_nonfinite=True: a RuntimeWarning, and training
+        goes on)."""
+        problem = problem if problem is not None else self.take_problem()
         if problem is None:
             return
         msg = f"{problem} (seen at the log of step {step}): lower the learning rate, add clip_norm, or check the data"

@@ -9,6 +9,7 @@ torch.distributed reads them in init_process_group. How the Trainer then lays th
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -25,6 +26,20 @@ def torchrun_world() -> int:
         raise BackendError(f"environment variable WORLD_SIZE={raw!r} is not an integer (torchrun sets it)") from None
 
 
+def timeout() -> datetime.timedelta:
+    """How long a collective may wait for the other processes before it fails (naming itself) instead of hanging:
+    LABKIT_DIST_TIMEOUT_S seconds, 600 by default (NCCL's own default; gloo's is 30 minutes). A checkpoint save does
+    not count against it: labkit.checkpoint saves on a group of its own."""
+    raw = os.environ.get("LABKIT_DIST_TIMEOUT_S", "600")
+    try:
+        seconds = float(raw)
+        if seconds <= 0:
+            raise ValueError
+    except ValueError:
+        raise BackendError(f"LABKIT_DIST_TIMEOUT_S={raw!r}: expected a number of seconds > 0") from None
+    return datetime.timedelta(seconds=seconds)
+
+
 def setup_cpu() -> Runtime:
     """Plain PyTorch on the CPU; under torchrun one process per rank, joined over gloo (the CPU
     collective backend), over which DDP or FSDP2 (labkit.parallel) reduce gradients."""
@@ -32,7 +47,7 @@ def setup_cpu() -> Runtime:
 
     world = torchrun_world()
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")  # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+        dist.init_process_group("gloo", timeout=timeout())  # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
     rank = dist.get_rank() if dist.is_initialized() else 0
     local = int(os.environ.get("LOCAL_RANK", "0"))
     return Runtime("cpu", torch.device("cpu"), world, rank, local, 1, False, {"dist": "gloo" if world > 1 else None})
@@ -44,9 +59,11 @@ def setup_cuda() -> Runtime:
 
     world = torchrun_world()
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl")  # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR
+    # the device first: NCCL's communicator is made for the current device, and device_id= binds the group to it
+    # at once (without it, a first collective before set_device talks from GPU 0 on every process)
     torch.cuda.set_device(local)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl", timeout=timeout(), device_id=torch.device("cuda", local))
     rank = dist.get_rank() if dist.is_initialized() else 0
     return Runtime(
         "cuda",

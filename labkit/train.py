@@ -29,7 +29,7 @@ import sys
 import time
 
 from labkit.config import fast_mode
-from labkit.interrupts import Preempted, sigterm_raises
+from labkit.interrupts import Preempted, sigterm_deferred, sigterm_raises
 from labkit.optim import scaled_lr
 
 # the recipes' parameters and the flags' checks (labkit.train.parser() is the script's command line)
@@ -63,12 +63,43 @@ def _runtime(P, backend):
     return rt, prec, plan
 
 
+class SettingError(ValueError):
+    """A setting of the run (a flag, a LABKIT_ variable) it cannot use: one line and exit 2 (main)."""
+
+
 def _parallel(choice) -> str:
-    """--parallel, else LABKIT_PARALLEL (TrainConfig.parallel's variable), else "auto"."""
-    return choice or os.environ.get("LABKIT_PARALLEL") or "auto"
+    """--parallel, else LABKIT_PARALLEL (TrainConfig.parallel's variable), else "auto"; a name no plan has is refused
+    naming the variable (the flag's choices are argparse's)."""
+    from labkit.parallel import check_setting
+
+    if choice:
+        return choice
+    return check_setting(os.environ.get("LABKIT_PARALLEL") or "auto", "LABKIT_PARALLEL")
 
 
-def run_resnet(P: ResNetParams, backend=None, parallel=None) -> dict:
+def run_folder(rt, root: str, resume: str | None) -> str:
+    """The run's checkpoint folder, decided on process 0 and sent to the others (each process naming it from its own
+    clock would split one run's shards over several folders). resume=None: a new `run-YYYYmmdd-HHMMSS` under root;
+    "latest": the newest run-* folder under root; else that folder (a path or gs:// URL)."""
+    name = None
+    if rt.is_master:
+        if resume is None:
+            name = f"{root}/{time.strftime('run-%Y%m%d-%H%M%S')}"
+        elif resume == "latest":
+            from labkit.cloud import open_store
+
+            runs = sorted({n.split("/")[0] for n in open_store(root).list("run-")})
+            name = f"{root}/{runs[-1]}" if runs else f"no run-* folder under {root} to resume"
+        else:
+            name = resume
+    name = rt.broadcast_object(name, "labkit-train-run-folder")
+    if name.startswith("no run-* folder"):
+        raise SettingError(f"--resume: {name}; give the run folder (--resume FOLDER) or start without --resume")
+    rt.master_print(f"[labkit.train] checkpoints: {name}" + (" (resuming its newest committed step)" if resume else ""))
+    return name
+
+
+def run_resnet(P: ResNetParams, backend=None, parallel=None, resume=None, save_every=None) -> dict:
     from labkit.cloud import gcs
     from labkit.lessons import recipes
 
@@ -87,22 +118,27 @@ def run_resnet(P: ResNetParams, backend=None, parallel=None) -> dict:
     else:
         gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_project or None)
     try:  # whatever fails from here on, the server ends with the run
-        return _train_resnet(P, rt, plan, prec, data, ckpt_root, parallel)
+        return _train_resnet(P, rt, plan, prec, data, ckpt_root, parallel, resume, save_every)
     finally:
         if server is not None:
             server.close()
 
 
-def _train_resnet(P: ResNetParams, rt, plan, prec, data: str, ckpt_root: str, parallel=None) -> dict:
+def _train_resnet(P, rt, plan, prec, data: str, ckpt_root: str, parallel=None, resume=None, save_every=None) -> dict:
     import labkit
     from data_tools import load_manifest
     from labkit.checkpoint import CheckpointManager
     from labkit.lessons import recipes
 
     source = P.source if P.source != "auto" else ("cifar10" if labkit.envsetup.online() else "digits")
-    if rt.is_master:  # one writer; the others wait, then find the manifests
+    # one writer at a time: process 0 first (a shared folder or bucket: the others find its shards), then the first
+    # process of every other host (a host-local folder: written once per host, not by each of its processes)
+    if rt.is_master:
         recipes.image_shards(source, data, P.upsample, P.samples_per_shard)
     rt.rendezvous("labkit-train-shards")
+    if rt.local_ordinal == 0 and not rt.is_master:
+        recipes.image_shards(source, data, P.upsample, P.samples_per_shard)
+    rt.rendezvous("labkit-train-shards-hosts")
     manifests = recipes.image_shards(source, data, P.upsample, P.samples_per_shard)
     classes = load_manifest(manifests["train"])["class_names"]
     train, val = recipes.image_loaders(manifests, plan, rt, num_workers=P.num_workers, seed=P.seed)
@@ -115,11 +151,12 @@ def _train_resnet(P: ResNetParams, rt, plan, prec, data: str, ckpt_root: str, pa
         max_steps=P.max_steps,
         log_every=P.log_every,
         accum_steps=P.accum_steps,
-        checkpoint_every=P.checkpoint_every or len(train) // P.accum_steps,
+        checkpoint_every=save_every or P.checkpoint_every or len(train) // P.accum_steps,
         parallel=_parallel(parallel),
+        resume=resume is not None,
     )
     total = min(cfg.epochs * (len(train) // P.accum_steps), cfg.max_steps or 10**12)
-    ckpt = CheckpointManager(f"{ckpt_root}/{time.strftime('run-%Y%m%d-%H%M%S')}", keep=2, rt=rt)
+    ckpt = CheckpointManager(run_folder(rt, ckpt_root, resume), keep=2, rt=rt)
     trainer = labkit.Trainer(
         model,
         optimizer,
@@ -135,7 +172,7 @@ def _train_resnet(P: ResNetParams, rt, plan, prec, data: str, ckpt_root: str, pa
     return _finish(trainer, plan, ckpt, extra={"source": source})
 
 
-def run_gpt(P: GPTParams, backend=None, parallel=None) -> dict:
+def run_gpt(P: GPTParams, backend=None, parallel=None, resume=None, save_every=None) -> dict:
     import labkit
     from data_tools.text import split
     from labkit.checkpoint import CheckpointManager
@@ -160,6 +197,10 @@ def run_gpt(P: GPTParams, backend=None, parallel=None) -> dict:
     )
     gcfg = GPTConfig(block_size=P.block_size, n_layer=P.n_layer, n_head=P.n_head, n_embd=P.n_embd, dropout=P.dropout)
     model, optimizer, scheduler = recipes.build_gpt(gcfg, P.lr, P.weight_decay, P.max_steps, P.seed, rt)
+    if (resume is not None or save_every) and not P.save_to:
+        raise SettingError("--resume and --save-every need --save-to FOLDER (the gpt recipe's checkpoint folder)")
+    if resume not in (None, "latest", P.save_to):
+        raise SettingError(f"--resume {resume}: the gpt recipe resumes from its --save-to folder ({P.save_to!r})")
     cfg = labkit.TrainConfig(
         epochs=P.evals,
         max_steps=P.max_steps,
@@ -167,6 +208,8 @@ def run_gpt(P: GPTParams, backend=None, parallel=None) -> dict:
         log_every=P.log_every,
         eval_every=1,
         parallel=_parallel(parallel),
+        checkpoint_every=save_every or 0,
+        resume=resume is not None,
     )
     ckpt = None
     if P.save_to:
@@ -174,22 +217,37 @@ def run_gpt(P: GPTParams, backend=None, parallel=None) -> dict:
             gcs.check_access(P.save_to, write=True)
         ckpt = CheckpointManager(P.save_to, keep=1, rt=rt)
     trainer = LMTrainer(
-        model, optimizer, rt, cfg, train, val, scheduler=scheduler, callbacks=[ConsoleLog()], precision=prec
+        model,
+        optimizer,
+        rt,
+        cfg,
+        train,
+        val,
+        scheduler=scheduler,
+        callbacks=[ConsoleLog()],
+        precision=prec,
+        checkpoint=ckpt if save_every or resume is not None else None,  # else only the final save, in _finish
     )
     return _finish(trainer, plan, ckpt, extra={"source": name})
 
 
 def _finish(trainer, plan, ckpt, extra: dict) -> dict:
-    """Train, evaluate once more if the last step was not evaluated, save, and print the FINAL line."""
+    """Train, evaluate once more if the last step was not evaluated, save, and print the FINAL line. After fit()
+    (whose steps vote on SIGTERM), a SIGTERM waits until the final evaluation and save are done on every process:
+    raised on one process in the middle of them, it would leave the others in their collectives."""
     rt = trainer.rt
     rt.master_print(f"[labkit.train] parallel: {trainer.plan.describe()}")
     history = trainer.fit()
-    evals = trainer.eval_history
-    final = evals[-1] if evals and evals[-1]["step"] == trainer.step else trainer.evaluate()
-    if ckpt is not None:
-        ckpt.save(trainer.step, trainer.state_dict(), metrics=final, force=True)
-        ckpt.wait()
-        rt.master_print(f"[labkit.train] saved step {trainer.step} to {ckpt.root}")
+    with sigterm_deferred() as got:
+        evals = trainer.eval_history
+        final = evals[-1] if evals and evals[-1]["step"] == trainer.step else trainer.evaluate()
+        if ckpt is not None:
+            ckpt.save(trainer.step, trainer.state_dict(), metrics=final, force=True)
+            ckpt.wait()
+            rt.master_print(f"[labkit.train] saved step {trainer.step} to {ckpt.root}")
+        rt.rendezvous("labkit-train-saved")
+    if got:
+        raise Preempted(f"SIGTERM after the last step: the final evaluation and the save of step {trainer.step} ended")
     result = {
         "loss": final["val_loss"],
         "train_loss": history[-1]["loss"] if history else float("nan"),
@@ -207,6 +265,8 @@ def _finish(trainer, plan, ckpt, extra: dict) -> dict:
 
 
 def main(argv=None) -> dict:
+    from labkit.parallel import PlanError
+
     top = parser()
     args = top.parse_args(argv)
     try:
@@ -216,13 +276,16 @@ def main(argv=None) -> dict:
     if fast_mode() and os.environ.get("RANK", "0") == "0":
         print(f"[labkit.train] {args.recipe} (fast): {P}", flush=True)
     run = run_resnet if args.recipe == "resnet" else run_gpt
-    with sigterm_raises():  # SIGTERM as an exception: the finally blocks stop what the run started
-        result = run(P, backend=args.backend, parallel=args.parallel)
-    import torch.distributed as dist
+    try:
+        with sigterm_raises():  # SIGTERM as an exception: the finally blocks stop what the run started
+            return run(P, backend=args.backend, parallel=args.parallel, resume=args.resume, save_every=args.save_every)
+    except (PlanError, SettingError) as e:  # a setting this run cannot use: one line naming it, exit 2
+        top.error(str(e))
+    finally:  # a clean end, an error or SIGTERM alike: the other processes are not left waiting for this one
+        import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    return result
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

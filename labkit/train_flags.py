@@ -107,7 +107,7 @@ RECIPES = {"resnet": ResNetParams, "gpt": GPTParams}
 _COUNT = {"low": 1, "integer": True}
 _BOUNDS = (  # (bounds, the fields that have them)
     (_COUNT, ("samples_per_shard", "upsample", "batch_size", "accum_steps", "epochs", "log_every", "resume_steps",
-              "block_size", "n_layer", "n_head", "n_embd", "evals", "eval_batches")),
+              "block_size", "n_layer", "n_head", "n_embd", "evals", "eval_batches", "save_every")),
     ({"integer": True}, ("max_steps", "num_workers", "checkpoint_every", "seed", "gen_tokens", "top_k")),
     ({"above": True}, ("lr", "temperature")),
     ({"high": 1.0}, ("dropout",)),
@@ -209,6 +209,22 @@ def parser() -> argparse.ArgumentParser:
             choices=PARALLEL,
             help="under torchrun: replicate (DDP) | fsdp2 (fully_shard per block) | auto (by what fits; default "
             "$LABKIT_PARALLEL, else auto); TrainConfig.parallel",
+        )
+        sub.add_argument(
+            "--resume",
+            nargs="?",
+            const="latest",
+            default=None,
+            metavar="FOLDER",
+            help="continue at the newest committed step: of FOLDER (a run folder), or without it of the newest "
+            "run-* folder under --checkpoint-dir (resnet) or of --save-to (gpt); single process and torchrun alike",
+        )
+        sub.add_argument(
+            "--save-every",
+            type=_flag_type("save_every", int, name),
+            default=None,
+            metavar="N",
+            help="save a checkpoint every N optimizer steps (resnet: as --checkpoint-every; gpt: into --save-to)",
         )
     return top
 

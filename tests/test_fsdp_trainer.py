@@ -158,7 +158,14 @@ def runs(tmp_path_factory, gcs_server):
     tmp = tmp_path_factory.mktemp("fsdp")
     bucket = f"fsdp-{os.getpid()}"
     gcs.client().create_bucket(bucket)  # the children reach the server through STORAGE_EMULATOR_HOST
-    ck4, ck2 = str(tmp / "ck4"), f"gs://{bucket}/ck2"
+    ck4, ck2, ck1 = str(tmp / "ck4"), f"gs://{bucket}/ck2", str(tmp / "ck1")
+    # one process (no process group): a one-file checkpoint at step 3, the format of a notebook's run
+    one = _torchrun(
+        tmp,
+        "one",
+        1,
+        [{"name": "save", "parallel": "auto", "steps": 6, "stop_at": 3, "checkpoint_every": 3, "ckpt": ck1}],
+    )
     four = _torchrun(
         tmp,
         "four",
@@ -180,10 +187,16 @@ def runs(tmp_path_factory, gcs_server):
             {"name": "resume", "parallel": "fsdp2", "steps": 6, "resume": True, "ckpt": ck4},
             {"name": "other_model", "parallel": "fsdp2", "steps": 6, "resume": True, "ckpt": ck4, "n_embd": 48},
             {"name": "save", "parallel": "fsdp2", "steps": 6, "stop_at": 3, "checkpoint_every": 3, "ckpt": ck2},
+            {"name": "from_one", "parallel": "fsdp2", "steps": 6, "resume": True, "ckpt": ck1},
         ],
     )
+    # back to one process: the 2-process DCP checkpoint (DTensor shards, optimizer state by name) resumed whole (before
+    # "back", whose epoch end saves step 6 there)
+    to_one = _torchrun(
+        tmp, "to_one", 1, [{"name": "resume", "parallel": "auto", "steps": 6, "resume": True, "ckpt": ck2}]
+    )
     back = _torchrun(tmp, "back", 4, [{"name": "resume", "parallel": "fsdp2", "steps": 6, "resume": True, "ckpt": ck2}])
-    return {"four": four, "two": two, "back": back, "ck4": ck4, "ck2": ck2}
+    return {"one": one, "four": four, "two": two, "back": back, "to_one": to_one, "ck4": ck4, "ck2": ck2}
 
 
 def _close(a, b, tol=LOSS_TOL):
@@ -242,6 +255,21 @@ def test_dcp_checkpoint_resumes_on_another_number_of_processes(runs):
         assert res["first_step"] == 4, (name, res)  # the data position: the step after the checkpoint's
         assert _close(res["global_losses"], ref[3:]), (name, res["global_losses"], ref[3:])
         print(name, "largest loss difference", max(abs(a - b) for a, b in zip(res["global_losses"], ref[3:])))
+
+
+@heavy
+def test_one_file_checkpoint_resumes_under_fsdp2_and_back(runs):
+    """A one-process run's one-file checkpoint (whole tensors, optimizer state by position) resumes under fsdp2 on 2
+    processes, its state split into their shards; a 2-process DCP checkpoint resumes in one process. Both continue
+    at step 4 with the losses of an uninterrupted run."""
+    ref = runs["four"]["ref"]["global_losses"]
+    one, from_one, to_one = runs["one"]["save"], runs["two"]["from_one"], runs["to_one"]["resume"]
+    assert "error" not in one and "error" not in from_one and "error" not in to_one, (one, from_one, to_one)
+    assert _close(one["global_losses"], ref[:3])  # the one-process run is the same run
+    assert from_one["first_step"] == 4 and to_one["first_step"] == 4
+    assert from_one["plan"].startswith("fsdp2 over 2") and to_one["plan"] == "single"
+    assert _close(from_one["global_losses"], ref[3:]), (from_one["global_losses"], ref[3:])
+    assert _close(to_one["global_losses"], ref[3:]), (to_one["global_losses"], ref[3:])
 
 
 @heavy

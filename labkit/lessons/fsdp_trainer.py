@@ -79,7 +79,8 @@ class GlobalLoss(LMTrainer):
         loss = super().train_step(batch)
         if self.global_losses is not None:
             mean = loss.detach().clone()
-            dist.all_reduce(mean)
+            if self.rt.world_size > 1:  # one process (a one-file checkpoint's run): its loss is the mean
+                dist.all_reduce(mean)
             self.global_losses.append(mean.item() / self.rt.world_size)
         return loss
 
@@ -152,7 +153,7 @@ def run(rt, spec, steps_total):
         "placements": sorted({D.placement(p) for p in params.values()}),
         "keys": sorted(trainer.module.state_dict())[:3],
     }
-    if progress:  # each process's last step and whether fit() ended in Preempted
+    if progress and rt.world_size > 1:  # each process's last step and whether fit() ended in Preempted
         ends = [None] * rt.world_size
         dist.all_gather_object(ends, [trainer.step, preempted])
         out["ends"] = ends
@@ -173,11 +174,12 @@ def main():
             report[spec["name"]] = run(rt, spec, steps_total)
         except Exception as e:  # a refusal a test expects: its message, on every rank alike
             report[spec["name"]] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
-        dist.barrier()
+        rt.rendezvous("fsdp-trainer-run")
     if rt.is_master:
         with open(job["out"], "w") as f:
             json.dump(report, f)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def launch(nproc: int, runs: list, timeout_s: float = 300, log_path: str | None = None) -> dict:

@@ -102,6 +102,14 @@ class Runtime:
         if self.world_size > 1 and torch.distributed.is_initialized():
             torch.distributed.barrier()
 
+    def broadcast_object(self, obj, tag: str):
+        """Process 0's `obj` (picklable) on every process: one decision, taken once (a run folder's name)."""
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            box = [obj]
+            torch.distributed.broadcast_object_list(box, src=0)
+            return box[0]
+        return obj
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Sum or mean over replicas (identity with one replica). Returns a new tensor."""
         if op not in ("sum", "mean"):

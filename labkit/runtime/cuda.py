@@ -28,10 +28,15 @@ class CudaRuntime(Runtime):
         torch.cuda.manual_seed_all(seed)
 
     def device_rng_state(self) -> dict:
-        return {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}
+        """This process's own GPU's generator only: get_rng_state_all() would open a CUDA context on every visible
+        GPU (hundreds of MB each) from each of torchrun's processes, and under DCP every process would load one
+        process's copy of them."""
+        return {"cuda_device": torch.cuda.get_rng_state(self.device)} if torch.cuda.is_initialized() else {}
 
     def set_device_rng_state(self, state: dict) -> None:
-        if "cuda" in state:
+        if "cuda_device" in state:
+            torch.cuda.set_rng_state(state["cuda_device"], self.device)
+        elif "cuda" in state:  # an older checkpoint: every visible GPU's
             torch.cuda.set_rng_state_all(state["cuda"])
 
     def precision_for(self, mode: str, want) -> _precision.Precision:

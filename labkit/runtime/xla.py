@@ -61,6 +61,17 @@ class XlaRuntime(Runtime):
 
             xm.rendezvous(tag)
 
+    def broadcast_object(self, obj, tag: str):
+        """A TPU pod's hosts: every host's payload goes to all (xm.rendezvous), and process 0's is kept. `obj` is a
+        JSON value here (bytes from another host are decoded as data, never unpickled)."""
+        if self.world_size <= 1:
+            return obj
+        import json
+
+        import torch_xla.core.xla_model as xm
+
+        return json.loads(xm.rendezvous(tag, json.dumps(obj).encode())[0].decode())
+
     def _all_reduce_sum(self, tensor):
         import torch_xla.core.xla_model as xm
 
