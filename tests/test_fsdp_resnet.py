@@ -1,0 +1,140 @@
+"""FSDP2 the way a GPU node runs it: a ResNet with BatchNorm in bf16, an evaluation set that does not split evenly,
+per-process RNG, a NaN on one process, and `python -m labkit.train` under torchrun stopped by SIGTERM to torchrun
+itself and resumed on the same folder.
+
+One torchrun of 2 gloo processes runs tests/children/fsdp_resnet.py (its docstring lists the runs); each test
+below reads its part of the report. Before labkit.parallel's BatchNorm units the bf16 run died at its first
+BatchNorm ("expected scalar type BFloat16 but found Float"); before Processes.lockstep the evaluation over 3 + 2
+batches never ended (an all-gather on one process against the metrics' all-reduce on the other); before StepVote
+carried problems, process 1 waited in its next collective while process 0 raised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_fsdp_trainer import _env, _start, _wait
+
+heavy = pytest.mark.heavy
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = str(ROOT / "tests" / "children" / "fsdp_resnet.py")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp-resnet")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", CHILD]
+    proc, log = _start(cmd + [str(tmp / "out.json"), str(tmp / "ck")], tmp / "log.txt")
+    code, text = _wait(proc, log, 300)  # ~45 s alone; a hang (the old evaluation) is killed here
+    assert code == 0 and (tmp / "out.json").exists(), f"exit {code}:\n{text[-4000:]}"
+    return json.loads((tmp / "out.json").read_text())
+
+
+def _ok(run):
+    assert "error" not in run, run.get("trace", run)
+    return run
+
+
+@heavy
+def test_resnet_trains_under_fsdp2_in_bf16_with_batchnorm_in_float32(report):
+    r = _ok(report["bf16"])
+    assert r["plan"] == "fsdp2 over 2 processes (bf16 gathers, fp32 reduction)"
+    assert r["bn_weight_dtype"] == "torch.float32"
+    assert len(r["losses"]) == 3 and all(0 < v < 10 for v in r["losses"])
+
+
+@heavy
+def test_evaluation_over_uneven_shares_ends_and_equals_one_process(report):
+    """3 batches on process 0, 2 on process 1: the evaluation ends on both (padding forwards count nothing) and its
+    metrics equal one process's over all 5 batches with the same weights and statistics."""
+    for name in ("bf16", "fp32"):
+        assert _ok(report[name])["val"]["step"] == 3
+    r = report["fp32"]
+    assert abs(r["val"]["val_loss"] - r["one_process"]["val_loss"]) < 1e-5, r
+    assert r["val"]["val_acc"] == r["one_process"]["val_acc"]
+
+
+@heavy
+def test_batchnorm_statistics_agree_across_processes_after_evaluation(report):
+    assert _ok(report["bf16"])["buffers_equal"] and report["fp32"]["buffers_equal"]
+
+
+@heavy
+def test_each_process_resumes_its_own_rng(report):
+    r = _ok(report["rng"])
+    assert r["differ"], "the two processes' generators were seeded apart: their saved states must differ"
+    assert r["restored_own"] == [True, True] and r["step"] == 2
+
+
+@heavy
+def test_nan_on_one_process_stops_every_process_at_one_step(report):
+    r = _ok(report["nan"])
+    assert r["raised"][0] is not None and r["raised"][0] == r["raised"][1], r
+    assert "on process 0 of 2" in r["raised"][0] and r["steps"][0] == r["steps"][1]
+
+
+@heavy
+def test_one_run_folder_whatever_each_process_clock_says(report):
+    folders = _ok(report["folder"])["folders"]
+    assert len(set(folders)) == 1 and "/run-" in folders[0], folders
+
+
+# -- python -m labkit.train under torchrun ------------------------------------------------------------------------
+def _script(tmp, name, extra, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", "labkit.train", "resnet", "--fast", "--local-gcs", "false", "--parallel", "fsdp2"]
+    cmd += ["--data-dir", str(tmp / "data"), "--checkpoint-dir", str(tmp / "ck"), "--batch-size", "8"]
+    return _start(cmd + ["--log-every", "1"] + extra, tmp / f"{name}.log")
+
+
+@heavy
+def test_sigterm_to_torchrun_saves_once_and_resume_continues_at_the_next_step(tmp_path):
+    """SIGTERM to torchrun (what a Spot VM's shutdown sends the process tree's leader): torchrun forwards it to its
+    workers and SIGKILLs them 30 s later (torch.distributed.elastic's default). Both workers save the same step
+    inside that window and exit 143; `--resume` on the same checkpoint folder continues at the next step."""
+    proc, log = _script(tmp_path, "first", ["--save-every", "2", "--max-steps", "60"])
+    deadline, text = time.time() + 240, ""
+    while time.time() < deadline and proc.poll() is None:
+        text = (tmp_path / "first.log").read_text()
+        if "step      3" in text:
+            break
+        time.sleep(0.5)
+    assert "step      3" in text, text[-3000:]
+    t0 = time.time()
+    os.kill(proc.pid, signal.SIGTERM)
+    code, text = _wait(proc, log, 60)
+    stopped_s = time.time() - t0
+    assert code != "timed out" and stopped_s < 30, (stopped_s, text[-3000:])
+    assert text.count("Preempted: SIGTERM") == 2, text[-3000:]  # both workers, one line each, no traceback
+    # the workers end in one line each; torchrun itself then prints its own SignalException traceback (its code)
+    assert "labkit/" not in text.split("step      3")[-1], text[-3000:]
+    runs = sorted((tmp_path / "ck").iterdir())
+    assert len(runs) == 1, runs  # one run, one folder (process 0 named it)
+    committed = sorted(int(p.parent.name.split("-")[1]) for p in runs[0].glob("step-*/COMMITTED"))
+    assert committed and committed[-1] >= 3, committed
+    stop = committed[-1]
+    proc, log = _script(tmp_path, "resume", ["--resume", str(runs[0]), "--max-steps", str(stop + 2)])
+    code, text = _wait(proc, log, 240)
+    assert code == 0, text[-3000:]
+    assert f"resumed at step {stop} " in text and f"step {stop + 1:6d}" in text, text[-3000:]
+    assert f"step {stop:6d}" not in text.split("resumed at step")[-1], text[-3000:]
+    print(f"[sigterm to torchrun] every worker ended {stopped_s:.1f} s after the signal; resumed after step {stop}")
+
+
+def test_bad_parallel_settings_are_one_line(tmp_path):
+    """--parallel fsdp2 without torchrun, and LABKIT_PARALLEL=fsdp: one line naming the setting, exit 2."""
+    base = [sys.executable, "-m", "labkit.train", "gpt", "--fast", "--backend", "cpu", "--max-steps", "2"]
+    for extra, env in ((["--parallel", "fsdp2"], {}), ([], {"LABKIT_PARALLEL": "fsdp"})):
+        out = subprocess.run(base + extra, cwd=ROOT, env={**_env(), **env}, capture_output=True, text=True, timeout=180)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr, out.stderr[-2000:]
+        last = out.stderr.strip().splitlines()[-1]
+        assert ("TrainConfig.parallel='fsdp2' needs torchrun" in last) or ("LABKIT_PARALLEL='fsdp'" in last), last
