@@ -167,7 +167,8 @@ def check_ranges(obj) -> None:
 
 
 COMPILE = ("auto", "on", "off")
-PARALLEL = ("auto", "replicate", "fsdp2")  # TrainConfig.parallel (labkit.parallel's plans)
+PARALLEL = ("auto", "replicate", "fsdp2", "hsdp")  # TrainConfig.parallel (labkit.parallel's plans)
+ACCUMULATE = ("auto", "gathered", "sharded")  # TrainConfig.fsdp_accumulate (labkit.parallel.FullyShard)
 
 
 def _compile_setting(value) -> str:
@@ -214,9 +215,15 @@ class TrainConfig:
     # scheduler count optimizer steps; checkpoints are taken only between optimizer steps (labkit.loop)
     accum_steps: int = 1
     # how the model is laid out over torchrun's processes (labkit.parallel): "replicate" (DDP, a whole copy each),
-    # "fsdp2" (fully_shard per block, then the root), "auto" (replicate where weights + gradients + AdamW state fit
-    # half a device, else fsdp2). One process, XLA and SPMD: "auto" only
+    # "fsdp2" (fully_shard per block, then the root), "hsdp" (sharded within a host, replicated across hosts: a 2-D
+    # mesh), "auto" (replicate where weights + gradients + AdamW state fit half a device, else hsdp on several hosts
+    # where a host's share fits, else fsdp2). One process, XLA and SPMD: "auto" only
     parallel: str = "auto"
+    # accumulation (accum_steps > 1) under fsdp2/hsdp: "gathered" keeps each unit gathered and its gradients unreduced
+    # through the window (k = 1's collectives, a whole copy's weights and gradients on every process), "sharded"
+    # reduce-scatters every micro-batch (memory stays sharded, k times the collectives), "auto" gathered where that
+    # fits half the device (labkit.parallel.accumulation), else sharded
+    fsdp_accumulate: str = "auto"
     # removed: mixed precision is labkit.precision's alone (Trainer(..., precision=choose(rt, "bf16")))
     bf16: dataclasses.InitVar[None] = None
 
@@ -251,6 +258,10 @@ class TrainConfig:
         self.compile = _compile_setting(self.compile)
         if self.parallel not in PARALLEL:
             raise ValueError(f"TrainConfig.parallel={self.parallel!r}: expected one of {', '.join(PARALLEL)}")
+        if self.fsdp_accumulate not in ACCUMULATE:
+            raise ValueError(
+                f"TrainConfig.fsdp_accumulate={self.fsdp_accumulate!r}: expected one of {', '.join(ACCUMULATE)}"
+            )
         if not isinstance(self.compile_backend, str) or not self.compile_backend.strip():
             raise ValueError(
                 f"TrainConfig.compile_backend={self.compile_backend!r}: expected a torch.compile backend name"

@@ -41,7 +41,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from labkit import resume
+from labkit import meta_init, resume
 from labkit.accumulate import mean_of, read
 from labkit.config import TrainConfig
 from labkit.interrupts import Preempted, StepVote, finish_pending_save, sigterm_raises
@@ -78,8 +78,11 @@ class Trainer:
         self.optimizer, self.scheduler = optimizer, scheduler
         # on the device (the optimizer follows its parameters), then laid out over torchrun's processes by the
         # run's plan (labkit.parallel, TrainConfig.parallel): as is, DDP (replicate) or fully_shard (fsdp2)
-        self.plan = choose_plan(rt, self.cfg.parallel, self.precision, model)
-        model = self.plan.wrap(move_model(model, optimizer, rt.device), optimizer)
+        c = self.cfg
+        self.plan = choose_plan(rt, c.parallel, self.precision, model, c.fsdp_accumulate, c.accum_steps)
+        if not meta_init.is_meta(model):  # a model built on the meta device gets its memory from the plan, sharded
+            model = move_model(model, optimizer, rt.device)
+        model = self.plan.wrap(model, optimizer)
         self.module = getattr(model, "module", model)  # DDP unwrapped, never compiled: what checkpoints hold
         # how the step is captured (labkit.runtime.step): torch.compile'd model and optimizer step, or as written
         cfg, steps = self.cfg, planned_steps(self.cfg, train_loader)  # "auto" compiles where the steps repay it

@@ -46,6 +46,7 @@ import os
 
 import torch
 
+from labkit import meta_init
 from labkit.config import PARALLEL as PLANS
 from labkit.spmd.comm import fits
 from labkit.spmd.dtensor_plans import collective_bytes, op_name
@@ -56,6 +57,22 @@ STATE_BYTES_PER_WEIGHT = 16  # float32 weight 4 + gradient 4 + AdamW's two momen
 class PlanError(ValueError):
     """A parallel setting this run cannot use (a flag, LABKIT_PARALLEL or TrainConfig.parallel): `python -m
     labkit.train` prints it as one line naming the setting, exit 2, no traceback."""
+
+
+def _repoint(optimizer, before: dict, model) -> None:
+    """The optimizer's parameters swapped, by name, for the model's current ones (fully_shard and to_empty may
+    replace the Parameter objects an optimizer built earlier holds)."""
+    after = dict(model.named_parameters())
+    swap = {id(before[n]): after[n] for n in before if n in after}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]
+
+
+def _materialize(model, optimizer, device) -> None:
+    before = dict(model.named_parameters())
+    meta_init.materialize(model, device)
+    _repoint(optimizer, before, model)
 
 
 def _param_names(module, optimizer) -> list:
@@ -119,7 +136,13 @@ class Single:
 
     name = "single"
 
+    def __init__(self, rt=None):
+        self.rt = rt
+
     def wrap(self, model, optimizer):
+        """The model laid out for this plan; one built on the meta device (labkit.meta_init) given memory first."""
+        if meta_init.is_meta(model):
+            _materialize(model, optimizer, self.rt.device)
         return model
 
     def gradient_sync(self, enabled: bool):
@@ -162,7 +185,8 @@ class Processes(Single):
     """What every plan over several torchrun processes shares: buffers made equal, evaluation in step."""
 
     def __init__(self, rt):
-        self.rt, self._cpu = rt, None
+        super().__init__(rt)
+        self._cpu = None
 
     def sync_buffers(self, module) -> None:
         broadcast_buffers(module)
@@ -214,6 +238,7 @@ class Replicate(Processes):
         self.ddp = None
 
     def wrap(self, model, optimizer):
+        model = super().wrap(model, optimizer)  # a meta-built model: each process a whole copy, as DDP needs
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             self.ddp = model
         else:
@@ -272,9 +297,24 @@ class FullyShard(Processes):
 
     name = "fsdp2"
 
-    def __init__(self, rt, precision=None):
+    def __init__(self, rt, precision=None, accumulate: str = "auto", accum_steps: int = 1, hsdp: bool = False):
         super().__init__(rt)
         self.precision, self.root, self.mesh, self.units = precision, None, None, []
+        self.accumulate, self.accum_steps, self.hsdp, self.said = accumulate, accum_steps, hsdp, ""
+        self.hosts = hosts(rt) if hsdp else 1
+        if hsdp:
+            self.name = "hsdp"
+
+    def make_mesh(self):
+        """fsdp2: one dimension over every process. hsdp: (hosts, processes per host) named ("replicate", "shard"):
+        fully_shard on a 2-D mesh shards within a host (its all-gathers and reduce-scatters never leave it) and
+        replicates across hosts (one all-reduce of each process's gradient shard per step crosses them)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not self.hsdp:
+            return init_device_mesh(self.rt.device.type, (self.rt.world_size,), mesh_dim_names=("fsdp",))
+        local = self.rt.world_size // self.hosts
+        return init_device_mesh(self.rt.device.type, (self.hosts, local), mesh_dim_names=("replicate", "shard"))
 
     def mixed_precision(self):
         """MixedPrecisionPolicy(bf16 gathers, fp32 reduction) under bf16, else None (everything float32)."""
@@ -297,7 +337,6 @@ class FullyShard(Processes):
         return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
     def wrap(self, model, optimizer):
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         if optimizer is not None and optimizer.state:
@@ -306,11 +345,12 @@ class FullyShard(Processes):
                 "replaces the parameters with sharded ones, so build the optimizer fresh and let the Trainer (or "
                 "labkit.checkpoint) restore its state"
             )
-        self.mesh = init_device_mesh(self.rt.device.type, (self.rt.world_size,), mesh_dim_names=("fsdp",))
+        self.mesh = self.make_mesh()
         kw = {"mesh": self.mesh}
         if self.mixed_precision() is not None:
             kw["mp_policy"] = self.mixed_precision()
         before = dict(model.named_parameters())
+        self.accumulate, self.said = accumulation(self, sum(p.numel() for p in before.values()))
         self.units = units(model)
         if "mp_policy" in kw:  # BatchNorm keeps float32 weights: its own unit, gathered in float32
             for bn in _batchnorms(model):
@@ -318,11 +358,9 @@ class FullyShard(Processes):
         for unit in self.units:
             fully_shard(unit, **kw)
         self.root = fully_shard(model, **kw)
-        after = dict(model.named_parameters())  # the same names, new Parameter objects (DTensors)
-        swap = {id(before[n]): after[n] for n in before if n in after}
-        if optimizer is not None:  # an optimizer built on the plain model now steps the shards
-            for group in optimizer.param_groups:
-                group["params"] = [swap.get(id(p), p) for p in group["params"]]
+        _repoint(optimizer, before, model)  # an optimizer built on the plain model now steps the shards
+        if meta_init.is_meta(model):  # built on the meta device: only now, sharded, does each process get memory
+            _materialize(model, optimizer, self.rt.device)
         return self.root
 
     def gradient_sync(self, enabled: bool):
@@ -330,6 +368,8 @@ class FullyShard(Processes):
         weights, once gathered, stay gathered: no reshard after the units' forward nor after backward, so the next
         micro-batches gather nothing. enabled=True (the last, or k = 1): torch's defaults again, so its forward
         frees each unit, its backward gathers it again, reduce-scatters and reshards: k = 1's collectives."""
+        if self.accumulate == "sharded":  # every micro-batch reduce-scatters (torch's defaults): memory stays sharded
+            return contextlib.nullcontext()
         self.root.set_requires_gradient_sync(enabled)  # read at backward: reduce-scatter now, or keep adding up
         self.root.set_reshard_after_backward(enabled)
         for unit in self.units:  # the root keeps its own default (no reshard after forward)
@@ -375,11 +415,62 @@ class FullyShard(Processes):
 
     def describe(self) -> str:
         mp = " (bf16 gathers, fp32 reduction)" if self.mixed_precision() is not None else ""
-        return f"fsdp2 over {self.rt.world_size} processes{mp}"
+        where = f"{self.hosts} hosts x {self.rt.world_size // self.hosts} processes" if self.hsdp else ""
+        head = f"hsdp over {where}" if self.hsdp else f"fsdp2 over {self.rt.world_size} processes"
+        return head + mp + (f"; {self.said}" if self.said else "")
+
+
+def hosts(rt) -> int:
+    """How many hosts torchrun's processes span: WORLD_SIZE // LOCAL_WORLD_SIZE (torchrun sets both)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size) or rt.world_size)
+    if local < 1 or rt.world_size % local:
+        raise PlanError(
+            f"parallel='hsdp': {rt.world_size} processes do not split into hosts of LOCAL_WORLD_SIZE={local}; launch "
+            "the same --nproc-per-node on every host"
+        )
+    return rt.world_size // local
+
+
+def accumulation(plan, params: int) -> tuple[str, str]:
+    """(mode, the sentence that says why) for accumulation under fsdp2/hsdp, from TrainConfig.fsdp_accumulate.
+    gathered: per process, the whole model's gathered weights (the gather dtype: 2 B a weight under bf16, else 4)
+    and its unreduced float32 gradients (4 B), through the window, beside its shard of the weights, gradients and
+    AdamW state (16 B a weight / processes per shard group); k = 1's collectives. sharded: only the shard (plus
+    one unit gathered at a time); k times the all-gathers and reduce-scatters. auto: gathered where it fits half
+    the device memory (labkit.parallel.device_memory), else sharded."""
+    if plan.accum_steps <= 1:
+        return plan.accumulate, ""
+    shard = plan.rt.world_size // plan.hosts
+    gather = 2 if plan.mixed_precision() is not None else 4
+    gathered = params * (gather + 4) + params * STATE_BYTES_PER_WEIGHT // shard
+    sharded = params * STATE_BYTES_PER_WEIGHT // shard
+    mode, memory = plan.accumulate, device_memory(plan.rt)
+    if mode == "auto":
+        mode = "gathered" if memory is None or gathered <= memory / 2 else "sharded"
+        why = f"{gathered / 2**20:,.0f} MB {'fit' if mode == 'gathered' else 'do not fit'} half of "
+        why += f"{memory / 2**20:,.0f} MB" if memory else "an unknown memory"
+    else:
+        why = "asked for"
+    if mode == "gathered":
+        cost = f"{gathered / 2**20:,.0f} MB a process (whole weights and gradients), k = 1's collectives"
+    else:
+        cost = f"{sharded / 2**20:,.0f} MB a process (shards), {plan.accum_steps}x k = 1's collectives"
+    return mode, f"accumulation {mode} ({why}): {cost}"
 
 
 def device_memory(rt) -> int | None:
-    """Bytes one process may use: the accelerator's memory, or on the CPU the host's RAM shared by its processes."""
+    """Bytes one process may use: LABKIT_MEMORY_MB where set (a budget of your own: what "auto" plans for, e.g. to
+    try on the CPU what a smaller device would force), else the accelerator's memory, or on the CPU the host's RAM
+    shared by its processes."""
+    raw = os.environ.get("LABKIT_MEMORY_MB", "").strip()
+    if raw:
+        try:
+            mb = float(raw)
+            if not mb > 0:
+                raise ValueError
+        except ValueError:
+            raise PlanError(f"LABKIT_MEMORY_MB={raw!r}: expected a number of megabytes > 0") from None
+        return int(mb * 2**20)
     mem = rt.memory() or {}
     if mem.get("limit"):
         return int(mem["limit"])
@@ -393,11 +484,14 @@ def device_memory(rt) -> int | None:
     return ram // max(1, local)
 
 
-def auto_plan(params: int, memory: int | None, devices: int) -> str:
-    """ "replicate" when a whole copy's weights, gradients and AdamW state fit half of `memory`, else "fsdp2"."""
-    if memory is None:
+def auto_plan(params: int, memory: int | None, devices: int, hosts: int = 1) -> str:
+    """ "replicate" when a whole copy's weights, gradients and AdamW state fit half of `memory`; else, on several
+    hosts, "hsdp" when a host's share (sharded over its processes only) fits; else "fsdp2"."""
+    if memory is None or fits(params, memory / 2, devices, "data", STATE_BYTES_PER_WEIGHT):
         return "replicate"
-    return "replicate" if fits(params, memory / 2, devices, "data", STATE_BYTES_PER_WEIGHT) else "fsdp2"
+    if hosts > 1 and params * STATE_BYTES_PER_WEIGHT / (devices // hosts) <= memory / 2:
+        return "hsdp"
+    return "fsdp2"
 
 
 def check_setting(setting, name: str = "TrainConfig.parallel") -> str:
@@ -407,7 +501,7 @@ def check_setting(setting, name: str = "TrainConfig.parallel") -> str:
     return setting
 
 
-def choose(rt, setting: str = "auto", precision=None, model=None) -> Single:
+def choose(rt, setting: str = "auto", precision=None, model=None, accumulate="auto", accum_steps=1) -> Single:
     """The plan for TrainConfig.parallel on this runtime. Several torch.distributed processes (rt.uses_ddp and
     world_size > 1): "replicate", "fsdp2", or "auto" by what fits (model: to count its parameters). One process,
     XLA and SPMD: Single ("auto"); asking them for replicate or fsdp2 is refused by name."""
@@ -421,17 +515,17 @@ def choose(rt, setting: str = "auto", precision=None, model=None) -> Single:
                 f"(cpu/gloo or cuda/nccl); this run has {where}. Use parallel='auto' here, or launch with "
                 "`torchrun --nproc-per-node N -m labkit.train ...`"
             )
-        return Single()
+        return Single(rt)
     if setting == "auto":
         params = sum(p.numel() for p in model.parameters()) if model is not None else 0
-        setting = auto_plan(params, device_memory(rt), rt.world_size)
-    if setting == "fsdp2":
+        setting = auto_plan(params, device_memory(rt), rt.world_size, hosts(rt))
+    if setting in ("fsdp2", "hsdp"):
         if precision is not None and precision.needs_scaler:
             raise PlanError(
-                "parallel='fsdp2' with fp16: the GradScaler of labkit.precision does not handle sharded gradients; "
-                "use bf16 (MixedPrecisionPolicy) or fp32 under FSDP2, or parallel='replicate'"
+                f"parallel={setting!r} with fp16: the GradScaler of labkit.precision does not handle sharded "
+                "gradients; use bf16 (MixedPrecisionPolicy) or fp32 under FSDP2, or parallel='replicate'"
             )
-        return FullyShard(rt, precision)
+        return FullyShard(rt, precision, accumulate, accum_steps, hsdp=setting == "hsdp")
     return Replicate(rt)
 
 
@@ -451,13 +545,40 @@ def collective_counter():
             out = func(*args, **(kwargs or {}))
             if func.namespace in ("c10d", "_c10d_functional") and not func.__name__.startswith(("wait", "barrier")):
                 name = op_name(func._overloadpacket)
+                n = collective_bytes(args, out)
                 self.counts[name] = self.counts.get(name, 0) + 1
-                self.bytes_by_op[name] = self.bytes_by_op.get(name, 0) + collective_bytes(args, out)
+                self.bytes_by_op[name] = self.bytes_by_op.get(name, 0) + n
+                where = self.by_group.setdefault((name, _group_name(args, kwargs)), [0, 0])
+                where[0], where[1] = where[0] + 1, where[1] + n
             return out
 
         def get_comm_counts(self) -> dict:
             return dict(self.counts)
 
     mode = _Count()
-    mode.counts, mode.bytes_by_op = {}, {}
+    mode.counts, mode.bytes_by_op, mode.by_group = {}, {}, {}
     return mode
+
+
+def _group_name(args, kwargs) -> str | None:
+    """The process group a c10d op ran on (its boxed ProcessGroup argument) or a functional one's group name."""
+    import torch.distributed as dist
+
+    for a in list(args) + list((kwargs or {}).values()):
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).group_name
+            except Exception:  # another boxed object (a ReduceOp)
+                continue
+    strings = [a for a in args if isinstance(a, str)]
+    return strings[-1] if strings else None
+
+
+def comm_by_dim(mode, mesh) -> dict:
+    """{mesh dimension: {op: [count, bytes]}} from a collective_counter: which collectives ran inside a host and
+    which crossed hosts (an HSDP mesh's "shard" and "replicate"); ops on no dimension of `mesh` under "other"."""
+    dims = {mesh.get_group(d).group_name: d for d in mesh.mesh_dim_names}
+    out: dict = {}
+    for (op, group), (count, nbytes) in mode.by_group.items():
+        out.setdefault(dims.get(group, "other"), {})[op] = [count, nbytes]
+    return out

@@ -7,12 +7,14 @@ and tests/test_fsdp_trainer.py.
 
 launch() starts `python -m torch.distributed.run --standalone --nproc-per-node N -m labkit.lessons.fsdp_trainer JOB`
 and returns process 0's report. A run is {"name", "parallel", "accum_steps", "merge", "steps", "stop_at", "ckpt",
-"checkpoint_every", "resume", "count", "compile", "compile_backend", "clip", "n_embd", "progress", "step_sleep"}. Every run trains the same
+"checkpoint_every", "resume", "count", "compile", "compile_backend", "clip", "n_embd", "n_layer", "progress", "step_sleep",
+"meta" (built by labkit.meta_init), "budget_mb" (LABKIT_MEMORY_MB while the plan is chosen), "fsdp_accumulate"}. Every run trains the same
 data: `steps` optimizer steps of GLOBAL rows per micro-batch, split over the processes (each its rows of every
 micro-batch). merge=True feeds each process its k micro-batches as one batch (accum_steps=1): the k-times larger
 batch, row for row the same. Each run's report: "losses" (process 0's, per step), "global_losses" (per micro-batch,
 averaged over the processes: what does not depend on their number), "first_step", "param_bytes" / "opt_bytes" (process
-0's shards), "comm" (count=True: {op: count per optimizer step}), "comm_bytes", "seconds", "ends" (progress=PATH: each
+0's shards), "comm" (count=True: {op: count per optimizer step}), "comm_bytes", "comm_by_dim" ({mesh dimension: {op:
+[count, bytes] per step}}), "build_mb" (peak RSS of the build and layout), "seconds", "ends" (progress=PATH: each
 process's [last step, stopped by SIGTERM], while PATH.RANK holds "PID STEP"), or "error" (a refusal).
 """
 
@@ -23,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -30,19 +33,46 @@ import torch
 import torch.distributed as dist
 
 import labkit
+from labkit import meta_init
 from labkit.checkpoint import CheckpointManager
 from labkit.interrupts import Preempted
 from labkit.lm import LMTrainer
 from labkit.models.gpt import GPT, GPTConfig, adamw
 from labkit.parallel import collective_counter
+from labkit.parallel import comm_by_dim as collective_counts_by_dim
 from labkit.spmd import dtensor_plans as D
 
 GLOBAL, BLOCK, MICRO = 16, 16, 4  # rows per micro-batch over all processes, tokens per row, micro-batches kept
 
 
-def gpt_config(n_embd: int = 32) -> GPTConfig:
-    """The GPT every run trains: 2 blocks of `n_embd`, 16 tokens, no dropout (the runs compare losses)."""
-    return GPTConfig(block_size=BLOCK, n_layer=2, n_head=2, n_embd=n_embd, dropout=0.0)
+def gpt_config(n_embd: int = 32, n_layer: int = 2) -> GPTConfig:
+    """The GPT every run trains: `n_layer` blocks of `n_embd`, 16 tokens, no dropout (the runs compare losses)."""
+    return GPTConfig(block_size=BLOCK, n_layer=n_layer, n_head=2, n_embd=n_embd, dropout=0.0)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class PeakRSS:
+    """The process's peak resident memory (MB) while the block runs, sampled every 2 ms by a thread (Linux)."""
+
+    def __enter__(self):
+        self.mb, self._stop = _rss_mb(), threading.Event()
+
+        def sample():
+            while not self._stop.wait(0.002):
+                self.mb = max(self.mb, _rss_mb())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.mb = max(self.mb, _rss_mb())
 
 
 class Rows:
@@ -105,9 +135,7 @@ def run(rt, spec, steps_total):
     g = torch.Generator().manual_seed(1)
     text = torch.randint(0, 8, (steps_total * MICRO, GLOBAL, BLOCK + 1), generator=g)  # 8 symbols: the loss falls
     text = text[: spec["steps"] * k]  # k micro-batches per optimizer step, merged or not
-    torch.manual_seed(0)
-    model = GPT(gpt_config(spec.get("n_embd", 32)))
-    opt = adamw(model, 1e-2, rt=rt)
+    gcfg = gpt_config(spec.get("n_embd", 32), spec.get("n_layer", 2))
     cfg = labkit.TrainConfig(
         epochs=1,
         max_steps=spec.get("stop_at", spec["steps"]),
@@ -120,11 +148,26 @@ def run(rt, spec, steps_total):
         resume=spec.get("resume", False),
         compile=spec.get("compile", "off"),
         compile_backend=spec.get("compile_backend", "inductor"),
+        fsdp_accumulate=spec.get("fsdp_accumulate", "auto"),
     )
     ckpt = CheckpointManager(spec["ckpt"], keep=2, rt=rt, async_save=False) if spec.get("ckpt") else None
     loader = Rows(text, rt.ordinal, rt.world_size, merge)
     progress = [Progress(spec["progress"], rt.ordinal, spec.get("step_sleep", 0.0))] if spec.get("progress") else []
-    trainer = GlobalLoss(model, opt, rt, cfg, loader, checkpoint=ckpt, callbacks=progress)
+    if spec.get("budget_mb"):  # the per-process memory "auto" plans for (labkit.parallel.device_memory)
+        os.environ["LABKIT_MEMORY_MB"] = str(spec["budget_mb"])
+    rss0, peak = _rss_mb(), PeakRSS()
+    try:
+        with peak:  # the build and the layout: a whole copy in each process, then sharded; or (meta) shards only
+            if spec.get("meta"):
+                model = meta_init.build(lambda: GPT(gcfg), seed=0)
+            else:
+                torch.manual_seed(0)
+                model = GPT(gcfg)
+            opt = adamw(model, 1e-2, rt=rt)
+            trainer = GlobalLoss(model, opt, rt, cfg, loader, checkpoint=ckpt, callbacks=progress)
+    finally:
+        os.environ.pop("LABKIT_MEMORY_MB", None)
+    build_mb = peak.mb - rss0
     mode = collective_counter() if spec.get("count") else None
     trainer.global_losses = None if mode is not None else []
     t0, preempted = time.perf_counter(), False
@@ -152,11 +195,15 @@ def run(rt, spec, steps_total):
         "full_param_bytes": sum(p.numel() * p.element_size() for p in params.values()),
         "placements": sorted({D.placement(p) for p in params.values()}),
         "keys": sorted(trainer.module.state_dict())[:3],
+        "build_mb": round(build_mb, 1),  # peak RSS during build + layout, above the process's RSS before it
     }
     if progress and rt.world_size > 1:  # each process's last step and whether fit() ended in Preempted
         ends = [None] * rt.world_size
         dist.all_gather_object(ends, [trainer.step, preempted])
         out["ends"] = ends
+    if mode is not None and getattr(trainer.plan, "mesh", None) is not None:  # which collectives crossed hosts
+        by_dim = collective_counts_by_dim(mode, trainer.plan.mesh)
+        out["comm_by_dim"] = {d: {op: [c / done, b / done] for op, (c, b) in v.items()} for d, v in by_dim.items()}
     if mode is not None:
         out["comm"] = {op: v["count"] / done for op, v in D.comm_counts(mode).items()}
         out["comm_bytes"] = {op: v["bytes"] / done for op, v in D.comm_counts(mode).items()}
