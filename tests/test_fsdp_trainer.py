@@ -72,9 +72,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(cmd, log_path, cwd=ROOT):
+def _start(cmd, log_path, cwd=ROOT, env=None):
     log = open(log_path, "w+")
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**_env(), **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log
 
 
@@ -176,22 +177,16 @@ def test_a_plan_the_world_cannot_use_is_refused_by_name():
 # -- under torchrun -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, gcs_server):
-    """Three torchrun launches: 4 processes (accumulation, the reference, a save at step 3 to a local folder), 2
-    processes (resume 4 -> 2, another model refused, a save at step 3 to gs:// on the loopback GCS server), 4
-    processes (resume 2 -> 4 from gs://)."""
+    """Five torchrun launches: 4 processes (accumulation, the reference, a save at step 3 to a local folder), 1
+    process (a one-file save; the 4-process checkpoint resumed whole), 2 hosts x 2 processes (HSDP), 2 processes
+    (meta-device builds, resume 4 -> 2, another model refused, a save at step 3 to gs:// on the loopback GCS server,
+    the one-file and the HSDP checkpoints resumed), 4 processes (resume 2 -> 4 from gs://)."""
     from labkit.cloud import gcs
 
     tmp = tmp_path_factory.mktemp("fsdp")
     bucket = f"fsdp-{os.getpid()}"
     gcs.client().create_bucket(bucket)  # the children reach the server through STORAGE_EMULATOR_HOST
     ck4, ck2, ck1 = str(tmp / "ck4"), f"gs://{bucket}/ck2", str(tmp / "ck1")
-    # one process (no process group): a one-file checkpoint at step 3, the format of a notebook's run
-    one = _torchrun(
-        tmp,
-        "one",
-        1,
-        [{"name": "save", "parallel": "auto", "steps": 6, "stop_at": 3, "checkpoint_every": 3, "ckpt": ck1}],
-    )
     four = _torchrun(
         tmp,
         "four",
@@ -213,6 +208,27 @@ def runs(tmp_path_factory, gcs_server):
             {"name": "save", "parallel": "fsdp2", "steps": 6, "stop_at": 3, "checkpoint_every": 3, "ckpt": ck4},
         ],
     )
+    # one process (no process group): a one-file checkpoint at step 3, the format of a notebook's run; and the
+    # 4-process DCP checkpoint (DTensor shards, optimizer state by name) resumed whole, saving nothing there
+    one = _torchrun(
+        tmp,
+        "one",
+        1,
+        [
+            {"name": "save", "parallel": "auto", "steps": 6, "stop_at": 3, "checkpoint_every": 3, "ckpt": ck1},
+            {"name": "to_one", "parallel": "auto", "steps": 6, "resume": True, "ckpt": ck4, **NO_SAVE},
+        ],
+    )
+    # HSDP: 2 simulated hosts x 2 processes (two torchrun launches), resumed below on 1 host x 2 (DCP reshards)
+    ckh = str(tmp / "ckh")
+    hsdp = _torchrun_hosts(
+        tmp,
+        "hsdp",
+        [
+            {"name": "count", "parallel": "hsdp", "steps": 3, "count": True},
+            {"name": "save", "parallel": "hsdp", "steps": 6, "stop_at": 3, "checkpoint_every": 3, "ckpt": ckh},
+        ],
+    )
     two = _torchrun(
         tmp,
         "two",
@@ -228,29 +244,11 @@ def runs(tmp_path_factory, gcs_server):
             {"name": "other_model", "parallel": "fsdp2", "steps": 6, "resume": True, "ckpt": ck4, "n_embd": 48},
             {"name": "save", "parallel": "fsdp2", "steps": 6, "stop_at": 3, "checkpoint_every": 3, "ckpt": ck2},
             {"name": "from_one", "parallel": "fsdp2", "steps": 6, "resume": True, "ckpt": ck1},
+            {"name": "from_hsdp", "parallel": "fsdp2", "steps": 6, "resume": True, "ckpt": ckh},
         ],
-    )
-    # back to one process: the 2-process DCP checkpoint (DTensor shards, optimizer state by name) resumed whole (before
-    # "back", which resumes it too: this one saves nothing there)
-    to_one = _torchrun(
-        tmp, "to_one", 1, [{"name": "resume", "parallel": "auto", "steps": 6, "resume": True, "ckpt": ck2, **NO_SAVE}]
     )
     back = _torchrun(tmp, "back", 4, [{"name": "resume", "parallel": "fsdp2", "steps": 6, "resume": True, "ckpt": ck2}])
-    # HSDP: 2 simulated hosts x 2 processes (two torchrun launches), then resumed on 1 host x 2 (DCP reshards)
-    ckh = str(tmp / "ckh")
-    hsdp = _torchrun_hosts(
-        tmp,
-        "hsdp",
-        [
-            {"name": "count", "parallel": "hsdp", "steps": 3, "count": True},
-            {"name": "save", "parallel": "hsdp", "steps": 6, "stop_at": 3, "checkpoint_every": 3, "ckpt": ckh},
-        ],
-    )
-    from_hsdp = _torchrun(
-        tmp, "from_hsdp", 2, [{"name": "resume", "parallel": "fsdp2", "steps": 6, "resume": True, "ckpt": ckh}]
-    )
-    out = {"one": one, "four": four, "two": two, "back": back, "to_one": to_one, "ck4": ck4, "ck2": ck2}
-    return {**out, "hsdp": hsdp, "from_hsdp": from_hsdp}
+    return {"one": one, "four": four, "hsdp": hsdp, "two": two, "back": back, "ck4": ck4, "ck2": ck2}
 
 
 def _close(a, b, tol=LOSS_TOL):
@@ -314,10 +312,10 @@ def test_dcp_checkpoint_resumes_on_another_number_of_processes(runs):
 @heavy
 def test_one_file_checkpoint_resumes_under_fsdp2_and_back(runs):
     """A one-process run's one-file checkpoint (whole tensors, optimizer state by position) resumes under fsdp2 on 2
-    processes, its state split into their shards; a 2-process DCP checkpoint resumes in one process. Both continue
+    processes, its state split into their shards; a 4-process DCP checkpoint resumes in one process. Both continue
     at step 4 with the losses of an uninterrupted run."""
     ref = runs["four"]["ref"]["global_losses"]
-    one, from_one, to_one = runs["one"]["save"], runs["two"]["from_one"], runs["to_one"]["resume"]
+    one, from_one, to_one = runs["one"]["save"], runs["two"]["from_one"], runs["one"]["to_one"]
     assert "error" not in one and "error" not in from_one and "error" not in to_one, (one, from_one, to_one)
     assert _close(one["global_losses"], ref[:3])  # the one-process run is the same run
     assert from_one["first_step"] == 4 and to_one["first_step"] == 4
@@ -370,7 +368,7 @@ def test_hsdp_over_two_hosts_counts_per_dimension_and_resumes_on_one(runs):
     """2 hosts x 2 processes: all-gathers and reduce-scatters inside a host ("shard"), one all-reduce per gradient
     shard across hosts ("replicate"), whose bytes are each process's float32 gradient shard; the losses of the flat
     run; resumed by 2 processes of one host at step 4 with the uninterrupted run's losses."""
-    count, save, back = runs["hsdp"]["count"], runs["hsdp"]["save"], runs["from_hsdp"]["resume"]
+    count, save, back = runs["hsdp"]["count"], runs["hsdp"]["save"], runs["two"]["from_hsdp"]
     ref = runs["four"]["ref"]["global_losses"]
     assert "error" not in count and "error" not in save and "error" not in back, (count, save, back)
     assert count["plan"].startswith("hsdp over 2 hosts x 2 processes"), count["plan"]
@@ -395,14 +393,17 @@ def test_another_models_checkpoint_is_refused_by_name(runs):
 
 @heavy
 def test_two_hosts_by_c10d_rendezvous(tmp_path):
-    """Two torchrun launches of 2 processes each, joined by the c10d rendezvous on 127.0.0.1: FSDP2 over 4."""
+    """Two torchrun launches of 2 processes each, joined by the c10d rendezvous on 127.0.0.1: `python -m labkit.train`
+    with --parallel auto across two hosts picks HSDP where a whole copy does not fit."""
     port = _free_port()
     base = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2"]
     base += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=labkit-fsdp-test"]
-    args = ["-m", "labkit.train", "gpt", "--fast", "--parallel", "fsdp2", "--max-steps", "4", "--evals", "1"]
+    args = ["-m", "labkit.train", "gpt", "--fast", "--parallel", "auto", "--max-steps", "4", "--evals", "1"]
     args += ["--eval-batches", "1", "--log-every", "2", "--block-size", "32", "--batch-size", "4", "--backend", "cpu"]
     t0 = time.perf_counter()
-    hosts = [_start(base + args, tmp_path / f"host{i}.log") for i in range(2)]
+    # a 3 MB budget a process: the fast GPT's whole training state (118,528 weights x 16 B, 1.8 MB) does not fit half
+    # of it, a host's half of that state does: "auto" picks hsdp (sharded within each launch, replicated across them)
+    hosts = [_start(base + args, tmp_path / f"host{i}.log", env={"LABKIT_MEMORY_MB": "3"}) for i in range(2)]
     try:
         results = [_wait(p, log, 240) for p, log in hosts]
     finally:
@@ -415,7 +416,7 @@ def test_two_hosts_by_c10d_rendezvous(tmp_path):
         assert code == 0, text[-4000:]
     finals = [line for _, text in results for line in text.splitlines() if line.startswith("FINAL ")]
     assert len(finals) == 1 and "world=4" in finals[0] and "steps=4" in finals[0], finals
-    assert any("fsdp2 over 4 processes" in text for _, text in results)
+    assert any("hsdp over 2 hosts x 2 processes" in text for _, text in results), results[0][1][-3000:]
     print(f"[two hosts] {TIMES['two_hosts']} s", finals[0])
 
 
