@@ -49,9 +49,10 @@ class StepVote:
     only when there is one).
 
     The cost: one all_reduce of two int32 per optimizer step, on a gloo group over the host's CPUs (a group of its
-    own under NCCL), so it never waits for the accelerator: a round trip of a few bytes between the processes, tens
-    of microseconds on one host (loopback TCP; bench/bench_fsdp.py prints it per step), about a network round trip
-    between hosts; it is left out of labkit.parallel.collective_counter's counts, which are the model's traffic. One
+    own under NCCL), so it never waits for the accelerator: a round trip of a few bytes between the processes, 0.5-1.9
+    ms a step measured on a 2-core host loaded with ~10 runnable processes (bench/bench_fsdp.py prints it: 0.1-1 % of
+    a 190 ms step; on a quiet host expect loopback TCP's tens of microseconds, not measured here), about a network
+    round trip between hosts; it is left out of labkit.parallel.collective_counter's counts, which are the model's traffic. One
     process (or XLA's replicas, whose collectives torch.distributed does not run): inactive, SIGTERM raises Preempted
     at once and a problem raises where it was seen."""
 

@@ -204,7 +204,7 @@ class Processes(Single):
         Evaluation shards rarely split evenly over the processes, and under FSDP2 each forward all-gathers: the
         process with one batch more would wait in an all-gather while the others wait in the metrics' all-reduce,
         for ever. Before each batch the processes agree whether any still has one: one all-reduce (MAX) of a
-        4-byte flag over the CPU (gloo), a few tens of microseconds on one host."""
+        4-byte flag over the CPU (gloo): the cost of the step vote (labkit.interrupts.StepVote) per evaluation batch."""
         import torch.distributed as dist
 
         group = _cpu_group(self)
