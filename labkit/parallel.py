@@ -282,14 +282,19 @@ def broadcast_buffers(module) -> None:
 
 
 def units(model) -> list:
-    """The submodules FSDP2 shards as units of their own, before the root: model.fsdp_units() if it has one, the
-    GPT's transformer blocks, a (torchvision) ResNet's four stages; [] otherwise (the root alone: one unit)."""
+    """The submodules FSDP2 shards as units of their own, before the root, in forward order: model.fsdp_units() if
+    it has one, the GPT's transformer blocks, a (torchvision) ResNet's residual blocks (16 in ResNet-50: a unit is
+    what is gathered at once, and a whole stage, ResNet-50's layer3 with 7.1 M weights, would be gathered whole);
+    [] otherwise (the root alone: one unit). The root keeps what is left: the GPT's embeddings and final norm (its
+    head is the embedding matrix, tied), a ResNet's stem and classifier."""
     if callable(getattr(model, "fsdp_units", None)):
         return list(model.fsdp_units())
     if isinstance(getattr(model, "blocks", None), torch.nn.ModuleList):
         return list(model.blocks)
     stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
-    return stages if all(isinstance(s, torch.nn.Module) for s in stages) else []
+    if not all(isinstance(s, torch.nn.Module) for s in stages):
+        return []
+    return [block for s in stages for block in (s if isinstance(s, torch.nn.Sequential) else [s])]
 
 
 class FullyShard(Processes):
@@ -355,8 +360,8 @@ class FullyShard(Processes):
         if "mp_policy" in kw:  # BatchNorm keeps float32 weights: its own unit, gathered in float32
             for bn in _batchnorms(model):
                 fully_shard(bn, mesh=self.mesh, mp_policy=self.batchnorm_precision())
-        for unit in self.units:
-            fully_shard(unit, **kw)
+        for i, unit in enumerate(self.units):  # the last unit stays gathered after forward: backward needs it first
+            fully_shard(unit, **kw, reshard_after_forward=self._reshard(i))
         self.root = fully_shard(model, **kw)
         _repoint(optimizer, before, model)  # an optimizer built on the plain model now steps the shards
         if meta_init.is_meta(model):  # built on the meta device: only now, sharded, does each process get memory
@@ -372,9 +377,15 @@ class FullyShard(Processes):
             return contextlib.nullcontext()
         self.root.set_requires_gradient_sync(enabled)  # read at backward: reduce-scatter now, or keep adding up
         self.root.set_reshard_after_backward(enabled)
-        for unit in self.units:  # the root keeps its own default (no reshard after forward)
-            unit.set_reshard_after_forward(enabled, recurse=False)
+        for i, unit in enumerate(self.units):  # the root keeps its own default (no reshard after forward)
+            unit.set_reshard_after_forward(enabled and self._reshard(i), recurse=False)
         return contextlib.nullcontext()
+
+    def _reshard(self, i: int) -> bool:
+        """Whether unit i frees its gathered weights after its forward: all but the last (torchtitan's policy). The
+        last unit's backward comes right after its forward, so freeing it would only gather it again: one all-gather
+        of the last unit saved per step, for the memory of one unit held through that step's backward."""
+        return i < len(self.units) - 1
 
     def model_state(self, module) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict

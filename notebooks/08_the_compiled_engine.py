@@ -1082,7 +1082,7 @@ two = fsdp_trainer.launch(
 print(f"{time.perf_counter() - t0:.0f} s")
 cfg_t = fsdp_trainer.gpt_config()
 counted = four["counted"]
-predicted = dtensor_plans.predict_collectives("fsdp", cfg_t, 4)
+predicted = dtensor_plans.predict_collectives("fsdp", cfg_t, 4, last_kept=True)
 print(
     f"{counted['plan']}: {counted['param_bytes']:,d} parameter bytes on process 0 of {counted['full_param_bytes']:,d}"
 )
@@ -1101,8 +1101,9 @@ assert max(abs(a - b) for a, b in zip(four["saved"]["global_losses"] + resumed, 
 
 # %% [markdown]
 # Each process holds a quarter of every weight (dim 0, padded: `predict_bytes`), and one step issues exactly the
-# collectives `predict_collectives` says (5 all-gathers, 3 reduce-scatters for 2 blocks; with `clip_norm` set, one
-# all-reduce more: the gradient norm's partial sums). The resumed run continues at step 3 with the losses of the
+# collectives `predict_collectives` says (4 all-gathers, 3 reduce-scatters for 2 blocks; with `clip_norm` set, one
+# all-reduce more: the gradient norm's partial sums). That is one all-gather fewer than the blocks sharded by hand
+# above: the Trainer keeps its last block gathered after forward, because backward needs it at once. The resumed run continues at step 3 with the losses of the
 # uninterrupted one (to float32 rounding: the sums split over 2 processes instead of 4). On real hosts only the
 # launch changes: `torchrun --nnodes 2 ... --rdzv-endpoint HOST0:PORT` and a checkpoint root every host reaches (gs://).
 

@@ -48,6 +48,12 @@ def test_units_and_predicted_collectives():
         "all-gather": {"count": 5, "bytes": 2 * full - root},  # the root is not gathered again for backward
         "reduce-scatter": {"count": 3, "bytes": full},
     }
+    last = sum(math.prod(s) for s in units[-1]) * 4  # the Trainer's policy: the last block stays gathered
+    kept = D.predict_collectives("fsdp", cfg, 4, last_kept=True)
+    assert (
+        kept["all-gather"] == {"count": 4, "bytes": 2 * full - root - last}
+        and kept["reduce-scatter"] == fsdp["reduce-scatter"]
+    )
     assert D.predict_collectives("data", cfg, 4)["all-reduce"] == {"count": 3, "bytes": full}
     assert D.predict_collectives("tensor", cfg, 4)["all-reduce"]["count"] == 2 + 16 * 2 + 2 + 4 * 2
     assert D.textbook_collectives("data", cfg, 4)["all-reduce"] == {"count": len(gpt_param_shapes(cfg)), "bytes": full}

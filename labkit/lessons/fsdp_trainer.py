@@ -3,7 +3,7 @@ and tests/test_fsdp_trainer.py.
 
     from labkit.lessons import fsdp_trainer
     report = fsdp_trainer.launch(4, [{"name": "a", "parallel": "fsdp2", "steps": 4, "count": True}])   # gloo processes
-    report["a"]["comm"]        # {"all-gather": 5.0, ...}: collectives per optimizer step, counted
+    report["a"]["comm"]        # {"all-gather": 4.0, ...}: collectives per optimizer step, counted
 
 launch() starts `python -m torch.distributed.run --standalone --nproc-per-node N -m labkit.lessons.fsdp_trainer JOB`
 and returns process 0's report. A run is {"name", "parallel", "accum_steps", "merge", "steps", "stop_at", "ckpt",

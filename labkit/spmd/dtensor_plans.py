@@ -101,14 +101,18 @@ def predict_bytes(plan: str, cfg, devices: int, model_axis: int = 2, bytes_per: 
     raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {plan!r}")
 
 
-def predict_collectives(plan: str, cfg, devices: int, global_batch: int = 16, model_axis: int = 2) -> dict:
+def predict_collectives(
+    plan: str, cfg, devices: int, global_batch: int = 16, model_axis: int = 2, last_kept: bool = False
+) -> dict:
     """{op: {"count": n, "bytes": b}} one training step issues under a plan (float32), from how FSDP2 and DTensor
     work; bytes as labkit.spmd.sharding.count_collectives counts them (an all-gather's gathered result, a
     reduce-scatter's unreduced input, an all-reduce's buffer).
 
     fsdp: units = the root (embeddings, final LayerNorm) + one per block. Forward all-gathers every unit once;
     backward all-gathers again each block (resharded after forward), not the root (kept whole: torch 2.9's
-    default); each unit's gradients are reduce-scattered once. No all-reduce.
+    default); each unit's gradients are reduce-scattered once. No all-reduce. last_kept=True: the last block is
+    not resharded after its forward (labkit.parallel.FullyShard's policy, torchtitan's), so backward does not gather
+    it again: one all-gather fewer.
     data: the same units on a shard group of one device: nothing to gather, one all-reduce of each unit's gradients
     over the replicas, and FSDP2's reduce-scatter of each unit's gradients still issued, over a group of one device
     (it moves nothing: counted, with the bytes it is handed) by torch 2.9; torch 2.11 skips it (both measured: the
@@ -120,8 +124,9 @@ def predict_collectives(plan: str, cfg, devices: int, global_batch: int = 16, mo
     unit_bytes = [sum(nbytes(fsdp2_shard_shape(s, devices)) * devices for s in u) for u in units]
     L = cfg.n_layer
     if plan == "fsdp":
+        again = unit_bytes[1:-1] if last_kept else unit_bytes[1:]  # the blocks gathered again for backward
         return {
-            "all-gather": {"count": 2 * L + 1, "bytes": sum(unit_bytes) + sum(unit_bytes[1:])},
+            "all-gather": {"count": 1 + L + len(again), "bytes": sum(unit_bytes) + sum(again)},
             "reduce-scatter": {"count": L + 1, "bytes": sum(unit_bytes)},
         }
     if plan == "data":
