@@ -76,16 +76,14 @@ class Trainer:
         # loss scale (a GradScaler's) is this run's state
         self.precision = (precision or choose(rt, "fp32")).fresh()
         self.optimizer, self.scheduler = optimizer, scheduler
-        # on the device (the optimizer follows its parameters), then laid out over torchrun's processes by the
-        # run's plan (labkit.parallel, TrainConfig.parallel): as is, DDP (replicate) or fully_shard (fsdp2)
-        c = self.cfg
-        self.plan = choose_plan(rt, c.parallel, self.precision, model, c.fsdp_accumulate, c.accum_steps)
-        if not meta_init.is_meta(model):  # a model built on the meta device gets its memory from the plan, sharded
-            model = move_model(model, optimizer, rt.device)
+        # on the device (the optimizer follows its parameters; a model built on the meta device gets its memory from
+        # the plan, sharded), laid out over torchrun's processes by the run's plan (labkit.parallel, TrainConfig.parallel)
+        cfg, steps = self.cfg, planned_steps(self.cfg, train_loader)  # "auto" compiles where the steps repay it
+        self.plan = choose_plan(rt, cfg.parallel, self.precision, model, cfg.fsdp_accumulate, cfg.accum_steps)
+        model = model if meta_init.is_meta(model) else move_model(model, optimizer, rt.device)
         model = self.plan.wrap(model, optimizer)
         self.module = getattr(model, "module", model)  # DDP unwrapped, never compiled: what checkpoints hold
         # how the step is captured (labkit.runtime.step): torch.compile'd model and optimizer step, or as written
-        cfg, steps = self.cfg, planned_steps(self.cfg, train_loader)  # "auto" compiles where the steps repay it
         self.capture = rt.step_capture(cfg.compile, cfg.compile_backend, steps)
         self.capture.prepare(optimizer)
         self.model = self.capture.model(model)
@@ -178,11 +176,7 @@ class Trainer:
         c = self.cfg
         self._check_inputs()
         if c.resume and self.checkpoint is not None:
-            template = self.state_dict()  # DCP fills it in place; what a checkpoint of another world size holds
-            template.pop("rng_by_process", None)  # per process is added from the checkpoint as it was saved
-            state = self.checkpoint.restore(into=template)  # None: nothing saved yet
-            if state is not None:
-                self.load_state_dict(state)
+            resume.restore(self)  # the newest committed step, if any (labkit.resume)
         self.model.train()
         self.log.begin_fit()
         self._stop = self._stop_after_epoch = self._save_requested = False
@@ -226,8 +220,7 @@ class Trainer:
         self.model.eval()
         totals: dict = {}
         with torch.no_grad():
-            # torchrun: every process runs as many forwards as the one with the most batches (a forward may
-            # all-gather); a process out of batches repeats one that counts nothing (labkit.parallel)
+            # torchrun: as many forwards on every process (FSDP2's all-gather); padding ones count nothing
             for batch, real in self.plan.lockstep(self.eval_loader, spare=self._last_batch):
                 for k, v in self.eval_step(batch).items():
                     v = v.float() if real else torch.zeros_like(v, dtype=torch.float32)  # the keys, all-reduced below
@@ -238,11 +231,8 @@ class Trainer:
         self.rt.sync()
         vals = read(totals)  # one transfer, once per evaluation
         count = max(vals.pop("count", 0), 1)
-        out = {"step": self.step, "epoch": self.epoch}
-        if "loss_sum" in vals:
-            out["val_loss"] = vals.pop("loss_sum") / count
-        if "correct" in vals:
-            out["val_acc"] = vals.pop("correct") / count
+        means = {"loss_sum": "val_loss", "correct": "val_acc"}  # sums over the counted samples -> means
+        out = {"step": self.step, "epoch": self.epoch, **{means[k]: vals.pop(k) / count for k in means if k in vals}}
         out.update(vals)
         self.eval_history.append(out)
         self._dispatch("on_eval", out)
@@ -263,10 +253,8 @@ class Trainer:
         return loader
 
     def _after_step(self, batch) -> None:
-        self._last_batch = batch
-        # torchrun: one vote per step carries SIGTERM and a NaN loss seen on any process to all of them
-        problem = self.vote.cast(self.log.take_problem())
-        self.log.raise_problem(self.step, problem)  # before any save: never checkpoint weights a NaN loss produced
+        self._last_batch = batch  # torchrun: one vote a step carries SIGTERM and a NaN seen on any process to all
+        self.log.raise_problem(self.step, self.vote.cast(self.log.take_problem()))  # before any save (NaN weights)
         self._dispatch("on_step_end", batch)  # host-side only (e.g. the dashboard notes batch shapes)
         self._save_requested |= self.vote.agreed_on  # SIGTERM to any process -> all save this step
         periodic = self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0

@@ -174,6 +174,17 @@ def trainer_state(self) -> dict:  # self: the Trainer
     return state
 
 
+def restore(self) -> None:  # self: the Trainer
+    """Load the newest committed checkpoint of self.checkpoint, if any. The template DCP fills in place is the
+    Trainer's own state without `rng_by_process`: that part is read as the checkpoint saved it, whatever its number
+    of processes."""
+    template = self.state_dict()
+    template.pop("rng_by_process", None)
+    state = self.checkpoint.restore(into=template)  # None: nothing saved yet
+    if state is not None:
+        self.load_state_dict(state)
+
+
 def load_trainer_state(self, state: dict) -> None:  # self: the Trainer
     """Restore a Trainer from trainer_state(): refused before anything is loaded when the model, optimizer or
     data differ (names the first mismatch); the data position is counted in samples and turned into this run's batches."""

@@ -1,0 +1,216 @@
+"""The plans every process count shares: one process as it is (Single), and what any plan over several torchrun
+processes needs (Processes: buffers made equal, evaluation in lockstep, per-process state), with DDP (Replicate)
+on top; the memory a process may plan for (device_memory).
+
+    plan = Replicate(rt); model = plan.wrap(model, optimizer)
+    for batch, real in plan.lockstep(eval_batches, spare=last_train_batch): ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from labkit import meta_init
+from labkit.parallel.state import optimizer_by_id
+
+STATE_BYTES_PER_WEIGHT = 16  # float32 weight 4 + gradient 4 + AdamW's two moments 8 (labkit.spmd.comm.fits)
+
+
+class PlanError(ValueError):
+    """A parallel setting this run cannot use (a flag, LABKIT_PARALLEL or TrainConfig.parallel): `python -m
+    labkit.train` prints it as one line naming the setting, exit 2, no traceback."""
+
+
+def _repoint(optimizer, before: dict, model) -> None:
+    """The optimizer's parameters swapped, by name, for the model's current ones (fully_shard and to_empty may
+    replace the Parameter objects an optimizer built earlier holds)."""
+    after = dict(model.named_parameters())
+    swap = {id(before[n]): after[n] for n in before if n in after}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]
+
+
+def _materialize(model, optimizer, device) -> None:
+    before = dict(model.named_parameters())
+    meta_init.materialize(model, device)
+    _repoint(optimizer, before, model)
+
+
+class Single:
+    """One process (or XLA's own replication): nothing to wrap, nothing to sync."""
+
+    name = "single"
+
+    def __init__(self, rt=None):
+        self.rt = rt
+
+    def wrap(self, model, optimizer):
+        """The model laid out for this plan; one built on the meta device (labkit.meta_init) given memory first."""
+        if meta_init.is_meta(model):
+            _materialize(model, optimizer, self.rt.device)
+        return model
+
+    def gradient_sync(self, enabled: bool):
+        """A context for one micro-batch's forward + backward: enabled=False keeps its gradients local."""
+        return contextlib.nullcontext()
+
+    def model_state(self, module) -> dict:
+        return module.state_dict()
+
+    def load_model_state(self, module, state: dict) -> None:
+        module.load_state_dict(state)
+
+    def optimizer_state(self, module, optimizer) -> dict:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, module, optimizer, state: dict) -> None:
+        optimizer.load_state_dict(optimizer_by_id(state, module, optimizer))  # a DCP checkpoint's is by name
+
+    def sync_buffers(self, module) -> None:
+        """Make every process's buffers (BatchNorm's running statistics) equal: nothing to do with one process."""
+
+    def per_process(self, key: str, value) -> dict:
+        """{key + "_by_process": {"process<r>": every process's value}} for what differs per process (its RNG), so
+        that a DCP checkpoint, which keeps one copy of an entry every process saves, keeps all of them; {} here."""
+        return {}
+
+    def lockstep(self, batches, spare=None):
+        """(batch, real) for each batch: with one process every batch is real (see Processes.lockstep)."""
+        for batch in batches:
+            yield batch, True
+
+    def describe(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Processes(Single):
+    """What every plan over several torchrun processes shares: buffers made equal, evaluation in step."""
+
+    def __init__(self, rt):
+        super().__init__(rt)
+        self._cpu = None
+
+    def sync_buffers(self, module) -> None:
+        broadcast_buffers(module)
+
+    def per_process(self, key: str, value) -> dict:
+        import torch.distributed as dist
+
+        every = [None] * self.rt.world_size
+        dist.all_gather_object(every, value, group=_cpu_group(self))
+        return {f"{key}_by_process": {f"process{r}": v for r, v in enumerate(every)}}
+
+    def lockstep(self, batches, spare=None):
+        """(batch, real) until EVERY process is out of batches: a process whose share ran out first gets (its last
+        batch, or `spare`, False), a forward that keeps its collectives in step with the others and counts nothing.
+        Evaluation shards rarely split evenly over the processes, and under FSDP2 each forward all-gathers: the
+        process with one batch more would wait in an all-gather while the others wait in the metrics' all-reduce,
+        for ever. Before each batch the processes agree whether any still has one: one all-reduce (MAX) of a
+        4-byte flag over the CPU (gloo): the cost of the step vote (labkit.interrupts.StepVote) per evaluation batch."""
+        import torch.distributed as dist
+
+        group = _cpu_group(self)
+        it, last = iter(batches), spare
+        while True:
+            batch = next(it, None)
+            flag = torch.tensor([batch is not None], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            if not flag.item():
+                return
+            if batch is not None:
+                last = batch
+                yield batch, True
+            elif last is None:
+                raise RuntimeError(
+                    f"evaluation: process {self.rt.ordinal} of {self.rt.world_size} has no evaluation batch at all "
+                    "while others do, and no training batch to run the padding forwards with: give every process at "
+                    "least one evaluation batch (fewer processes, or more evaluation shards)"
+                )
+            else:
+                yield last, False
+
+
+class Replicate(Processes):
+    """DistributedDataParallel: a whole copy per process, gradients all-reduced (averaged) in backward."""
+
+    name = "replicate"
+
+    def __init__(self, rt):
+        super().__init__(rt)
+        self.ddp = None
+
+    def wrap(self, model, optimizer):
+        model = super().wrap(model, optimizer)  # a meta-built model: each process a whole copy, as DDP needs
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            self.ddp = model
+        else:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=self.rt.ddp_device_ids())
+        return self.ddp
+
+    def gradient_sync(self, enabled: bool):
+        return contextlib.nullcontext() if enabled else self.ddp.no_sync()
+
+    def describe(self) -> str:
+        return f"replicate (DDP) over {self.rt.world_size} processes"
+
+
+def _cpu_group(plan):
+    """A gloo group over every process for the plan's small CPU votes: the default group where it is gloo, else
+    one made once per plan (dist.new_group is itself collective: every process makes it at the same call)."""
+    import torch.distributed as dist
+
+    if plan._cpu is None:
+        plan._cpu = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    return plan._cpu
+
+
+def broadcast_buffers(module) -> None:
+    """Every buffer (BatchNorm's running mean, variance and batch count) sent from process 0 to the others, joined
+    into one broadcast per dtype (a ResNet-50's 159 buffers, 0.2 MB, in two). Each process updates its running
+    statistics from its own batches, so without this they drift apart: each process would evaluate with its own,
+    and a checkpoint would keep whichever copy DCP's de-duplication picks. DDP sends process 0's buffers at each
+    training forward (broadcast_buffers=True), so after this both plans evaluate and save process 0's statistics.
+    The Trainer calls it before every evaluation and save; every process must call it (a collective)."""
+    import torch.distributed as dist
+
+    by_dtype: dict = {}
+    for b in module.buffers():
+        by_dtype.setdefault((b.dtype, b.device), []).append(b)
+    for bufs in by_dtype.values():
+        flat = torch.cat([b.detach().reshape(-1) for b in bufs])
+        dist.broadcast(flat, src=0)
+        for b, part in zip(bufs, flat.split([b.numel() for b in bufs])):
+            b.data.copy_(part.view_as(b))
+
+
+def device_memory(rt) -> int | None:
+    """Bytes one process may use: LABKIT_MEMORY_MB where set (a budget of your own: what "auto" plans for, e.g. to
+    try on the CPU what a smaller device would force), else the accelerator's memory, or on the CPU the host's RAM
+    shared by its processes."""
+    raw = os.environ.get("LABKIT_MEMORY_MB", "").strip()
+    if raw:
+        try:
+            mb = float(raw)
+            if not mb > 0:
+                raise ValueError
+        except ValueError:
+            raise PlanError(f"LABKIT_MEMORY_MB={raw!r}: expected a number of megabytes > 0") from None
+        return int(mb * 2**20)
+    mem = rt.memory() or {}
+    if mem.get("limit"):
+        return int(mem["limit"])
+    if rt.device.type == "cuda":
+        return int(torch.cuda.get_device_properties(rt.device).total_memory)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return ram // max(1, local)
