@@ -12,8 +12,8 @@ overriding one hook in a subclass, not by copying the loop:
   eval_step(batch) -> dict     summed device tensors, e.g. loss_sum, correct, count (uses loss_fn)
   on_log(record)               Python numbers every cfg.log_every steps (master only); a no-op: callbacks still run
 
-The step is captured as the runtime says (labkit.runtime.step, TrainConfig.compile): off XLA, `self.model` and the
-optimizer step may be torch.compile'd (where the run's steps repay the compile); the hooks read the same either way.
+The step is captured as the runtime says (labkit.runtime.step, TrainConfig.compile): off XLA, a torch.compile'd
+model and optimizer step where the run's steps repay the compile; the hooks read the same either way.
 
 Gradient accumulation (cfg.accum_steps = k): k train_steps (each loss divided by k) per run_optimizer, so .grad adds up
 to the gradient of the k-times larger batch; under torchrun only the last one reduces (labkit.parallel). `step` and what
@@ -30,7 +30,7 @@ evaluation and save), `request_checkpoint()` and `request_profile(steps)` (labki
 Nothing fails silently: a loader error stops fit() with its traceback; a NaN/inf loss, or fp16 steps the GradScaler
 keeps skipping, stop the run naming the step (cfg.continue_on_nonfinite to train on); a resume on another batch size,
 chip count or optimizer continues at the same sample or says why not (labkit.resume); Ctrl-C or SIGTERM lets the pending
-upload finish, then is re-raised; torchrun: SIGTERM to one process stops all at one step, saved (labkit.interrupts).
+upload finish, then is re-raised; torchrun: SIGTERM or a NaN on one process stops all at one step (labkit.interrupts).
 """
 
 from __future__ import annotations
@@ -92,8 +92,7 @@ class Trainer:
         self.train_loader = self._wrap(train_loader)
         self.eval_loader = self._wrap(eval_loader) if eval_loader is not None else None
         self.callbacks, self.checkpoint = list(callbacks), checkpoint
-        self._last_batch = None  # the last training batch: evaluation's padding forwards under torchrun
-        self.step = 0  # optimizer steps done
+        self.step, self._last_batch = 0, None  # optimizer steps done; the last batch (evaluation's padding, torchrun)
         self.epoch = 0  # current epoch
         self.batch_in_epoch = 0  # batches of the current epoch done
         self.history: list[dict] = []
