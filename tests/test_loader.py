@@ -13,7 +13,7 @@ from tests.helpers import blobs, mlp, small_trainer, xla_counts
 def test_xla_loader_yields_device_tensors_and_prefetches():
     rt = labkit.setup("xla-cpu")
     dl = torch.utils.data.DataLoader(blobs(n=320), batch_size=32)
-    loader = DeviceLoader(dl, rt, device_prefetch=4)
+    loader = DeviceLoader(dl, rt, device_prefetch=4, feed="thread")
     assert len(loader) == 10
     it = iter(loader)
     x, y = next(it)
@@ -22,6 +22,34 @@ def test_xla_loader_yields_device_tensors_and_prefetches():
     assert loader.yielded == 1 and loader.fetched >= 3, (loader.fetched, loader.yielded)
     rest = list(it)
     assert len(rest) == 9 and loader.fetched == loader.yielded == 10
+
+
+def test_xla_cpu_feeds_in_the_loop_thread_and_says_why_once(monkeypatch, capsys):
+    """XLA:CPU's runtime copies batches in the loop's thread (its "device" is the host's cores: a copy thread would
+    compete with XLA's compute threads); a TPU's runtime copies ahead on a thread. The choice, not its timing."""
+    from labkit.runtime.xla import SpmdRuntime, TpuRuntime, TpuSpmdRuntime, XlaRuntime
+
+    feeds = [cls.feed for cls in (XlaRuntime, SpmdRuntime, TpuRuntime, TpuSpmdRuntime)]
+    assert feeds == ["main", "main", "thread", "thread"]
+    rt = labkit.setup("xla-cpu")
+
+    def no_thread(self, host, sharding=None):
+        raise AssertionError("pl.ParallelLoader started on XLA:CPU")
+
+    monkeypatch.setattr(DeviceLoader, "xla_batches", no_thread)
+    dl = torch.utils.data.DataLoader(blobs(n=96), batch_size=32)
+    loader = DeviceLoader(dl, rt)
+    it = iter(loader)
+    x, y = next(it)
+    assert x.device.type == "xla" and y.device.type == "xla" and x.shape == (32, 16)
+    assert loader.fetched == loader.yielded == 1  # nothing is copied ahead of the step that asks
+    assert len(list(it)) == 2 and len(list(DeviceLoader(dl, rt))) == 3
+    said = [line for line in capsys.readouterr().out.splitlines() if "batches are copied" in line]
+    assert len(said) == 1 and "training loop's thread" in said[0] and "cores" in said[0], said
+    with pytest.raises(AssertionError, match="ParallelLoader"):
+        next(iter(DeviceLoader(dl, rt, feed="thread")))  # an explicit feed= wins over the runtime's choice
+    with pytest.raises(ValueError, match="feed must be one of"):
+        DeviceLoader(dl, rt, feed="threads")
 
 
 def test_cpu_loader_is_pass_through():
@@ -39,11 +67,12 @@ def test_partial_batches_dropped_no_recompiles_over_three_epochs():
     the warm-up epoch the number of compiled graphs stays flat."""
     rt = labkit.setup("xla-cpu")
     model = mlp()
-    counts = []
+    counts, drops = [], []
 
     class Count:
         def on_epoch_end(self, trainer):
             counts.append(xla_counts()[0])
+            drops.append(trainer.train_loader.dropped)
 
     tr = Trainer(
         model,
@@ -54,7 +83,8 @@ def test_partial_batches_dropped_no_recompiles_over_three_epochs():
         callbacks=[Count()],
     )
     tr.fit()
-    assert tr.step == 4 * 6 and tr.train_loader.dropped == 1
+    # the last epoch ends at max steps on its last full batch: fed in the loop's thread, the short one is never read
+    assert tr.step == 4 * 6 and drops[:3] == [1, 1, 1], drops
     assert counts[1] == counts[2] == counts[3], counts
 
 
@@ -86,14 +116,15 @@ class _TruncatedShards(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
-@pytest.mark.parametrize("kind", ["xla-cpu", "cpu"])
-def test_loader_error_stops_fit_with_its_traceback(kind):
-    """On XLA the batches come from torch_xla's loader thread, which used to swallow the error
+@pytest.mark.parametrize("kind,feed", [("xla-cpu", "thread"), ("xla-cpu", "main"), ("cpu", "auto")])
+def test_loader_error_stops_fit_with_its_traceback(kind, feed):
+    """On XLA (feed="thread") the batches come from torch_xla's loader thread, which used to swallow the error
     (a thread traceback on stderr, the epoch ended early, fit returned normally)."""
     from data_tools.stream import ShardError
 
     rt = labkit.setup(kind)
     tr = small_trainer(rt, _TruncatedShards(), batch_size=8, epochs=2, log_every=2, eval_every=0)
+    tr.train_loader.feed = feed
     with pytest.raises(ShardError, match="train-000003.tar") as info:
         tr.fit()
     assert any(e.name == "__getitem__" for e in info.traceback), "the traceback lost the loader's frame"

@@ -20,6 +20,13 @@ class XlaRuntime(Runtime):
     capturable_optimizers = True
     reads_metrics = True
     uses_ddp = False
+    # who copies batches to the device for a DeviceLoader(feed="auto"), and why (said once per runtime). Here the
+    # training loop's own thread, as each step asks: XLA:CPU's "device" is this machine's cores, and torch_xla's
+    # loader threads (pl.ParallelLoader) take them from XLA's compute threads, ~10 % of a ResNet-18 step on 2 cores
+    # (bench/bench_peers.py). A TPU computes apart from its host: there a thread copies a few batches ahead (_OnTpu).
+    feed = "main"
+    feed_why = "XLA:CPU computes on this machine's own cores, and a background copy thread would compete for them"
+    _said_feed = False
 
     def sync(self) -> None:
         """Cut the lazy graph here, compile it if it is new, and launch it."""
@@ -67,7 +74,24 @@ class XlaRuntime(Runtime):
         return xm.all_reduce(xm.REDUCE_SUM, tensor)
 
     def iterate(self, loader, host):
-        return loader.xla_batches(host, loader.input_sharding)  # uploaded ahead by pl.ParallelLoader
+        sharding = self.input_sharding(loader)
+        if self.choose_feed(loader) == "thread":
+            return loader.xla_batches(host, sharding)  # uploaded ahead by pl.ParallelLoader's threads
+        return loader.xla_batches_here(host, sharding)  # each batch copied by the loop's thread, as it comes
+
+    def input_sharding(self, loader):
+        """How a batch is laid over the devices (None: whole, on this process's one device)."""
+        return loader.input_sharding
+
+    def choose_feed(self, loader) -> str:
+        """The feed, "thread" or "main": the loader's own feed=, else this runtime's (said once, with why)."""
+        if loader.feed != "auto":
+            return loader.feed
+        if not self._said_feed:
+            self._said_feed = True
+            how = "by a background thread, a few ahead" if self.feed == "thread" else "in the training loop's thread"
+            self.master_print(f"[labkit] batches are copied to {self.device} {how}: {self.feed_why}")
+        return self.feed
 
     def seed_device(self, seed: int) -> None:
         import torch_xla.core.xla_model as xm
@@ -112,7 +136,10 @@ class XlaRuntime(Runtime):
 
 
 class _OnTpu:
-    """What the TPU chip changes on top of torch_xla: bf16 by default, and the chip's name."""
+    """What the TPU chip changes on top of torch_xla: bf16 by default, batches fed ahead, and the chip's name."""
+
+    feed = "thread"
+    feed_why = "the chip computes apart from the host, so copying the next batches overlaps the step"
 
     def precision_for(self, mode: str, want) -> _precision.Precision:
         return _precision.for_tpu(mode, want)
@@ -155,9 +182,9 @@ class SpmdRuntime(XlaRuntime):
 
         return int(xr.addressable_runtime_device_count())  # the host's chips (CPU_NUM_DEVICES on XLA:CPU)
 
-    def iterate(self, loader, host):
+    def input_sharding(self, loader):
         # each batch is split over the devices; by default along "data" on a 1-D mesh of every device
-        return loader.xla_batches(host, loader.input_sharding or loader.data_parallel_sharding())
+        return loader.input_sharding or loader.data_parallel_sharding()
 
 
 class TpuSpmdRuntime(_OnTpu, SpmdRuntime):
