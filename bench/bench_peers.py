@@ -48,8 +48,16 @@ import time
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 FRAMEWORKS = ("hand", "labkit", "fabric", "accel")
+# --ablations: one change each, to say what a gap is made of. labkit-thread: labkit with torch_xla's background
+# loader threads (pl.ParallelLoader, labkit's feed before XLA:CPU's runtime chose the loop's thread); hand-main: the
+# hand-written loop with each batch copied in the loop's thread instead of MpDeviceLoader's threads
+ABLATIONS = ("labkit-thread", "hand-main")
 # the module each framework needs, and the line that installs it (pins: pyproject.toml's `bench` extra)
 NEEDS = {"fabric": ("lightning_fabric", "lightning-fabric==2.6.6"), "accel": ("accelerate", "accelerate==1.15.0")}
+# --install puts the peers here, never into the project's venv or its lock (requirements.txt): --no-deps, so they
+# cannot move torch; these are what they import beyond the venv's packages
+PEERS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".peers")
+PEER_DEPS = ("lightning-utilities==0.15.3", "huggingface_hub==2.4.0", "safetensors==0.8.0")
 MODELS = {"mlp": 64, "resnet18": 16}  # model -> batch size
 LOG_EVERY = 20
 MARK = "@@ "  # protocol lines from a child start with this; its other output (banners, logs) is dropped
@@ -94,10 +102,14 @@ class Loop:
 
     losses: list
 
+    seen = 0  # steps run so far, over all runs: the loss is read every LOG_EVERY of them, as labkit's log is (a
+    # count that restarted with each run of 15 timed steps never read it: labkit paid a transfer the others did not)
+
     def note_loss(self, i, loss):
         import torch_xla.core.xla_model as xm
 
-        if (i + 1) % LOG_EVERY == 0:
+        self.seen += 1
+        if self.seen % LOG_EVERY == 0:
             xm.add_step_closure(lambda v: self.losses.append(v.item()), args=(loss,))
 
     def final_loss(self) -> float:
@@ -109,13 +121,17 @@ class Hand(Loop):
 
     def __init__(self, model, data):
         import torch_xla
-        import torch_xla.distributed.parallel_loader as pl
 
         dev = torch_xla.device()
         self.model = make_model(model).to(dev)
         self.opt = make_optimizer(self.model)
-        self.loader = pl.MpDeviceLoader(data, dev)
+        self.loader = self.feed(data, dev)
         self.losses = []
+
+    def feed(self, data, dev):
+        import torch_xla.distributed.parallel_loader as pl
+
+        return pl.MpDeviceLoader(data, dev)  # background threads copy batches ahead
 
     def run(self, n):
         import torch.nn.functional as F
@@ -132,7 +148,20 @@ class Hand(Loop):
         self.last = loss
 
 
+class HandMain(Hand):
+    """The hand-written loop with each batch copied in the loop's thread (Fabric's way on one XLA device)."""
+
+    def feed(self, data, dev):
+        class Here:
+            def __iter__(self):
+                return ((x.to(dev), y.to(dev)) for x, y in data)
+
+        return Here()
+
+
 class Labkit(Loop):
+    feed = "auto"  # the runtime's choice (on XLA:CPU: batches copied in the loop's thread)
+
     def __init__(self, model, data):
         import labkit
 
@@ -145,7 +174,7 @@ class Labkit(Loop):
                 self.last = super().train_step(batch)
                 return self.last
 
-        self.tr = Trainer(m, make_optimizer(m), rt, cfg, data)
+        self.tr = Trainer(m, make_optimizer(m), rt, cfg, labkit.DeviceLoader(data, rt, feed=self.feed))
 
     def run(self, n):
         self.tr.cfg.max_steps = self.tr.step + n
@@ -155,6 +184,10 @@ class Labkit(Loop):
     @property
     def last(self):
         return self.tr.last
+
+
+class LabkitThread(Labkit):
+    feed = "thread"  # torch_xla's pl.ParallelLoader: a loader thread and a copy thread beside the loop
 
 
 class Fabric(Loop):
@@ -214,7 +247,8 @@ def child(fw, model, batch, batches):
     def say(**kw):
         print(MARK + json.dumps(kw), flush=True)
 
-    loop = {"hand": Hand, "labkit": Labkit, "fabric": Fabric, "accel": Accel}[fw](model, make_data(batch, batches))
+    loops = {"hand": Hand, "hand-main": HandMain, "labkit": Labkit, "labkit-thread": LabkitThread}
+    loop = dict(loops, fabric=Fabric, accel=Accel)[fw](model, make_data(batch, batches))
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "run":
@@ -232,6 +266,8 @@ def child(fw, model, batch, batches):
 class Child:
     def __init__(self, fw, model, batch, batches):
         env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONUNBUFFERED="1")
+        if os.path.isdir(PEERS_DIR):  # the peers' own folder (--install), after everything the venv has
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (env.get("PYTHONPATH"), PEERS_DIR)))
         cmd = [sys.executable, os.path.abspath(__file__), "--child", fw, "--models", model]
         cmd += ["--batch", str(batch), "--batches", str(batches)]
         self.fw = fw
@@ -249,6 +285,14 @@ class Child:
         if self.p.poll() is None:
             self.p.kill()
         self.p.wait()
+
+
+def install_peers() -> None:
+    """The peers' pinned wheels into PEERS_DIR (--no-deps: torch and the venv stay as they are)."""
+    pins = [pin for _, pin in NEEDS.values()] + list(PEER_DEPS)
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", PEERS_DIR, *pins]
+    print("installing the peers:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
 
 
 def missing(fw) -> str | None:
@@ -284,30 +328,29 @@ def bench_model(model, a, frameworks):
         for k in kids.values():
             k.close()
     med = {fw: statistics.median(v) for fw, v in times.items()}
-    base = med.get("hand")
-    # ratios are medians of per-trial pairs (each trial's time / the hand loop's in the same round): on a
-    # shared machine the load shifts between rounds, and a ratio of two separate medians mixes rounds
-    paired = {fw: statistics.median(t / h for t, h in zip(v, times["hand"])) for fw, v in times.items()} if base else {}
+
+    def ratio(a, b):  # the median of per-round ratios, and their spread (min-max): the load shifts between rounds
+        r = [x / y for x, y in zip(times[a], times[b])]
+        return statistics.median(r), min(r), max(r)
+
     for fw, v in times.items():
-        ratio = f"{paired[fw]:6.3f}x hand" if base else ""
+        vs_hand = "{:6.3f}x hand ({:.3f}-{:.3f})".format(*ratio(fw, "hand")) if "hand" in times else ""
         print(
-            f"  {fw:<7} {med[fw] * 1e3:8.1f} ms/step (trials {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f})  {ratio}  "
+            f"  {fw:<13} {med[fw] * 1e3:8.1f} ms/step (trials {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f})  {vs_hand}  "
             f"graphs compiled {ends[fw]['graphs']:3d}  final loss {ends[fw]['loss']:.5f}"
         )
     losses = [e["loss"] for e in ends.values()]
     agree = max(losses) - min(losses) <= 1e-3 * max(1.0, abs(losses[0]))
     print(f"  final losses {'agree' if agree else 'DIFFER'} (spread {max(losses) - min(losses):.2e})")
-    for fw in med:
-        if fw != "hand" and base:
-            print(
-                f"RATIO {model} {fw}/hand-written step time = {paired[fw]:.3f}"
-                + (" (goal <= 1.01)" if fw == "labkit" else "")
-            )
-    if "labkit" in med:
-        for fw in ("fabric", "accel"):
-            if fw in med:
-                pair = statistics.median(a / b for a, b in zip(times["labkit"], times[fw]))
-                print(f"RATIO {model} labkit/{fw} step time = {pair:.3f} (goal <= 1)")
+    pairs = [(fw, "hand", " (goal <= 1.01)" if fw == "labkit" else "") for fw in times if fw != "hand"]
+    pairs += [("labkit", fw, " (goal <= 1)") for fw in ("fabric", "accel")]
+    pairs += [("labkit-thread", "labkit", " (ablation: background loader threads)")]
+    pairs += [("hand-main", "hand", " (ablation: batches copied in the loop's thread)")]
+    pairs += [("labkit-thread", "fabric", " (ablation: labkit before the feed choice)")]
+    for a, b, note in pairs:
+        if a in times and b in times and a != b:
+            r, lo, hi = ratio(a, b)
+            print(f"RATIO {model} {a}/{b} step time = {r:.3f} (rounds {lo:.3f}-{hi:.3f}){note}")
 
 
 # -- the data path ------------------------------------------------------------------------------------------
@@ -393,17 +436,25 @@ def main(argv=None):
     )
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers for --data")
     p.add_argument("--images", type=int, default=6000, help="images in the shards for --data")
+    p.add_argument(
+        "--ablations", action="store_true", help="also run " + ", ".join(ABLATIONS) + " (what a gap is made of)"
+    )
+    p.add_argument("--install", action="store_true", help=f"pip install the peers into {PEERS_DIR} first")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--batches", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         return child(a.child, a.models, a.batch, a.batches)
+    if a.install:
+        install_peers()
+    if os.path.isdir(PEERS_DIR):
+        sys.path.append(PEERS_DIR)  # so missing() finds what --install put there
     frameworks = []
-    for fw in a.frameworks.split(","):
+    for fw in a.frameworks.split(",") + (list(ABLATIONS) if a.ablations else []):
         pip = missing(fw)
         if pip:
-            print(f"skipped {fw}: not installed (pip install {pip}, or pip install -e '.[bench]')")
+            print(f"skipped {fw}: not installed (--install puts {pip} into {PEERS_DIR})")
         else:
             frameworks.append(fw)
     t = time.perf_counter()
