@@ -1,7 +1,9 @@
 """labkit beside what a user would pick instead: a hand-written torch_xla loop, Lightning Fabric, HF Accelerate.
 
     PJRT_DEVICE=CPU .venv/bin/python bench/bench_peers.py [--models mlp,resnet18] [--trials 5] [--no-data]
-    pip install -e ".[bench]"    # the peers (lightning-fabric, accelerate); a missing one is skipped
+        [--ablations] [--install]
+    --install puts the peers (lightning-fabric, accelerate, pinned) into bench/.peers, a folder of the benchmark's
+    own, never into the venv or the lock; a missing one is skipped. --ablations adds labkit-main and hand-main.
 
 1. Training. The same run through each framework: same model init (seed 0), same batches in the same
    order (an in-memory dataset, no shuffle), SGD + momentum, loss read every 20 steps in a step closure.
@@ -28,10 +30,34 @@ right after the optimizer step, before the sync: 12-13 vs 28-35 ms per MLP step 
 with zero_grad moved. Fabric's single-device XLA strategy copies each batch in the main thread (no
 MpDeviceLoader) and cuts the graph inside its optimizer step (barrier=True). On ResNet-18 labkit's own
 Python per step (loop, accumulator, hooks) is ~1-2 ms of a ~450 ms step; the rest is the device.
-ResNet-18's graphs: 3 for labkit, the hand-written loop and Accelerate, 2 for Fabric. The third is compiled once,
-at the first sync, when the device loader's first batch is still being moved (the hand-written loop, which uses
-the same MpDeviceLoader, compiles it too; Fabric copies batches in the main thread, so it has none); it falls in the
-warm-up, outside the timed trials, so it is not what separates labkit from Fabric there.
+ResNet-18, Fabric's lead (issue #52: labkit/Fabric 1.10), taken apart 2026-11-28 on the same 2-core machine while
+other jobs ran beside it (load 4-12), with --ablations (one change each, each in its own process, interleaved; the
+runs were made with labkit fed in its own thread as "labkit" and with the threads as "labkit-thread"):
+- Who copies the batches. labkit and the hand loop feed the device through torch_xla's loader threads
+  (pl.ParallelLoader / MpDeviceLoader: a thread reading the DataLoader and one copying, device_prefetch=4 batches per
+  copy); Fabric's one-device strategy copies each batch in the loop's thread (`.to(device)` in its DataLoader
+  wrapper). Counted (torch_xla's metrics, the same in every run): the threads compile a third graph at the first
+  sync (3 graphs against 2 for every loop fed in its own thread: Fabric, hand-main, labkit-main), warm-up only, and
+  copy 4 batches per transfer (2-3 TransferToDevice per 10 steps; 1 per batch from the loop's thread, 2 for
+  Fabric's per-tensor .to). CPU time per ResNet-18 step (process_time, every thread): 400-440 ms for all five loops.
+  Timed: labkit with the threads / fed in its own thread = 0.593 on the MLP (5 rounds of 100 steps, 0.301-0.854:
+  every round faster with the threads) and 1.020 on ResNet-18 (6 rounds of 10 steps, 0.662-4.111); hand-main/hand
+  1.928 on the MLP (0.909-3.025), 0.749 on ResNet-18 (0.440-2.442). On XLA:CPU a copy to the device waits for the
+  step running on the same cores; from the loop's thread that stalls the tracing of the next step, which is most of
+  an MLP step: this is where Fabric loses the MLP (labkit/Fabric 0.612 there, rounds 0.451-0.883). So labkit keeps
+  the threads on XLA:CPU as on a TPU (the runtime's `feed`, said once, with the reason); feed="main" is Fabric's way.
+- Reading the loss. Every loop adds its read every 20 steps, but the peers counted from 0 in each timed run of 15
+  steps, so the hand loop, Fabric and Accelerate never read in a trial (TransferFromDevice 0 per run) while labkit
+  read on its own count (1-2 per 10 steps): a device->host transfer stalls the host until the step ran. Fixed: every
+  loop now counts over all its runs, so each pays the same reads.
+- Where the sync falls, and zero_grad: Fabric cuts the graph inside its optimizer step (barrier=True) and zeroes at
+  the top of the next, so its gradients are outputs of the graph; labkit zeroes (set_to_none) before the sync, which
+  the MLP above measured as the better order. Not Fabric's lead.
+- Host Python: labkit's own per step is ~1-2 ms of a ResNet-18 step (cProfile, 2026-11-24); not the lead either.
+What stays open: the step time on ResNet-18. In the two least loaded rounds (10 steps each) labkit with the threads
+took 224 / 249 ms, fed in its own thread 232 / 229, Fabric 216 / 215, the hand loop 219 / 219; over 6 rounds at load
+7-12 labkit (fed in its own thread) / Fabric 1.099 (rounds 0.389-1.467). Spreads that wide cannot show or exclude
+a 10 % gap: rerun `--models resnet18 --ablations` on a quiet machine (each RATIO line prints its spread).
 """
 
 from __future__ import annotations
@@ -48,10 +74,10 @@ import time
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 FRAMEWORKS = ("hand", "labkit", "fabric", "accel")
-# --ablations: one change each, to say what a gap is made of. labkit-thread: labkit with torch_xla's background
-# loader threads (pl.ParallelLoader, labkit's feed before XLA:CPU's runtime chose the loop's thread); hand-main: the
-# hand-written loop with each batch copied in the loop's thread instead of MpDeviceLoader's threads
-ABLATIONS = ("labkit-thread", "hand-main")
+# --ablations: one change each, to say what a gap is made of. labkit-main: labkit with each batch copied in the
+# loop's thread (DeviceLoader(feed="main"), Fabric's way) instead of torch_xla's loader threads (its runtime's
+# choice); hand-main: the hand-written loop the same way instead of MpDeviceLoader's threads
+ABLATIONS = ("labkit-main", "hand-main")
 # the module each framework needs, and the line that installs it (pins: pyproject.toml's `bench` extra)
 NEEDS = {"fabric": ("lightning_fabric", "lightning-fabric==2.6.6"), "accel": ("accelerate", "accelerate==1.15.0")}
 # --install puts the peers here, never into the project's venv or its lock (requirements.txt): --no-deps, so they
@@ -160,7 +186,7 @@ class HandMain(Hand):
 
 
 class Labkit(Loop):
-    feed = "auto"  # the runtime's choice (on XLA:CPU: batches copied in the loop's thread)
+    feed = "auto"  # the runtime's choice (XLA:CPU and TPU: torch_xla's loader threads; said once)
 
     def __init__(self, model, data):
         import labkit
@@ -186,8 +212,8 @@ class Labkit(Loop):
         return self.tr.last
 
 
-class LabkitThread(Labkit):
-    feed = "thread"  # torch_xla's pl.ParallelLoader: a loader thread and a copy thread beside the loop
+class LabkitMain(Labkit):
+    feed = "main"  # each batch copied in the loop's thread, as Fabric does on one XLA device
 
 
 class Fabric(Loop):
@@ -247,7 +273,7 @@ def child(fw, model, batch, batches):
     def say(**kw):
         print(MARK + json.dumps(kw), flush=True)
 
-    loops = {"hand": Hand, "hand-main": HandMain, "labkit": Labkit, "labkit-thread": LabkitThread}
+    loops = {"hand": Hand, "hand-main": HandMain, "labkit": Labkit, "labkit-main": LabkitMain}
     loop = dict(loops, fabric=Fabric, accel=Accel)[fw](model, make_data(batch, batches))
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
@@ -342,11 +368,11 @@ def bench_model(model, a, frameworks):
     losses = [e["loss"] for e in ends.values()]
     agree = max(losses) - min(losses) <= 1e-3 * max(1.0, abs(losses[0]))
     print(f"  final losses {'agree' if agree else 'DIFFER'} (spread {max(losses) - min(losses):.2e})")
-    pairs = [(fw, "hand", " (goal <= 1.01)" if fw == "labkit" else "") for fw in times if fw != "hand"]
+    pairs = [(fw, "hand", " (goal <= 1.01)" if fw == "labkit" else "") for fw in FRAMEWORKS if fw != "hand"]
     pairs += [("labkit", fw, " (goal <= 1)") for fw in ("fabric", "accel")]
-    pairs += [("labkit-thread", "labkit", " (ablation: background loader threads)")]
+    pairs += [("labkit-main", "labkit", " (ablation: batches copied in the loop's thread)")]
     pairs += [("hand-main", "hand", " (ablation: batches copied in the loop's thread)")]
-    pairs += [("labkit-thread", "fabric", " (ablation: labkit before the feed choice)")]
+    pairs += [("labkit-main", "fabric", " (ablation: labkit fed as Fabric is)")]
     for a, b, note in pairs:
         if a in times and b in times and a != b:
             r, lo, hi = ratio(a, b)

@@ -3,12 +3,12 @@
     train = labkit.DeviceLoader(torch.utils.data.DataLoader(ds, batch_size=128), rt)
     for x, y in train: ...            # x, y are already on rt.device
 
-- XLA: the runtime chooses how (`feed="auto"`, said once): on a TPU torch_xla's `pl.ParallelLoader`, a
-  background thread that copies batches to the chip and keeps a few ready (`device_prefetch`) while the chip
-  computes; on XLA:CPU each batch is copied in the training loop's own thread when the step asks for it, because
-  there the "device" is the host's own cores and a copy thread competes with XLA's compute threads (measured in
-  bench/bench_peers.py). `feed="thread"` or `"main"` overrides. Under SPMD the batch is sharded along dim 0 over
-  the mesh's "data" axis either way.
+- XLA: the runtime chooses how (`feed="auto"`, said once): on a TPU and on XLA:CPU, torch_xla's
+  `pl.ParallelLoader`, a background thread that copies batches to the device and keeps a few ready
+  (`device_prefetch`). `feed="main"` copies each batch in the training loop's own thread instead, as Lightning
+  Fabric does on one XLA device: one graph fewer at warm-up, but on XLA:CPU the copy then waits for the running step
+  and stalls the tracing of the next (measured in bench/bench_peers.py). Under SPMD the batch is sharded along dim 0
+  over the mesh's "data" axis either way.
 - CUDA: pinned host memory, `non_blocking` copies on a side stream, one batch ahead.
 - CPU: pass-through.
 

@@ -575,14 +575,13 @@ assert abs(sum(cats.values()) - total) < 1e-6 * max(total, 1), "the categories s
 # exercise 2), and tracing once, not per step (`torch_xla.compile` around the step, or `torch.compile(backend=
 # "openxla")`, section 1). A step where *device* dominates is the goal: the chip, not Python, sets the pace.
 #
-# **Who copies the batches is host work too.** On a TPU, `labkit.DeviceLoader` lets torch_xla's `ParallelLoader`
-# copy them on background threads, a few batches ahead, while the chip runs the step: the host is otherwise idle.
-# On XLA:CPU the "device" is the same two cores, so those threads run beside XLA's own compute threads and their copy
-# of 4 batches at a time queues behind the running step. XLA:CPU's runtime therefore copies each batch in the loop's
-# own thread when the step asks for it (Lightning Fabric does the same on one XLA device), and says so once: the
-# `[labkit] batches are copied to ...` line above names the choice and why (`DeviceLoader(feed=...)` overrides it).
-# Measured in `bench/bench_peers.py --ablations` on ResNet-18: one graph fewer to compile (2, not 3), the same CPU
-# time per step, and step times within the spread of a shared 2-core machine (its docstring has the figures).
+# **Who copies the batches is host work too.** `labkit.DeviceLoader` lets torch_xla's `ParallelLoader` copy them on
+# background threads, a few batches ahead; on XLA the `[labkit] batches are copied to ...` line above says so and why.
+# Lightning Fabric copies each batch in the loop's own thread instead (`DeviceLoader(feed="main")` does the same).
+# On XLA:CPU that copy waits for the step still running on the same cores, and while it waits Python cannot trace
+# the next step: for this MLP, whose step is mostly tracing, `bench/bench_peers.py --ablations` measured a step 1.7x
+# longer that way (2026-11-28, 5 rounds on a shared 2-core machine, each round slower), for ResNet-18 no difference
+# inside its spread. On a TPU the chip runs apart from the host, and the threads overlap the copy with its step.
 
 # %% [markdown]
 # **The same capture in TensorBoard/XProf or Perfetto.** labkit's reading is one view; the tools people use read the

@@ -20,12 +20,16 @@ class XlaRuntime(Runtime):
     capturable_optimizers = True
     reads_metrics = True
     uses_ddp = False
-    # who copies batches to the device for a DeviceLoader(feed="auto"), and why (said once per runtime). Here the
-    # training loop's own thread, as each step asks: XLA:CPU's "device" is this machine's cores, and torch_xla's
-    # loader threads (pl.ParallelLoader) take them from XLA's compute threads, ~10 % of a ResNet-18 step on 2 cores
-    # (bench/bench_peers.py). A TPU computes apart from its host: there a thread copies a few batches ahead (_OnTpu).
-    feed = "main"
-    feed_why = "XLA:CPU computes on this machine's own cores, and a background copy thread would compete for them"
+    # who copies batches to the device for a DeviceLoader(feed="auto"), and why (said once per runtime). On XLA:CPU
+    # torch_xla's loader threads (pl.ParallelLoader), though they share the 2 cores with XLA's compute threads: a
+    # copy to the device waits for the step running there, and from the loop's thread it would stop the tracing of
+    # the next step meanwhile (bench/bench_peers.py --ablations, 2026-11-28: MLP step 0.59x with the threads,
+    # rounds 0.30-0.85; ResNet-18 1.02x, within its spread). A TPU keeps them too, for its own reason (_OnTpu).
+    feed = "thread"
+    feed_why = (
+        "a copy waits for the step running on XLA:CPU's cores; from the loop's thread it would stall the tracing of "
+        "the next step (an MLP step 1.7x longer in bench_peers)"
+    )
     _said_feed = False
 
     def sync(self) -> None:
@@ -139,7 +143,7 @@ class _OnTpu:
     """What the TPU chip changes on top of torch_xla: bf16 by default, batches fed ahead, and the chip's name."""
 
     feed = "thread"
-    feed_why = "the chip computes apart from the host, so copying the next batches overlaps the step"
+    feed_why = "the chip computes apart from the host, so copying the next batches a few ahead overlaps the step"
 
     def precision_for(self, mode: str, want) -> _precision.Precision:
         return _precision.for_tpu(mode, want)
