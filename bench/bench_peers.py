@@ -54,6 +54,9 @@ runs were made with labkit fed in its own thread as "labkit" and with the thread
   the top of the next, so its gradients are outputs of the graph; labkit zeroes (set_to_none) before the sync, which
   the MLP above measured as the better order. Not Fabric's lead.
 - Host Python: labkit's own per step is ~1-2 ms of a ResNet-18 step (cProfile, 2026-11-24); not the lead either.
+With the final labkit (the threads) in 6 rounds of 10 steps, load 2.6-9: ResNet-18 labkit/Fabric 0.950 (rounds
+0.659-1.265), labkit-main/labkit 0.990 (0.584-1.858); MLP (2 rounds of 20 steps) labkit/Fabric 0.363 (0.102-0.624),
+labkit-main/labkit 2.302 (1.118-3.486). So labkit's median is at or under Fabric's on both models here.
 What stays open: the step time on ResNet-18. In the two least loaded rounds (10 steps each) labkit with the threads
 took 224 / 249 ms, fed in its own thread 232 / 229, Fabric 216 / 215, the hand loop 219 / 219; over 6 rounds at load
 7-12 labkit (fed in its own thread) / Fabric 1.099 (rounds 0.389-1.467). Spreads that wide cannot show or exclude
