@@ -1,7 +1,9 @@
 """labkit beside what a user would pick instead: a hand-written torch_xla loop, Lightning Fabric, HF Accelerate.
 
     PJRT_DEVICE=CPU .venv/bin/python bench/bench_peers.py [--models mlp,resnet18] [--trials 5] [--no-data]
-    pip install -e ".[bench]"    # the peers (lightning-fabric, accelerate); a missing one is skipped
+        [--ablations] [--install]
+    --install puts the peers (lightning-fabric, accelerate, pinned) into bench/.peers, a folder of the benchmark's
+    own, never into the venv or the lock; a missing one is skipped. --ablations adds labkit-main and hand-main.
 
 1. Training. The same run through each framework: same model init (seed 0), same batches in the same
    order (an in-memory dataset, no shuffle), SGD + momentum, loss read every 20 steps in a step closure.
@@ -28,10 +30,37 @@ right after the optimizer step, before the sync: 12-13 vs 28-35 ms per MLP step 
 with zero_grad moved. Fabric's single-device XLA strategy copies each batch in the main thread (no
 MpDeviceLoader) and cuts the graph inside its optimizer step (barrier=True). On ResNet-18 labkit's own
 Python per step (loop, accumulator, hooks) is ~1-2 ms of a ~450 ms step; the rest is the device.
-ResNet-18's graphs: 3 for labkit, the hand-written loop and Accelerate, 2 for Fabric. The third is compiled once,
-at the first sync, when the device loader's first batch is still being moved (the hand-written loop, which uses
-the same MpDeviceLoader, compiles it too; Fabric copies batches in the main thread, so it has none); it falls in the
-warm-up, outside the timed trials, so it is not what separates labkit from Fabric there.
+ResNet-18, Fabric's lead (issue #52: labkit/Fabric 1.10), taken apart 2026-11-28 on the same 2-core machine while
+other jobs ran beside it (load 4-12), with --ablations (one change each, each in its own process, interleaved; the
+runs were made with labkit fed in its own thread as "labkit" and with the threads as "labkit-thread"):
+- Who copies the batches. labkit and the hand loop feed the device through torch_xla's loader threads
+  (pl.ParallelLoader / MpDeviceLoader: a thread reading the DataLoader and one copying, device_prefetch=4 batches per
+  copy); Fabric's one-device strategy copies each batch in the loop's thread (`.to(device)` in its DataLoader
+  wrapper). Counted (torch_xla's metrics, the same in every run): the threads compile a third graph at the first
+  sync (3 graphs against 2 for every loop fed in its own thread: Fabric, hand-main, labkit-main), warm-up only, and
+  copy 4 batches per transfer (2-3 TransferToDevice per 10 steps; 1 per batch from the loop's thread, 2 for
+  Fabric's per-tensor .to). CPU time per ResNet-18 step (process_time, every thread): 400-440 ms for all five loops.
+  Timed: labkit with the threads / fed in its own thread = 0.593 on the MLP (5 rounds of 100 steps, 0.301-0.854:
+  every round faster with the threads) and 1.020 on ResNet-18 (6 rounds of 10 steps, 0.662-4.111); hand-main/hand
+  1.928 on the MLP (0.909-3.025), 0.749 on ResNet-18 (0.440-2.442). On XLA:CPU a copy to the device waits for the
+  step running on the same cores; from the loop's thread that stalls the tracing of the next step, which is most of
+  an MLP step: this is where Fabric loses the MLP (labkit/Fabric 0.612 there, rounds 0.451-0.883). So labkit keeps
+  the threads on XLA:CPU as on a TPU (the runtime's `feed`, said once, with the reason); feed="main" is Fabric's way.
+- Reading the loss. Every loop adds its read every 20 steps, but the peers counted from 0 in each timed run of 15
+  steps, so the hand loop, Fabric and Accelerate never read in a trial (TransferFromDevice 0 per run) while labkit
+  read on its own count (1-2 per 10 steps): a device->host transfer stalls the host until the step ran. Fixed: every
+  loop now counts over all its runs, so each pays the same reads.
+- Where the sync falls, and zero_grad: Fabric cuts the graph inside its optimizer step (barrier=True) and zeroes at
+  the top of the next, so its gradients are outputs of the graph; labkit zeroes (set_to_none) before the sync, which
+  the MLP above measured as the better order. Not Fabric's lead.
+- Host Python: labkit's own per step is ~1-2 ms of a ResNet-18 step (cProfile, 2026-11-24); not the lead either.
+With the final labkit (the threads) in 6 rounds of 10 steps, load 2.6-9: ResNet-18 labkit/Fabric 0.950 (rounds
+0.659-1.265), labkit-main/labkit 0.990 (0.584-1.858); MLP (2 rounds of 20 steps) labkit/Fabric 0.363 (0.102-0.624),
+labkit-main/labkit 2.302 (1.118-3.486). So labkit's median is at or under Fabric's on both models here.
+What stays open: the step time on ResNet-18. In the two least loaded rounds (10 steps each) labkit with the threads
+took 224 / 249 ms, fed in its own thread 232 / 229, Fabric 216 / 215, the hand loop 219 / 219; over 6 rounds at load
+7-12 labkit (fed in its own thread) / Fabric 1.099 (rounds 0.389-1.467). Spreads that wide cannot show or exclude
+a 10 % gap: rerun `--models resnet18 --ablations` on a quiet machine (each RATIO line prints its spread).
 """
 
 from __future__ import annotations
@@ -48,8 +77,16 @@ import time
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 FRAMEWORKS = ("hand", "labkit", "fabric", "accel")
+# --ablations: one change each, to say what a gap is made of. labkit-main: labkit with each batch copied in the
+# loop's thread (DeviceLoader(feed="main"), Fabric's way) instead of torch_xla's loader threads (its runtime's
+# choice); hand-main: the hand-written loop the same way instead of MpDeviceLoader's threads
+ABLATIONS = ("labkit-main", "hand-main")
 # the module each framework needs, and the line that installs it (pins: pyproject.toml's `bench` extra)
 NEEDS = {"fabric": ("lightning_fabric", "lightning-fabric==2.6.6"), "accel": ("accelerate", "accelerate==1.15.0")}
+# --install puts the peers here, never into the project's venv or its lock (requirements.txt): --no-deps, so they
+# cannot move torch; these are what they import beyond the venv's packages
+PEERS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".peers")
+PEER_DEPS = ("lightning-utilities==0.15.3", "huggingface_hub==2.4.0", "safetensors==0.8.0")
 MODELS = {"mlp": 64, "resnet18": 16}  # model -> batch size
 LOG_EVERY = 20
 MARK = "@@ "  # protocol lines from a child start with this; its other output (banners, logs) is dropped
@@ -94,10 +131,14 @@ class Loop:
 
     losses: list
 
+    seen = 0  # steps run so far, over all runs: the loss is read every LOG_EVERY of them, as labkit's log is (a
+    # count that restarted with each run of 15 timed steps never read it: labkit paid a transfer the others did not)
+
     def note_loss(self, i, loss):
         import torch_xla.core.xla_model as xm
 
-        if (i + 1) % LOG_EVERY == 0:
+        self.seen += 1
+        if self.seen % LOG_EVERY == 0:
             xm.add_step_closure(lambda v: self.losses.append(v.item()), args=(loss,))
 
     def final_loss(self) -> float:
@@ -109,13 +150,17 @@ class Hand(Loop):
 
     def __init__(self, model, data):
         import torch_xla
-        import torch_xla.distributed.parallel_loader as pl
 
         dev = torch_xla.device()
         self.model = make_model(model).to(dev)
         self.opt = make_optimizer(self.model)
-        self.loader = pl.MpDeviceLoader(data, dev)
+        self.loader = self.feed(data, dev)
         self.losses = []
+
+    def feed(self, data, dev):
+        import torch_xla.distributed.parallel_loader as pl
+
+        return pl.MpDeviceLoader(data, dev)  # background threads copy batches ahead
 
     def run(self, n):
         import torch.nn.functional as F
@@ -132,7 +177,20 @@ class Hand(Loop):
         self.last = loss
 
 
+class HandMain(Hand):
+    """The hand-written loop with each batch copied in the loop's thread (Fabric's way on one XLA device)."""
+
+    def feed(self, data, dev):
+        class Here:
+            def __iter__(self):
+                return ((x.to(dev), y.to(dev)) for x, y in data)
+
+        return Here()
+
+
 class Labkit(Loop):
+    feed = "auto"  # the runtime's choice (XLA:CPU and TPU: torch_xla's loader threads; said once)
+
     def __init__(self, model, data):
         import labkit
 
@@ -145,7 +203,7 @@ class Labkit(Loop):
                 self.last = super().train_step(batch)
                 return self.last
 
-        self.tr = Trainer(m, make_optimizer(m), rt, cfg, data)
+        self.tr = Trainer(m, make_optimizer(m), rt, cfg, labkit.DeviceLoader(data, rt, feed=self.feed))
 
     def run(self, n):
         self.tr.cfg.max_steps = self.tr.step + n
@@ -155,6 +213,10 @@ class Labkit(Loop):
     @property
     def last(self):
         return self.tr.last
+
+
+class LabkitMain(Labkit):
+    feed = "main"  # each batch copied in the loop's thread, as Fabric does on one XLA device
 
 
 class Fabric(Loop):
@@ -214,7 +276,8 @@ def child(fw, model, batch, batches):
     def say(**kw):
         print(MARK + json.dumps(kw), flush=True)
 
-    loop = {"hand": Hand, "labkit": Labkit, "fabric": Fabric, "accel": Accel}[fw](model, make_data(batch, batches))
+    loops = {"hand": Hand, "hand-main": HandMain, "labkit": Labkit, "labkit-main": LabkitMain}
+    loop = dict(loops, fabric=Fabric, accel=Accel)[fw](model, make_data(batch, batches))
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "run":
@@ -232,6 +295,8 @@ def child(fw, model, batch, batches):
 class Child:
     def __init__(self, fw, model, batch, batches):
         env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONUNBUFFERED="1")
+        if os.path.isdir(PEERS_DIR):  # the peers' own folder (--install), after everything the venv has
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (env.get("PYTHONPATH"), PEERS_DIR)))
         cmd = [sys.executable, os.path.abspath(__file__), "--child", fw, "--models", model]
         cmd += ["--batch", str(batch), "--batches", str(batches)]
         self.fw = fw
@@ -249,6 +314,14 @@ class Child:
         if self.p.poll() is None:
             self.p.kill()
         self.p.wait()
+
+
+def install_peers() -> None:
+    """The peers' pinned wheels into PEERS_DIR (--no-deps: torch and the venv stay as they are)."""
+    pins = [pin for _, pin in NEEDS.values()] + list(PEER_DEPS)
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", PEERS_DIR, *pins]
+    print("installing the peers:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
 
 
 def missing(fw) -> str | None:
@@ -284,30 +357,29 @@ def bench_model(model, a, frameworks):
         for k in kids.values():
             k.close()
     med = {fw: statistics.median(v) for fw, v in times.items()}
-    base = med.get("hand")
-    # ratios are medians of per-trial pairs (each trial's time / the hand loop's in the same round): on a
-    # shared machine the load shifts between rounds, and a ratio of two separate medians mixes rounds
-    paired = {fw: statistics.median(t / h for t, h in zip(v, times["hand"])) for fw, v in times.items()} if base else {}
+
+    def ratio(a, b):  # the median of per-round ratios, and their spread (min-max): the load shifts between rounds
+        r = [x / y for x, y in zip(times[a], times[b])]
+        return statistics.median(r), min(r), max(r)
+
     for fw, v in times.items():
-        ratio = f"{paired[fw]:6.3f}x hand" if base else ""
+        vs_hand = "{:6.3f}x hand ({:.3f}-{:.3f})".format(*ratio(fw, "hand")) if "hand" in times else ""
         print(
-            f"  {fw:<7} {med[fw] * 1e3:8.1f} ms/step (trials {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f})  {ratio}  "
+            f"  {fw:<13} {med[fw] * 1e3:8.1f} ms/step (trials {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f})  {vs_hand}  "
             f"graphs compiled {ends[fw]['graphs']:3d}  final loss {ends[fw]['loss']:.5f}"
         )
     losses = [e["loss"] for e in ends.values()]
     agree = max(losses) - min(losses) <= 1e-3 * max(1.0, abs(losses[0]))
     print(f"  final losses {'agree' if agree else 'DIFFER'} (spread {max(losses) - min(losses):.2e})")
-    for fw in med:
-        if fw != "hand" and base:
-            print(
-                f"RATIO {model} {fw}/hand-written step time = {paired[fw]:.3f}"
-                + (" (goal <= 1.01)" if fw == "labkit" else "")
-            )
-    if "labkit" in med:
-        for fw in ("fabric", "accel"):
-            if fw in med:
-                pair = statistics.median(a / b for a, b in zip(times["labkit"], times[fw]))
-                print(f"RATIO {model} labkit/{fw} step time = {pair:.3f} (goal <= 1)")
+    pairs = [(fw, "hand", " (goal <= 1.01)" if fw == "labkit" else "") for fw in FRAMEWORKS if fw != "hand"]
+    pairs += [("labkit", fw, " (goal <= 1)") for fw in ("fabric", "accel")]
+    pairs += [("labkit-main", "labkit", " (ablation: batches copied in the loop's thread)")]
+    pairs += [("hand-main", "hand", " (ablation: batches copied in the loop's thread)")]
+    pairs += [("labkit-main", "fabric", " (ablation: labkit fed as Fabric is)")]
+    for a, b, note in pairs:
+        if a in times and b in times and a != b:
+            r, lo, hi = ratio(a, b)
+            print(f"RATIO {model} {a}/{b} step time = {r:.3f} (rounds {lo:.3f}-{hi:.3f}){note}")
 
 
 # -- the data path ------------------------------------------------------------------------------------------
@@ -393,17 +465,25 @@ def main(argv=None):
     )
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers for --data")
     p.add_argument("--images", type=int, default=6000, help="images in the shards for --data")
+    p.add_argument(
+        "--ablations", action="store_true", help="also run " + ", ".join(ABLATIONS) + " (what a gap is made of)"
+    )
+    p.add_argument("--install", action="store_true", help=f"pip install the peers into {PEERS_DIR} first")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--batches", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         return child(a.child, a.models, a.batch, a.batches)
+    if a.install:
+        install_peers()
+    if os.path.isdir(PEERS_DIR):
+        sys.path.append(PEERS_DIR)  # so missing() finds what --install put there
     frameworks = []
-    for fw in a.frameworks.split(","):
+    for fw in a.frameworks.split(",") + (list(ABLATIONS) if a.ablations else []):
         pip = missing(fw)
         if pip:
-            print(f"skipped {fw}: not installed (pip install {pip}, or pip install -e '.[bench]')")
+            print(f"skipped {fw}: not installed (--install puts {pip} into {PEERS_DIR})")
         else:
             frameworks.append(fw)
     t = time.perf_counter()

@@ -3,9 +3,12 @@
     train = labkit.DeviceLoader(torch.utils.data.DataLoader(ds, batch_size=128), rt)
     for x, y in train: ...            # x, y are already on rt.device
 
-- XLA (TPU, XLA:CPU): torch_xla's `pl.ParallelLoader`: a background thread copies
-  batches to the device and keeps a few ready (`device_prefetch`). Under SPMD the batch is
-  sharded along dim 0 over the mesh's "data" axis.
+- XLA: the runtime chooses how (`feed="auto"`, said once): on a TPU and on XLA:CPU, torch_xla's
+  `pl.ParallelLoader`, a background thread that copies batches to the device and keeps a few ready
+  (`device_prefetch`). `feed="main"` copies each batch in the training loop's own thread instead, as Lightning
+  Fabric does on one XLA device: one graph fewer at warm-up, but on XLA:CPU the copy then waits for the running step
+  and stalls the tracing of the next (measured in bench/bench_peers.py). Under SPMD the batch is sharded along dim 0
+  over the mesh's "data" axis either way.
 - CUDA: pinned host memory, `non_blocking` copies on a side stream, one batch ahead.
 - CPU: pass-through.
 
@@ -39,6 +42,9 @@ def _leading_dim(batch):
     return None
 
 
+FEEDS = ("auto", "thread", "main")  # who copies batches to an XLA device: the runtime's choice, a thread, the loop
+
+
 class _HostSide:
     """What the backend iterates (DeviceLoader.host_batches), with the host loader's length."""
 
@@ -69,8 +75,11 @@ class DeviceLoader:
         loader_prefetch: int = 8,
         host_to_device_threads: int = 1,
         input_sharding=None,
+        feed: str = "auto",
     ):
-        self.loader, self.rt, self.drop_partial = loader, rt, drop_partial
+        if feed not in FEEDS:
+            raise ValueError(f"feed must be one of {', '.join(map(repr, FEEDS))}, got {feed!r}")
+        self.loader, self.rt, self.drop_partial, self.feed = loader, rt, drop_partial, feed
         self.device_prefetch, self.loader_prefetch = device_prefetch, loader_prefetch
         self.host_to_device_threads = host_to_device_threads
         self.input_sharding = input_sharding
@@ -177,6 +186,14 @@ class DeviceLoader:
             yield from loader.per_device_loader(self.rt.device)
         finally:
             loader.close()
+
+    def xla_batches_here(self, host, sharding=None):
+        """XLA: each batch copied in this thread when the step asks for it (one host->device transfer per batch, the
+        same call pl.ParallelLoader's thread makes), no thread beside the loop's."""
+        import torch_xla.core.xla_model as xm
+
+        for batch in host:
+            yield xm.send_cpu_data_to_device([batch], self.rt.device, sharding)[0]
 
     def cuda_batches(self, host):
         """CUDA: pinned host memory, copied on a side stream while the step runs."""

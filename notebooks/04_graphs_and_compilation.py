@@ -574,6 +574,14 @@ assert abs(sum(cats.values()) - total) < 1e-6 * max(total, 1), "the categories s
 # outlasts its tracing), fewer host reads per step (they stop the overlap of tracing with the previous step's run;
 # exercise 2), and tracing once, not per step (`torch_xla.compile` around the step, or `torch.compile(backend=
 # "openxla")`, section 1). A step where *device* dominates is the goal: the chip, not Python, sets the pace.
+#
+# **Who copies the batches is host work too.** `labkit.DeviceLoader` lets torch_xla's `ParallelLoader` copy them on
+# background threads, a few batches ahead; on XLA the `[labkit] batches are copied to ...` line above says so and why.
+# Lightning Fabric copies each batch in the loop's own thread instead (`DeviceLoader(feed="main")` does the same).
+# On XLA:CPU that copy waits for the step still running on the same cores, and while it waits Python cannot trace
+# the next step: for this MLP, whose step is mostly tracing, `bench/bench_peers.py --ablations` measured a step 1.7x
+# longer that way (2026-11-28, 5 rounds on a shared 2-core machine, each round slower), for ResNet-18 no difference
+# inside its spread. On a TPU the chip runs apart from the host, and the threads overlap the copy with its step.
 
 # %% [markdown]
 # **The same capture in TensorBoard/XProf or Perfetto.** labkit's reading is one view; the tools people use read the

@@ -11,7 +11,7 @@
 | add_step_closure(fn)       | fn() now          | fn() now                  | after the step's graph ran       | same                     |
 | reduce_gradients(opt)      | nothing (DDP)     | nothing (DDP)             | xm.reduce_gradients (> 1 replica)| nothing: GSPMD inserts it|
 | all_reduce / rendezvous    | torch.distributed | torch.distributed         | xm.all_reduce / xm.rendezvous    | identity (one process)   |
-| iterate(loader, host)      | the host batches  | pinned, copied on a stream| pl.ParallelLoader                | + the batch's sharding   |
+| iterate(loader, host)      | the host batches  | pinned, copied on a stream| pl.ParallelLoader (.feed: why)   | + the batch's sharding   |
 | seed / RNG state           | torch             | + every CUDA generator    | + the XLA generator              | same                     |
 | precision_for(mode)        | fp32              | bf16 (>= 8.0) or fp16     | bf16 on TPU, fp32 on XLA:CPU     | same                     |
 | profiler                   | torch.profiler    | + CUDA activities         | torch_xla's trace                | same                     |

@@ -20,6 +20,17 @@ class XlaRuntime(Runtime):
     capturable_optimizers = True
     reads_metrics = True
     uses_ddp = False
+    # who copies batches to the device for a DeviceLoader(feed="auto"), and why (said once per runtime). On XLA:CPU
+    # torch_xla's loader threads (pl.ParallelLoader), though they share the 2 cores with XLA's compute threads: a
+    # copy to the device waits for the step running there, and from the loop's thread it would stop the tracing of
+    # the next step meanwhile (bench/bench_peers.py --ablations, 2026-11-28: MLP step 0.59x with the threads,
+    # rounds 0.30-0.85; ResNet-18 1.02x, within its spread). A TPU keeps them too, for its own reason (_OnTpu).
+    feed = "thread"
+    feed_why = (
+        "a copy waits for the step running on XLA:CPU's cores; from the loop's thread it would stall the tracing of "
+        "the next step (an MLP step 1.7x longer in bench_peers)"
+    )
+    _said_feed = False
 
     def sync(self) -> None:
         """Cut the lazy graph here, compile it if it is new, and launch it."""
@@ -78,7 +89,24 @@ class XlaRuntime(Runtime):
         return xm.all_reduce(xm.REDUCE_SUM, tensor)
 
     def iterate(self, loader, host):
-        return loader.xla_batches(host, loader.input_sharding)  # uploaded ahead by pl.ParallelLoader
+        sharding = self.input_sharding(loader)
+        if self.choose_feed(loader) == "thread":
+            return loader.xla_batches(host, sharding)  # uploaded ahead by pl.ParallelLoader's threads
+        return loader.xla_batches_here(host, sharding)  # each batch copied by the loop's thread, as it comes
+
+    def input_sharding(self, loader):
+        """How a batch is laid over the devices (None: whole, on this process's one device)."""
+        return loader.input_sharding
+
+    def choose_feed(self, loader) -> str:
+        """The feed, "thread" or "main": the loader's own feed=, else this runtime's (said once, with why)."""
+        if loader.feed != "auto":
+            return loader.feed
+        if not self._said_feed:
+            self._said_feed = True
+            how = "by a background thread, a few ahead" if self.feed == "thread" else "in the training loop's thread"
+            self.master_print(f"[labkit] batches are copied to {self.device} {how}: {self.feed_why}")
+        return self.feed
 
     def seed_device(self, seed: int) -> None:
         import torch_xla.core.xla_model as xm
@@ -123,7 +151,10 @@ class XlaRuntime(Runtime):
 
 
 class _OnTpu:
-    """What the TPU chip changes on top of torch_xla: bf16 by default, and the chip's name."""
+    """What the TPU chip changes on top of torch_xla: bf16 by default, batches fed ahead, and the chip's name."""
+
+    feed = "thread"
+    feed_why = "the chip computes apart from the host, so copying the next batches a few ahead overlaps the step"
 
     def precision_for(self, mode: str, want) -> _precision.Precision:
         return _precision.for_tpu(mode, want)
@@ -166,9 +197,9 @@ class SpmdRuntime(XlaRuntime):
 
         return int(xr.addressable_runtime_device_count())  # the host's chips (CPU_NUM_DEVICES on XLA:CPU)
 
-    def iterate(self, loader, host):
+    def input_sharding(self, loader):
         # each batch is split over the devices; by default along "data" on a 1-D mesh of every device
-        return loader.xla_batches(host, loader.input_sharding or loader.data_parallel_sharding())
+        return loader.input_sharding or loader.data_parallel_sharding()
 
 
 class TpuSpmdRuntime(_OnTpu, SpmdRuntime):
