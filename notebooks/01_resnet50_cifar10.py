@@ -411,7 +411,8 @@ assert batch_tradeoff(GLOBAL, 1.0, GLOBAL) == (2.0, 2.0 * GLOBAL)   # at the noi
 # too large). The ResNet is the exception: BatchNorm's statistics are taken per micro-batch. That matches
 # multi-process data parallelism without SyncBatchNorm (torchrun, or torch_xla's one process per chip: each replica
 # normalises its own batch), not SPMD: under GSPMD, this notebook's `spmd="auto"` on a v5e-8, the partitioner
-# computes BatchNorm's statistics over the *global* batch (pytorch/xla issue 5180), as one chip's big batch would.
+# computes BatchNorm's statistics over the *global* batch, as one chip's big batch would (the pytorch/xla issue
+# number cited for this, 5180, is not verified here).
 # So with BatchNorm, 8 chips under SPMD and 8 accumulation steps are not the same training.
 
 # %%
@@ -585,13 +586,18 @@ assert hist2[0]["loss"] < first - 0.3, "the resumed run did not start from the t
 # different: the process gets SIGTERM, whose default action ends it on the spot, maybe while a checkpoint is
 # uploading. labkit turns SIGTERM during `fit()` into an exception (`labkit.interrupts.Preempted`): the Trainer waits
 # for the pending upload, lets the `latest` pointer move, and only then lets the process end (README: *Checkpoints*).
-# The wait has a deadline that is not labkit's: Compute Engine (its preemption documentation, read 2026-11; not
-# verified here) preempts a VM with an ACPI soft-off, which the guest OS turns into SIGTERM, and powers a Spot VM off
-# 30 s later (a standard VM's shutdown gets 120 s). The step in flight and the upload must fit in those 30 s: at
-# your bucket's upload rate (measure it), ResNet-50 with its momentum, 205 MB, fits easily; the 19 GB of a 1.2 B-weight
-# model's AdamW state does not, so checkpoints are saved on a schedule and SIGTERM only finishes the one in flight.
-# A VM can see preemption coming: the metadata server's key `instance/preempted` turns TRUE
-# (`labkit/interrupts.py` gives the address).
+#
+# The wait has a deadline that is not labkit's. Compute Engine preempts a VM with an ACPI soft-off, which the guest
+# OS turns into SIGTERM, and powers a Spot VM off 30 s later; a standard VM's shutdown gets 120 s. (Source: Compute
+# Engine's preemption documentation, read 2026-11; not verified here.) The step in flight and the upload must fit in
+# those 30 s at your bucket's upload rate, which you should measure.
+#
+# This notebook's 10-class ResNet-50 with its momentum is 188 MB (23.5 M weights, 4 bytes each plus 4 of momentum):
+# it fits easily. A 1.2 B-weight model's checkpoint, fp32 weights and AdamW's two moments, is 12 bytes a weight,
+# about 14 GB: it does not. So checkpoints are saved on a schedule, and SIGTERM only finishes the one in flight.
+# The metadata server's key `instance/preempted` turns TRUE with the soft-off, not before: it tells a script that
+# the shutdown is a preemption but gives no extra warning (`labkit/interrupts.py` gives the address).
+#
 # Here a small run (`labkit.lessons.preempt`: an MLP on numbered samples, read in order, a checkpoint every 4 steps,
 # each upload held 2 s like a large file going to a bucket) trains in a child process on the CPU; the notebook sends
 # it SIGTERM as soon as an upload begins, then resumes it here and checks that it continues at the same sample:

@@ -115,7 +115,7 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 # ## 1. Why a second engine
 # torch_xla 2.9 is the last torch_xla release on PyPI so far (checked 2026-11), and PyTorch/XLA's README (its note
 # of 2026-04-22) says that *once TorchTPU is public* it will replace PyTorch/XLA: a plan with a condition, not yet
-# a fact. `torch-tpu` 0.2.0, marked Beta, reached the registry in October 2026 (read 2026-11). TorchTPU (`pip install torch_tpu`, github.com/google-pytorch/torch_tpu) does not trace lazily: it runs **eager
+# a fact. `torch-tpu` 0.2.0 reached the registry in October 2026 (read 2026-11); its Beta label is not verified here. TorchTPU (`pip install torch_tpu`, github.com/google-pytorch/torch_tpu) does not trace lazily: it runs **eager
 # by default** on `torch.device("tpu")`, compiles what you wrap with `torch.compile(backend="tpu", dynamic=False)`,
 # and shards with DTensor on a `DeviceMesh`, one process per chip. That is the engine a GPU already runs with
 # `torch.compile` (Inductor) and DTensor/FSDP2. TorchTPU **cannot run here** (it needs a TPU VM and has no CPU
@@ -313,10 +313,11 @@ assert len(trained) == len(compiled) and worst_t < 1e-4
 # %% [markdown]
 # ### Regional compilation: compile one block, reuse it
 # A transformer is the same block L times. Compiling the whole model traces all L copies into one large graph, and
-# compile time grows with L. *Regional compilation* (PyTorch's recipe of that name) compiles the block instead:
-# `block.compile()` on each; Dynamo caches compiled code on the block's `forward` code object, which every copy
-# shares, so the copies after the first reuse it as long as their guards pass. Measured below with a backend that
-# only counts the graphs it is handed (nothing is compiled to machine code): six residual blocks.
+# compile time grows with L. *Regional compilation* (PyTorch's recipe of that name) compiles the block instead,
+# with `block.compile()` on each. That call compiles the module's `_call_impl` (torch 2.9, `torch/nn/modules/module.py`),
+# and Dynamo keeps its cache on that function's code object, which every copy shares. The copies after the first
+# reuse the first's graph as long as their guards pass. Measured below with a backend that only counts the graphs it
+# is handed, so nothing is compiled to machine code: six residual blocks.
 
 
 # %%
@@ -709,18 +710,27 @@ exercises.check("08.guard", lambda: nb08.check_failing_guard(failing_guard))
 # for it, so that graph is reused, not compiled again; and past `torch._dynamo.config.recompile_limit` (8 graphs per
 # function in torch 2.9) Dynamo compiles no more for that function and runs new values eagerly, while the graphs it
 # already has still run for the values they were compiled for.
-# The fix is an `lr` that is a **tensor** — the scheduler writes the new value into it (`fill_`) — with
-# `capturable=True`, which keeps the optimizer's `step` counter a tensor on the parameters' device and computes the
-# bias corrections there, so the whole update can stay one device graph (the name comes from CUDA graph capture:
-# `torch.compile(mode="reduce-overhead")` records a compiled graph's GPU kernels once as a CUDA graph and replays
-# them with one launch per call; a replay runs no host code and reads only fixed GPU addresses, so every value the
-# update uses, its step counter and its lr included, must already be a tensor on the GPU; not run here: no GPU;
-# what its one launch saves on the host is measured and modelled at the end of this section).
-# Without it, on a GPU, Adam's `step` is a CPU tensor and the bias corrections are Python numbers worked out on the
-# host every update. torch.compile turns `capturable` on by itself only for parameters on CUDA or XPU, and only
-# while the optimizer's state is still empty (before its first step; `torch/_dynamo/variables/optimizer.py`, torch
-# 2.9): an optimizer that has stepped eagerly keeps what it had; on this CPU the host *is* the device, so the difference shows only on a
-# GPU (the cell's last assert runs there).
+#
+# The fix is an `lr` that is a **tensor**: the scheduler writes each new value into it with `fill_`. With
+# `capturable=True` the optimizer also keeps its `step` counter as a tensor on the parameters' device and computes
+# the bias corrections there, so the whole update can stay one device graph. Without it, on a GPU, Adam's `step` is
+# a CPU tensor and the bias corrections are Python numbers worked out on the host every update.
+#
+# The name comes from CUDA graph capture. `torch.compile(mode="reduce-overhead")` records a compiled graph's GPU
+# kernels once as a CUDA graph and replays them with one launch per call. The kernels read fixed GPU addresses, so
+# every value the update uses, its step counter and lr included, must already be a tensor on the GPU. A replay is
+# not free of host code: torch's wrapper copies each input that does not live at a recorded address into the graph's
+# own buffers first, and the next replay overwrites the outputs of the last one.
+#
+# Its limits, from torch's *CUDAGraph Trees* page: no `.item()` or other sync inside, no CPU ops, no data-dependent
+# control flow, a new recording for each new input shape, and graphs that mutate their inputs or touch CPU tensors
+# are run without CUDA graphs. None of this ran here (no GPU); what its one launch saves on the host is measured and
+# modelled at the end of this section.
+#
+# torch.compile turns `capturable` on by itself only for parameters on CUDA or XPU, and only while the optimizer's
+# state is still empty (`torch/_dynamo/variables/optimizer.py`, torch 2.9). An optimizer that has stepped eagerly
+# keeps what it had. On this CPU the host *is* the device, so the difference shows only on a GPU, where the cell's
+# last assert runs.
 
 
 # %%
@@ -811,6 +821,10 @@ exercises.check("08.graphs", lambda: nb08.check_predict_graphs(predict_graphs))
 # nanoseconds) and the ops one step of section 2's model dispatches, its backward and AdamW's update included
 # (`labkit.profiling.roofline.count_kernels`: views and `.item()` left out, as they launch no kernel). What a GPU adds
 # to a launch, and a CUDA graph's replay, are **not verified here** (no GPU).
+#
+# K is this CPU's count. Here AdamW updates one weight after another, several ops each. On a GPU, torch picks its
+# *foreach* form, a few kernels per group of weights, and `fused=True` does the whole update in a handful of
+# launches (torch's AdamW documentation). A GPU's K is smaller by most of the update's share.
 
 # %%
 from labkit.profiling import roofline
@@ -1041,8 +1055,8 @@ assert report["dtensor"]["fsdp"]["collectives"]["all-gather"]["count"] == 2 * cf
 
 # %% [markdown]
 # Under fsdp one step all-gathers 3 times for 1 block: the block before its forward and again before its backward
-# (it is resharded after its forward), the root once (`reshard_after_forward` is `False` at the root, so it stays
-# gathered for the backward); each unit's gradients are reduce-scattered once. The two engines lay `wpe.weight`
+# (it is resharded after its forward), and the root's own weights, those no block owns, once per step
+# (`reshard_after_forward` is `False` at the root, so they stay gathered for the backward, and are freed after it); each unit's gradients are reduce-scattered once. The two engines lay `wpe.weight`
 # (16 positions × 32) and `blocks.0.mlp.proj.weight` (32 × 128) out differently: FSDP2 splits the rows, FSDPv2 the
 # longer columns. With shapes that do not divide, the bytes would differ too (FSDP2 pads dim 0).
 
