@@ -601,6 +601,13 @@ elif not DUMPING:
     print("no HLO dump (XLA_FLAGS was set after torch_xla started): restart the kernel to count collectives")
 
 # %% [markdown]
+# **Reading a difference line.** Each entry is the measured count minus the predicted one, then the bytes, measured
+# minus predicted. The two signs can differ. FSDP's all-gather entry has fewer gathers than the textbook's two per
+# weight tensor but more bytes: some of XLA:CPU's gathers carry activations (B·T rows of C), which textbook FSDP never
+# gathers. Its negative reduce-scatter entry is the textbook's reduce-scatters, all missing: section 7b finds them,
+# written as all-reduces followed by a slice.
+
+# %% [markdown]
 # ## 7b. Bytes into time
 # **A reduce-scatter, looked for.** FSDP's textbook step reduce-scatters each gradient: every device ends with the
 # sum over all devices of *its own* 1/W slice. The count above has no `reduce-scatter` on XLA:CPU. What XLA:CPU
@@ -609,6 +616,13 @@ elif not DUMPING:
 # 1/W, usually fused into AdamW's update. Same result, twice the traffic of a reduce-scatter. XLA's GPU compiler has
 # a pass that rewrites exactly this pattern into a reduce-scatter (`ReduceScatterCreator`); the CPU compiler of
 # torch_xla 2.9 does not run it; on a TPU the cell prints what that compiler chose (not verified here).
+#
+# Each line of the list reads: the all-reduce, the shape it sums, the slice each device keeps, and the fused
+# instruction that slices it. The shape tells what is summed; the fast run's sizes differ on purpose (vocabulary
+# 256, B·T = 384 tokens, C = 32). A `(C,)` result is a LayerNorm parameter's gradient, `(256, C)` the token
+# table's, and `(C, 256)` most likely the same table, transposed, as the tied output layer uses it. A result with
+# B·T rows is an activation, sliced along C. The cell's last line counts the results that have a parameter's shape. The other gradients are reduced
+# by the collectives the count above lists, which this notebook does not take apart.
 
 # %%
 fsdp_text = open(results["fsdp"].hlo_path).read() if DUMPING else ""
@@ -968,7 +982,9 @@ assert len(rows) == 4
 # The save prints warnings from torch 2.9's DCP about torch_xla 2.9's planners, not about this checkpoint: "The
 # function definition for SavePlanner.set_up_planner has been updated to include the storage_meta argument" (the
 # planner was written for an older DCP) and a `TypedStorage is deprecated` notice (how the planner reaches the
-# bytes). Harmless; they go away when the two libraries agree again.
+# bytes). A third comes from torch_xla itself (`xla_sharded_tensor.py`): "Using a non-tuple sequence for
+# multidimensional indexing is deprecated", how it cuts the padding off a shard. All three are harmless and go away
+# when the libraries agree again.
 
 # %%
 import math

@@ -150,10 +150,13 @@ from labkit.lessons.exercises import nb08  # this notebook's checkers
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 rt = labkit.setup(device.type)  # plain torch on this device (not XLA): the engine TorchTPU and GPUs run
-backends = torch._dynamo.list_backends()
+backends = torch._dynamo.list_backends()  # leaves out the backends tagged "debug" unless asked
+debugging = [b for b in ("eager", "aot_eager") if b in torch._dynamo.list_backends(exclude_tags=())]
 print(f"torch {torch.__version__} on {device}; torch.compile's backends here: {backends}")
+print(f"and the debugging backends this notebook uses, which list_backends() leaves out by default: {debugging}")
 print("TorchTPU's 'tpu' backend installed here:", "tpu" in backends, "(TorchTPU: not verified here)")
 assert "inductor" in backends and rt.device.type == device.type
+assert debugging == ["eager", "aot_eager"]
 
 # %% [markdown]
 # ## 2. A whole training step, compiled by hand
@@ -230,22 +233,30 @@ torch._dynamo.reset()
 # The optimizer is compiled on its own, and `Optimizer.step` breaks around itself **on purpose**: `_use_grad` in
 # `torch/optim/optimizer.py` calls `torch._dynamo.graph_break()` before and after the update, so the update is
 # compiled as an inference graph that updates the parameters in place (hence `fullgraph=True` on `opt.step()`
-# raises). `explain` does not list those two breaks (nothing is captured on their far side); torch's counters
-# (`torch._dynamo.utils.counters["graph_break"]`) do. A compiled step is therefore **two graphs as Dynamo counts
-# them** (`unique_graphs`): the loss (forward + backward) and the optimizer's update, and two breaks, both torch's
-# own. The backend sees more: AOTAutograd traces the loss's forward and backward as one *joint* graph, then splits
-# it into a forward and a backward that are compiled separately, the backward only when the first `backward()`
-# runs. So Inductor compiles **three** graphs per step (forward, backward, update): that is why the first step is
-# slow twice over, once in `loss_of` and once in `loss.backward()`.
+# raises). The `explain` output above lists one break, the backward's. It does not list `_use_grad`'s two, although
+# the update between them is captured as its second graph; torch's counters
+# (`torch._dynamo.utils.counters["graph_break"]`) do count them, and the next cell prints them.
+#
+# A compiled step is therefore **two graphs as Dynamo counts them** (`unique_graphs`): the loss (forward +
+# backward) and the optimizer's update, and two breaks, both torch's own. The backend sees more. AOTAutograd traces
+# the loss's forward and backward as one *joint* graph, then splits it into a forward and a backward that are
+# compiled separately, the backward only when the first `backward()` runs. So Inductor compiles **three** graphs,
+# all in the first step: the forward in `loss_of`, the backward in `loss.backward()`, the update in `opt_step`.
+# Later steps compile nothing.
 #
 # Running it prints a warning from Dynamo, `Profiler function <class 'torch.autograd.profiler.record_function'> will
 # be ignored`: `Optimizer.step` wraps itself in a profiler span, and Dynamo leaves profiler spans out of what it
 # compiles. Harmless here; it means a profile of the compiled update has no span named after the optimizer.
 #
 # `dynamic=False`: every shape is a constant, as on XLA; a new shape compiles a new graph instead of a graph with
-# symbolic sizes. It is what TorchTPU's `torch.compile` guide asks for (read 2026-11; not verified here), and what makes the step's graphs
-# predictable. The backend is one
-# argument (`P.compile_backend`: Inductor here, `"tpu"` on TorchTPU).
+# symbolic sizes. It is what TorchTPU's `torch.compile` guide asks for (read 2026-11; not verified here), and what
+# makes the step's graphs predictable. The backend is one argument (`P.compile_backend`: Inductor here, `"tpu"` on
+# TorchTPU).
+#
+# The cell times the first step, which compiles, and then every later step alone, eager and compiled side by side
+# on the same batches. Read the **minimum** of each: the fastest step is the one the rest of the machine disturbed
+# least. On a busy machine the median of a 1 ms step can be ten times its minimum, so a median can make either one
+# look many times slower. The cell says which way the minima point and by how much.
 
 # %%
 torch._dynamo.reset()
@@ -272,17 +283,42 @@ def compiled_step(x, y):
     return loss.detach()
 
 
-t0 = time.perf_counter()
-losses = [compiled_step(*batches[0])]
-first_s = time.perf_counter() - t0
-t0 = time.perf_counter()
-losses += [compiled_step(x, y) for x, y in batches[1:]]
-compiled = torch.stack(losses).tolist()
-steady_s = (time.perf_counter() - t0) / max(1, len(batches) - 1)
+def timed(step, x, y):
+    """(seconds, loss) of one step, the device waited for."""
+    t0 = time.perf_counter()
+    loss = step(x, y)
+    rt.wait()
+    return time.perf_counter() - t0, loss
+
+
+first_s, loss0 = timed(compiled_step, *batches[0])
+runs = [timed(compiled_step, x, y) for x, y in batches[1:]]
+compiled = torch.stack([loss0] + [loss for _, loss in runs]).tolist()
+comp_s = sorted(s for s, _ in runs)
 graphs = counters["stats"]["unique_graphs"]
 breaks = dict(counters["graph_break"])
 worst = max(abs(a - b) for a, b in zip(eager, compiled))
-print(f"{P.compile_backend}: first step {first_s:.1f} s (compiling), then {steady_s * 1e3:.1f} ms a step")
+model_e = make_model()  # the eager step again, timed the same way on the same batches
+opt_e = torch.optim.AdamW(model_e.parameters(), lr=P.lr)
+
+
+def eager_step(x, y):
+    opt_e.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model_e(x), y)
+    loss.backward()
+    opt_e.step()
+    return loss.detach()
+
+
+timed(eager_step, *batches[0])  # its first step warms up too (allocations, AdamW's state)
+eager_s = sorted(timed(eager_step, x, y)[0] for x, y in batches[1:])
+med = lambda v: v[len(v) // 2]  # noqa: E731
+ratio = comp_s[0] / eager_s[0]
+print(f"{P.compile_backend}: first step {first_s:.1f} s (three compiles); {len(comp_s)} later steps, each timed alone:")
+print(f"  eager    min {eager_s[0] * 1e3:7.2f} ms, median {med(eager_s) * 1e3:7.2f} ms")
+print(f"  compiled min {comp_s[0] * 1e3:7.2f} ms, median {med(comp_s) * 1e3:7.2f} ms")
+print(f"at the minimum the compiled step takes {ratio:.2f}x the eager one's time"
+      + ("" if 0.5 < ratio < 2 else "; a gap this large on a 1 ms step is worth timing again on a quiet machine"))
 print(f"{graphs} graphs; graph breaks: {[k.splitlines()[0] for k in breaks]} x {list(breaks.values())}")
 print(f"largest |eager - compiled| loss over {len(compiled)} steps: {worst:.2e}")
 assert graphs == 2, "one graph for the loss (with its backward), one for the optimizer's update"
@@ -635,7 +671,7 @@ for what, (args, ctx) in tried.items():
         f(*args)
     failed = [r for rs in torch._dynamo.utils.guard_failures.values() for r in rs]
     guard_text[what] = failed[0].splitlines()[0] if failed else "(no guard failed: the cached graph ran)"
-    print(f"{what:>16}: {guard_text[what][:110]}")
+    print(f"{what}:\n    {guard_text[what]}")  # torch's whole line: the guard, then its file:line
 torch._dynamo.reset()
 for what, marker in [("12 rows", "size mismatch"), ("transposed view", "stride mismatch"), ("float64", "dtype"),
                      ("requires_grad", "requires_grad"), ("under no_grad", "GLOBAL_STATE"), ("scale 0.25", "scale ==")]:
@@ -646,14 +682,34 @@ assert guard_text["new values"].startswith("(no guard failed"), "values are data
 # ### Exercise 1 (08.guard): which guard does a change fail?
 # A function is compiled with `dynamic=False` and called once as `f(x, scale)`: `x` a float32 CPU tensor of shape
 # (16, 64) that does not require grad, `scale = 0.5` a Python float, grad mode on, no autocast. Then a second call
-# makes one change. For each change below, say which guard fails: one of `nb08.GUARD_KINDS` (`"none"`: the cached
-# graph runs again). Some changes need a GPU: reason them out from what you saw; the checker refuses `torch.compile`
-# while your answer runs, and asks about every change, in a new order each time.
+# makes one change. For each change below, say which guard fails: one of `nb08.GUARD_KINDS`, that is `"size"`,
+# `"stride"`, `"dtype"`, `"device"`, `"requires_grad"`, `"global"`, `"value"` or `"none"` (the cached graph runs
+# again). Some changes need a GPU: reason them out from what you saw. The checker refuses `torch.compile` while your
+# answer runs, and asks about every change, in a new order each time.
+#
+# | change | the second call |
+# |---|---|
+# | `batch_12` | x has 12 rows instead of 16 |
+# | `transposed` | x is `torch.randn(64, 16).t()`: the same shape, a transposed view |
+# | `float64` | x is in float64 |
+# | `bfloat16` | x is in bfloat16 |
+# | `on_gpu` | x is on cuda:0 (a GPU machine, first call on the CPU) |
+# | `other_gpu` | first call with x on cuda:0, then x on cuda:1 (a two-GPU machine) |
+# | `needs_grad` | `x.requires_grad_(True)` |
+# | `no_grad` | the call runs inside `torch.no_grad()` |
+# | `autocast_gpu` | the call runs inside `torch.autocast('cuda', dtype=torch.bfloat16)`, x on cuda:0 both times |
+# | `autocast_cpu` | the call runs inside `torch.autocast('cpu', dtype=torch.bfloat16)` |
+# | `scale` | scale is 0.25 instead of 0.5 |
+# | `same_scale` | scale is 0.5 again, computed as 1 / 2 |
+# | `new_values` | x holds new random numbers, same shape, dtype and device |
+#
+# The cell below prints the same list from `nb08.CHANGES`, and asserts that this table still matches it.
 
 # %%
 for key, (text, _, _) in nb08.CHANGES.items():
     print(f"{key:>13}: {text}")
 print("kinds:", nb08.GUARD_KINDS)
+assert len(nb08.CHANGES) == 13 and nb08.GUARD_KINDS[-1] == "none" and len(nb08.GUARD_KINDS) == 8
 
 
 # %%
@@ -787,8 +843,9 @@ torch._dynamo.reset()
 # %% [markdown]
 # ### Exercise 2 (08.graphs): how many graphs will this step compile?
 # Section 2's step (the loss compiled with `dynamic=False`, AdamW with a **float** lr, `opt.step` compiled with
-# `dynamic=False`), run so that step *i* trains on a batch of `batches[i]` rows with learning rate `lrs[i]`.
-# Write `predict_graphs(batches, lrs)`: the number of graphs Dynamo compiles in the whole run (section 4's two rules:
+# `dynamic=False`), run so that step *i* trains on a batch of `batch_rows[i]` rows with learning rate `lrs[i]`:
+# two lists of the same length, e.g. `batch_rows = [32, 32, 12]`, `lrs = [1e-3, 2e-3, 2e-3]`.
+# Write `predict_graphs(batch_rows, lrs)`: the number of graphs Dynamo compiles in the whole run (section 4's two rules:
 # a value seen before reuses its graph; the recompile limit is 8 graphs per compiled function, and the graphs
 # compiled before it still run). The checker asks about schedules and batch sizes this notebook never ran, new ones
 # each time, and refuses `torch.compile` while your answer runs.
@@ -796,7 +853,7 @@ torch._dynamo.reset()
 
 # %%
 # your turn
-def predict_graphs(batches, lrs):
+def predict_graphs(batch_rows, lrs):
     return ...
 
 
@@ -804,9 +861,9 @@ def predict_graphs(batches, lrs):
 # solution (runs only with LABKIT_SOLUTIONS=1)
 if exercises.solutions_on():
 
-    def predict_graphs(batches, lrs):
+    def predict_graphs(batch_rows, lrs):
         limit = 8  # torch._dynamo.config.recompile_limit: then the function runs eagerly
-        return min(limit, len(set(batches))) + min(limit, len(set(lrs)))  # loss+backward per shape; update per lr
+        return min(limit, len(set(batch_rows))) + min(limit, len(set(lrs)))  # loss+backward per shape; update per lr
 
 
 # %%
@@ -1027,6 +1084,12 @@ print(dtensor_mesh.describe(report))
 # padded, `dtensor_plans.predict_bytes`), the collectives of one step (`predict_collectives`), the losses (one
 # process on the whole batch). Beside FSDP2, the layout torch_xla's FSDPv2 would give the same weights (the largest
 # dimension): the same bytes here, since every dimension divides by 4, but not the same split.
+#
+# One line needs reading. The **data** plan is FSDP2 on a (4, 1) mesh: each unit is sharded over a group of one
+# device, and replicated over the 4. So each unit's gradients are all-reduced over the replicas, one all-reduce per
+# unit (the root and each block). torch 2.9 also issues FSDP2's reduce-scatter of each unit over that group of one
+# device, which moves nothing: those are the data plan's reduce-scatters, one per unit, counted with the bytes they
+# are handed. torch 2.11 skips them (`dtensor_plans.predict_collectives` says so, and predicts either).
 
 # %%
 DEVICES, cfg08 = report["devices"], GPTConfig(dropout=0.0, **report["config"])
