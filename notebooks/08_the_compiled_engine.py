@@ -255,8 +255,9 @@ torch._dynamo.reset()
 #
 # The cell times the first step, which compiles, and then every later step alone, eager and compiled side by side
 # on the same batches. Read the **minimum** of each: the fastest step is the one the rest of the machine disturbed
-# least. On a busy machine the median of a 1 ms step can be ten times its minimum, so a median can make either one
-# look many times slower. The cell says which way the minima point and by how much.
+# least. On a busy machine a step of about a millisecond can have a median far above its minimum, and an average
+# over a few steps can make either engine look many times slower than the other. The cell says which way the
+# minima point and by how much.
 
 # %%
 torch._dynamo.reset()
