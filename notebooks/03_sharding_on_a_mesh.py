@@ -873,7 +873,7 @@ lib = {"dp_fits": comm.fits(N_BIG, V5E.memory, W, "data"), "fsdp_fits": comm.fit
        "fsdp_bytes": comm.step_comm("fsdp", N_BIG, W, "v5e")["bytes"],
        "fsdp_s": comm.step_comm("fsdp", N_BIG, W, "v5e")["seconds"],
        "compute_s": comm.compute_seconds(N_BIG, TOK, PEAK_V5E)}
-print(f"{N_BIG / 1e9:.2f} B weights on a v5e-256, {TOK} tokens per chip: weights + AdamW state "
+print(f"{N_BIG / 1e9:.2f} B weights on a v5e-256, {TOK} tokens per chip: training state (weights, gradients, fp32 master, AdamW moments) "
       f"{16 * N_BIG / 1e9:.1f} GB (a v5e has {V5E.memory / 1e9:.0f} GB): data parallel fits {lib['dp_fits']}, "
       f"FSDP fits {lib['fsdp_fits']}; FSDP sends {lib['fsdp_bytes'] / 1e9:.2f} GB per chip per step, "
       f"{1e3 * lib['fsdp_s']:.1f} ms, against {1e3 * lib['compute_s']:.1f} ms of matmuls at the peak")
