@@ -729,17 +729,17 @@ print(f"textbook, this GPT in float32 on {N_DEV} devices: data parallel sends {t
 #
 # **Across slices.** Chips of one slice talk over ICI; slices talk over the data-centre network (DCN), far slower
 # per chip. Google's TPU pages (read 2026-11) give a v5e host two 100 Gbit/s NICs for its 8 chips: 25 Gbit/s, about
-# 3.1 GB/s per chip each way. Compare it with what a chip *sends* over ICI, 200 GB/s: the pages' 400 GB/s counts
-# both directions. A v5p chip gets 50 Gbit/s of DCN against 600 GB/s sent over ICI (1,200 GB/s both ways); whether
-# that 50 Gbit/s is each way or both is not said on the page and not verified here, and the cell reads it as each
-# way. The usual
-# layout follows from the bounds above: FSDP (or tensor parallelism) inside a slice over ICI, and data parallelism
-# across slices over DCN, where the only traffic is one gradient all-reduce per step, hidden behind the backward.
-# The gradients are first reduce-scattered inside each slice, so each of a slice's M chips sends over DCN only its
-# 1/M share: the bound keeps the data-parallel form with S the DCN rate per chip, but it counts the tokens of a
-# whole slice, **b·M ≥ g·F / (2·S_DCN)**. The cell below prints it: tens of thousands of tokens per slice, a few
-# hundred per chip on a 256-chip slice. A prediction from the pages' figures, not verified here (no TPU; XLA may
-# arrange multislice collectives differently, and the NICs also carry the input pipeline).
+# 3.1 GB/s per chip each way. Compare it with what a chip *sends* over ICI, 200 GB/s, since the pages' 400 GB/s
+# counts both directions. A v5p chip gets 50 Gbit/s of DCN against 600 GB/s sent over ICI, 1,200 GB/s both ways.
+# Whether that 50 Gbit/s is each way is not said on the page and not verified here; the cell reads it so.
+#
+# The usual layout follows from the bounds above: FSDP or tensor parallelism inside a slice over ICI, and data
+# parallelism across slices over DCN, where the only traffic is one gradient all-reduce per step, hidden behind the
+# backward. The gradients are first reduce-scattered inside each slice, so each of a slice's M chips sends over DCN
+# only its 1/M share. The bound keeps the data-parallel form with S the DCN rate per chip, but counts the tokens of a
+# whole slice: **b·M ≥ g·F / (2·S_DCN)**. The cell below prints it per slice and per chip of a 256-chip slice.
+# It is a prediction from the pages' figures, not verified here: no TPU, XLA may arrange multislice collectives
+# differently, and the NICs also carry the input pipeline.
 
 # %%
 print(f"{'chip':5s} {'F/S':>6s} {'data: tokens/chip':>18s} {'FSDP: tokens/chip':>18s} {'Megatron axis at C=2048':>24s}")

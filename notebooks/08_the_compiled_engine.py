@@ -223,17 +223,20 @@ assert ops[0] < ops[1], "the first graph is the forward and the loss; the second
 torch._dynamo.reset()
 
 # %% [markdown]
-# Two graphs and one break: the forward with its loss, then (after the break) AdamW's update. `loss.backward()`
+# Two graphs and one break: the forward with its loss, then, after the break, AdamW's update. `loss.backward()`
 # inside a compiled function is a graph break: Dynamo does not trace `Tensor.backward()`, so the backward ran
-# eagerly, outside any graph. It stays a break in torch 2.9 with *compiled autograd* on too
-# (`torch._dynamo.config.compiled_autograd = True`, which this notebook leaves off): compiled autograd does not
-# let Dynamo trace through `backward()`, it records the backward when it runs, into a graph of its own. The way
-# that works is to compile **the function that computes the loss**: AOTAutograd then traces its backward ahead of
-# time and compiles forward and backward together, so `loss.backward()` (plain Python) runs the compiled backward.
-# The optimizer is compiled on its own, and `Optimizer.step` breaks around itself **on purpose**: `_use_grad` in
-# `torch/optim/optimizer.py` calls `torch._dynamo.graph_break()` before and after the update, so the update is
-# compiled as an inference graph that updates the parameters in place (hence `fullgraph=True` on `opt.step()`
-# raises). The `explain` output above lists one break, the backward's. It does not list `_use_grad`'s two, although
+# eagerly, outside any graph. In torch 2.9 it stays a break with *compiled autograd* on too
+# (`torch._dynamo.config.compiled_autograd = True`, left off here). Compiled autograd does not let Dynamo trace
+# through `backward()`; it records the backward when it runs, into a graph of its own.
+#
+# The way that works is to compile **the function that computes the loss**. AOTAutograd then traces its backward
+# ahead of time and compiles forward and backward together, so a plain `loss.backward()` runs the compiled
+# backward. The optimizer is compiled on its own, and `Optimizer.step` breaks around itself **on purpose**:
+# `_use_grad` in `torch/optim/optimizer.py` calls `torch._dynamo.graph_break()` before and after the update. The
+# update is compiled as an inference graph that updates the parameters in place, which is why `fullgraph=True` on
+# `opt.step()` raises.
+#
+# The `explain` output above lists one break, the backward's. It does not list `_use_grad`'s two, although
 # the update between them is captured as its second graph; torch's counters
 # (`torch._dynamo.utils.counters["graph_break"]`) do count them, and the next cell prints them.
 #
