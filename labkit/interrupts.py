@@ -15,12 +15,17 @@ The window (Google Compute Engine's preemption documentation, read 2026-11; not 
 gets an ACPI soft-off, and its guest OS turns that into SIGTERM for its processes; a Spot VM is powered off 30 s
 later whatever is running (a standard VM's shutdown gets 120 s). So the wait above only saves what fits: the step in
 flight, plus the pending upload, plus the time to close the file, within 30 s on a Spot VM. Bytes that fit are
-about (30 s - the step time) x your upload rate to the bucket: measure that rate. ResNet-50 with its momentum (205
-MB, bench/bench_sharded_checkpoint.py) fits at any rate a TPU VM reaches; a 1.2 B-weight model's weights and AdamW state (19 GB)
-does not, so save on a schedule and treat SIGTERM as the chance to finish what was already going up. To see it
-coming, a process can watch the metadata server's key
-`http://metadata.google.internal/computeMetadata/v1/instance/preempted` (header `Metadata-Flavor: Google`; add
-`?wait_for_change=true` to block until it changes to TRUE).
+about (30 s - the step time) x your upload rate to the bucket: measure that rate.
+
+What fits: notebook 01's 10-class ResNet-50 with SGD momentum is 188 MB (23.5 M weights x 8 bytes; the 1,000-class
+one of bench/bench_sharded_checkpoint.py is 205 MB), small at any rate a TPU VM reaches. A 1.2 B-weight model's
+checkpoint of fp32 weights and AdamW's two moments is about 14 GB (12 bytes a weight; its training state, with the
+gradients, is 16 bytes a weight, 19 GB). That does not fit, so save on a schedule and treat SIGTERM as the chance to
+finish what was already going up.
+
+The metadata server's key `http://metadata.google.internal/computeMetadata/v1/instance/preempted` (header
+`Metadata-Flavor: Google`; add `?wait_for_change=true` to block until it changes) turns TRUE when the preemption
+begins, with the soft-off. It tells a shutdown script that this is a preemption; it gives no warning before the 30 s.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@
 # > **Status: torch_xla 2.9.0 is the last release on PyPI so far.** PyTorch/XLA's README (its note of 2026-04-22) says
 # > that *once TorchTPU is public* it will replace PyTorch/XLA (a plan, with its condition), and names no last version (an r2.10 branch exists, untagged). TorchTPU (public since 2026,
 # > `pip install torch_tpu`; its package, `torch-tpu` 0.2.0, requires torch ≥ 2.11, though its `torch.compile` guide
-# > says 2.10) uses `torch.device("tpu")`, runs **eager by default** and compiles with `torch.compile(backend="tpu")`.
+# > says 2.10; that requirement is not verified here) uses `torch.device("tpu")`, runs **eager by default** and compiles with `torch.compile(backend="tpu")`.
 # > Its default eager mode runs each op as Python reaches it (its documentation also names deferred and fused eager
 # > modes, which queue ops before running them): there is no graph to cut, but `.item()`, `print(t)` and `if t:` still
 # > wait for the chip to finish everything queued, so the host-sync lessons hold as they are. What carries over from this notebook: a compiled graph per

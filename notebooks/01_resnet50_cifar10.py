@@ -281,18 +281,17 @@ del probe
 #
 # * **No host syncs in the step.** `loss.item()` would make the host wait for the device every step. The loop
 #   sums losses on the device and reads them once every `log_every` steps inside a step closure.
-# * **Static shapes** (above): the graph compiles at steps 0 and 1 (the optimizer's momentum buffers appear at
-#   step 1), then every step reuses it.
+# * **Static shapes** (above): the step's graph compiles during the first steps, then every step reuses it.
+#   The dashboard's first line counts those compiles; the paragraph after the run reads them.
 # * **Background input.** `labkit.DeviceLoader` (torch_xla's `pl.ParallelLoader` on XLA) copies the next
 #   batches to the device on a thread while the current step runs.
 #
 # The dashboard below updates in place: curves, examples/s, MFU, and XLA's health panel (compiles per
 # interval, recompilations after warm-up with what changed, ops that fell back to the CPU, transfers). Its console
-# line (`LABKIT_CONSOLE=1`, or where widgets cannot draw) reads: `rate 55.9/s` examples per second on this replica,
-# smoothed over the last log intervals; `global` the same since the epoch began; `compiles 2 (31.4s)` the graphs
-# compiled in the last interval and their time; `graphs 38` every graph torch_xla has compiled in this process
-# since it started, this notebook's earlier cells included, so it is not this run's count; `xfers` device-to-host
-# copies in the last interval.
+# line (`LABKIT_CONSOLE=1`, or where widgets cannot draw) reads: `rate R/s` examples per second on this replica,
+# smoothed over the last log intervals; `global` the same since the epoch began; `compiles N (T s)` the graphs
+# compiled in the last interval and the seconds they took; `graphs N` the graphs this run has compiled so far, not
+# counting what earlier cells compiled in the same kernel; `xfers` device-to-host copies in the last interval.
 # A checkpoint is written every `checkpoint_every` steps in a background thread; training does not wait for it.
 #
 # The buttons above the figure (profile the next N steps, stop after this epoch, save a checkpoint now) reach
@@ -411,14 +410,15 @@ assert batch_tradeoff(GLOBAL, 1.0, GLOBAL) == (2.0, 2.0 * GLOBAL)   # at the noi
 # too large). The ResNet is the exception: BatchNorm's statistics are taken per micro-batch. That matches
 # multi-process data parallelism without SyncBatchNorm (torchrun, or torch_xla's one process per chip: each replica
 # normalises its own batch), not SPMD: under GSPMD, this notebook's `spmd="auto"` on a v5e-8, the partitioner
-# computes BatchNorm's statistics over the *global* batch (pytorch/xla issue 5180), as one chip's big batch would.
+# computes BatchNorm's statistics over the *global* batch, as one chip's big batch would (the pytorch/xla issue
+# number cited for this, 5180, is not verified here).
 # So with BatchNorm, 8 chips under SPMD and 8 accumulation steps are not the same training.
 
 # %%
 def linear_losses(batch, accum, images, labels):
     torch.manual_seed(0)
     lin = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(images[0].numel(), len(CLASSES)))
-    opt = torch.optim.SGD(lin.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.005, momentum=0.9)  # 10x this overshoots: losses climb
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=batch)
     tr = labkit.Trainer(lin, opt, rt, labkit.TrainConfig(log_every=1, eval_every=0, accum_steps=accum), data)
     tr.fit()
@@ -432,6 +432,13 @@ print("batch 32:           ", [round(v, 5) for v in one_big])
 print("4 micro-batches of 8:", [round(v, 5) for v in accumulated])
 assert len(one_big) == len(accumulated) == 4
 assert max(abs(a - b) for a, b in zip(one_big, accumulated)) < 2e-3 * max(one_big)
+assert max(one_big) < 2 * one_big[0], "the probe's learning rate overshoots: its losses climb"
+
+# %% [markdown]
+# The two lists agree, which is all this cell tests. Each loss is that of a new batch, taken before the update that
+# batch drives, so four steps of a linear probe need not show the loss falling. They must not climb far, though:
+# with a learning rate ten times this one, the probe's steps overshoot and the losses climb several-fold, in both
+# lists alike. The last assert checks that they stay within twice the first.
 
 # %%
 import time
@@ -477,8 +484,15 @@ print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f
 # Each claim is checked:
 # * the training loss fell: the mean of the last three logged intervals is at least 0.3 nats below the first;
 # * validation accuracy is well above chance (10 classes: 10 %);
-# * after warm-up XLA compiled nothing new during training: one graph served every step. (Evaluation
-#   compiles its own forward-only graph once; the dashboard does not count that as a recompilation.)
+# * after warm-up XLA compiled nothing new during training: one graph served every step.
+#
+# **Reading the compiles in the log above.** The first line's `compiles N (T s)` is the warm-up. The step compiles
+# once at step 0 and again at step 1, when AdamW's state first exists. ResNet-50 adds one more in the first step:
+# its BatchNorm layers. (Measured here with the same Trainer: an MLP compiles 2 graphs, the same MLP with one
+# BatchNorm layer 3, all of them in the first two steps.) After that, `compiles 0` until the line right after the
+# first `eval`: evaluation compiles its own forward-only graphs the first time it runs, and the dashboard does not
+# count them as recompilations. The seconds vary with the machine's load: on a busy 2-core machine a learner saw
+# the warm-up take minutes, and XLA print "Very slow compile?"; on a quieter one it takes tens of seconds.
 
 # %%
 losses = [r["loss"] for r in history]
@@ -585,17 +599,27 @@ assert hist2[0]["loss"] < first - 0.3, "the resumed run did not start from the t
 # different: the process gets SIGTERM, whose default action ends it on the spot, maybe while a checkpoint is
 # uploading. labkit turns SIGTERM during `fit()` into an exception (`labkit.interrupts.Preempted`): the Trainer waits
 # for the pending upload, lets the `latest` pointer move, and only then lets the process end (README: *Checkpoints*).
-# The wait has a deadline that is not labkit's: Compute Engine (its preemption documentation, read 2026-11; not
-# verified here) preempts a VM with an ACPI soft-off, which the guest OS turns into SIGTERM, and powers a Spot VM off
-# 30 s later (a standard VM's shutdown gets 120 s). The step in flight and the upload must fit in those 30 s: at
-# your bucket's upload rate (measure it), ResNet-50 with its momentum, 205 MB, fits easily; the 19 GB of a 1.2 B-weight
-# model's AdamW state does not, so checkpoints are saved on a schedule and SIGTERM only finishes the one in flight.
-# A VM can see preemption coming: the metadata server's key `instance/preempted` turns TRUE
-# (`labkit/interrupts.py` gives the address).
+#
+# The wait has a deadline that is not labkit's. Compute Engine preempts a VM with an ACPI soft-off, which the guest
+# OS turns into SIGTERM, and powers a Spot VM off 30 s later; a standard VM's shutdown gets 120 s. (Source: Compute
+# Engine's preemption documentation, read 2026-11; not verified here.) The step in flight and the upload must fit in
+# those 30 s at your bucket's upload rate, which you should measure.
+#
+# This notebook's 10-class ResNet-50 with its momentum is 188 MB (23.5 M weights, 4 bytes each plus 4 of momentum):
+# it fits easily. A 1.2 B-weight model's checkpoint, fp32 weights and AdamW's two moments, is 12 bytes a weight,
+# about 14 GB: it does not. So checkpoints are saved on a schedule, and SIGTERM only finishes the one in flight.
+# The metadata server's key `instance/preempted` turns TRUE with the soft-off, not before: it tells a script that
+# the shutdown is a preemption but gives no extra warning (`labkit/interrupts.py` gives the address).
+#
 # Here a small run (`labkit.lessons.preempt`: an MLP on numbered samples, read in order, a checkpoint every 4 steps,
 # each upload held 2 s like a large file going to a bucket) trains in a child process on the CPU; the notebook sends
 # it SIGTERM as soon as an upload begins, then resumes it here and checks that it continues at the same sample:
 # the steps the child trained after that checkpoint are lost with it and trained again, no sample skipped.
+#
+# The child's first line, `compile='auto' -> eager step: ... <= the cpu payback of never`, is labkit choosing how to
+# run the step. The child trains on the plain CPU, not on XLA, and there `torch.compile` never repaid its compile
+# time when labkit measured it (`labkit.runtime.step.PAYBACK_STEPS` gives the measurement). So `compile="auto"` runs
+# the step eagerly, however many steps are planned.
 
 # %%
 import signal, tempfile
@@ -729,19 +753,23 @@ ex.check("01.resume", lambda: nb01.check_resume_position(resume_position))
 
 # %% [markdown]
 # ## 8. What did XLA do?
-# `labkit.explain(dash)` reads torch_xla's metrics report and says, in plain words, where the time went: compiling
-# vs executing graphs, recompilations and their causes, `aten::` ops that fell back to the CPU, and device→host
-# transfers, each with what to do about it. On a GPU or plain CPU it says there is no XLA to explain.
+# `labkit.explain(dash)` reads torch_xla's metrics and says, in plain words, where the time went: compiling vs
+# executing graphs, recompilations and their causes, `aten::` ops that fell back to the CPU, and device→host
+# transfers. Given the dashboard, it counts only the fits that dashboard watched: the graphs that the exercise
+# checks, the demos and the resumed run compiled in this kernel are not the run's. It gives advice only for a
+# problem the run shows, and says "Nothing to fix" otherwise. On a GPU or plain CPU it says there is no XLA to explain.
 
 # %%
 info = labkit.explain(dash)
 
 # %% [markdown]
 # **The lessons in those numbers**
-# * *Compile time vs execute time*: a ResNet-50 training graph took tens of seconds to compile on this CPU host
-#   (the dashboard's compile time above); on a TPU host expect the same order of magnitude (not verified here: no
-#   TPU in CI). It is paid once if shapes never change. Most of a short run's time is
-#   compilation; a long run amortises it.
+# * *Compile time vs execute time*: the first line above gives both for this run: its graphs, the training
+#   steps' and its evaluation's (the warm-up's and the first evaluation's compiles in the log), and the seconds spent
+#   compiling them. On a TPU host expect the
+#   same order of magnitude (not verified here: no TPU in CI). It is paid once if shapes never change. In a short
+#   run compiling can take longer than running, which explain notes without calling it a fault; a long run
+#   amortises it.
 # * *Recompilations*: each is another full compile. Causes: a batch of another size, a Python number that
 #   changes every step baked into the graph, data-dependent control flow.
 # * *CPU fallbacks* (`aten::` counters): the op ran on the host, with a transfer each way and the graph cut in

@@ -90,7 +90,9 @@ class Params:
     seed: int = 0
     checkpoint_dir: str = ""      # section 11: a local folder or gs://bucket/prefix; "": a new temporary folder
     # CI-sized: tiny model, few steps, a high learning rate so the loss visibly falls in 4 steps
-    FAST = {"n_layer": 1, "n_head": 4, "n_embd": 32, "block_size": 16, "batch_size": 16, "steps": 4, "lr": 3e-2,
+    # T = 24, not 16: B·T (384 tokens) then differs from the vocabulary (256 bytes), so the HLO's shapes tell an
+    # activation's rows from the embedding table's
+    FAST = {"n_layer": 1, "n_head": 4, "n_embd": 32, "block_size": 24, "batch_size": 16, "steps": 4, "lr": 3e-2,
             "loss_tol": 1e-3}
 
 
@@ -411,6 +413,8 @@ assert results["fsdp"].param_bytes < results["tensor"].param_bytes < single_byte
 # section 7 shows what XLA did.
 
 # %%
+import math  # for the exercises: math.ceil and math.prod
+
 from labkit.lessons import exercises as ex
 from labkit.lessons.exercises import nb03
 
@@ -464,7 +468,8 @@ ex.check("03.fsdp_shard", lambda: nb03.check_fsdp_shard(fsdp_shard, mesh))
 # `fsdp_bytes(shape, devices, bytes_per=4)`: the bytes one device holds. The check measures its answers on the
 # mesh (tensors of random shapes, float32 and bfloat16, laid out by torch_xla's FSDPv2 and read from their
 # shardings), tries other device counts against the rule on paper, and sums your function over `probe`'s
-# parameters: it must give the FSDP run's bytes per device of section 6, exactly.
+# parameters: it must give the FSDP run's bytes per device of section 6, exactly. `math` is imported above
+# (`math.ceil`, `math.prod`).
 
 # %%
 def fsdp_bytes(shape, devices, bytes_per=4):
@@ -474,8 +479,6 @@ def fsdp_bytes(shape, devices, bytes_per=4):
 # %% colab={"cellView": "form"} jupyter={"source_hidden": true} tags=["solution"]
 # @title Solution (collapsed: click to show; runs only with LABKIT_SOLUTIONS=1)
 if ex.solutions_on():
-    import math
-
     def fsdp_bytes(shape, devices, bytes_per=4):
         big = max(shape)
         return math.ceil(big / devices) * math.prod(shape) // big * bytes_per
@@ -598,6 +601,13 @@ elif not DUMPING:
     print("no HLO dump (XLA_FLAGS was set after torch_xla started): restart the kernel to count collectives")
 
 # %% [markdown]
+# **Reading a difference line.** Each entry is the measured count minus the predicted one, then the bytes, measured
+# minus predicted. The two signs can differ. FSDP's all-gather entry has fewer gathers than the textbook's two per
+# weight tensor but more bytes: some of XLA:CPU's gathers carry activations (B·T rows of C), which textbook FSDP never
+# gathers. Its negative reduce-scatter entry is the textbook's reduce-scatters, all missing: section 7b finds them,
+# written as all-reduces followed by a slice.
+
+# %% [markdown]
 # ## 7b. Bytes into time
 # **A reduce-scatter, looked for.** FSDP's textbook step reduce-scatters each gradient: every device ends with the
 # sum over all devices of *its own* 1/W slice. The count above has no `reduce-scatter` on XLA:CPU. What XLA:CPU
@@ -606,14 +616,25 @@ elif not DUMPING:
 # 1/W, usually fused into AdamW's update. Same result, twice the traffic of a reduce-scatter. XLA's GPU compiler has
 # a pass that rewrites exactly this pattern into a reduce-scatter (`ReduceScatterCreator`); the CPU compiler of
 # torch_xla 2.9 does not run it; on a TPU the cell prints what that compiler chose (not verified here).
+#
+# Each line of the list reads: the all-reduce, the shape it sums, the slice each device keeps, and the fused
+# instruction that slices it. The shape tells what is summed; the fast run's sizes differ on purpose (vocabulary
+# 256, B·T = 384 tokens, C = 32). A `(C,)` result is a LayerNorm parameter's gradient, `(256, C)` the token
+# table's, and `(C, 256)` most likely the same table, transposed, as the tied output layer uses it. A result with
+# B·T rows is an activation, sliced along C. The cell's last line counts the results that have a parameter's shape. The other gradients are reduced
+# by the collectives the count above lists, which this notebook does not take apart.
 
 # %%
 fsdp_text = open(results["fsdp"].hlo_path).read() if DUMPING else ""
 sliced = S.sliced_all_reduces(fsdp_text)
 rs = results["fsdp"].collectives.get("reduce-scatter", {"count": 0})["count"]
 print(f"FSDP step graph: {rs} reduce-scatter(s); {len(sliced)} all-reduce(s) each device then slices to 1/W:")
-for a in sliced[:6]:
+for a in sliced:
     print(f"  {a['all-reduce']:15s} {a['result']:12s} -> {a['slice']:10s} in {a['user']} (groups of {a['group']})")
+param_shapes = {"f32[" + ",".join(map(str, p.shape)) + "]" for p in probe.parameters()}
+of_params = sum(a["result"] in param_shapes for a in sliced)
+print(f"{of_params} of the {len(sliced)} have the shape of one of the model's {len(list(probe.parameters()))} parameter "
+      f"tensors (a gradient); vocabulary {gcfg.vocab_size}, B·T = {P.batch_size * P.block_size} tokens, C = {P.n_embd}")
 if DUMPING and rt.kind == "xla-cpu":
     assert rs == 0 and sliced, "XLA:CPU writes FSDP's gradient reduce-scatters as all-reduce + a slice"
     # a LayerNorm weight's gradient, (C,) summed whole and cut to (C/W,): a parameter's, not an activation's
@@ -681,10 +702,11 @@ print(f"textbook, this GPT in float32 on {N_DEV} devices: data parallel sends {t
 # the 2-D torus), by 2; on a slice without wraparound links (see below), by about 2 again. The direction is the
 # lesson: the faster the chip against its links (v6e), the more tokens each chip needs before the network hides.
 #
-# **Rings need wraparound.** The ring formulas assume each axis closes into a ring. Google's TPU pages (system
-# architecture, read 2026-11) give wraparound links only to axes of 16 chips on v5e and v6e, and only to slices
-# made of whole 4×4×4 cubes on v4 and v5p. The slices a learner rents, a v5e-8 (2×4) or a v4-8 (2×2×1), have none:
-# a collective there runs along a line, roughly twice a ring's time. Not verified here (no TPU).
+# **Rings need wraparound.** The ring formulas assume each axis closes into a ring. Wraparound links exist only on
+# axes of 16 chips on v5e and v6e, and only on slices made of whole 4×4×4 cubes on v4 and v5p. Google Cloud's TPU
+# pages list the slice shapes but do not state this rule; it comes from the JAX team's book *How to Scale Your Model*
+# (its TPU chapter). The slices a learner rents, a v5e-8 (2×4) or a v4-8 (2×2×1), have none: a collective there
+# runs along a line, roughly twice a ring's time. Not verified here (no TPU).
 #
 # **This is the hardware's critical batch, not the optimizer's.** McCandlish et al. 2018 ("An Empirical Model of
 # Large-Batch Training") define a *statistical* critical batch size: beyond it, a larger global batch no longer cuts
@@ -696,9 +718,9 @@ print(f"textbook, this GPT in float32 on {N_DEV} devices: data parallel sends {t
 # **How the overlap happens, and what each collective can hide behind.** The bound assumes the transfers run while
 # the chip computes. Someone has to arrange that. On a TPU, XLA issues collectives asynchronously (in a TPU's
 # optimized HLO, pairs such as `all-gather-start` / `all-gather-done`) and its *latency-hiding scheduler* places
-# independent compute between the start and the done; torch_xla 2.9 sets `xla_latency_hiding_scheduler_rerun` at
-# import (its `__init__.py`: rerun the scheduler with less memory if overlapping ran out). Not verified here: XLA:CPU
-# has no such scheduler. Under FSDP2 on GPUs, the all-gather of the next module is issued on its own stream while
+# independent compute between the start and the done. On a host with TPU chips, torch_xla 2.9 adds
+# `xla_latency_hiding_scheduler_rerun` to `LIBTPU_INIT_ARGS` at import (its `__init__.py`: rerun the scheduler with
+# less memory if overlapping ran out); elsewhere it sets nothing. Not verified here: XLA:CPU has no such scheduler. Under FSDP2 on GPUs, the all-gather of the next module is issued on its own stream while
 # the current one computes (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` issue them earlier,
 # at the cost of memory). Either way, each collective can only hide behind compute that needs none of its result:
 # a block's weight gather behind the previous block's matmuls, a gradient's reduction behind the backward of the
@@ -706,15 +728,18 @@ print(f"textbook, this GPT in float32 on {N_DEV} devices: data parallel sends {t
 # optimizer step waits for its reduction.
 #
 # **Across slices.** Chips of one slice talk over ICI; slices talk over the data-centre network (DCN), far slower
-# per chip. Google's TPU pages (read 2026-11) give a v5e host two 100 Gbit/s NICs for its 8 chips (25 Gbit/s, about
-# 3.1 GB/s per chip, against 400 GB/s of ICI) and a v5p chip 50 Gbit/s of DCN (against 1,200 GB/s of ICI). The usual
-# layout follows from the bounds above: FSDP (or tensor parallelism) inside a slice over ICI, and data parallelism
-# across slices over DCN, where the only traffic is one gradient all-reduce per step, hidden behind the backward.
-# The gradients are first reduce-scattered inside each slice, so each of a slice's M chips sends over DCN only its
-# 1/M share: the bound keeps the data-parallel form with S the DCN rate per chip, but it counts the tokens of a
-# whole slice, **b·M ≥ g·F / (2·S_DCN)**. The cell below prints it: tens of thousands of tokens per slice, a few
-# hundred per chip on a 256-chip slice. A prediction from the pages' figures, not verified here (no TPU; XLA may
-# arrange multislice collectives differently, and the NICs also carry the input pipeline).
+# per chip. Google's TPU pages (read 2026-11) give a v5e host two 100 Gbit/s NICs for its 8 chips: 25 Gbit/s, about
+# 3.1 GB/s per chip each way. Compare it with what a chip *sends* over ICI, 200 GB/s, since the pages' 400 GB/s
+# counts both directions. A v5p chip gets 50 Gbit/s of DCN against 600 GB/s sent over ICI, 1,200 GB/s both ways.
+# Whether that 50 Gbit/s is each way is not said on the page and not verified here; the cell reads it so.
+#
+# The usual layout follows from the bounds above: FSDP or tensor parallelism inside a slice over ICI, and data
+# parallelism across slices over DCN, where the only traffic is one gradient all-reduce per step, hidden behind the
+# backward. The gradients are first reduce-scattered inside each slice, so each of a slice's M chips sends over DCN
+# only its 1/M share. The bound keeps the data-parallel form with S the DCN rate per chip, but counts the tokens of a
+# whole slice: **b·M ≥ g·F / (2·S_DCN)**. The cell below prints it per slice and per chip of a 256-chip slice.
+# It is a prediction from the pages' figures, not verified here: no TPU, XLA may arrange multislice collectives
+# differently, and the NICs also carry the input pipeline.
 
 # %%
 print(f"{'chip':5s} {'F/S':>6s} {'data: tokens/chip':>18s} {'FSDP: tokens/chip':>18s} {'Megatron axis at C=2048':>24s}")
@@ -823,7 +848,8 @@ assert abs(waits["v5e-8"][0.4] / waits["v5e-256"][0.4] - 2 * (3 / 4) / (15 / 16)
 #
 # Two conditions hide in those figures. **Bytes per weight, g = 2, holds only if the gathers move bf16.** Under
 # autocast (notebook 02) the weights and gradients stay fp32 (16 bytes a weight still: fp32 weight 4 + gradient 4 +
-# two moments 8) and FSDP gathers fp32, g = 4. bf16 gathers need FSDP2's `MixedPrecisionPolicy(param_dtype=
+# two moments 8) and FSDP gathers fp32, g = 4. That holds for FSDP2; what FSDPv2 gathers under autocast is not
+# verified here. bf16 gathers need FSDP2's `MixedPrecisionPolicy(param_dtype=
 # torch.bfloat16)`; with its `reduce_dtype=torch.float32` (the usual choice: sums in fp32) the reduce-scatter still
 # moves 4 bytes a weight, and the traffic is (2 + 2 + 4) / (3 × 2) = **1.33×** the figure above. **Compute, 6·N
 # per token, counts the weights only.** Attention's score and value products add 12·L·T·d per token (notebook 02's
@@ -847,7 +873,7 @@ lib = {"dp_fits": comm.fits(N_BIG, V5E.memory, W, "data"), "fsdp_fits": comm.fit
        "fsdp_bytes": comm.step_comm("fsdp", N_BIG, W, "v5e")["bytes"],
        "fsdp_s": comm.step_comm("fsdp", N_BIG, W, "v5e")["seconds"],
        "compute_s": comm.compute_seconds(N_BIG, TOK, PEAK_V5E)}
-print(f"{N_BIG / 1e9:.2f} B weights on a v5e-256, {TOK} tokens per chip: weights + AdamW state "
+print(f"{N_BIG / 1e9:.2f} B weights on a v5e-256, {TOK} tokens per chip: training state (weights, gradients, fp32 master, AdamW moments) "
       f"{16 * N_BIG / 1e9:.1f} GB (a v5e has {V5E.memory / 1e9:.0f} GB): data parallel fits {lib['dp_fits']}, "
       f"FSDP fits {lib['fsdp_fits']}; FSDP sends {lib['fsdp_bytes'] / 1e9:.2f} GB per chip per step, "
       f"{1e3 * lib['fsdp_s']:.1f} ms, against {1e3 * lib['compute_s']:.1f} ms of matmuls at the peak")
@@ -901,7 +927,7 @@ assert ref[-1] < ref[0] - 0.3, f"the loss did not fall: {ref[0]:.3f} -> {ref[-1]
 # ## 10. What each strategy costs, and when to pick it
 # * **Data parallel**: every device holds the whole model and its optimizer state; the gradients (the size of the
 #   model) are all-reduced once per step. The simplest and usually the fastest while the model, its gradients and
-#   AdamW's state (4x the weights in float32) fit one chip. Pick it first.
+#   AdamW's two moments fit one chip: 4x the weights in float32, section 6's 3x plus the gradients. Pick it first.
 # * **FSDP**: memory per device falls to ~1/N of the weights and optimizer state, paid for with more
 #   communication: the weights travel every step, forward and backward, 1.5× what data parallelism sends per
 #   device (section 7b), but a third of it travels during the forward, so its tokens-per-chip bound is the same as
@@ -956,7 +982,9 @@ assert len(rows) == 4
 # The save prints warnings from torch 2.9's DCP about torch_xla 2.9's planners, not about this checkpoint: "The
 # function definition for SavePlanner.set_up_planner has been updated to include the storage_meta argument" (the
 # planner was written for an older DCP) and a `TypedStorage is deprecated` notice (how the planner reaches the
-# bytes). Harmless; they go away when the two libraries agree again.
+# bytes). A third comes from torch_xla itself (`xla_sharded_tensor.py`): "Using a non-tuple sequence for
+# multidimensional indexing is deprecated", how it cuts the padding off a shard. All three are harmless and go away
+# when the libraries agree again.
 
 # %%
 import math

@@ -115,7 +115,7 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 # ## 1. Why a second engine
 # torch_xla 2.9 is the last torch_xla release on PyPI so far (checked 2026-11), and PyTorch/XLA's README (its note
 # of 2026-04-22) says that *once TorchTPU is public* it will replace PyTorch/XLA: a plan with a condition, not yet
-# a fact. `torch-tpu` 0.2.0, marked Beta, reached the registry in October 2026 (read 2026-11). TorchTPU (`pip install torch_tpu`, github.com/google-pytorch/torch_tpu) does not trace lazily: it runs **eager
+# a fact. `torch-tpu` 0.2.0 reached the registry in October 2026 (read 2026-11); its Beta label is not verified here. TorchTPU (`pip install torch_tpu`, github.com/google-pytorch/torch_tpu) does not trace lazily: it runs **eager
 # by default** on `torch.device("tpu")`, compiles what you wrap with `torch.compile(backend="tpu", dynamic=False)`,
 # and shards with DTensor on a `DeviceMesh`, one process per chip. That is the engine a GPU already runs with
 # `torch.compile` (Inductor) and DTensor/FSDP2. TorchTPU **cannot run here** (it needs a TPU VM and has no CPU
@@ -150,10 +150,13 @@ from labkit.lessons.exercises import nb08  # this notebook's checkers
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 rt = labkit.setup(device.type)  # plain torch on this device (not XLA): the engine TorchTPU and GPUs run
-backends = torch._dynamo.list_backends()
+backends = torch._dynamo.list_backends()  # leaves out the backends tagged "debug" unless asked
+debugging = [b for b in ("eager", "aot_eager") if b in torch._dynamo.list_backends(exclude_tags=())]
 print(f"torch {torch.__version__} on {device}; torch.compile's backends here: {backends}")
+print(f"and the debugging backends this notebook uses, which list_backends() leaves out by default: {debugging}")
 print("TorchTPU's 'tpu' backend installed here:", "tpu" in backends, "(TorchTPU: not verified here)")
 assert "inductor" in backends and rt.device.type == device.type
+assert debugging == ["eager", "aot_eager"]
 
 # %% [markdown]
 # ## 2. A whole training step, compiled by hand
@@ -220,32 +223,44 @@ assert ops[0] < ops[1], "the first graph is the forward and the loss; the second
 torch._dynamo.reset()
 
 # %% [markdown]
-# Two graphs and one break: the forward with its loss, then (after the break) AdamW's update. `loss.backward()`
+# Two graphs and one break: the forward with its loss, then, after the break, AdamW's update. `loss.backward()`
 # inside a compiled function is a graph break: Dynamo does not trace `Tensor.backward()`, so the backward ran
-# eagerly, outside any graph. It stays a break in torch 2.9 with *compiled autograd* on too
-# (`torch._dynamo.config.compiled_autograd = True`, which this notebook leaves off): compiled autograd does not
-# let Dynamo trace through `backward()`, it records the backward when it runs, into a graph of its own. The way
-# that works is to compile **the function that computes the loss**: AOTAutograd then traces its backward ahead of
-# time and compiles forward and backward together, so `loss.backward()` (plain Python) runs the compiled backward.
-# The optimizer is compiled on its own, and `Optimizer.step` breaks around itself **on purpose**: `_use_grad` in
-# `torch/optim/optimizer.py` calls `torch._dynamo.graph_break()` before and after the update, so the update is
-# compiled as an inference graph that updates the parameters in place (hence `fullgraph=True` on `opt.step()`
-# raises). `explain` does not list those two breaks (nothing is captured on their far side); torch's counters
-# (`torch._dynamo.utils.counters["graph_break"]`) do. A compiled step is therefore **two graphs as Dynamo counts
-# them** (`unique_graphs`): the loss (forward + backward) and the optimizer's update, and two breaks, both torch's
-# own. The backend sees more: AOTAutograd traces the loss's forward and backward as one *joint* graph, then splits
-# it into a forward and a backward that are compiled separately, the backward only when the first `backward()`
-# runs. So Inductor compiles **three** graphs per step (forward, backward, update): that is why the first step is
-# slow twice over, once in `loss_of` and once in `loss.backward()`.
+# eagerly, outside any graph. In torch 2.9 it stays a break with *compiled autograd* on too
+# (`torch._dynamo.config.compiled_autograd = True`, left off here). Compiled autograd does not let Dynamo trace
+# through `backward()`; it records the backward when it runs, into a graph of its own.
+#
+# The way that works is to compile **the function that computes the loss**. AOTAutograd then traces its backward
+# ahead of time and compiles forward and backward together, so a plain `loss.backward()` runs the compiled
+# backward. The optimizer is compiled on its own, and `Optimizer.step` breaks around itself **on purpose**:
+# `_use_grad` in `torch/optim/optimizer.py` calls `torch._dynamo.graph_break()` before and after the update. The
+# update is compiled as an inference graph that updates the parameters in place, which is why `fullgraph=True` on
+# `opt.step()` raises.
+#
+# The `explain` output above lists one break, the backward's. It does not list `_use_grad`'s two, although
+# the update between them is captured as its second graph; torch's counters
+# (`torch._dynamo.utils.counters["graph_break"]`) do count them, and the next cell prints them.
+#
+# A compiled step is therefore **two graphs as Dynamo counts them** (`unique_graphs`): the loss (forward +
+# backward) and the optimizer's update, and two breaks, both torch's own. The backend sees more. AOTAutograd traces
+# the loss's forward and backward as one *joint* graph, then splits it into a forward and a backward that are
+# compiled separately, the backward only when the first `backward()` runs. So Inductor compiles **three** graphs,
+# all in the first step: the forward in `loss_of`, the backward in `loss.backward()`, the update in `opt_step`.
+# Later steps compile nothing.
 #
 # Running it prints a warning from Dynamo, `Profiler function <class 'torch.autograd.profiler.record_function'> will
 # be ignored`: `Optimizer.step` wraps itself in a profiler span, and Dynamo leaves profiler spans out of what it
 # compiles. Harmless here; it means a profile of the compiled update has no span named after the optimizer.
 #
 # `dynamic=False`: every shape is a constant, as on XLA; a new shape compiles a new graph instead of a graph with
-# symbolic sizes. It is what TorchTPU's `torch.compile` guide asks for (read 2026-11; not verified here), and what makes the step's graphs
-# predictable. The backend is one
-# argument (`P.compile_backend`: Inductor here, `"tpu"` on TorchTPU).
+# symbolic sizes. It is what TorchTPU's `torch.compile` guide asks for (read 2026-11; not verified here), and what
+# makes the step's graphs predictable. The backend is one argument (`P.compile_backend`: Inductor here, `"tpu"` on
+# TorchTPU).
+#
+# The cell times the first step, which compiles, and then every later step alone, eager and compiled side by side
+# on the same batches. Read the **minimum** of each: the fastest step is the one the rest of the machine disturbed
+# least. On a busy machine a step of about a millisecond can have a median far above its minimum, and an average
+# over a few steps can make either engine look many times slower than the other. The cell says which way the
+# minima point and by how much.
 
 # %%
 torch._dynamo.reset()
@@ -272,17 +287,42 @@ def compiled_step(x, y):
     return loss.detach()
 
 
-t0 = time.perf_counter()
-losses = [compiled_step(*batches[0])]
-first_s = time.perf_counter() - t0
-t0 = time.perf_counter()
-losses += [compiled_step(x, y) for x, y in batches[1:]]
-compiled = torch.stack(losses).tolist()
-steady_s = (time.perf_counter() - t0) / max(1, len(batches) - 1)
+def timed(step, x, y):
+    """(seconds, loss) of one step, the device waited for."""
+    t0 = time.perf_counter()
+    loss = step(x, y)
+    rt.wait()
+    return time.perf_counter() - t0, loss
+
+
+first_s, loss0 = timed(compiled_step, *batches[0])
+runs = [timed(compiled_step, x, y) for x, y in batches[1:]]
+compiled = torch.stack([loss0] + [loss for _, loss in runs]).tolist()
+comp_s = sorted(s for s, _ in runs)
 graphs = counters["stats"]["unique_graphs"]
 breaks = dict(counters["graph_break"])
 worst = max(abs(a - b) for a, b in zip(eager, compiled))
-print(f"{P.compile_backend}: first step {first_s:.1f} s (compiling), then {steady_s * 1e3:.1f} ms a step")
+model_e = make_model()  # the eager step again, timed the same way on the same batches
+opt_e = torch.optim.AdamW(model_e.parameters(), lr=P.lr)
+
+
+def eager_step(x, y):
+    opt_e.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model_e(x), y)
+    loss.backward()
+    opt_e.step()
+    return loss.detach()
+
+
+timed(eager_step, *batches[0])  # its first step warms up too (allocations, AdamW's state)
+eager_s = sorted(timed(eager_step, x, y)[0] for x, y in batches[1:])
+med = lambda v: v[len(v) // 2]  # noqa: E731
+ratio = comp_s[0] / eager_s[0]
+print(f"{P.compile_backend}: first step {first_s:.1f} s (three compiles); {len(comp_s)} later steps, each timed alone:")
+print(f"  eager    min {eager_s[0] * 1e3:7.2f} ms, median {med(eager_s) * 1e3:7.2f} ms")
+print(f"  compiled min {comp_s[0] * 1e3:7.2f} ms, median {med(comp_s) * 1e3:7.2f} ms")
+print(f"at the minimum the compiled step takes {ratio:.2f}x the eager one's time"
+      + ("" if 0.5 < ratio < 2 else "; a gap this large on a 1 ms step is worth timing again on a quiet machine"))
 print(f"{graphs} graphs; graph breaks: {[k.splitlines()[0] for k in breaks]} x {list(breaks.values())}")
 print(f"largest |eager - compiled| loss over {len(compiled)} steps: {worst:.2e}")
 assert graphs == 2, "one graph for the loss (with its backward), one for the optimizer's update"
@@ -313,10 +353,11 @@ assert len(trained) == len(compiled) and worst_t < 1e-4
 # %% [markdown]
 # ### Regional compilation: compile one block, reuse it
 # A transformer is the same block L times. Compiling the whole model traces all L copies into one large graph, and
-# compile time grows with L. *Regional compilation* (PyTorch's recipe of that name) compiles the block instead:
-# `block.compile()` on each; Dynamo caches compiled code on the block's `forward` code object, which every copy
-# shares, so the copies after the first reuse it as long as their guards pass. Measured below with a backend that
-# only counts the graphs it is handed (nothing is compiled to machine code): six residual blocks.
+# compile time grows with L. *Regional compilation* (PyTorch's recipe of that name) compiles the block instead,
+# with `block.compile()` on each. That call compiles the module's `_call_impl` (torch 2.9, `torch/nn/modules/module.py`),
+# and Dynamo keeps its cache on that function's code object, which every copy shares. The copies after the first
+# reuse the first's graph as long as their guards pass. Measured below with a backend that only counts the graphs it
+# is handed, so nothing is compiled to machine code: six residual blocks.
 
 
 # %%
@@ -634,7 +675,7 @@ for what, (args, ctx) in tried.items():
         f(*args)
     failed = [r for rs in torch._dynamo.utils.guard_failures.values() for r in rs]
     guard_text[what] = failed[0].splitlines()[0] if failed else "(no guard failed: the cached graph ran)"
-    print(f"{what:>16}: {guard_text[what][:110]}")
+    print(f"{what}:\n    {guard_text[what]}")  # torch's whole line: the guard, then its file:line
 torch._dynamo.reset()
 for what, marker in [("12 rows", "size mismatch"), ("transposed view", "stride mismatch"), ("float64", "dtype"),
                      ("requires_grad", "requires_grad"), ("under no_grad", "GLOBAL_STATE"), ("scale 0.25", "scale ==")]:
@@ -645,14 +686,34 @@ assert guard_text["new values"].startswith("(no guard failed"), "values are data
 # ### Exercise 1 (08.guard): which guard does a change fail?
 # A function is compiled with `dynamic=False` and called once as `f(x, scale)`: `x` a float32 CPU tensor of shape
 # (16, 64) that does not require grad, `scale = 0.5` a Python float, grad mode on, no autocast. Then a second call
-# makes one change. For each change below, say which guard fails: one of `nb08.GUARD_KINDS` (`"none"`: the cached
-# graph runs again). Some changes need a GPU: reason them out from what you saw; the checker refuses `torch.compile`
-# while your answer runs, and asks about every change, in a new order each time.
+# makes one change. For each change below, say which guard fails: one of `nb08.GUARD_KINDS`, that is `"size"`,
+# `"stride"`, `"dtype"`, `"device"`, `"requires_grad"`, `"global"`, `"value"` or `"none"` (the cached graph runs
+# again). Some changes need a GPU: reason them out from what you saw. The checker refuses `torch.compile` while your
+# answer runs, and asks about every change, in a new order each time.
+#
+# | change | the second call |
+# |---|---|
+# | `batch_12` | x has 12 rows instead of 16 |
+# | `transposed` | x is `torch.randn(64, 16).t()`: the same shape, a transposed view |
+# | `float64` | x is in float64 |
+# | `bfloat16` | x is in bfloat16 |
+# | `on_gpu` | x is on cuda:0 (a GPU machine, first call on the CPU) |
+# | `other_gpu` | first call with x on cuda:0, then x on cuda:1 (a two-GPU machine) |
+# | `needs_grad` | `x.requires_grad_(True)` |
+# | `no_grad` | the call runs inside `torch.no_grad()` |
+# | `autocast_gpu` | the call runs inside `torch.autocast('cuda', dtype=torch.bfloat16)`, x on cuda:0 both times |
+# | `autocast_cpu` | the call runs inside `torch.autocast('cpu', dtype=torch.bfloat16)` |
+# | `scale` | scale is 0.25 instead of 0.5 |
+# | `same_scale` | scale is 0.5 again, computed as 1 / 2 |
+# | `new_values` | x holds new random numbers, same shape, dtype and device |
+#
+# The cell below prints the same list from `nb08.CHANGES`, and asserts that this table still matches it.
 
 # %%
 for key, (text, _, _) in nb08.CHANGES.items():
     print(f"{key:>13}: {text}")
 print("kinds:", nb08.GUARD_KINDS)
+assert len(nb08.CHANGES) == 13 and nb08.GUARD_KINDS[-1] == "none" and len(nb08.GUARD_KINDS) == 8
 
 
 # %%
@@ -709,18 +770,27 @@ exercises.check("08.guard", lambda: nb08.check_failing_guard(failing_guard))
 # for it, so that graph is reused, not compiled again; and past `torch._dynamo.config.recompile_limit` (8 graphs per
 # function in torch 2.9) Dynamo compiles no more for that function and runs new values eagerly, while the graphs it
 # already has still run for the values they were compiled for.
-# The fix is an `lr` that is a **tensor** — the scheduler writes the new value into it (`fill_`) — with
-# `capturable=True`, which keeps the optimizer's `step` counter a tensor on the parameters' device and computes the
-# bias corrections there, so the whole update can stay one device graph (the name comes from CUDA graph capture:
-# `torch.compile(mode="reduce-overhead")` records a compiled graph's GPU kernels once as a CUDA graph and replays
-# them with one launch per call; a replay runs no host code and reads only fixed GPU addresses, so every value the
-# update uses, its step counter and its lr included, must already be a tensor on the GPU; not run here: no GPU;
-# what its one launch saves on the host is measured and modelled at the end of this section).
-# Without it, on a GPU, Adam's `step` is a CPU tensor and the bias corrections are Python numbers worked out on the
-# host every update. torch.compile turns `capturable` on by itself only for parameters on CUDA or XPU, and only
-# while the optimizer's state is still empty (before its first step; `torch/_dynamo/variables/optimizer.py`, torch
-# 2.9): an optimizer that has stepped eagerly keeps what it had; on this CPU the host *is* the device, so the difference shows only on a
-# GPU (the cell's last assert runs there).
+#
+# The fix is an `lr` that is a **tensor**: the scheduler writes each new value into it with `fill_`. With
+# `capturable=True` the optimizer also keeps its `step` counter as a tensor on the parameters' device and computes
+# the bias corrections there, so the whole update can stay one device graph. Without it, on a GPU, Adam's `step` is
+# a CPU tensor and the bias corrections are Python numbers worked out on the host every update.
+#
+# The name comes from CUDA graph capture. `torch.compile(mode="reduce-overhead")` records a compiled graph's GPU
+# kernels once as a CUDA graph and replays them with one launch per call. The kernels read fixed GPU addresses, so
+# every value the update uses, its step counter and lr included, must already be a tensor on the GPU. A replay is
+# not free of host code: torch's wrapper copies each input that does not live at a recorded address into the graph's
+# own buffers first, and the next replay overwrites the outputs of the last one.
+#
+# Its limits, from torch's *CUDAGraph Trees* page: no `.item()` or other sync inside, no CPU ops, no data-dependent
+# control flow, a new recording for each new input shape, and graphs that mutate their inputs or touch CPU tensors
+# are run without CUDA graphs. None of this ran here (no GPU); what its one launch saves on the host is measured and
+# modelled at the end of this section.
+#
+# torch.compile turns `capturable` on by itself only for parameters on CUDA or XPU, and only while the optimizer's
+# state is still empty (`torch/_dynamo/variables/optimizer.py`, torch 2.9). An optimizer that has stepped eagerly
+# keeps what it had. On this CPU the host *is* the device, so the difference shows only on a GPU, where the cell's
+# last assert runs.
 
 
 # %%
@@ -777,8 +847,9 @@ torch._dynamo.reset()
 # %% [markdown]
 # ### Exercise 2 (08.graphs): how many graphs will this step compile?
 # Section 2's step (the loss compiled with `dynamic=False`, AdamW with a **float** lr, `opt.step` compiled with
-# `dynamic=False`), run so that step *i* trains on a batch of `batches[i]` rows with learning rate `lrs[i]`.
-# Write `predict_graphs(batches, lrs)`: the number of graphs Dynamo compiles in the whole run (section 4's two rules:
+# `dynamic=False`), run so that step *i* trains on a batch of `batch_rows[i]` rows with learning rate `lrs[i]`:
+# two lists of the same length, e.g. `batch_rows = [32, 32, 12]`, `lrs = [1e-3, 2e-3, 2e-3]`.
+# Write `predict_graphs(batch_rows, lrs)`: the number of graphs Dynamo compiles in the whole run (section 4's two rules:
 # a value seen before reuses its graph; the recompile limit is 8 graphs per compiled function, and the graphs
 # compiled before it still run). The checker asks about schedules and batch sizes this notebook never ran, new ones
 # each time, and refuses `torch.compile` while your answer runs.
@@ -786,7 +857,7 @@ torch._dynamo.reset()
 
 # %%
 # your turn
-def predict_graphs(batches, lrs):
+def predict_graphs(batch_rows, lrs):
     return ...
 
 
@@ -794,9 +865,9 @@ def predict_graphs(batches, lrs):
 # solution (runs only with LABKIT_SOLUTIONS=1)
 if exercises.solutions_on():
 
-    def predict_graphs(batches, lrs):
+    def predict_graphs(batch_rows, lrs):
         limit = 8  # torch._dynamo.config.recompile_limit: then the function runs eagerly
-        return min(limit, len(set(batches))) + min(limit, len(set(lrs)))  # loss+backward per shape; update per lr
+        return min(limit, len(set(batch_rows))) + min(limit, len(set(lrs)))  # loss+backward per shape; update per lr
 
 
 # %%
@@ -811,6 +882,10 @@ exercises.check("08.graphs", lambda: nb08.check_predict_graphs(predict_graphs))
 # nanoseconds) and the ops one step of section 2's model dispatches, its backward and AdamW's update included
 # (`labkit.profiling.roofline.count_kernels`: views and `.item()` left out, as they launch no kernel). What a GPU adds
 # to a launch, and a CUDA graph's replay, are **not verified here** (no GPU).
+#
+# K is this CPU's count. Here AdamW updates one weight after another, several ops each. On a GPU, torch picks its
+# *foreach* form, a few kernels per group of weights, and `fused=True` does the whole update in a handful of
+# launches (torch's AdamW documentation). A GPU's K is smaller by most of the update's share.
 
 # %%
 from labkit.profiling import roofline
@@ -1013,6 +1088,12 @@ print(dtensor_mesh.describe(report))
 # padded, `dtensor_plans.predict_bytes`), the collectives of one step (`predict_collectives`), the losses (one
 # process on the whole batch). Beside FSDP2, the layout torch_xla's FSDPv2 would give the same weights (the largest
 # dimension): the same bytes here, since every dimension divides by 4, but not the same split.
+#
+# One line needs reading. The **data** plan is FSDP2 on a (4, 1) mesh: each unit is sharded over a group of one
+# device, and replicated over the 4. So each unit's gradients are all-reduced over the replicas, one all-reduce per
+# unit (the root and each block). torch 2.9 also issues FSDP2's reduce-scatter of each unit over that group of one
+# device, which moves nothing: those are the data plan's reduce-scatters, one per unit, counted with the bytes they
+# are handed. torch 2.11 skips them (`dtensor_plans.predict_collectives` says so, and predicts either).
 
 # %%
 DEVICES, cfg08 = report["devices"], GPTConfig(dropout=0.0, **report["config"])
@@ -1041,8 +1122,8 @@ assert report["dtensor"]["fsdp"]["collectives"]["all-gather"]["count"] == 2 * cf
 
 # %% [markdown]
 # Under fsdp one step all-gathers 3 times for 1 block: the block before its forward and again before its backward
-# (it is resharded after its forward), the root once (`reshard_after_forward` is `False` at the root, so it stays
-# gathered for the backward); each unit's gradients are reduce-scattered once. The two engines lay `wpe.weight`
+# (it is resharded after its forward), and the root's own weights, those no block owns, once per step
+# (`reshard_after_forward` is `False` at the root, so they stay gathered for the backward, and are freed after it); each unit's gradients are reduce-scattered once. The two engines lay `wpe.weight`
 # (16 positions × 32) and `blocks.0.mlp.proj.weight` (32 × 128) out differently: FSDP2 splits the rows, FSDPv2 the
 # longer columns. With shapes that do not divide, the bytes would differ too (FSDP2 pads dim 0).
 

@@ -116,3 +116,35 @@ def test_one_course_order_in_the_readme_the_book_and_every_notebook():
     assert not wrong, (
         "notebooks whose '**In the course**: after NN; next: NN.' line disagrees with COURSE:\n" + "\n".join(wrong)
     )
+
+
+# Figures a run prints and the prose must read from the output above it, not state: how many graphs compiled and
+# when, how long a compile or a step took, the dashboard's counters. Each was once written into the text of
+# notebooks 01, 03 or 08 and contradicted by a learner's run on a loaded machine (STYLE.md rule 25). The executed
+# outputs are not kept by the suite (nbval compares them loosely and lets them go), so this checks the text side.
+RUN_FIGURES = [
+    (r"compiles? at steps? \d", "the steps at which the graph compiled"),
+    (r"(tens of seconds|\d+ (s|seconds|minutes)) to compile", "the compile time"),
+    (r"first step (took )?\d+(\.\d+)? ?(s|ms)\b", "the first step's seconds"),
+    (r"\d+(\.\d+)? ?ms (a|per) step", "a step's time"),
+    (r"`compiles \d+ \(", "the dashboard's compile counter"),
+    (r"`graphs \d+`", "the dashboard's graph counter"),
+    (r"`rate \d", "the dashboard's rate"),
+    (r"\d+ graphs compiled for \d+ executions", "explain's graph count"),
+]
+
+
+def test_the_prose_reads_run_figures_from_the_output():
+    import re
+
+    found = []
+    for name in ("01_resnet50_cifar10", "03_sharding_on_a_mesh", "08_the_compiled_engine"):
+        nb = nbformat.reads((ROOT / "notebooks" / f"{name}.ipynb").read_text(), as_version=4)
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type != "markdown":
+                continue
+            text = " ".join(cell.source.split())  # a phrase may wrap across lines
+            for pattern, what in RUN_FIGURES:
+                for m in re.finditer(pattern, text, flags=re.IGNORECASE):
+                    found.append(f"{name} cell {i}: {what} stated as {m.group(0)!r}")
+    assert not found, "read these from the cell's output instead:\n" + "\n".join(found)

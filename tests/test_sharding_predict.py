@@ -213,3 +213,18 @@ def test_practice_devices_on_a_one_chip_tpu_host_uses_virtual_cpu_devices(tmp_pa
     assert "1 chip(s), fewer than the 2" in lines[1] and "8 virtual XLA:CPU devices" in lines[1], lines[1]
     assert lines[2] == "CPU 8 2"
     assert lines[3] == "8"
+
+
+def test_layout_picture_greys_only_what_every_device_holds():
+    """Grey means replicated: a slice held by one device (device 7 was tab10's grey) gets a colour of its own."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from labkit.spmd.view import REPLICATED, draw_layouts
+
+    spec = "{devices=[8,1]0,1,2,3,4,5,6,7}"
+    fig = draw_layouts([{"strategy": "fsdp", "devices": 8, "tensors": [("fc", (128, 32), spec)]}])
+    colours = [tuple(p.get_facecolor()[:3]) for p in fig.axes[0].patches]
+    assert len(colours) == 8 and len(set(colours)) == 8
+    assert all(abs(r - g) > 0.05 or abs(g - b) > 0.05 for r, g, b in colours), "a single device's slice drawn grey"
+    assert REPLICATED not in colours

@@ -6,6 +6,9 @@
     labkit.explain(open("report.txt").read())   # or a saved met.metrics_report() text
     rec = CompileRecord(); ...compile...; labkit.explain(rec)   # off XLA: only what ran since rec started
 
+Given the Dashboard, it counts the run that Dashboard watched (its fits, from their start to their end): graphs
+that other cells compiled in the same process, an exercise check or a demo, are not the run's and earn no advice.
+Without one it reads the whole process and says so. Compiling longer than running is said as a note, not advice.
 It reads the same host-side counters as the dashboard (no device sync): compile vs execute time,
 compiles and recompilations (with the causes and lines the dashboard saw, when given one), aten:: ops that
 fell back to the CPU, and device->host transfers. On CUDA/CPU it reads torch.compile's record instead
@@ -194,7 +197,9 @@ def explain(source=None, verbose: bool = True, report: str | None = None, rt=Non
     else:
         if rt is None:  # the run's own Runtime: the Dashboard's (or HealthMonitor's) when given one
             rt = getattr(getattr(source, "health", source), "rt", None)
-        snap = xla_health.snapshot(rt)
+        health = getattr(source, "health", source)
+        run = health.run_counts() if isinstance(health, xla_health.HealthMonitor) else None
+        snap = run if run is not None else xla_health.snapshot(rt)
         if snap is None and (rt is None or not rt.reads_metrics):
             return _explain_compiled(source, rt, events, fed, feed, verbose)
         if snap is None:
@@ -213,21 +218,33 @@ def explain(source=None, verbose: bool = True, report: str | None = None, rt=Non
                 print(d["text"])
             return d
         d = {k: v for k, v in snap.items() if k != "t"}
+        d["scope"] = "run" if run is not None else "process"
     d["xla"] = True
     d["recompiles"] = len(events)
     d["recompile_events"] = events
     d["syncs"] = {str(k): v for k, v in syncs.items()}
     d["feed"] = feed
-    d["advice"] = [f.advice for f in fed + findings(d, None, events, syncs)] or [
-        "Nothing to fix: no recompilations after warm-up, no CPU fallbacks, few transfers"
-        + (", and the loader keeps up." if feed else ".")
-    ]
+    # the loop's own reads: one per log interval and one per evaluation (a Dashboard keeps both)
+    own_reads = len(getattr(source, "history", None) or []) + len(getattr(source, "evals", None) or [])
+    found = fed + findings(d, None, events, syncs, loop_reads=own_reads)
+    # compiling longer than running is a fact about a short run, not a fault: said as a note, never as advice
+    d["notes"] = [f.advice for f in found if f.key == "compile_time"]
+    d["advice"] = [f.advice for f in found if f.key != "compile_time"]
+    whose = {"run": "the run the dashboard watched", "process": "this process"}.get(d.get("scope"), "the report")
     head = (
-        f"XLA: {d['compiles']} graphs compiled in {d['compile_s']:.2f} s, {d['executions']} executions in "
+        f"XLA, {whose}: {d['compiles']} graphs compiled in {d['compile_s']:.2f} s, {d['executions']} executions in "
         f"{d['execute_s']:.2f} s, {d['recompiles']} recompiles after warm-up, "
         f"{sum(d['fallbacks'].values())} CPU fallbacks ({len(d['fallbacks'])} ops), {d['transfers']} device->host transfers"
     )
-    d["text"] = head + "\n" + "\n".join(f"- {a}" for a in d["advice"])
+    verdict = (
+        []
+        if d["advice"]
+        else [
+            "Nothing to fix: no recompilations after warm-up, no CPU fallbacks, few transfers"
+            + (", and the loader keeps up." if feed else ".")
+        ]
+    )
+    d["text"] = head + "\n" + "\n".join(f"- {a}" for a in d["advice"] + verdict + d["notes"])
     if verbose:
         print(d["text"])
     return d

@@ -32,7 +32,8 @@ from labkit.config import check_number
 # H100 SXM bf16=fp16 989 / fp32 67; H100 PCIe 756 / 51; H200 989 / 67. The NVL cards (H100 NVL, H200 NVL: two
 # or four boards bridged by NVLink, each with a lower power limit) are rated 835 / 60 per GPU, not SXM's 989;
 # GH200's Hopper GPU is SXM-class, 989 / 67 (NVIDIA H100 and H200 data sheets, "H100 NVL" and "H200 NVL"
-# columns, and the GH200 Grace Hopper Superchip data sheet; each "1,671 TFLOPS with sparsity" is 835 dense).
+# columns, and the GH200 Grace Hopper Superchip data sheet; each "1,671 TFLOPS with sparsity" is 835 dense). GH200's
+# dense 989 is the H100 SXM figure carried over, not read off GH200's own sheet: not verified here.
 # fp32 is plain IEEE fp32: torch
 # does not use TF32 for matmuls unless torch.backends.cuda.matmul.allow_tf32 is set (cuDNN convolutions
 # do by default, so an fp32 ResNet on an A100 can exceed 100% of the fp32 figure).

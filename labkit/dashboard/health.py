@@ -70,6 +70,24 @@ def snapshot(rt) -> dict | None:
     return out
 
 
+def counts_between(now: dict, prev: dict) -> dict:
+    """What happened between two snapshots: each count and time of `now` less `prev` (fallbacks per op, only
+    the ops that moved)."""
+    out = {k: now[k] - prev.get(k, 0) for k in now if k not in ("fallbacks", "t")}
+    out["fallbacks"] = {
+        k: v - prev["fallbacks"].get(k, 0) for k, v in now["fallbacks"].items() if v - prev["fallbacks"].get(k, 0) > 0
+    }
+    return out
+
+
+def counts_plus(a: dict, b: dict) -> dict:
+    """Two stretches of counts (counts_between) as one."""
+    out = {k: a.get(k, 0) + b[k] for k in b if k != "fallbacks"}
+    ops = set(a.get("fallbacks", {})) | set(b["fallbacks"])
+    out["fallbacks"] = {k: a.get("fallbacks", {}).get(k, 0) + b["fallbacks"].get(k, 0) for k in ops}
+    return out
+
+
 def compile_count() -> int:
     """Graphs compiled so far (UncachedCompile): one counter read, for per-step use."""
     met = _met()
@@ -163,6 +181,10 @@ class HealthMonitor:
         self.syncs: dict = {}  # Site -> device->host reads in the last interval
         self._last_compiles = compile_count() if self.enabled else 0
         self._last = snapshot(rt)
+        # the watched run's own counts: what happened while a fit() was open, from this monitor's start, and
+        # nothing that other cells compiled or ran in the same process before, between or after its fits
+        self.run: dict | None = None
+        self._watching = self._last is not None
         self._new_events: list[dict] = []
         self.warnings: dict[str, str] = {}  # key -> current message (insertion ordered)
         self._memory_ok = True
@@ -238,14 +260,45 @@ class HealthMonitor:
             self._new_events.append(ev)
 
     def open(self) -> None:
-        """Listen to torch.compile again (a second fit()); the first is open from the start."""
+        """Listen to torch.compile again (a second fit()); the first is open from the start. On XLA: count again
+        from here, so what ran between the two fits is not the run's."""
         if self.record is not None:
             self.record.open()
+        if self.enabled and not self._watching:
+            self._last = snapshot(self.rt)
+            self._last_compiles = compile_count()
+            self._watching = self._last is not None
 
     def close(self) -> None:
-        """Detach from torch's structured trace (fit() returned or raised); the record stays readable."""
+        """Detach from torch's structured trace (fit() returned or raised); the record stays readable. On XLA:
+        the run's counts take in what happened since the last interval (the last evaluation) and stop there."""
         if self.record is not None:
             self.record.close()
+        if self.enabled and self._watching:
+            now = snapshot(self.rt)
+            if now is not None and self._last is not None:
+                self._add_to_run(counts_between(now, self._last))
+                self._last = now
+            self._watching = False
+
+    def _add_to_run(self, delta: dict) -> None:
+        self.run = delta if self.run is None else counts_plus(self.run, delta)
+
+    def run_counts(self) -> dict | None:
+        """XLA's counts for the run this monitor watched (its fits, from on_train_begin to on_fit_end), in
+        snapshot()'s keys; None off XLA. Host-only, like snapshot()."""
+        if not self.enabled or self._last is None:
+            return None
+        run = self.run
+        if self._watching:  # a fit still open: add what happened since the last interval
+            now = snapshot(self.rt)
+            if now is not None:
+                d = counts_between(now, self._last)
+                run = d if run is None else counts_plus(run, d)
+        if run is None:
+            zero = {k: 0 for k in snapshot(self.rt) or {} if k not in ("fallbacks", "t")}
+            run = dict(zero, fallbacks={})
+        return run
 
     def resync(self) -> None:
         """Forget compiles since the last step (e.g. evaluation graphs): they are not recompilations."""
@@ -277,19 +330,16 @@ class HealthMonitor:
             return self._compiled_interval(out, steps)
         now = snapshot(self.rt)
         if now is not None and self._last is not None:
-            prev = self._last
+            d = counts_between(now, self._last)
+            self._add_to_run(d)
             out.update(
-                compiles=now["compiles"] - prev["compiles"],
-                compile_s=now["compile_s"] - prev["compile_s"],
-                graphs_total=now["compiles"],
-                transfers=now["transfers"] - prev["transfers"],
-                execute_s=now["execute_s"] - prev["execute_s"],
+                compiles=d["compiles"],
+                compile_s=d["compile_s"],
+                graphs_total=self.run["compiles"],  # the run's, not the process's: other cells compile too
+                transfers=d["transfers"],
+                execute_s=d["execute_s"],
             )
-            out["fallbacks"] = {
-                k: v - prev["fallbacks"].get(k, 0)
-                for k, v in now["fallbacks"].items()
-                if v - prev["fallbacks"].get(k, 0) > 0
-            }
+            out["fallbacks"] = d["fallbacks"]
             self._last = now
             self.syncs = self.finder.take() if self.finder is not None else {}
             out["syncs"] = [
@@ -343,7 +393,7 @@ class HealthMonitor:
             "transfers": out["transfers"],
             "fallbacks": out["fallbacks"],
         }
-        totals = (self._last or {}).get("fallbacks", {})
+        totals = (self.run or {}).get("fallbacks", {})  # the run's, like graphs_total
         # the loop's own metric read is one transfer per interval
         for f in findings(counts, max(steps, 1), self.events, self.syncs, loop_reads=1):
             if f.key.startswith("fallback:") and "every step" not in f.short:

@@ -82,7 +82,7 @@ def health_lines(f: dict) -> list[str]:
     if h.get("engine") == "torch.compile" and (h.get("graphs_total") or h.get("breaks")):
         lines = [
             f"torch.compile: {h['compiles']} frames compiled ({h['compile_s']:.2f} s) last interval, "
-            f"{h['graphs_total']} in all, {h['recompiles']} recompiles after warm-up"
+            f"{h['graphs_total']} in this run, {h['recompiles']} recompiles after warm-up"
             + (f", {h['transfers']} host syncs" if h.get("transfers") is not None else "")
         ]
         owners = [b.get("owner") for b in h.get("breaks", [])]
@@ -101,7 +101,7 @@ def health_lines(f: dict) -> list[str]:
     else:
         lines = [
             f"XLA: {h['compiles']} compiles ({h['compile_s']:.2f} s) last interval, {h['graphs_total']} graphs "
-            f"in all, {h['recompiles']} recompiles after warm-up, {h['transfers']} transfers"
+            f"in this run, {h['recompiles']} recompiles after warm-up, {h['transfers']} transfers"
         ]
     for ev in f.get("recompiles", [])[-3:]:
         what = ", ".join(f"{c['input']} {c['old']} -> {c['new']}" for c in ev.get("changes", [])) or ev["reason"]

@@ -84,7 +84,8 @@ def run(
 
 def reference_plan(model, devices: int) -> dict:
     """The fix: every weight matrix split over the axis along a dimension that divides by `devices`, the larger
-    one, the first on a tie (FSDPv2's rule); biases left whole."""
+    one, the first on a tie; biases left whole. FSDPv2 also picks the largest dimension, but needs no divisibility
+    (GSPMD pads an uneven split): the condition that it divides is this exercise's, not FSDPv2's."""
     plan = {}
     for name, p in model.named_parameters():
         fits = [d for d in (0, 1) if p.dim() == 2 and p.shape[d] % devices == 0]

@@ -3,7 +3,7 @@
     r = train(Strategy("fsdp"), GPTConfig(...), batches, dump_dir="/tmp/hlo")
     r.losses, r.step_s, r.param_bytes, r.opt_bytes, r.collectives
 
-Strategies: "single" (one device, nothing sharded), "data" (1-D mesh, batch split, weights
+Strategies: "single" (nothing sharded: the one-device program, replicated on every device of the mesh), "data" (1-D mesh, batch split, weights
 replicated), "tensor" (2-D data x model mesh, Megatron heads/MLP split on "model", batch on "data"),
 "fsdp" (torch_xla's SpmdFullyShardedDataParallel: every weight split over all devices, batch too).
 Every run starts from the same initial weights and sees the same batches, so their losses agree up
@@ -146,7 +146,10 @@ def train(strategy: Strategy, cfg: GPTConfig, batches, lr: float = 1e-2, dump_di
     inner = getattr(model, "module", model)
     return Result(
         strategy=strategy.name,
-        mesh_shape=dict(zip(mesh.axis_names, mesh.mesh_shape)) if strategy.name != "single" else {"devices": 1},
+        # "single" shards nothing: under SPMD its program is replicated, every device of the mesh runs all of it
+        mesh_shape=dict(zip(mesh.axis_names, mesh.mesh_shape))
+        if strategy.name != "single"
+        else {"replicated on": len(mesh.device_ids)},
         losses=losses,
         step_s=steady[len(steady) // 2],
         param_bytes=S.device_bytes(params),

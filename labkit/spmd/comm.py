@@ -22,9 +22,10 @@ of a v5e's 4 ports: pass `ports`). Compute time assumes the chip's peak FLOP/s (
 overlap of communication with the compute that runs while it can (see critical_tokens); real steps do worse on
 both counts.
 
-The ring figures assume a ring: an axis whose ends are joined by a wraparound link. Google's TPU pages (system
-architecture, read 2026-11) give wraparound only to axes of 16 chips on v5e and v6e, and only to slices made of
-whole 4x4x4 cubes on v4 and v5p: full pods and large slices. The slices a learner rents
+The ring figures assume a ring: an axis whose ends are joined by a wraparound link. Wraparound exists only on axes
+of 16 chips on v5e and v6e, and only on slices made of whole 4x4x4 cubes on v4 and v5p: full pods and large slices.
+The source is the JAX team's book *How to Scale Your Model* (its TPU chapter); Google Cloud's TPU pages list the
+slice shapes without stating the rule. The slices a learner rents
 (v5e-8 is 2x4, v4-8 is 2x2x1) have none: a collective along an axis without wraparound runs over a line, not a
 ring, which sends in one direction over the longest path and takes roughly twice the ring's time (pass half the
 ports, or double the seconds, for such slices: `ring_seconds(..., wraparound=False)`, and `wraparound` says which
@@ -93,8 +94,8 @@ LINE_FACTOR = 2  # an axis without wraparound is a line: about twice a ring's ti
 
 def wraparound(chip: str, shape) -> tuple[bool, ...]:
     """Which axes of a `chip` slice of `shape` (chips per axis: a v5e-8 is (2, 4), a v5e-256 (16, 16), a v4-8
-    (2, 2, 1)) close into a ring with a wraparound link. Google's TPU pages (system architecture, read 2026-11; not
-    verified here): v5e and v6e (2-D) wrap an axis only when it has 16 chips; v4 and v5p (3-D) wrap only slices made
+    (2, 2, 1)) close into a ring with a wraparound link. After *How to Scale Your Model*'s TPU chapter (not verified
+    here): v5e and v6e (2-D) wrap an axis only when it has 16 chips; v4 and v5p (3-D) wrap only slices made
     of whole 4x4x4 cubes (every axis a multiple of 4), and then every axis."""
     ici(chip)
     dims = tuple(shape)

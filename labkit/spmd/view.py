@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from labkit.spmd.sharding import tile_devices
 
+REPLICATED = (0.85, 0.85, 0.85)  # the light grey of a tile every device holds
+
 
 def _label(ids: list[int], devices: int) -> str:
     if not ids or len(ids) == devices:
@@ -31,10 +33,11 @@ def draw_tensor(ax, name: str, shape: tuple, spec: str, devices: int):
     tiles = tile_devices(2, spec)
     nr = 1 + max(i for i, _ in tiles)
     nc = 1 + max(j for _, j in tiles)
-    cmap = plt.get_cmap("tab10")
+    # tab10 without its grey (index 7): grey means "every device holds it", so no single device may be drawn grey
+    palette = [c for k, c in enumerate(plt.get_cmap("tab10").colors) if k != 7]
     for (i, j), ids in tiles.items():
         h, w = rows / nr, cols / nc
-        colour = cmap(ids[0] % 10) if ids and len(ids) < devices else (0.85, 0.85, 0.85)
+        colour = palette[ids[0] % len(palette)] if ids and len(ids) < devices else REPLICATED
         ax.add_patch(Rectangle((j * w, rows - (i + 1) * h), w, h, facecolor=colour, edgecolor="black", lw=0.8))
         tall = w / cols < h / rows  # narrow column tiles: label along the tile
         ax.text(

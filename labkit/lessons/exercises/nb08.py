@@ -152,15 +152,15 @@ def _graph_cases(rng: random.Random) -> list[tuple[list[int], list[float]]]:
 
 
 def check_predict_graphs(predict_graphs) -> str:
-    """08.graphs: predict_graphs(batches, lrs) -> the graphs Dynamo compiles when section 2's step (model compiled
+    """08.graphs: predict_graphs(batch_rows, lrs) -> the graphs Dynamo compiles when section 2's step (model compiled
     with dynamic=False, AdamW with a *float* lr, opt.step compiled with dynamic=False) runs step i on a batch of
-    batches[i] rows with lr lrs[i]. Judged on four configurations the notebook never runs, drawn anew each call,
+    batch_rows[i] rows with lr lrs[i]. Judged on four configurations the notebook never runs, drawn anew each call,
     against the rule measured in the tests; torch.compile and explain are refused while the answer runs."""
     todo(predict_graphs)
     rng = random.Random(next(_calls))
     for batches, lrs in _graph_cases(rng):
         with refusing_calls(_compile_tools(), "predict it: compiling the step here is the measurement"):
-            got = integer(call(predict_graphs, list(batches), list(lrs)), "predict_graphs(batches, lrs)")
+            got = integer(call(predict_graphs, list(batches), list(lrs)), "predict_graphs(batch_rows, lrs)")
         want = graphs_rule(batches, lrs)
         nb, nl = len(set(batches)), len(set(lrs))
         what = f"{len(batches)} steps, {nb} batch sizes, {nl} lr values"
