@@ -1,6 +1,6 @@
 """FSDP2 the way a GPU node runs it: a ResNet with BatchNorm in bf16, an evaluation set that does not split evenly,
 per-process RNG, a NaN on one process, and `python -m labkit.train` under torchrun stopped by SIGTERM to torchrun
-itself and resumed on the same folder.
+itself and resumed from the same folder.
 
 One torchrun of 2 gloo processes runs tests/children/fsdp_resnet.py (its docstring lists the runs); each test
 below reads its part of the report. Before labkit.parallel's BatchNorm units the bf16 run died at its first
@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.test_fsdp_trainer import _env, _start, _wait
 
@@ -90,24 +91,25 @@ def test_one_run_folder_whatever_each_process_clock_says(report):
 # -- python -m labkit.train under torchrun ------------------------------------------------------------------------
 def _script(tmp, name, extra, nproc=2):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += ["-m", "labkit.train", "resnet", "--fast", "--local-gcs", "false", "--parallel", "fsdp2"]
-    cmd += ["--data-dir", str(tmp / "data"), "--checkpoint-dir", str(tmp / "ck"), "--batch-size", "8"]
-    return _start(cmd + ["--log-every", "1"] + extra, tmp / f"{name}.log")
+    cmd += ["-m", "labkit.train", "gpt", "--fast", "--backend", "cpu", "--parallel", "fsdp2"]
+    cmd += ["--save-to", str(tmp / "ck"), "--log-every", "1", "--evals", "1"]
+    return _start(cmd + extra, tmp / f"{name}.log")
 
 
 @heavy
 def test_sigterm_to_torchrun_saves_once_and_resume_continues_at_the_next_step(tmp_path):
     """SIGTERM to torchrun (what a Spot VM's shutdown sends the process tree's leader): torchrun forwards it to its
     workers and SIGKILLs them 30 s later (torch.distributed.elastic's default). Both workers save the same step
-    inside that window and exit 143; `--resume` on the same checkpoint folder continues at the next step."""
-    proc, log = _script(tmp_path, "first", ["--save-every", "2", "--max-steps", "60"])
+    inside that window and exit 143; `--resume` continues at the next step. The gpt recipe: its steps are short,
+    so the signal lands mid-run whenever it comes (a save every 2 steps, DCP, both processes writing)."""
+    proc, log = _script(tmp_path, "first", ["--save-every", "2", "--max-steps", "100000"])
     deadline, text = time.time() + 240, ""
     while time.time() < deadline and proc.poll() is None:
         text = (tmp_path / "first.log").read_text()
-        if "step      3" in text:
+        if "step      5" in text:
             break
-        time.sleep(0.5)
-    assert "step      3" in text, text[-3000:]
+        time.sleep(0.2)
+    assert "step      5" in text, text[-3000:]
     t0 = time.time()
     os.kill(proc.pid, signal.SIGTERM)
     code, text = _wait(proc, log, 60)
@@ -115,18 +117,33 @@ def test_sigterm_to_torchrun_saves_once_and_resume_continues_at_the_next_step(tm
     assert code != "timed out" and stopped_s < 30, (stopped_s, text[-3000:])
     assert text.count("Preempted: SIGTERM") == 2, text[-3000:]  # both workers, one line each, no traceback
     # the workers end in one line each; torchrun itself then prints its own SignalException traceback (its code)
-    assert "labkit/" not in text.split("step      3")[-1], text[-3000:]
-    runs = sorted((tmp_path / "ck").iterdir())
-    assert len(runs) == 1, runs  # one run, one folder (process 0 named it)
-    committed = sorted(int(p.parent.name.split("-")[1]) for p in runs[0].glob("step-*/COMMITTED"))
-    assert committed and committed[-1] >= 3, committed
+    assert "labkit/" not in text.split("step      5")[-1], text[-3000:]
+    committed = sorted(int(p.parent.name.split("-")[1]) for p in (tmp_path / "ck").glob("step-*/COMMITTED"))
+    assert committed and committed[-1] >= 5, committed
     stop = committed[-1]
-    proc, log = _script(tmp_path, "resume", ["--resume", str(runs[0]), "--max-steps", str(stop + 2)])
+    assert f"every process stopped after step {stop} and saved it" in text, text[-3000:]
+    proc, log = _script(tmp_path, "resume", ["--resume", "--max-steps", str(stop + 2)])
     code, text = _wait(proc, log, 240)
     assert code == 0, text[-3000:]
     assert f"resumed at step {stop} " in text and f"step {stop + 1:6d}" in text, text[-3000:]
     assert f"step {stop:6d}" not in text.split("resumed at step")[-1], text[-3000:]
     print(f"[sigterm to torchrun] every worker ended {stopped_s:.1f} s after the signal; resumed after step {stop}")
+
+
+def test_resume_latest_is_the_newest_run_folder(tmp_path):
+    """`--resume` without a folder (resnet): the newest run-* folder under --checkpoint-dir; none: one line."""
+    from labkit.runtime import Runtime
+    from labkit.train import SettingError, run_folder
+
+    rt = Runtime("cpu", torch.device("cpu"), 1, 0, 0, 1, False, {})
+    for name in ("run-20261101-000000", "run-20261128-120000", "run-20261105-000000"):
+        (tmp_path / name / "step-00000002").mkdir(parents=True)
+        (tmp_path / name / "step-00000002" / "COMMITTED").write_text("{}")
+    assert run_folder(rt, str(tmp_path), "latest") == f"{tmp_path}/run-20261128-120000"
+    assert run_folder(rt, str(tmp_path), "gs://b/run-x") == "gs://b/run-x"
+    assert run_folder(rt, str(tmp_path), None).startswith(f"{tmp_path}/run-")
+    with pytest.raises(SettingError, match="no run-\\* folder under"):
+        run_folder(rt, str(tmp_path / "empty"), "latest")
 
 
 def test_bad_parallel_settings_are_one_line(tmp_path):
