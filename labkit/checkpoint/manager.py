@@ -35,7 +35,9 @@ never gathered). restore() reads whichever format is newest: restore(into=state_
 tensors in place where the format allows (sharded: yes, keeping their sharding; one file: returns the
 loaded CPU state) and returns the state to load; restore() returns full CPU tensors; both return None
 when nothing was saved (ShardedCheckpointManager.restore speaks the same protocol). "file" forces
-one file (the whole state gathered on the host), "sharded" forces the sharded format.
+one file (the whole state gathered on the host), "sharded" forces the sharded format. Under torchrun with rt
+(FSDP2: every process holds its own shards) a sharded save runs in the background on every process and restore is
+one decision every process takes together: labkit.checkpoint.dcp's docstring says how and what it costs.
 """
 
 from __future__ import annotations

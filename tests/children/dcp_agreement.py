@@ -9,7 +9,8 @@ JOB.json: {"out": PATH, "runs": [...]}, each run a dict, in order:
   "progress", "step_sleep"}: one fit(). per_rank_root: process r saves under CKPT-r (what a local folder on each host
   is). delay: seconds the save waits in its writer thread before the commit (a slow store). Reported: "global_losses",
   "first_step", "restored" (every process's restored step), "warnings" (process 0's checkpoint warnings), "stalls"
-  (process 0's seconds in each save() on the training thread), "ends", or "error".
+  (process 0's seconds in each save() on the training thread), "waits" (process 0's seconds in each wait for the
+  previous save: part of a stall, then the close), "ends", or "error".
 """
 
 import json
@@ -67,6 +68,16 @@ def run(rt, spec):
             stalls.append(round(time.perf_counter() - t0, 4))
 
     ckpt.save = timed_save
+    waits, wait = [], ckpt.writer.wait
+
+    def timed_wait():  # the part of a stall spent waiting for the previous save (at most one in flight)
+        t0 = time.perf_counter()
+        try:
+            return wait()
+        finally:
+            waits.append(round(time.perf_counter() - t0, 4))
+
+    ckpt.writer.wait = timed_wait
     progress = [Progress(spec["progress"], rt.ordinal, spec.get("step_sleep", 0.0))] if spec.get("progress") else []
     trainer = GlobalLoss(
         model, opt, rt, cfg, Rows(text, rt.ordinal, rt.world_size), checkpoint=ckpt, callbacks=progress
@@ -90,6 +101,7 @@ def run(rt, spec):
         "restored": restored,
         "warnings": [str(w.message) for w in said if "step-" in str(w.message)],
         "stalls": stalls,
+        "waits": waits,
         "ends": ends,
     }
 
