@@ -99,9 +99,11 @@ def test_sigterm_to_torchrun_commits_the_save_within_its_window(tmp_path):
     assert saved == [f"step-{stop:08d}"], saved
     marker = json.loads((ck / saved[0] / "COMMITTED").read_text())
     committed_after = marker["time"] - sent
+    t = {k: round(v - sent, 1) for k, v in report["times"].items()}
     print(
-        f"[sigterm to torchrun] committed {committed_after:.1f} s after the SIGTERM, torchrun gone after "
-        f"{gone - sent:.1f} s (window {TORCHRUN_GRACE_S} s); training thread's save stall {report['stalls']} s"
+        f"[sigterm to torchrun] after the SIGTERM: training stopped {t['stopped']} s, committed "
+        f"{committed_after:.1f} s, save closed {t['closed']} s, torchrun gone {gone - sent:.1f} s (window "
+        f"{TORCHRUN_GRACE_S} s); training thread's save stall {report['stalls']} s"
     )
     assert DELAY_S <= committed_after < TORCHRUN_GRACE_S and gone - sent < TORCHRUN_GRACE_S
     assert max(report["stalls"]) < DELAY_S, report["stalls"]  # the slow part ran off the training thread

@@ -10,7 +10,8 @@ JOB.json: {"out": PATH, "runs": [...]}, each run a dict, in order:
   is). delay: seconds the save waits in its writer thread before the commit (a slow store). Reported: "global_losses",
   "first_step", "restored" (every process's restored step), "warnings" (process 0's checkpoint warnings), "stalls"
   (process 0's seconds in each save() on the training thread), "waits" (process 0's seconds in each wait for the
-  previous save: part of a stall, then the close), "ends", or "error".
+  previous save: part of a stall, then the close), "ends", "times" (process 0's time.time() when fit() returned and
+  when the save had finished), or "error".
 """
 
 import json
@@ -90,7 +91,9 @@ def run(rt, spec):
             trainer.fit()
         except Preempted:
             preempted = True
+        stopped = time.time()
         ckpt.close()
+        closed = time.time()
     restored = [None] * rt.world_size
     dist.all_gather_object(restored, (ckpt.restored or {}).get("step"))
     ends = [None] * rt.world_size
@@ -103,6 +106,7 @@ def run(rt, spec):
         "stalls": stalls,
         "waits": waits,
         "ends": ends,
+        "times": {"stopped": stopped, "closed": closed},  # process 0's: fit() returned, the pending save finished
     }
 
 
