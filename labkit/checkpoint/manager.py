@@ -377,7 +377,12 @@ class CheckpointManager:
             except Exception as e:
                 box[0] = (type(e).__name__, str(e), e)
         payload = [box[0][:2] if box[0] and box[0][0] != "ok" else box[0]]
-        dist.broadcast_object_list(payload, src=dist.get_global_rank(self._group(), 0), group=self._group())
+        try:
+            dist.broadcast_object_list(payload, src=dist.get_global_rank(self._group(), 0), group=self._group())
+        except Exception as e:  # the group's timeout, or process 0 gone: say what was waited for
+            raise RuntimeError(
+                f"restoring from {self.root}: waiting for process 0's plan failed ({type(e).__name__}: {e})"
+            ) from e
         if payload[0][0] == "ok":
             return payload[0][1]
         if self._master:
