@@ -16,17 +16,18 @@ def versions() -> dict:
     import torch
 
     out = {"labkit": __version__, "torch": str(torch.__version__)}
-    xla = sys.modules.get("torch_xla")
-    if xla is not None:
-        out["torch_xla"] = str(xla.__version__)
-        return out
-    # not imported by this run (FSDP2 under torchrun, a GPU): its installed version from its metadata, ~15 ms.
-    # Importing it here cost 4.7 s on a loaded 2-core machine, on the training thread at the first save (a save
-    # on SIGTERM has 30 s under torchrun), and would set up an XLA runtime the run does not use
+    # torch_xla's own __version__ when this run imported it; else (FSDP2 under torchrun, a GPU, or an import still
+    # under way in another thread) the installed version from its metadata, ~15 ms. Importing it here cost 4.7 s on a
+    # loaded 2-core machine, on the training thread at the first save (a save on SIGTERM has 30 s under torchrun), and
+    # would set up an XLA runtime the run does not use
     from importlib import metadata
 
-    try:
-        out["torch_xla"] = metadata.version("torch_xla")
-    except metadata.PackageNotFoundError:
-        pass
+    v = getattr(sys.modules.get("torch_xla"), "__version__", None)
+    if v is None:
+        try:
+            v = metadata.version("torch_xla")
+        except metadata.PackageNotFoundError:
+            pass
+    if v is not None:
+        out["torch_xla"] = str(v)
     return out

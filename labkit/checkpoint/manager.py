@@ -350,8 +350,8 @@ class CheckpointManager:
         return None
 
     def _candidates(self, step):
-        """Process 0's plan for a restore under torchrun: [(step, format kind)] to try in order, and the warnings
-        about unfinished steps. One listing of the store, on one process (not one per process)."""
+        """Process 0's plan for a restore under torchrun: [(step, format kind, None or why it is uncommitted)] in the
+        order to try them. One listing of the store, on one process (not one per process)."""
         entries = self._entries()
         if step is not None:
             found = [(s, f, c) for s, f, c in entries if s == step]
@@ -361,9 +361,9 @@ class CheckpointManager:
             s, fmt, committed = max(found, key=lambda e: e[2])
             if not committed and fmt.unfinished(step):
                 raise FileNotFoundError(f"checkpoint {self.store.url(fmt.name(step))}: {fmt.unfinished(step)}")
-            return [(step, fmt.kind)], []
-        said = [f"ignoring {self.store.url(f.name(s))}: {f.unfinished(s)}" for s, f, c in entries if not c]
-        return [(s, f.kind) for s, f, c in reversed(entries) if c], [w for w in reversed(said) if w]
+            return [(step, fmt.kind, None)]
+        # newest first; an uncommitted step carries what restore says when it reaches it (a crash, a kill -9)
+        return [(s, f.kind, None if c else f.unfinished(s) or "") for s, f, c in reversed(entries)]
 
     def _from_master(self, work):
         """work() on process 0, its result (or its error, by class name and text) on every process: one
@@ -399,13 +399,15 @@ class CheckpointManager:
         from labkit.checkpoint.dcp import verdict
 
         group = self._group()
-        plan, said = self._from_master(lambda: self._candidates(step))
-        for w in said:
-            warnings.warn(w, stacklevel=3)
+        plan = self._from_master(lambda: self._candidates(step))
         tried = []
-        for s, kind in plan:
+        for s, kind, unfinished in plan:
             fmt = self.formats[kind]
             where = self.store.url(fmt.name(s))
+            if unfinished is not None:  # a save that did not finish: skipped by every process alike
+                if unfinished:
+                    warnings.warn(f"ignoring {where}: {unfinished}", stacklevel=3)
+                continue
             try:
                 rec = self._from_master(functools.partial(fmt.marker, s)) if kind == "sharded" else None
             except ReadFailed:
@@ -426,6 +428,8 @@ class CheckpointManager:
                 self.restored = record
                 return state
             if step is not None or isinstance(bad, ReadFailed) or not fmt.damaged(bad):
+                if bad is err:
+                    raise bad
                 raise bad from err
             warnings.warn(fmt.fallback_message(s, bad), stacklevel=3)
         if tried:
