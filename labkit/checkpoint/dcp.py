@@ -16,14 +16,12 @@ Under torchrun (FSDP2: several processes, each holding its own shards; Checkpoin
   sees, process 0 commits once every part has landed. At most one save is in flight (the next save() waits for
   it); wait() and close() finish it, and so does the SIGTERM path (labkit.interrupts.finish_pending_save).
   The training thread's stall per save, measured on this 2-core machine (2 gloo processes, tests/children/
-  dcp_agreement.py, local folder, 3 saves each, load average ~14 from other work: ranges, noisy): a tiny GPT (~0.2 MB
-  of state) 0.11-0.53 s before (the whole save on the training thread), 0.07-0.18 s after; a 2-block GPT of width
-  1024 (292 MB per checkpoint, AdamW) 0.66-1.85 s before, 0.47-0.91 s after (saves 3 steps apart, all of it the
-  copy to the CPU; 0.40-1.27 s saving every 2 steps, where a save may wait for the previous one). A local root only
-  renames the files; to gs:// the upload, which "before" also waited for, runs in the background too. The copy is
-  most of what is left: torch 2.9's stager copies each CPU DTensor shard twice (copy.deepcopy, then a fresh tensor
-  filled by copy_; from an accelerator, .to("cpu") and then a second device-to-host copy). The cost: host memory
-  for a second copy of this process's shards until its save ends.
+  dcp_agreement.py, local folder, 3 saves 3 steps apart, load average 10-14 from other work: ranges, noisy): a tiny
+  GPT (~0.2 MB of state) 0.11-0.53 s before (the whole save on the training thread), 0.05-0.09 s after; a 2-block
+  GPT of width 1024 (292 MB per checkpoint with AdamW) 0.66-1.85 s before, 0.29-0.56 s after: the NaN check and the
+  copy to the CPU (cpu_copy; 0.47-0.91 s with torch's own stager, which copies each shard twice). A local root only
+  renames the files; to gs:// the upload, which "before" also waited for, runs in the background too. The cost:
+  host memory for a second copy of this process's shards until its save ends.
 - A root some process cannot see (a local folder on each host) fails the save by name before the commit: a file
   another process wrote that this one does not list means no host could restore the step.
 - Restore is one decision: process 0 lists the steps and reads each commit record, the plan is broadcast; each
