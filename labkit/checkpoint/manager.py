@@ -93,6 +93,7 @@ class CheckpointManager:
         best = rec.get("best") if rec else None
         self.best = self._same_best(best if isinstance(best, dict) and "value" in best else None)
         self._mine: set[str] = set()  # steps this manager stored (names): its own to replace
+        self._damaged: set[str] = set()  # steps restore found damaged and fell back past: a resumed run re-saves them
         self._continues = False  # restored, or saved above the folder's newest step (labkit.checkpoint.runs)
         self._pg = None  # under torchrun: the checkpoint's own gloo group, made at the first save or restore
 
@@ -258,11 +259,12 @@ class CheckpointManager:
             self._prune(step, kept, entries)
 
     def _may_replace(self, fmt, step) -> None:
-        """`step` exists already: this run's own earlier save, or one a killed writer stored without
-        committing, may be replaced. A step another run committed is not (two runs resumed from one step
+        """`step` exists already: this run's own earlier save, one a killed writer stored without committing, or one
+        this run's restore found damaged and fell back past, may be replaced. A step another run committed is not (two runs resumed from one step
         both save the next one, and the second would replace the first's): RuntimeError."""
         name = fmt.name(step)
-        if name not in self._mine and (self.restored or {}).get("step") != step and fmt.committed(step):
+        ours = name in self._mine or name in self._damaged or (self.restored or {}).get("step") == step
+        if not ours and fmt.committed(step):
             raise RuntimeError(
                 f"{self.store.url(name)} is a checkpoint another run committed (step {step}); this run does not "
                 "overwrite it. Two runs are saving to one prefix: stop one, or resume from the newest step"
@@ -342,6 +344,7 @@ class CheckpointManager:
                 if not fmt.damaged(e):
                     raise
                 warnings.warn(fmt.fallback_message(s, e), stacklevel=2)
+                self._damaged.add(fmt.name(s))
                 continue
             self.restored = record
             return state
@@ -432,6 +435,7 @@ class CheckpointManager:
                     raise bad
                 raise bad from err
             warnings.warn(fmt.fallback_message(s, bad), stacklevel=3)
+            self._damaged.add(fmt.name(s))
         if tried:
             raise RuntimeError(f"no readable checkpoint under {self.root} (tried {tried})")
         return None
