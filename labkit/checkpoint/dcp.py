@@ -10,7 +10,7 @@ Under torchrun (FSDP2: several processes, each holding its own shards; Checkpoin
 
 - Save, without stopping the training. On the training thread: one agreement (the NaN check, process 0's lock and
   removal of an old copy of the step), then DCP's async_save on a gloo group of the checkpoint's own
-  (checkpoint_group: a long timeout, and never the collectives of the training's group), which copies this process's
+  (labkit.checkpoint.together: a long timeout, and never the training's collectives), which copies this process's
   shards to new CPU tensors and returns. In the manager's writer thread: DCP writes them into a local temp folder,
   each process stores its files with their crc32c, every process lists the step's folder and says which files it
   sees, process 0 commits once every part has landed. At most one save is in flight (the next save() waits for
@@ -19,16 +19,16 @@ Under torchrun (FSDP2: several processes, each holding its own shards; Checkpoin
   dcp_agreement.py, local folder, 3 saves 3 steps apart, load average 10-14 from other work: ranges, noisy): a tiny
   GPT (~0.2 MB of state) 0.11-0.53 s before (the whole save on the training thread), 0.05-0.09 s after; a 2-block
   GPT of width 1024 (292 MB per checkpoint with AdamW) 0.66-1.85 s before, 0.29-0.56 s after: the NaN check and the
-  copy to the CPU (cpu_copy; 0.47-0.91 s with torch's own stager, which copies each shard twice). A local root only
-  renames the files; to gs:// the upload, which "before" also waited for, runs in the background too. The cost:
-  host memory for a second copy of this process's shards until its save ends.
+  copy to the CPU (together.cpu_copy; 0.47-0.91 s with torch's own stager, which copies each shard twice). A local
+  root only renames the files; to gs:// the upload, which "before" also waited for, runs in the background too. The
+  cost: host memory for a second copy of this process's shards until its save ends.
 - A root some process cannot see (a local folder on each host) fails the save by name before the commit: a file
   another process wrote that this one does not list means no host could restore the step.
 - Restore is one decision: process 0 lists the steps and reads each commit record, the plan is broadcast; each
   process reads and checks (crc32c, streamed to disk from gs://) only the files its own shards read; the verdicts are
   all-gathered, so a damaged file anywhere makes every process fall back to the same older step, the warning naming
-  the file and the process (labkit.checkpoint.dcp.verdict). Cost: a listing and the records read once (process 0),
-  the bytes each process needs read once (not every file on every process), 2 small collectives per step tried.
+  the file and the process (labkit.checkpoint.together.verdict). Cost: a listing and the records read once (process
+  0), the bytes each process needs read once (not every file on every process), 2 small collectives per step tried.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from labkit.checkpoint import safe_load
 from labkit.checkpoint.shards import _add_missing, _dtensor_split, _planner, _planner_kind, stage
 from labkit.checkpoint.state import READ_TRIES, ReadFailed, _tensors
 from labkit.checkpoint.state import read as read_checked
+from labkit.checkpoint.together import _stager, agree
 from labkit.checkpoint.writer import no_space
 from labkit.cloud import gcs
 from labkit.versions import __version__
@@ -54,120 +55,6 @@ MARKER = "COMMITTED"
 _STEP = re.compile(r"^step-(\d{8,})$")
 # one process and no process group is what this format means (no_dist=True); DCP warns on every call
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
-
-
-# The checkpoint's own process group: gloo (the CPU, whatever the training's backend) and a timeout long enough for the
-# slowest process to upload its shards while the others wait in agree(). Its own group, not the default one: a save
-# finishing in the background thread issues collectives while the training thread issues the model's, and two threads
-# must never interleave collectives on one group (each process would pair them differently). NCCL's default group
-# would also trip its 10-minute watchdog while a slow uploader is waited for.
-GROUP_TIMEOUT_S = 3600
-
-
-def checkpoint_group():
-    """A new gloo group over every process (a collective: every process calls it at the same point, once per
-    manager)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-
-
-def cpu_copy(o):
-    """A copy of a state that later training steps cannot change: every tensor copied once to the CPU (a DTensor
-    stays a DTensor: its local shard copied, its mesh and placements kept), dicts, lists and tuples rebuilt, ints,
-    floats, strings and bytes shared (immutable), anything else deep-copied. torch 2.9's own stager (DCP's default
-    for async_save: BlockingAsyncStager through _create_cpu_state_dict + _copy_state_dict in
-    torch/distributed/_state_dict_utils.py) copies each CPU DTensor shard twice (copy.deepcopy, then a fresh tensor
-    filled by copy_; from an accelerator .to("cpu"), then a second device-to-host copy) and returns a 0-dim DTensor
-    uncopied: one 64 MB CPU shard took 0.61-0.76 s there against 0.18-0.19 s here (this 2-core machine, loaded)."""
-    import copy
-
-    import torch
-
-    if isinstance(o, torch.Tensor):
-        return o.detach().to("cpu", copy=True)
-    if isinstance(o, dict):
-        return {k: cpu_copy(v) for k, v in o.items()}
-    if type(o) in (list, tuple):
-        return type(o)(cpu_copy(v) for v in o)
-    if o is None or isinstance(o, (bool, int, float, str, bytes)):
-        return o
-    return copy.deepcopy(o)
-
-
-def _stager():
-    """DCP's AsyncStager protocol around cpu_copy: the copy is done before async_save returns."""
-    from torch.distributed.checkpoint.staging import AsyncStager
-
-    class CopyToCPU(AsyncStager):
-        _synchronize_after_execute = False
-
-        def stage(self, state_dict):
-            return cpu_copy(state_dict)
-
-        def synchronize_staging(self) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-    return CopyToCPU()
-
-
-def agree(rt, error, what: str, value=None, group=None) -> list:
-    """Every process tells the others how its part went (one all_gather_object on `group`): its own error is raised
-    again, a failure elsewhere raises RuntimeError naming the process; else the list of every process's `value`.
-    A process that never arrives (killed, hung) fails it after the group's timeout, naming `what`."""
-    import torch.distributed as dist
-
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    everyone = [None] * rt.world_size
-    try:
-        dist.all_gather_object(everyone, (mine, value), group=group)
-    except Exception as e:  # gloo's timeout or a peer that died: say what was waited for
-        raise RuntimeError(
-            f"{what}: waiting for the other {rt.world_size - 1} processes failed ({type(e).__name__}: {e})"
-        ) from error or e
-    if error is not None:
-        raise error
-    failed = [(r, m) for r, (m, _) in enumerate(everyone) if m is not None]
-    if failed:
-        r, m = failed[0]
-        raise RuntimeError(f"{what} failed on process {r} of {rt.world_size} ({m}); nothing was committed")
-    return [v for _, v in everyone]
-
-
-def verdict(rt, error, what: str, group=None):
-    """The ranks' outcomes of one restore attempt, made one decision (one all_gather_object): None when every
-    process loaded; else the error every process raises alike: ReadFailed when any process could not reach the store
-    (stop: an older step would undo progress), OSError when any found a file damaged (every process falls back to
-    the same older step), else the first failure. Each names the process and its file."""
-    import torch.distributed as dist
-
-    from labkit.checkpoint.safe_load import CheckpointRefused
-
-    kind = None
-    if isinstance(error, ReadFailed):
-        kind = "unreachable"
-    elif isinstance(error, (OSError, CheckpointRefused)):
-        kind = "damaged"
-    elif error is not None:
-        kind = "other"
-    everyone = [None] * rt.world_size
-    mine = None if error is None else (kind, f"{type(error).__name__}: {error}")
-    try:
-        dist.all_gather_object(everyone, mine, group=group)
-    except Exception as e:
-        raise RuntimeError(f"{what}: waiting for the other processes failed ({type(e).__name__}: {e})") from e
-    if kind == "other" and not any(v is not None and v[0] != "other" for v in everyone):
-        return error  # this process's own (a state that does not fit: shapes, keys): its type and text, unchanged
-    for want, cls in (("unreachable", ReadFailed), ("damaged", OSError), ("other", RuntimeError)):
-        for r, v in enumerate(everyone):
-            if v is not None and v[0] == want:  # the same message on every process: one warning, one decision
-                return cls(f"{what}: on process {r} of {rt.world_size}: {v[1]}")
-    return None
 
 
 def _first_nonfinite(state) -> str | None:
@@ -252,7 +139,8 @@ class Sharded:
         """Every process, on the training thread: the NaN check, the old step's removal (process 0, after the
         manager allowed it), one agreement; then DCP's save of this process's shards into a temp folder of its own
         (process 0 adds `.metadata`, which names every file), on `group`. background=True: DCP's async_save, which
-        first copies the shards to new CPU tensors here (cpu_copy, DCP's stager: once each, DTensors kept DTensors)
+        first copies the shards to new CPU tensors here (together.cpu_copy as DCP's stager: once each, DTensors
+        kept DTensors)
         and returns while a thread of DCP's writes them, so the training's next steps cannot change what is saved.
         The cost on this thread: that copy; in host memory, this process's shards again until the save ends.
         finish_together ends it."""

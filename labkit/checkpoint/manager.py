@@ -195,10 +195,10 @@ class CheckpointManager:
         self._prune(step, kept, entries)
 
     def _group(self):
-        """The checkpoint's own gloo process group (labkit.checkpoint.dcp.checkpoint_group), made at the first
+        """The checkpoint's own gloo process group (labkit.checkpoint.together.checkpoint_group), made at the first
         save or restore under torchrun: every process reaches that point together."""
         if self._pg is None:
-            from labkit.checkpoint.dcp import checkpoint_group
+            from labkit.checkpoint.together import checkpoint_group
 
             self._pg = checkpoint_group()
         return self._pg
@@ -211,7 +211,7 @@ class CheckpointManager:
         commits and prunes; every process then knows the outcome (a failure anywhere fails the save everywhere,
         nothing committed), on the next save(), wait() or close(). Its collectives run on a gloo group of the
         checkpoint's own, so they never interleave with the training's."""
-        from labkit.checkpoint.dcp import agree
+        from labkit.checkpoint.together import agree
 
         self.writer.wait()
         group, err = self._group(), None
@@ -233,7 +233,7 @@ class CheckpointManager:
 
     def _finish_together(self, fmt, pending, metrics, best, group) -> None:
         """In the writer's thread (every process): the files stored and seen by all, then process 0 commits."""
-        from labkit.checkpoint.dcp import agree
+        from labkit.checkpoint.together import agree
 
         step = pending["step"]
         try:
@@ -260,8 +260,9 @@ class CheckpointManager:
 
     def _may_replace(self, fmt, step) -> None:
         """`step` exists already: this run's own earlier save, one a killed writer stored without committing, or one
-        this run's restore found damaged and fell back past, may be replaced. A step another run committed is not (two runs resumed from one step
-        both save the next one, and the second would replace the first's): RuntimeError."""
+        this run's restore found damaged and fell back past, may be replaced. A step another run committed is not
+        (two runs resumed from one step both save the next one, and the second would replace the first's):
+        RuntimeError."""
         name = fmt.name(step)
         ours = name in self._mine or name in self._damaged or (self.restored or {}).get("step") == step
         if not ours and fmt.committed(step):
@@ -396,10 +397,10 @@ class CheckpointManager:
     def _restore_together(self, step, into, map_location):
         """restore() under torchrun, as one decision: process 0 lists the steps and reads each commit record, the
         plan is broadcast; each process loads its own shards, checking only the files they read (their crc32c), and
-        the verdicts are all-gathered (labkit.checkpoint.dcp.verdict): a damaged file on any process makes every
+        the verdicts are all-gathered (labkit.checkpoint.together.verdict): a damaged file on any process makes every
         process fall back to the same older step, the warning naming the file and the process; an unreachable
         store stops every process. Cost: 2 small collectives per step tried, on the checkpoint's gloo group."""
-        from labkit.checkpoint.dcp import verdict
+        from labkit.checkpoint.together import verdict
 
         group = self._group()
         plan = self._from_master(lambda: self._candidates(step))
