@@ -11,13 +11,23 @@ from labkit.envsetup import VERSION as __version__  # the one home of the versio
 
 def versions() -> dict:
     """labkit, torch and (when installed) torch_xla versions, as strings."""
+    import sys
+
     import torch
 
     out = {"labkit": __version__, "torch": str(torch.__version__)}
-    try:
-        import torch_xla
+    # torch_xla's own __version__ when this run imported it; else (FSDP2 under torchrun, a GPU, or an import still
+    # under way in another thread) the installed version from its metadata, ~15 ms. Importing it here cost 4.7 s on a
+    # loaded 2-core machine, on the training thread at the first save (a save on SIGTERM has 30 s under torchrun), and
+    # would set up an XLA runtime the run does not use
+    from importlib import metadata
 
-        out["torch_xla"] = str(torch_xla.__version__)
-    except ImportError:
-        pass
+    v = getattr(sys.modules.get("torch_xla"), "__version__", None)
+    if v is None:
+        try:
+            v = metadata.version("torch_xla")
+        except metadata.PackageNotFoundError:
+            pass
+    if v is not None:
+        out["torch_xla"] = str(v)
     return out

@@ -134,6 +134,8 @@ class SafeReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
 
+        if self.ensure is not None:
+            self.ensure(".metadata")
         md = read_metadata(os.path.join(str(self.path), ".metadata"))  # one process: no per-rank file
         self._check_storage(md)
         if getattr(md, "storage_meta", None) is None:
@@ -142,6 +144,9 @@ class SafeReader(FileSystemReader):
         return md
 
     listed: set | None = None  # the file names the commit record lists; None: not checked
+    # ensure(name): called before a file is first read (downloads it, checks its crc32c; labkit.checkpoint.dcp):
+    # a process checks only the files its own shards read, not every process's
+    ensure = None
 
     def _check_storage(self, md) -> None:
         """Every piece must come from a plain file name the commit record lists: DCP joins the
@@ -161,6 +166,9 @@ class SafeReader(FileSystemReader):
                 raise CheckpointRefused(f"{where} reads a tensor from {rel!r}, a file its commit record does not list")
 
     def read_data(self, plan, planner):
+        if self.ensure is not None:
+            for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+                self.ensure(name)
         return super().read_data(plan, _WeightsOnlyBytes(planner, str(self.path)))
 
 
@@ -177,7 +185,7 @@ def load(state: dict, reader: SafeReader, planner, where: str) -> None:
         first = next((exc for exc, _ in e.failures.values()), None)
         if isinstance(first, KeyboardInterrupt):  # Ctrl-C (or SIGTERM) while reading: an interrupt, not a failure
             raise first from None
-        if isinstance(first, CheckpointRefused):
+        if isinstance(first, (CheckpointRefused, OSError)):  # refused, damaged (a crc32c), unreachable (ReadFailed)
             raise first from e
         why = f"{type(first).__name__}: {first}" if first is not None else str(e).splitlines()[0]
         raise RuntimeError(f"loading {where} failed: {why}") from e

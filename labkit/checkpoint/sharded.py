@@ -45,8 +45,9 @@ blocking save(), against the one-file format's 10.6 CPU-s/GB and 1.6 s blocking 
 global tensor on the host before torch.save); on a loaded machine 14.7 vs 29.8 CPU-s/GB. Small
 tensors cost ~1.6 KB each per shard in DCP's file (one torch.save record per piece): a tiny GPT's 180 KB state took 810 KB over 8 devices.
 
-Scope: one process (one host, all its devices: what labkit.spmd.mesh sets up). Several hosts would
-each write their own shards but need a process group for DCP to agree on one `.metadata`.
+Scope: one process (one host, all its devices: what labkit.spmd.mesh sets up). Under torchrun (FSDP2, one process
+per device or host) every process writes its own shards and they agree on one `.metadata`, one commit and one
+restored step: labkit.checkpoint.dcp's docstring.
 """
 
 from __future__ import annotations
