@@ -277,10 +277,10 @@ class Trainer:
         return int(x.shape[0])
 
     def global_batch(self) -> int | None:
-        """Samples per optimizer step over all replicas: the loader's batch_size x world size x accum_steps (else
-        the last step's), None before the first step of a loader without a batch_size."""
+        """Samples per optimizer step over all replicas: the loader's batch_size (or its dataset's: a shard stream
+        batches itself) x world size x accum_steps, else the last step's (None before the first step)."""
         host = getattr(self.train_loader, "loader", self.train_loader)
-        bs = getattr(host, "batch_size", None)
+        bs = getattr(host, "batch_size", None) or getattr(getattr(host, "dataset", None), "batch_size", None)
         return bs * self.rt.world_size * self.cfg.accum_steps if bs else self.log.last_rows
 
     def _dispatch(self, name: str, *args) -> None:

@@ -56,14 +56,19 @@ def _host(loader):
 
 
 def dataset_identity(loader) -> dict:
-    """What says which data a position counts in: the dataset's sample count (len) and, for a stream
-    read from a manifest (data_tools.stream.ShardStream), the manifest's generation. {} when unknown."""
+    """What says which data a position counts in: the dataset's sample count (a shard stream's num_samples over
+    every shard, else len) and, for a stream read from a manifest (data_tools.stream.ShardStream), the manifest's
+    generation. {} when unknown."""
     ds = getattr(_host(loader), "dataset", None)
     out = {}
-    try:
-        out["samples"] = int(len(ds))
-    except Exception:  # no len (an IterableDataset without one), or no dataset
-        pass
+    total = getattr(ds, "num_samples", None)  # a shard stream: the samples of every shard, whatever the processes
+    if isinstance(total, int) and not isinstance(total, bool):
+        out["total_samples"] = total  # its len() is this process's share, which another number of processes changes
+    else:
+        try:
+            out["samples"] = int(len(ds))
+        except Exception:  # no len (an IterableDataset without one), or no dataset
+            pass
     gen = getattr(ds, "generation", None)
     if isinstance(gen, (int, str)):
         out["generation"] = gen
@@ -85,7 +90,7 @@ def check_data(state: dict, loader) -> None:
     if loader is None:
         return
     saved, now = state.get("dataset") or {}, dataset_identity(loader)
-    keys = [k for k in ("samples", "generation") if k in saved and k in now and saved[k] != now[k]]
+    keys = [k for k in ("samples", "total_samples", "generation") if k in saved and k in now and saved[k] != now[k]]
     changed = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in keys]
     mid = int(state.get("batch_in_epoch") or 0) > 0
     where = f"{state.get('samples_in_epoch', '?')} samples into epoch {state.get('epoch', '?')}"
@@ -176,10 +181,11 @@ def trainer_state(self) -> dict:  # self: the Trainer
 
 def restore(self) -> None:  # self: the Trainer
     """Load the newest committed checkpoint of self.checkpoint, if any. The template DCP fills in place is the
-    Trainer's own state without `rng_by_process`: that part is read as the checkpoint saved it, whatever its number
-    of processes."""
+    Trainer's own state without `rng_by_process` and `dataset`: those are read as the checkpoint saved them, whatever
+    its number of processes or the labkit that wrote it (DCP fails on a key the template has and the file lacks)."""
     template = self.state_dict()
-    template.pop("rng_by_process", None)
+    for key in ("rng_by_process", "dataset"):  # read as saved: per process, or what another labkit recorded
+        template.pop(key, None)
     state = self.checkpoint.restore(into=template)  # None: nothing saved yet
     if state is not None:
         self.load_state_dict(state)

@@ -46,7 +46,7 @@ from labkit.checkpoint import safe_load
 from labkit.checkpoint.shards import _add_missing, _dtensor_split, _planner, _planner_kind, stage
 from labkit.checkpoint.state import READ_TRIES, ReadFailed, _tensors
 from labkit.checkpoint.state import read as read_checked
-from labkit.checkpoint.together import _stager, agree
+from labkit.checkpoint.together_dcp import ShardedTogether, folder_name
 from labkit.checkpoint.writer import no_space
 from labkit.cloud import gcs
 from labkit.versions import __version__
@@ -57,21 +57,7 @@ _STEP = re.compile(r"^step-(\d{8,})$")
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
 
 
-def _first_nonfinite(state) -> str | None:
-    """The path of the first floating-point tensor holding NaN/inf among this process's shards (a DTensor's local
-    part: no collective), else None."""
-    for path, t in _tensors(state):
-        t = t.to_local() if hasattr(t, "to_local") else t
-        if t.is_floating_point() and t.numel() and not bool(t.isfinite().all()):
-            return path or "a tensor"
-    return None
-
-
-def folder_name(step: int) -> str:
-    return f"step-{int(step):08d}"
-
-
-class Sharded:
+class Sharded(ShardedTogether):
     kind = "sharded"
     restores_in_place = True  # restore(into=state) fills the live tensors, keeping their device and sharding
 
@@ -134,99 +120,6 @@ class Sharded:
         import torch.distributed as dist
 
         return rt is not None and rt.world_size > 1 and rt.uses_ddp and dist.is_available() and dist.is_initialized()
-
-    def begin_together(self, step, state, rt, group, replace, background: bool) -> dict:
-        """Every process, on the training thread: the NaN check, the old step's removal (process 0, after the
-        manager allowed it), one agreement; then DCP's save of this process's shards into a temp folder of its own
-        (process 0 adds `.metadata`, which names every file), on `group`. background=True: DCP's async_save, which
-        first copies the shards to new CPU tensors here (together.cpu_copy as DCP's stager: once each, DTensors
-        kept DTensors)
-        and returns while a thread of DCP's writes them, so the training's next steps cannot change what is saved.
-        The cost on this thread: that copy; in host memory, this process's shards again until the save ends.
-        finish_together ends it."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultSavePlanner
-
-        name, err = folder_name(step), None
-        bad = _first_nonfinite(state)
-        if bad is not None:
-            err = FloatingPointError(
-                f"not saving step {step} to {self._url(name)}: {bad} holds NaN or inf on process {rt.ordinal} (the "
-                "weights went non-finite since the loss was last read); the last good checkpoint stays the newest"
-            )
-        if rt.is_master and err is None:
-            try:
-                old = self.listing().get(step)
-                if old:  # our own earlier save of this step, or one a killed writer left (the manager decides)
-                    replace()
-                    self._remove(step, old)
-            except BaseException as e:
-                err = e
-        agree(rt, err, f"saving {self._url(name)}", group=group)
-        folder = self.store.temp_dir(f"{name}-p{rt.ordinal}")
-        writer = dcp.FileSystemWriter(folder)
-        try:
-            if background:
-                future = dcp.async_save(
-                    state,
-                    storage_writer=writer,
-                    planner=DefaultSavePlanner(),
-                    process_group=group,
-                    async_stager=_stager(),
-                )
-            else:
-                future = None
-                dcp.save(state, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
-        except BaseException as e:  # DCP's CheckpointException is a BaseException; it failed on every process
-            shutil.rmtree(folder, ignore_errors=True)
-            raise (no_space(e, self.store) or e) from e
-        return {"step": step, "folder": folder, "future": future}
-
-    def finish_together(self, pending, rt, group) -> dict:
-        """Every process, in the manager's writer thread (or the training thread, not in the background): the end of
-        DCP's save, then each process stores its files create-only with their crc32c, then each lists the step's
-        folder and says which files it sees. The processes agree after each part (agree): a failure or a NaN on any
-        of them fails the save on all, before the commit; a file some process does not see means a root that is not
-        shared (a local folder on each host), refused by name, as no host could restore from it. Returns (on every
-        process) {"files": every process's files and crc32c, "planner": "default", "processes": n}."""
-        step, folder = pending["step"], pending["folder"]
-        name = folder_name(step)
-        try:
-            err = None
-            try:
-                if pending["future"] is not None:
-                    pending["future"].result()  # DCP's own collectives ran on `group` in its thread
-            except BaseException as e:  # DCP's CheckpointException is a BaseException
-                err = no_space(e, self.store) or e
-            agree(rt, err, f"saving {self._url(name)}", group=group)
-            files, err = {}, None
-            try:
-                for f in sorted(os.listdir(folder)):
-                    p = os.path.join(folder, f)
-                    crc = gcs.crc32c_b64(p)
-                    files[f] = {"crc32c": crc, "size": os.path.getsize(p)}
-                    self.store.put_if_absent(f"{name}/{f}", p, crc)
-            except BaseException as e:
-                err = e
-            parts = agree(rt, err, f"saving {self._url(name)}", files, group=group)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        merged = {}
-        for part in parts:
-            merged.update(part)
-        err = None
-        try:  # one listing per process: the store's, not a file read
-            missing = sorted(set(merged) - self.listing().get(step, set()))
-            if missing:
-                err = FileNotFoundError(
-                    f"{self._url(name)} lacks {', '.join(missing)} here (written by other processes): the checkpoint "
-                    "root must be one place every host sees (gs://, or a shared filesystem); a local folder on each "
-                    "host holds only that host's shards, and no host could restore from it"
-                )
-        except BaseException as e:
-            err = e
-        agree(rt, err, f"saving {self._url(name)}", group=group)
-        return {"files": merged, "planner": "default", "processes": rt.world_size}
 
     def stage(self, state, rt):
         import torch.distributed as dist
