@@ -155,3 +155,25 @@ def test_bad_parallel_settings_are_one_line(tmp_path):
         assert "Traceback" not in out.stderr, out.stderr[-2000:]
         last = out.stderr.strip().splitlines()[-1]
         assert ("TrainConfig.parallel='fsdp2' needs torchrun" in last) or ("LABKIT_PARALLEL='fsdp'" in last), last
+
+
+def test_a_shard_stream_is_named_by_its_samples_over_every_process():
+    """A shard stream's len() is this process's batches, which another number of processes changes (44 on 4, 89 on
+    2): a resume on 2 of a 4-process checkpoint was refused as "another dataset". Its identity is the samples of
+    every shard."""
+    from labkit import resume
+
+    class Stream:
+        num_samples, batch_size, generation = 1437, 8, "g1"
+
+        def __len__(self):
+            return 44
+
+    class Loader:
+        dataset, batch_size = Stream(), None
+
+    assert resume.dataset_identity(Loader()) == {"total_samples": 1437, "generation": "g1"}
+    saved = {"dataset": {"total_samples": 1437, "generation": "g1"}, "batch_in_epoch": 4, "samples_in_epoch": 128}
+    resume.check_data(saved, Loader())  # the same data on another number of processes: no refusal
+    with pytest.raises(ValueError, match="another dataset"):
+        resume.check_data({**saved, "dataset": {"total_samples": 999}}, Loader())
