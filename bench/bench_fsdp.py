@@ -2,6 +2,7 @@
 CPU, nccl on GPUs); then what labkit adds per step under torchrun: the StepVote and a checkpoint save's stall.
 
     .venv/bin/python bench/bench_fsdp.py [--processes 2] [--trials 9] [--steps 20] [--accum 1] [--bf16]
+                                         [--accum-mode gathered|sharded]
 
 Starts `python -m torch.distributed.run --standalone --nproc-per-node N` of itself (default 2: the 2-core CPU this
 was written on; a default run took 101 s there at load average 14). In every process, two loops on the same GPT
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shutil
 import statistics
@@ -71,9 +73,8 @@ def child(args) -> None:
 
     torch.manual_seed(0)
     model = GPT(cfg)
-    tc = labkit.TrainConfig(
-        epochs=1, log_every=20, eval_every=0, clip_norm=1.0, parallel="fsdp2", accum_steps=k, compile="off"
-    )
+    tc = labkit.TrainConfig(epochs=1, log_every=20, eval_every=0, clip_norm=1.0, parallel="fsdp2", accum_steps=k)
+    tc = dataclasses.replace(tc, compile="off", fsdp_accumulate=args.accum_mode)  # checked again
     trainer = LMTrainer(model, adamw(model, 1e-3, rt=rt), rt, tc, batches[:k], precision=prec)
 
     def labkit_run(chunk):  # one fit() per chunk: an epoch of len(chunk) // k steps, the step counter going on
@@ -86,17 +87,20 @@ def child(args) -> None:
     hand = GPT(cfg).to(dev)
     mesh = init_device_mesh(dev.type, (rt.world_size,))
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if prec else {}
-    for block in hand.blocks:
-        fully_shard(block, mesh=mesh, **kw)
+    last = len(hand.blocks) - 1
+    for i, block in enumerate(hand.blocks):  # labkit's policy (torchtitan's): the last block stays gathered
+        fully_shard(block, mesh=mesh, reshard_after_forward=i < last, **kw)
     root = fully_shard(hand, mesh=mesh, **kw)
     opt = adamw(hand, 1e-3, rt=rt)
     losses = []
 
     def gradient_sync(enabled):  # labkit.parallel.FullyShard.gradient_sync, call for call
+        if args.accum_mode == "sharded":  # every micro-batch reduce-scatters: torch's defaults
+            return
         root.set_requires_gradient_sync(enabled)
         root.set_reshard_after_backward(enabled)
-        for block in hand.blocks:
-            block.set_reshard_after_forward(enabled, recurse=False)
+        for i, block in enumerate(hand.blocks):
+            block.set_reshard_after_forward(enabled and i < last, recurse=False)
 
     def hand_run(chunk):
         for i in range(0, len(chunk) - k + 1, k):
@@ -168,7 +172,9 @@ def child(args) -> None:
 
     if rt.is_master:
         what = f"{rt.world_size} processes ({rt.kind}), GPT {args.layers}x{args.width}, T=64, {args.rows} rows"
-        what += f", accum {k}, {'bf16' if prec else 'fp32'}, {args.trials} trials of {args.steps} steps"
+        what += (
+            f", accum {k} ({args.accum_mode}), {'bf16' if prec else 'fp32'}, {args.trials} trials of {args.steps} steps"
+        )
         print(what)
         for name, ts in times.items():
             print(f"{name:>8}: " + ", ".join(f"{t * 1e3:.1f}" for t in ts) + " ms/step")
@@ -194,6 +200,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="optimizer steps per trial")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     ap.add_argument("--bf16", action="store_true", help="bf16 gathers and autocast, fp32 reduction")
+    ap.add_argument(
+        "--accum-mode", choices=("gathered", "sharded"), default="gathered", help="TrainConfig.fsdp_accumulate"
+    )
     ap.add_argument("--count", type=int, default=2, help="optimizer steps counted for collectives")
     ap.add_argument("--votes", type=int, default=200)
     ap.add_argument("--layers", type=int, default=2)
