@@ -31,7 +31,9 @@
 # - follow a SIGTERM from torchrun to every process, and say what fits in the 30 s before SIGKILL;
 # - size a 7B model on 8 x 80 GB and choose a plan for 2 hosts of 8 GPUs, sizes this CPU cannot show.
 #
-# **Time**: TIME_LINE
+# **Time**: under a minute of run time in fast mode on a busy 2-core CPU (measured 42 s and 51 s under nbval,
+# solutions off and on, load 7-9), about 30 s of it the one torchrun launch of section 2; fast mode only shortens the
+# counted runs, so full mode is about the same; 30-45 minutes to read and do the three exercises.
 #
 # **In the course**: after 08; next: 07. It builds on 08 (DTensor, FSDP2, the Trainer under torchrun) and 03 (bytes
 # and collectives per device).
@@ -141,8 +143,8 @@ for plan, (w, state) in predicted.items():
 
 # %% [markdown]
 # The state column adds the shard of weights, gradients and AdamW state (4 x the weights kept) to what the window
-# keeps whole; `accumulation_bytes` leaves FSDP2's padding out, so its sharded figure can sit a few bytes under the
-# fsdp2 row. The collectives of one optimizer step come from `dtensor_plans.predict_collectives`: FSDP2 gathers each
+# keeps whole. `accumulation_bytes` leaves FSDP2's padding out; with 2 processes every first dimension here divides,
+# so its sharded figure equals the fsdp2 row. The collectives of one optimizer step come from `dtensor_plans.predict_collectives`: FSDP2 gathers each
 # block before its forward and again before its backward and the root once (2 L + 1 all-gathers for L blocks), and
 # reduce-scatters each unit's gradients once. `clip_norm` adds one all-reduce of a 4-byte partial norm. Gathered
 # accumulation keeps k = 1's collectives; sharded runs them for every micro-batch.
@@ -165,7 +167,7 @@ print(f"replicate: one all-reduce of the whole gradients, {whole:,d} B, per opti
 # gathered and sharded (collectives counted by `labkit.parallel.collective_counter`), an ordinary and a meta-device
 # build of the same model (section 3), and a run that gets SIGTERM (section 6). A thread watches the last run's
 # progress file and sends SIGTERM to process 1 alone once it has finished step 2, as a preempted host would. The
-# launch takes 20-40 s here, most of it starting the processes.
+# launch took 23-33 s in four runs here (2 processes, a loaded 2-core machine), most of it starting the processes.
 
 # %%
 tmp = tempfile.mkdtemp(prefix="labkit-nb09-")
@@ -235,8 +237,8 @@ print("built on the meta device:", meta_init.is_meta(meta), "| wte.weight on", m
 meta_init.materialize(meta, torch.device("cpu"))
 a, b = ordinary.state_dict(), meta.state_dict()
 assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-largest = max(p.numel() * p.element_size() for p in ordinary.parameters())
-print(f"{len(a)} tensors equal; largest tensor {largest:,d} B of {whole:,d} B")
+name, largest = max(((n, p.numel() * p.element_size()) for n, p in ordinary.named_parameters()), key=lambda t: t[1])
+print(f"{len(a)} tensors equal; the largest, {name}, {largest:,d} B of {whole:,d} B")
 plain_l, meta_l = report["plain"]["global_losses"], report["meta"]["global_losses"]
 print("fsdp2, ordinary build:", [round(v, 4) for v in plain_l])
 print("fsdp2, meta build:    ", [round(v, 4) for v in meta_l])
@@ -245,7 +247,7 @@ assert plain_l == meta_l
 # %% [markdown]
 # The meta build gives the ordinary build's values tensor for tensor, and under fsdp2 on the processes above it
 # trained with the same losses, to the last bit. A process's peak while building is then its shards plus the
-# largest tensor (here `wte`, printed above), instead of the whole model. The tiny GPT is too small for that to show
+# largest tensor (printed above), instead of the whole model. The tiny GPT is too small for that to show
 # in memory: `tests/test_fsdp_trainer.py` measures it on a 12.9 M-weight GPT, where the meta build's peak RSS must be
 # under 0.75 of the ordinary build's. The price is time: the initialisation runs once to record and once per process
 # to replay.
@@ -288,7 +290,7 @@ assert failed and "expected scalar type BFloat16 but found Float" in failed and 
 # shares that way; that run is *not repeated here*. Its source is short enough to read:
 
 # %%
-print(inspect.getsource(parallel.Processes.lockstep).split('"""')[-1].strip()[:900])
+print(inspect.getsource(parallel.Processes.lockstep).split('"""')[-1].strip())
 
 # %% [markdown]
 # ## 6. A preemption that arrives through torchrun
@@ -318,12 +320,14 @@ grace = inspect.signature(PContext.close).parameters["timeout"].default
 print(f"torchrun: SIGTERM to the workers, SIGKILL {grace} s later (PContext.close)")
 assert grace == 30 and "SIGKILL" in inspect.getdoc(PContext.close)
 state = 16 * weights  # weights, gradients and AdamW's moments, float32
-print(f"the tiny GPT's training state: {state:,d} B; a 7B model's: {16 * 7e9 / 1e9:,.0f} GB")
+big = 16 * 7e9  # a 7B model's
+print(f"training state: the tiny GPT {state:,d} B; a 7B model {big / 1e9:,.0f} GB, {big / grace / 1e9:.1f} GB/s to save in {grace} s")
 
 # %% [markdown]
 # What fits in those 30 s is the step in flight, the agreement, and a save whose bytes go out at your storage rate:
-# the tiny GPT's state, printed above, fits at any rate, a 7B model's 112 GB does not. So a large run saves on a
-# schedule and uses SIGTERM to finish the save already going up. A Spot VM gets the same 30 s from Google Compute
+# the tiny GPT's state, printed above, fits at any rate; a 7B model's 112 GB would need 3.7 GB/s with no time left
+# for the step, more than a host's upload to a bucket is likely to reach (*not verified here*). So a large run saves
+# on a schedule and uses SIGTERM to finish the save already going up. A Spot VM gets the same 30 s from Google Compute
 # Engine after its SIGTERM (their preemption documentation; *not verified here*).
 
 # %% [markdown]
@@ -335,8 +339,10 @@ print(f"the tiny GPT's training state: {state:,d} B; a 7B model's: {16 * 7e9 / 1
 
 # %%
 cross = dtensor_plans.predict_bytes("fsdp", cfg, 2)  # each process's float32 gradient shard, padded
-print(f"hsdp, 2 hosts x 2: {cross:,d} B all-reduced across hosts per step, per process; fsdp2 on 4 gathers "
-      f"{dtensor_plans.predict_collectives('fsdp', cfg, 4)['all-gather']['bytes']:,d} B a step over every link")
+flat = dtensor_plans.predict_collectives("fsdp", cfg, 4)
+spanning = flat["all-gather"]["bytes"] + flat["reduce-scatter"]["bytes"]
+print(f"hsdp, 2 hosts x 2: one all-reduce of {cross:,d} B a step crosses hosts, per process")
+print(f"fsdp2 over the same 4 processes: every all-gather and reduce-scatter spans both hosts, {spanning:,d} B a step")
 
 # %% [markdown]
 # Two hosts need two torchrun launches joined by a rendezvous, which would double this notebook's run time, so it is
