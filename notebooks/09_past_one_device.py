@@ -120,7 +120,7 @@ import torch.nn.functional as F
 from labkit import meta_init, parallel
 from labkit.lessons import exercises, fsdp_trainer  # check(), solutions_on(), results; the torchrun launcher
 from labkit.lessons.exercises import nb09  # this notebook's checkers
-from labkit.models.gpt import GPT
+from labkit.models import GPT
 from labkit.spmd import dtensor_plans
 
 N, K = P.processes, P.accum_steps
@@ -183,9 +183,18 @@ runs = [
     {"name": "meta", "parallel": "fsdp2", "steps": 3, "meta": True},
     {"name": "preempt", "parallel": "fsdp2", "steps": 40, "ckpt": os.path.join(tmp, "ck"), **preempt},
 ]
-report, signalled = {}, None
+report, failed, signalled = {}, [], None
+
+
+def launch():
+    try:
+        report.update(fsdp_trainer.launch(N, runs))
+    except Exception as e:  # raised again below, in the cell
+        failed.append(e)
+
+
 t0 = time.perf_counter()
-worker = threading.Thread(target=lambda: report.update(fsdp_trainer.launch(N, runs)))
+worker = threading.Thread(target=launch)
 worker.start()
 while worker.is_alive():
     seen = open(f"{progress}.1").read().split() if os.path.exists(f"{progress}.1") else []
@@ -194,6 +203,8 @@ while worker.is_alive():
         os.kill(int(seen[0]), signal.SIGTERM)  # that process alone, not torchrun
     time.sleep(0.02)
 worker.join()
+if failed:
+    raise failed[0]
 print(f"one torchrun of {N} processes: {time.perf_counter() - t0:.0f} s")
 assert not [n for n, r in report.items() if "error" in r], report
 for name in ("replicate", "fsdp2", "gathered", "sharded"):
