@@ -33,7 +33,7 @@
 # **Time**: 1–5 minutes of run time on a 2-core CPU (XLA:CPU; no fast mode): 61 s measured on a quiet machine with
 # the exercises unsolved, 260 s on a busy one (the three sharded runs of section 5 take ~12 s each when quiet); 60–90 minutes to read, find the faults and fix them in the four exercises.
 #
-# **In the course**: after 08; next: the appendix, 05. The capstone: it uses 00's counters, 04's detective and sync
+# **In the course**: after 09; next: the appendix, 05. The capstone: it uses 00's counters, 04's detective and sync
 # finder, 06's feed meter and 03's bytes per device.
 #
 # Which lessons carry over: a starving input pipeline, a host read per step and a roofline prediction are the

@@ -41,7 +41,7 @@
 # `backend="aot_eager"` or `"eager"`); full mode about 3 minutes plus the same DTensor run; 35–50 minutes to read
 # and do the four exercises.
 #
-# **In the course**: after 03; next: 07. It builds on 00 (a step and its graphs), 03 (the sharding plans) and 04
+# **In the course**: after 03; next: 09. It builds on 00 (a step and its graphs), 03 (the sharding plans) and 04
 # (recompiles and syncs), on the engine TorchTPU and GPUs run.
 #
 # Every claim below is checked by an `assert`. The exercises print ✓ or ✗ and never stop *Run all*; their

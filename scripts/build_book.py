@@ -31,7 +31,7 @@ REPO_URL = "https://github.com/labkit/labkit"
 # 02, 03 and 07, so it comes right after 00; 06 (data someone else wrote) follows 01 (shards labkit wrote);
 # 08 (torch.compile + DTensor, the compiled engine) builds on 00, 03 and 04; 07 is the capstone; 05 (serving
 # on a CPU) is an appendix.
-COURSE = ("00", "04", "01", "06", "02", "03", "08", "07", "05")
+COURSE = ("00", "04", "01", "06", "02", "03", "08", "09", "07", "05")
 APPENDIX = ("05",)
 
 

@@ -194,8 +194,7 @@ def accumulation(plan, params: int) -> tuple[str, str]:
         return plan.accumulate, ""
     shard = plan.rt.world_size // plan.hosts
     gather = 2 if plan.mixed_precision() is not None else 4
-    gathered = params * (gather + 4) + params * STATE_BYTES_PER_WEIGHT // shard
-    sharded = params * STATE_BYTES_PER_WEIGHT // shard
+    gathered, sharded = accumulation_bytes(params, shard, gather)
     mode, memory = plan.accumulate, device_memory(plan.rt)
     if mode == "auto":
         mode = "gathered" if memory is None or gathered <= memory / 2 else "sharded"
@@ -208,3 +207,12 @@ def accumulation(plan, params: int) -> tuple[str, str]:
     else:
         cost = f"{sharded / 2**20:,.0f} MB a process (shards), {plan.accum_steps}x k = 1's collectives"
     return mode, f"accumulation {mode} ({why}): {cost}"
+
+
+def accumulation_bytes(params: int, shard: int, gather: int = 4) -> tuple[int, int]:
+    """(gathered, sharded): bytes per process through an accumulation window under fsdp2/hsdp, padding and
+    activations left out. Both hold the shard of weights, gradients and AdamW state (16 B a weight / `shard`, the
+    processes a weight is split over); gathered adds the whole model's gathered weights (`gather` B a weight: 2
+    under bf16) and its whole unreduced float32 gradients (4 B)."""
+    sharded = params * STATE_BYTES_PER_WEIGHT // shard
+    return params * (gather + 4) + sharded, sharded
