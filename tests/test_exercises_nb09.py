@@ -146,7 +146,12 @@ def test_labkits_own_rules_are_refused(capsys, monkeypatch):
 
 def test_the_rules_are_labkits():
     """accumulate_rule's bytes are what labkit.parallel.accumulation says for fp32 fsdp2 (its message, in MB)."""
+    from labkit.models.gpt import GPTConfig
+    from labkit.spmd import dtensor_plans
+
     gathered, sharded = parallel.accumulation_bytes(10**8, 4, 4)
-    assert nb09.accumulate_rule("gathered", 10**8, 4, 3, 2) == (gathered, 5)
-    assert nb09.accumulate_rule("sharded", 10**8, 4, 3, 2) == (sharded, 15)
+    cfg = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)  # the Trainer's policy: the last block kept
+    per_step = dtensor_plans.predict_collectives("fsdp", cfg, 4, last_kept=True)["all-gather"]["count"]
+    assert nb09.accumulate_rule("gathered", 10**8, 4, 3, 2) == (gathered, per_step) == (gathered, 4)
+    assert nb09.accumulate_rule("sharded", 10**8, 4, 3, 2) == (sharded, 3 * per_step)
     assert math.isclose(nb09.gpu_bytes_rule(7 * 10**9, 8, 7 * 10**9 // 32, 2), 14e9 + 2 * (7 * 10**9 // 32))

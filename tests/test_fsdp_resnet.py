@@ -116,8 +116,8 @@ def test_sigterm_to_torchrun_saves_once_and_resume_continues_at_the_next_step(tm
     stopped_s = time.time() - t0
     assert code != "timed out" and stopped_s < 30, (stopped_s, text[-3000:])
     assert text.count("Preempted: SIGTERM") == 2, text[-3000:]  # both workers, one line each, no traceback
-    # the workers end in one line each; torchrun itself then prints its own SignalException traceback (its code)
-    assert "labkit/" not in text.split("step      5")[-1], text[-3000:]
+    # the workers end in one line each; torchrun itself then prints its own SignalException traceback, the only one
+    assert text.count("Traceback (most recent call last)") <= 1 and "SignalException" in text, text[-3000:]
     committed = sorted(int(p.parent.name.split("-")[1]) for p in (tmp_path / "ck").glob("step-*/COMMITTED"))
     assert committed and committed[-1] >= 5, committed
     stop = committed[-1]
