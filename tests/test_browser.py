@@ -346,7 +346,7 @@ FIGURE_NOTEBOOK = [
 PAGE_JS = """
 const imgs = [...document.querySelectorAll('img')].map(i => ({src: i.src.slice(0, 80), ok: i.complete && i.naturalWidth > 0}));
 const links = [...document.querySelectorAll('a[href]')].map(a => a.href);
-return {title: document.title, imgs: imgs, links: links, text: document.body.innerText.slice(0, 4000)};
+return {title: document.title, imgs: imgs, links: links, text: document.body.innerText.slice(0, 20000)};
 """
 
 
