@@ -112,7 +112,7 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 # (`parallel.accumulation_bytes`); the sharded mode adds nothing but gathers again every micro-batch.
 
 # %%
-import inspect, signal, tempfile, threading, time
+import inspect, tempfile, time
 
 import torch
 import torch.nn.functional as F
@@ -168,15 +168,15 @@ print(f"replicate: one all-reduce of the whole gradients, {whole:,d} B, per opti
 # ## 2. One launch, counted
 # One `torchrun` of `P.processes` gloo processes runs, in order: replicate, fsdp2, fsdp2 with k micro-batches
 # gathered and sharded (collectives counted by `labkit.parallel.collective_counter`), an ordinary and a meta-device
-# build of the same model (section 3), and a run that gets SIGTERM (section 6). A thread watches the last run's
-# progress file and sends SIGTERM to process 1 alone once it has finished step 2, as a preempted host would. The
+# build of the same model (section 3), and a run that gets SIGTERM (section 6): process 1 alone sends SIGTERM to
+# itself once it has finished step 2 (`sigterm_at`), as one process of a preempted job gets it. The
 # cell prints how long the launch took: 10-33 s on a 2-core machine, quiet to loaded, mostly starting the processes.
 
 # %%
 tmp = tempfile.mkdtemp(prefix="labkit-nb09-")
 progress = os.path.join(tmp, "progress")
 count = {"steps": P.steps, "count": True}
-preempt = {"progress": progress, "step_sleep": 0.1}  # PATH.RANK holds "PID STEP" after each step
+preempt = {"progress": progress, "step_sleep": 0.1, "sigterm_at": [1, 2]}  # process 1, after its step 2
 runs = [
     {"name": "replicate", "parallel": "replicate", **count},
     {"name": "fsdp2", "parallel": "fsdp2", **count},
@@ -186,28 +186,8 @@ runs = [
     {"name": "meta", "parallel": "fsdp2", "steps": 3, "meta": True},
     {"name": "preempt", "parallel": "fsdp2", "steps": 40, "ckpt": os.path.join(tmp, "ck"), **preempt},
 ]
-report, failed, signalled = {}, [], None
-
-
-def launch():
-    try:
-        report.update(fsdp_trainer.launch(N, runs))
-    except Exception as e:  # raised again below, in the cell
-        failed.append(e)
-
-
 t0 = time.perf_counter()
-worker = threading.Thread(target=launch)
-worker.start()
-while worker.is_alive():
-    seen = open(f"{progress}.1").read().split() if os.path.exists(f"{progress}.1") else []
-    if signalled is None and len(seen) == 2 and int(seen[1]) >= 2:  # process 1 has finished step 2
-        signalled = int(seen[1])
-        os.kill(int(seen[0]), signal.SIGTERM)  # that process alone, not torchrun
-    time.sleep(0.02)
-worker.join()
-if failed:
-    raise failed[0]
+report, signalled = fsdp_trainer.launch(N, runs), 2
 print(f"one torchrun of {N} processes: {time.perf_counter() - t0:.0f} s")
 assert not [n for n, r in report.items() if "error" in r], report
 for name in ("replicate", "fsdp2", "gathered", "sharded"):

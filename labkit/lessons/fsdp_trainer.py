@@ -8,7 +8,8 @@ and tests/test_fsdp_trainer.py.
 launch() starts `python -m torch.distributed.run --standalone --nproc-per-node N -m labkit.lessons.fsdp_trainer JOB`
 and returns process 0's report. A run is {"name", "parallel", "accum_steps", "merge", "steps", "stop_at", "ckpt",
 "checkpoint_every", "resume", "count", "compile", "compile_backend", "clip", "n_embd", "n_layer", "progress", "step_sleep",
-"meta" (built by labkit.meta_init), "budget_mb" (LABKIT_MEMORY_MB while the plan is chosen), "fsdp_accumulate"}. Every run trains the same
+"meta" (built by labkit.meta_init), "budget_mb" (LABKIT_MEMORY_MB while the plan is chosen), "fsdp_accumulate",
+"sigterm_at" ([rank, step]: that process signals itself after that step)}. Every run trains the same
 data: `steps` optimizer steps of GLOBAL rows per micro-batch, split over the processes (each its rows of every
 micro-batch). merge=True feeds each process its k micro-batches as one batch (accum_steps=1): the k-times larger
 batch, row for row the same. Each run's report: "losses" (process 0's, per step), "global_losses" (per micro-batch,
@@ -117,15 +118,19 @@ class GlobalLoss(LMTrainer):
 
 class Progress:
     """A callback: after each step, `PATH.RANK` holds "PID STEP" (a test signals one process by it); `sleep` seconds
-    a step, so that a signal finds the run still going."""
+    a step, so that a signal finds the run still going. sigterm_at=(rank, step): that process sends SIGTERM to
+    itself after that step, as a preempted host's process gets it (no PID read from a file, which another process
+    may hold by the time a signal is sent)."""
 
-    def __init__(self, path, rank, sleep):
-        self.path, self.sleep = f"{path}.{rank}", sleep
+    def __init__(self, path, rank, sleep, sigterm_at=None):
+        self.path, self.sleep, self.rank, self.sigterm_at = f"{path}.{rank}", sleep, rank, sigterm_at
 
     def on_step_end(self, trainer, batch):
         with open(self.path + ".tmp", "w") as f:
             f.write(f"{os.getpid()} {trainer.step}")
         os.replace(self.path + ".tmp", self.path)
+        if self.sigterm_at is not None and list(self.sigterm_at) == [self.rank, trainer.step]:
+            os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(self.sleep)
 
 
@@ -152,7 +157,10 @@ def run(rt, spec, steps_total):
     )
     ckpt = CheckpointManager(spec["ckpt"], keep=2, rt=rt, async_save=False) if spec.get("ckpt") else None
     loader = Rows(text, rt.ordinal, rt.world_size, merge)
-    progress = [Progress(spec["progress"], rt.ordinal, spec.get("step_sleep", 0.0))] if spec.get("progress") else []
+    progress = spec.get("progress") and [
+        Progress(spec["progress"], rt.ordinal, spec.get("step_sleep", 0.0), spec.get("sigterm_at"))
+    ]
+    progress = progress or []
     if spec.get("budget_mb"):  # the per-process memory "auto" plans for (labkit.parallel.device_memory)
         os.environ["LABKIT_MEMORY_MB"] = str(spec["budget_mb"])
     rss0, peak = _rss_mb(), PeakRSS()
