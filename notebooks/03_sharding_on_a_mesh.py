@@ -18,59 +18,73 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/03_sharding_on_a_mesh.ipynb)
 #
-# The GPT of notebook 02, trained the same number of steps on the same batches four ways:
+# This notebook trains the GPT of notebook 02 four ways. Each way runs the same number of steps on the same batches:
 #
 # 1. **one device**: the reference;
-# 2. **data parallel**: every device holds all the weights and a slice of the batch; gradients are summed;
-# 3. **tensor parallel** (Megatron style): on a 2-D `data x model` mesh, each block's attention heads and MLP units
-#    are split over the `model` axis, the batch over `data`;
-# 4. **FSDP** (torch_xla's FSDPv2, `SpmdFullyShardedDataParallel`): every weight and the batch split over all devices.
+# 2. **data parallel**: every device holds all the weights and a slice of the batch, and the gradients are summed;
+# 3. **tensor parallel**, Megatron style: on a 2-D `data x model` mesh, each block's attention heads and MLP units are
+#    split over the `model` axis, and the batch over `data`;
+# 4. **FSDP** with torch_xla's FSDPv2, `SpmdFullyShardedDataParallel`: every weight and the batch are split over all
+#    devices.
 #
-# For each: a picture of where the weights and the batch live, the bytes of parameters and optimizer state one
-# device holds, the collectives XLA put into the compiled step (read from its optimized HLO) next to what we
-# predict on paper, step time and MFU, and the losses, which must match the one-device run. Then the bytes turned
-# into time on real TPU generations, and last, the FSDP run checkpointed shard by shard and restored into the
-# data-parallel layout, bit for bit. By the end you can:
+# For each strategy you see a picture of where the weights and the batch live. You see the bytes of parameters and
+# optimizer state that one device holds. You see the collectives XLA put into the compiled step, read from its optimized
+# HLO, next to what we predict on paper. Then come step time, MFU and the losses, which must match the one-device run.
 #
-# - build a mesh and mark shardings by hand, and read back where each tensor lives and which collectives XLA added;
+# After that, the bytes become time on real TPU generations. Last, the FSDP run is saved shard by shard and restored
+# into the data-parallel layout, bit for bit. By the end you can:
+#
+# - build a mesh and mark shardings by hand, then read back where each tensor lives and which collectives XLA added;
 # - predict each strategy's bytes per device and its collectives, and check them against the optimized HLO;
-# - turn those bytes into time over a TPU generation's inter-chip links, and say at what batch per chip each
-#   strategy stops waiting for the network (and predict it for a model and a slice this machine cannot run);
+# - turn those bytes into time over a TPU generation's inter-chip links;
+# - say at what batch per chip each strategy stops waiting for the network, also for a model this machine cannot run;
 # - save a sharded checkpoint and restore it onto another layout.
 #
-# **Time**: about 1.5 min of CPU time in fast mode, 4–5 min of wall time on a 2-core CPU (8 virtual XLA:CPU devices
-# compiling four partitioned training graphs); 50–70 minutes to read and do the five exercises.
+# **Time**: about 1.5 min of CPU time in fast mode, and 1.3–5 min of wall time, quiet machine to busy; 50–70 minutes to
+# read and do the five exercises. Most of the run is spent compiling four partitioned training graphs for 8 virtual
+# devices.
+#
+# *Measured on: 2-core CPU, XLA:CPU, torch_xla 2.9, fast mode.*
 #
 # **In the course**: after 02; next: 08.
 #
-# On a TPU host with several chips (a v5e-8: 8 chips; a v4-8: 4 chips) the mesh is the chips. Anywhere else torch_xla
-# runs on the CPU as 8 *virtual* devices in one process: the partitioning, the collectives and the bytes are real,
-# the speed is not (all 8 share the same cores). That includes Colab's TPU runtime, a v5e-1 with **one** chip (one
-# chip is not a mesh): the parameters cell then says so and switches to the CPU before torch_xla starts. torch_xla
-# 2.9 has no GPU backend, so a GPU runtime practises on its CPU as well.
+# On a TPU host with several chips, the mesh is the chips: a v5e-8 has 8, a v4-8 has 4. Anywhere else, torch_xla runs on
+# the CPU as 8 *virtual* devices in one process. The partitioning, the collectives and the bytes are real. The speed is
+# not, because all 8 devices share the same cores.
 #
-# Which lessons are torch_xla's: `xs.Mesh`, `xs.mark_sharding`, `SpmdFullyShardedDataParallel`, and GSPMD, XLA's
-# sharding propagation and partitioner (the compiler, not your code, inserts the collectives). XLA is replacing GSPMD
-# with **Shardy**, the partitioner JAX already uses by default; torch_xla 2.9 still runs GSPMD and logs a deprecation
-# warning on every partitioned compile (hidden here, see the parameters cell). The ideas below are the same under both. Which carry over: the mesh with named axes, the placements
-# (split a dimension over an axis, or replicate), what each strategy costs in memory and communication. Plain
-# PyTorch writes the same with `init_device_mesh` + DTensor (`Shard(0)`, `Replicate()`), `parallelize_module` with
-# `ColwiseParallel`/`RowwiseParallel` for Megatron, and `fully_shard` (FSDP2); JAX with `Mesh` + `PartitionSpec`.
+# That includes Colab's TPU runtime, a v5e-1 with **one** chip. One chip is not a mesh, so the parameters cell says so
+# and switches to the CPU before torch_xla starts. There is no GPU backend in torch_xla 2.9, so a GPU runtime practises
+# on its CPU as well.
+#
+# Some lessons are torch_xla's own: `xs.Mesh`, `xs.mark_sharding`, `SpmdFullyShardedDataParallel`, and GSPMD. GSPMD is
+# XLA's sharding propagation and partitioner: the compiler, not your code, inserts the collectives. XLA is replacing
+# GSPMD with **Shardy**, the partitioner JAX already uses by default. torch_xla 2.9 still runs GSPMD. It logs a
+# deprecation warning on every partitioned compile, which the parameters cell hides. The ideas below are the same under
+# both partitioners.
+#
+# Other lessons carry over: the mesh with named axes, the placements, and what each strategy costs in memory and
+# communication. A placement either splits a dimension over an axis or replicates it. Plain PyTorch writes the same with
+# `init_device_mesh` and DTensor's `Shard(0)` and `Replicate()`. Megatron's split is `parallelize_module` with
+# `ColwiseParallel` and `RowwiseParallel`, and FSDP2 is `fully_shard`. JAX writes it with `Mesh` and `PartitionSpec`.
 
 # %% [markdown]
 # ## Parameters
-# Every knob lives in this cell; each can be set from the environment as `LABKIT_<NAME>`. `LABKIT_FAST=1` gives
-# the CI-sized run: a 1-layer, 32-wide GPT, 4 steps of each strategy (8 virtual devices on a 2-core CPU compile
-# slowly: the whole notebook takes about 90 s of CPU time, most of it compiling four partitioned training graphs).
-# The defaults are sized for a TPU host with 8 chips.
+# Every knob lives in this cell. Each one can be set from the environment as `LABKIT_<NAME>`. `LABKIT_FAST=1` gives the
+# CI-sized run: a 1-layer GPT of width 32, and 4 steps of each strategy. The defaults are sized for a TPU host with 8
+# chips.
 #
-# This cell also prepares the devices, because it must happen before torch_xla starts (`labkit.spmd.practice_devices`
-# prints what it chose): without a TPU, or on a TPU host with fewer than 2 chips, 8 virtual XLA:CPU devices
-# (`PJRT_DEVICE=CPU`, `CPU_NUM_DEVICES=8`); everywhere, XLA's optimized HLO dumped as text
-# (`XLA_FLAGS=--xla_dump_to=...`), where the collectives can be counted; and XLA's C++ log level raised to errors
-# (`TF_CPP_MIN_LOG_LEVEL=2`), because torch_xla 2.9's XLA prints the same GSPMD-to-Shardy deprecation warning once per partitioned
-# compile, dozens of times. If torch_xla already runs on a one-chip TPU in this kernel, the cell says so: restart the
-# runtime and run it first.
+# This cell also prepares the devices, because that must happen before torch_xla starts. `labkit.spmd.practice_devices`
+# prints what it chose:
+#
+# - without a TPU, or on a TPU host with fewer than 2 chips, 8 virtual XLA:CPU devices (`PJRT_DEVICE=CPU`,
+#   `CPU_NUM_DEVICES=8`);
+# - everywhere, XLA's optimized HLO dumped as text (`XLA_FLAGS=--xla_dump_to=...`), where the collectives can be
+#   counted;
+# - XLA's C++ log level raised to errors (`TF_CPP_MIN_LOG_LEVEL=2`). Otherwise torch_xla 2.9's XLA prints the same
+#   GSPMD-to-Shardy deprecation warning once per partitioned compile, dozens of times.
+#
+# If torch_xla already runs on a one-chip TPU in this kernel, the cell says so. Restart the runtime and run this cell
+# first.
 
 # %% tags=["parameters"]
 import dataclasses, os, sys, tempfile
@@ -108,11 +122,12 @@ P
 
 # %% [markdown]
 # ## Set-up
-# Runs wherever you opened this (Colab TPU or GPU, Kaggle, a TPU VM, a laptop) and never replaces what the runtime
-# already has: it keeps the image's torch (and torch_xla when the pair matches), installs only what is missing,
-# and prints what it found and chose (`labkit setup: platform=... choice=...`). Only where torch and torch_xla are
-# missing or do not match (a bare TPU VM, a torch upgraded by hand) it installs the pair together and asks you to
-# restart the runtime; then run the notebook again.
+# This cell runs wherever you opened the notebook: Colab TPU or GPU, Kaggle, a TPU VM or a laptop. It never replaces
+# what the runtime already has. It keeps the image's torch, and torch_xla too when the pair matches. It installs only
+# what is missing, and prints what it found and chose (`labkit setup: platform=... choice=...`).
+#
+# Where torch and torch_xla are missing or do not match, it installs the pair together and asks you to restart the
+# runtime. That happens on a bare TPU VM, or after torch was upgraded by hand. Then run the notebook again.
 
 # %% tags=["setup"]
 # Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
@@ -145,10 +160,14 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 
 # %% [markdown]
 # ## 1. The devices and the mesh
-# `labkit.setup(spmd=True)` switches torch_xla to SPMD: one process, one program written for one big device, and
-# `mark_sharding` to say how each tensor is laid out over a `Mesh`. Data parallelism and FSDP use a 1-D mesh over
-# all devices; tensor parallelism a 2-D one, `data x model`: devices 0,1 form a model group (they split one
-# layer), 0,2,4,6 a data group (they hold the same weight slice and different batch slices).
+# `labkit.setup(spmd=True)` switches torch_xla to SPMD. There is one process and one program, written as if for one big
+# device. `mark_sharding` says how each tensor is laid out over a `Mesh`.
+#
+# Data parallelism and FSDP use a 1-D mesh over all devices. Tensor parallelism uses a 2-D one, `data x model`. Devices
+# 0 and 1 form a model group: they split one layer. Devices 0, 2, 4 and 6 form a data group: they hold the same weight
+# slice and different batch slices.
+#
+# The cell prints the backend and the number of devices. On the CPU it also says that the timings are not a TPU's.
 
 # %%
 import time
@@ -170,11 +189,13 @@ assert P.batch_size % N_DEV == 0, f"batch_size={P.batch_size} must divide over {
 
 # %% [markdown]
 # ## 2. The model and the batches
-# `labkit.models.gpt.GPT` as in notebook 02, trained on the same offline text (the Python Language Reference, bytes as
-# tokens). Every strategy starts from the same initial weights (seeded) and sees the same list of batches, so
-# the four loss curves must agree up to floating-point rounding: a sum split over devices is added in another
-# order. Tensor parallelism needs whole attention heads per device, so its copy of the model keeps q, k and v as
-# three matrices (`labkit.spmd.sharding.split_qkv`, the same values): split by rows, each device gets whole heads.
+# The model is notebook 02's `labkit.models.gpt.GPT`, trained on the same offline text: the Python Language Reference,
+# with bytes as tokens. Every strategy starts from the same seeded weights and sees the same list of batches. So the
+# four loss curves must agree up to floating-point rounding, since a sum split over devices is added in another order.
+#
+# Tensor parallelism needs whole attention heads on each device. So its copy of the model keeps q, k and v as three
+# matrices, with the same values (`labkit.spmd.sharding.split_qkv`). Split by rows, each device then gets whole heads.
+# The cell prints the model's size and the FLOPs of one step, which section 8 uses for MFU.
 
 # %%
 from labkit.dashboard import flops
@@ -195,24 +216,27 @@ print(f"{sum(p.numel() for p in probe.parameters()):,} parameters ({PARAM_BYTES 
 
 # %% [markdown]
 # ## 3. Shard by hand first
-# Before labkit's strategies do it for you, lay the GPT out yourself. All of GSPMD's interface is two calls:
+# Before labkit's strategies do it for you, lay the GPT out yourself. GSPMD's whole interface is two calls:
 #
-# * `xs.Mesh(device_ids, mesh_shape, axis_names)`: the devices arranged as an array whose axes have names. Here
-#   `(devices / 2, 2)` named `("data", "model")`: each row of the array is a *model group* (the devices that split
-#   one layer), each column a *data group* (the devices that hold the same slices and see different sequences).
-# * `xs.mark_sharding(t, mesh, spec)`: a *partition spec* has one entry per dimension of `t`: the name of the mesh
-#   axis to split that dimension over, or `None` to keep it whole. It splits nothing by itself: it annotates the
-#   tensor, and when the step compiles, XLA's SPMD partitioner writes each device's part of the program and inserts
-#   the collectives the layout needs.
+# * `xs.Mesh(device_ids, mesh_shape, axis_names)` arranges the devices as an array whose axes have names. Here the shape
+#   is `(devices / 2, 2)`, named `("data", "model")`. Each row of the array is a *model group*: the devices that split
+#   one layer. Each column is a *data group*: the devices that hold the same slices and see different sequences.
+# * `xs.mark_sharding(t, mesh, spec)` takes a *partition spec* with one entry per dimension of `t`. Each entry names the
+#   mesh axis to split that dimension over, or is `None` to keep it whole. The call splits nothing by itself: it
+#   annotates the tensor. When the step compiles, XLA's SPMD partitioner writes each device's part of the program. It
+#   also inserts the collectives the layout needs.
 #
-# Megatron's pair for every MLP: `mlp.fc` (4C x C, output by input features) split by its rows, so each device of a
-# model group computes a slice of the hidden units and GELU needs nothing from the others (*column parallel*, in
-# Megatron's terms: the weight's output columns when it is written input x output); `mlp.proj` (C x 4C) split
-# by its columns, so each device multiplies its own hidden slice and holds a *partial sum* of the output (*row
-# parallel*). Predict before running: completing that sum takes an **all-reduce within each model group** (the 2
-# devices of one row of the mesh, over the `model` axis), and the weights left whole here (attention, embeddings)
-# get gradients summed over the data groups. The batch is split by sequences over `"data"`. Two training steps,
-# then the layout read back and the collectives read from the compiled step's HLO.
+# Megatron splits every MLP as a pair. `mlp.fc` is 4C x C, output features by input features. It is split by its rows,
+# so each device of a model group computes a slice of the hidden units. GELU then needs nothing from the other devices.
+# Megatron calls this *column parallel*, because it splits the output columns of the weight written as input x output.
+#
+# `mlp.proj` is C x 4C, split by its columns. Each device multiplies its own hidden slice and holds a *partial sum* of
+# the output. Megatron calls this *row parallel*.
+#
+# Predict before running. Completing that sum takes an **all-reduce within each model group**: the 2 devices of one row
+# of the mesh, over the `model` axis. The weights left whole here, attention and embeddings, get their gradients summed
+# over the data groups. The batch is split by sequences over `"data"`. The cell runs two training steps. Then it reads
+# back the layout, and reads the collectives from the compiled step's HLO.
 
 # %%
 import numpy as np
@@ -272,45 +296,61 @@ if DUMPING:
         "gradients of the weights left whole are summed across the data groups"
 
 # %% [markdown]
-# **The whole Megatron block.** Attention gets the same pair: q, k and v are column parallel (each device of a model
-# group computes whole heads of its own, and attention needs nothing from the other heads) and the attention's output
-# projection is row parallel (a partial sum, completed by an all-reduce). labkit's tensor-parallel strategy (section
-# 4) splits both, the MLP as above. Per block that makes **2 all-reduces in the forward** (attention's output and the
-# MLP's), each of one data slice's activations, (B/data, T, C). The backward mirrors them: the gradient with respect
-# to a column-parallel layer's input is a partial sum over the devices' slices, so the inputs of q/k/v and of
-# `mlp.fc` need **2 more**: 4 all-reduces per block, all within a model group. Section 7 counts them in the HLO;
-# exercise 4 asks for their bytes.
+# The printout has three parts. First, each tensor's shape, the slice one device holds, and its sharding string. Then
+# the losses of the two steps. Last, the collectives of the step, grouped by kind and group size, with the predicted
+# size of the model group's all-reduce beside the measured ones.
+#
+# **The whole Megatron block.** Attention gets the same pair. q, k and v are column parallel: each device of a model
+# group computes whole heads of its own, and attention needs nothing from the other heads. Attention's output projection
+# is row parallel: it gives a partial sum, which an all-reduce completes. labkit's tensor-parallel strategy in section 4
+# splits both attention and the MLP.
+#
+# Per block that makes **2 all-reduces in the forward**, after attention and after the MLP. Each carries one data
+# slice's activations, (B/data, T, C). The backward mirrors them. The gradient with respect to a column-parallel layer's
+# input is a partial sum over the devices' slices. So the inputs of q/k/v and of `mlp.fc` need **2 more**. That makes 4
+# all-reduces per block, all within a model group. Section 7 counts them in the HLO, and exercise 4 asks for their
+# bytes.
 
 # %% [markdown]
-# **Reading a sharding string.** `S.sharding_of` prints torch_xla's own text, XLA's HLO sharding. For
-# `mlp.fc.weight` on this (4, 2) mesh, split by rows over `"model"`, it reads like
-# `{devices=[2,1,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate}`:
-# `[2,1,4]` cuts the tensor into 2 × 1 tiles (dim 0 in two, dim 1 whole), and the last number, 4, with
-# `last_tile_dim_replicate`, says each tile is held by 4 devices (the data axis: a copy per data group). The device
-# ids follow, tile by tile: tile 0 (the first half of the rows) on devices 0, 2, 4, 6, tile 1 on 1, 3, 5, 7, one
-# device of each model group (rows `[0, 1]`, `[2, 3]`, ... above) per half. `{replicated}` is a tensor every device
-# holds whole; `{devices=[4,1]0,1,2,3}` without the last word, a tensor cut in 4 with no copies.
+# **Reading a sharding string.** `S.sharding_of` prints torch_xla's own text, XLA's HLO sharding. Take `mlp.fc.weight`
+# on this (4, 2) mesh, split by rows over `"model"`. Its string reads like `{devices=[2,1,4]0,2,4,6,1,3,5,7
+# last_tile_dim_replicate}`.
 #
-# XLA also added collectives nobody asked for (the all-gathers above): wherever a tensor laid out one way meets an
-# op that needs another, the partitioner moves data; section 7 counts them for every strategy.
+# - `[2,1,4]` cuts the tensor into 2 × 1 tiles: dim 0 in two, dim 1 whole.
+# - The last number, 4, with `last_tile_dim_replicate`, says that 4 devices hold each tile. That is the data axis: one
+#   copy per data group.
+# - The device ids follow, tile by tile. Tile 0, the first half of the rows, lives on devices 0, 2, 4 and 6. Tile 1
+#   lives on 1, 3, 5 and 7. So each model group, such as `[0, 1]` or `[2, 3]`, holds both halves.
+# - `{replicated}` is a tensor every device holds whole. `{devices=[4,1]0,1,2,3}`, without the last word, is a tensor
+#   cut in 4 with no copies.
 #
-# The strategies below do exactly this for you: `labkit.spmd.make_mesh` builds the same mesh, and the tensor-parallel
-# one marks the same two weights (plus attention's heads), and the batch, the same way. The cell after training
-# checks it: the same sharding strings and, from the same weights and batches, the same losses.
+# XLA also added collectives nobody asked for: the all-gathers above. Wherever a tensor laid out one way meets an op
+# that needs another layout, the partitioner moves data. Section 7 counts these for every strategy.
 #
-# *torch_xla's*: `xs.Mesh`, `xs.mark_sharding` and reading the partitioned HLO. *Carries over*: a mesh of named axes
-# and a placement per tensor dimension are DTensor's `DeviceMesh` with `Shard(dim)` / `Replicate()` (TorchTPU's
-# sharding; not run here) and JAX's `NamedSharding` with a `PartitionSpec`.
+# The strategies below do exactly this for you. `labkit.spmd.make_mesh` builds the same mesh. The tensor-parallel
+# strategy marks the same two weights, attention's heads, and the batch, the same way. The cell after training checks
+# it: the same sharding strings and, from the same weights and batches, the same losses.
+#
+# *torch_xla's*: `xs.Mesh`, `xs.mark_sharding` and reading the partitioned HLO. *Carries over*: a mesh of named axes and
+# a placement per tensor dimension. DTensor writes them as `DeviceMesh` with `Shard(dim)` and `Replicate()`, which is
+# also how TorchTPU shards (not run here). JAX writes them as `NamedSharding` with a `PartitionSpec`.
 
 # %% [markdown]
 # ## 4. Train four ways
-# `labkit.lessons.parallel_gpt.train` builds the model for a strategy, creates AdamW's moments with each weight's
-# sharding before the first step (one compile), runs the steps with the batch marked as split, waits for the
-# device after each step (honest step times), and reads the collectives from the newest compiled step graph.
+# `labkit.lessons.parallel_gpt.train` does five things for each strategy:
 #
-# The FSDP run prints torch's `Full backward hook is firing when gradients are computed with respect to module outputs
-# since no inputs require gradients`: torch_xla's FSDPv2 hooks each wrapped module's backward (to place an
-# optimization barrier), and a GPT's input is token ids, which never require gradients. Expected, harmless.
+# 1. it builds the model;
+# 2. it creates AdamW's moments with each weight's sharding before the first step, so the step compiles once;
+# 3. it runs the steps with the batch marked as split;
+# 4. it waits for the device after each step, so the step times are honest;
+# 5. it reads the collectives from the newest compiled step graph.
+#
+# Each strategy prints one line: its mesh, its seconds including compiling, and its first and last losses. The losses
+# should start at the same value on every line.
+#
+# The FSDP run prints a warning from torch: `Full backward hook is firing when gradients are computed with respect to
+# module outputs since no inputs require gradients`. torch_xla's FSDPv2 hooks each wrapped module's backward to place an
+# optimization barrier. A GPT's input is token ids, which never require gradients. The warning is expected and harmless.
 
 # %%
 STRATEGIES = ("single", "data", "tensor", "fsdp")
@@ -335,21 +375,25 @@ assert drift <= P.loss_tol, (hand_losses, tp.losses[:2])
 
 # %% [markdown]
 # ## 5. Where the weights and the batch live
-# Below, for each strategy, two weight matrices of block 0 and the batch, split into the slices the devices hold.
-# Not to scale: every tensor fills a box of the same size (its shape is in the title), so the slices show *how* a
-# tensor is split, not how big it is. Colour: the first device holding a slice; grey: every device holds all of it.
+# The cell above compares the hand-made layout with labkit's tensor-parallel strategy. Look for `same layout True` and a
+# loss difference below the tolerance.
 #
-# * **one device**: under SPMD the program with nothing sharded is *replicated*: every device holds all of it
-#   and computes the whole step. On a TPU that takes the time of one chip; on the CPU the 8 copies share the
-#   cores (section 8). It is the reference the other three must agree with.
-# * **data parallel**: the MLP's weights are whole on every device (grey); the batch's rows (sequences) are split
+# The figure below shows, for each strategy, two weight matrices of block 0 and the batch. Each is split into the slices
+# the devices hold. The figure is not to scale: every tensor fills a box of the same size, with its shape in the title.
+# The slices show *how* a tensor is split, not how big it is. The colour is the first device holding a slice. Grey means
+# every device holds all of it.
+#
+# * **one device**: under SPMD, a program with nothing sharded is *replicated*. Every device holds all of it and
+#   computes the whole step. On a TPU that takes the time of one chip. On the CPU the 8 copies share the cores (section
+#   8). This run is the reference the other three must agree with.
+# * **data parallel**: the MLP's weights are whole on every device (grey). The batch's rows, its sequences, are split
 #   into 8.
-# * **tensor parallel**: as in section 3, `mlp.fc` (4C x C) is split by rows (column parallel: each device of a
-#   model group computes half the hidden units), `mlp.proj` (C x 4C) by columns (row parallel: each half produces
-#   a partial sum of the output, which an all-reduce completes). Devices 0,2,4,6 hold the same half; the batch is split in 4 over
-#   `data`, each quarter held by a model pair.
-# * **FSDP**: every weight is split 8 ways along its largest dimension (FSDPv2's choice: rows of `mlp.fc`, columns
-#   of `mlp.proj`), one slice per device; the batch too.
+# * **tensor parallel**: as in section 3. `mlp.fc` (4C x C) is split by rows, column parallel: each device of a model
+#   group computes half the hidden units. `mlp.proj` (C x 4C) is split by columns, row parallel: each half produces a
+#   partial sum of the output, which an all-reduce completes. Devices 0, 2, 4 and 6 hold the same half. The batch is
+#   split in 4 over `data`, and a model pair holds each quarter.
+# * **FSDP**: every weight is split 8 ways along its largest dimension, one slice per device. That is FSDPv2's choice:
+#   rows of `mlp.fc`, columns of `mlp.proj`. The batch is split 8 ways too.
 
 # %%
 SHOWN = ("blocks.0.mlp.fc.weight", "blocks.0.mlp.proj.weight")
@@ -377,18 +421,23 @@ assert len(S.tile_devices(2, results["tensor"].batch_spec)) == N_DEV // P.model_
 
 # %% [markdown]
 # ## 6. Bytes one device holds
-# Read from each tensor's sharding (`labkit.spmd.sharding.device_bytes`: the largest shard of each tensor, padding
-# included). AdamW keeps two moments per weight, each with its weight's layout, so optimizer state is twice the
-# parameters in every strategy: 3x the weights in all, plus gradients and activations (not counted here).
+# The bytes are read from each tensor's sharding with `labkit.spmd.sharding.device_bytes`. It counts the largest shard
+# of each tensor, padding included. AdamW keeps two moments per weight, each with its weight's layout. So optimizer
+# state is twice the parameters in every strategy, and 3x the weights in all. Gradients and activations come on top and
+# are not counted here.
 #
-# * data parallel: everything replicated, the same as one device. Memory does not shrink with more devices.
-# * tensor parallel: the split matrices are halved (`model_axis=2`); embeddings, LayerNorms and the
-#   row-parallel biases stay whole.
-# * FSDP: every tensor split over all devices (8 here) along its largest dimension, the first of them on a tie
-#   (torch_xla's FSDPv2 rule, whatever the order of the dimensions; PyTorch's FSDP2, `fully_shard`, splits dim 0
-#   instead unless its `shard_placement_fn` says otherwise, so this rule is FSDPv2's alone): about **total / 8**, exactly when every tensor's largest
-#   dimension divides by 8 (where one does not, its last slices are padded, so a device holds a little more);
-#   `labkit.spmd.sharding.predict_fsdp` computes it from the shapes alone.
+# * data parallel: everything is replicated, the same as one device. Memory does not shrink with more devices.
+# * tensor parallel: the split matrices are halved (`model_axis=2`). Embeddings, LayerNorms and the row-parallel biases
+#   stay whole.
+# * FSDP: every tensor is split over all 8 devices along its largest dimension, the first of them on a tie. That is
+#   torch_xla FSDPv2's rule, whatever the order of the dimensions. PyTorch's FSDP2, `fully_shard`, splits dim 0 instead
+#   unless its `shard_placement_fn` says otherwise.
+# * FSDP holds about **total / 8**, exactly when every tensor's largest dimension divides by 8. Where one does not, its
+#   last slices are padded, so a device holds a little more. `labkit.spmd.sharding.predict_fsdp` computes it from the
+#   shapes alone.
+#
+# The table's last column divides each strategy's parameter bytes by the one-device figure. Read 1.000 for data
+# parallelism, a value between 0.5 and 1 for tensor parallelism, and about 0.125 for FSDP.
 
 # %%
 FS = S.predict_fsdp(gcfg, N_DEV)
@@ -404,13 +453,14 @@ assert results["fsdp"].param_bytes < results["tensor"].param_bytes < single_byte
 
 # %% [markdown]
 # ## Your turn: predict, then measure
-# Four exercises that check themselves (`labkit.lessons.exercises`; a fifth follows section 7b): replace each `...`, run the cell, then the
-# check cell below it. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`).
-# If you leave an exercise, its check prints "not yet" and the rest of the notebook runs on.
+# Four exercises check themselves here (`labkit.lessons.exercises`), and a fifth follows section 7b. Replace each `...`,
+# run the cell, then run the check cell below it. A solution hides in the collapsed cell between them. It runs only with
+# `LABKIT_SOLUTIONS=1`. If you leave an exercise, its check prints "not yet" and the rest of the notebook runs on.
 #
-# **1.** How many bytes must one data-parallel training step all-reduce? Write `dp_bytes(model)`, from a model's
-# parameters: the size of the buffers the step sums (what one device then *sends* is another number, section 7b); the check tries it on models of other sizes and dtypes, then on `probe` (the GPT of section 2), before
-# section 7 shows what XLA did.
+# **1.** How many bytes must one data-parallel training step all-reduce? Write `dp_bytes(model)` from a model's
+# parameters. The answer is the size of the buffers the step sums. What one device then *sends* is another number, which
+# section 7b computes. The check tries your function on models of other sizes and dtypes. Then it tries it on `probe`,
+# the GPT of section 2, before section 7 shows what XLA did.
 
 # %%
 import math  # for the exercises: math.ceil and math.prod
@@ -433,14 +483,18 @@ ex.check("03.dp_bytes", lambda: nb03.check_dp_bytes(
 
 # %% [markdown]
 # **2.** Lay a tensor out as FSDPv2 lays out a parameter, on the device. `SpmdFullyShardedDataParallel` calls
-# `xs.mark_sharding(param, mesh, spec)` for every parameter, with a *partition spec*: one entry per dimension of
-# the tensor, the name of a mesh axis to split that dimension over, or `None` to keep it whole. It splits each
-# parameter along its **largest** dimension over the mesh's `"fsdp"` axis (the first of them on a tie), nothing
-# else. That rule is torch_xla FSDPv2's: PyTorch's FSDP2 (`fully_shard`) splits dim 0 of every parameter unless
-# you pass a `shard_placement_fn`. Write `fsdp_shard(t, mesh)`: mark the XLA tensor `t` that way on `mesh` (1-D, axis `"fsdp"`, all devices)
-# and return it. The check gives it tensors of random shapes (the largest dimension first, last, in the middle,
-# tied) and compares the layout with the one torch_xla's `SpmdFullyShardedDataParallel` itself gives a parameter of
-# the same shape; it also counts torch_xla's device-to-host copies: the tensor must stay where it is.
+# `xs.mark_sharding(param, mesh, spec)` for every parameter. The *partition spec* has one entry per dimension of the
+# tensor: the name of a mesh axis to split that dimension over, or `None` to keep it whole.
+#
+# FSDPv2 splits each parameter along its **largest** dimension over the mesh's `"fsdp"` axis, and nothing else. On a tie
+# it takes the first of the largest dimensions. That rule is torch_xla FSDPv2's. PyTorch's FSDP2 (`fully_shard`) splits
+# dim 0 of every parameter unless you pass a `shard_placement_fn`.
+#
+# Write `fsdp_shard(t, mesh)`. It marks the XLA tensor `t` that way on `mesh` and returns it. The mesh is 1-D, with the
+# axis `"fsdp"` over all devices. The check gives your function tensors of random shapes, with the largest dimension
+# first, last, in the middle, or tied. It compares the layout with the one that torch_xla's
+# `SpmdFullyShardedDataParallel` gives a parameter of the same shape. It also counts torch_xla's device-to-host copies:
+# the tensor must stay where it is.
 
 # %%
 import torch_xla.distributed.spmd as xs
@@ -463,13 +517,14 @@ if ex.solutions_on():
 ex.check("03.fsdp_shard", lambda: nb03.check_fsdp_shard(fsdp_shard, mesh))
 
 # %% [markdown]
-# **3.** Predict what that layout costs. When the largest dimension does not divide over the devices, every slice
-# has the size of the first (`ceil(size / devices)` of that dimension) and the last ones are padded. Write
-# `fsdp_bytes(shape, devices, bytes_per=4)`: the bytes one device holds. The check measures its answers on the
-# mesh (tensors of random shapes, float32 and bfloat16, laid out by torch_xla's FSDPv2 and read from their
-# shardings), tries other device counts against the rule on paper, and sums your function over `probe`'s
-# parameters: it must give the FSDP run's bytes per device of section 6, exactly. `math` is imported above
-# (`math.ceil`, `math.prod`).
+# **3.** Predict what that layout costs. When the largest dimension does not divide over the devices, every slice has
+# the size of the first one, `ceil(size / devices)` of that dimension. The last slices are padded. Write
+# `fsdp_bytes(shape, devices, bytes_per=4)`: the bytes one device holds.
+#
+# The check measures its answers on the mesh. It lays out tensors of random shapes, float32 and bfloat16, with
+# torch_xla's FSDPv2 and reads their shardings. It tries other device counts against the rule on paper. Then it sums
+# your function over `probe`'s parameters: that must give section 6's FSDP bytes per device, exactly. `math` is imported
+# above, for `math.ceil` and `math.prod`.
 
 # %%
 def fsdp_bytes(shape, devices, bytes_per=4):
@@ -487,12 +542,13 @@ if ex.solutions_on():
 ex.check("03.fsdp_bytes", lambda: nb03.check_fsdp_bytes(fsdp_bytes, mesh, probe, results["fsdp"].param_bytes))
 
 # %% [markdown]
-# **4.** Megatron's tensor parallelism all-reduces activations inside every block: section 3 counted **4 per block**
-# (2 in the forward, 2 in the backward), each of one data slice's activations, (B/data, T, C), within a model
-# group (section 7 finds them in the HLO). Write
-# `megatron_bytes(B, T, C, L, data)`: the float32 bytes of the activation buffers one model group all-reduces in one
-# training step (every model group does the same for its own data slice: do not add the groups up), for a global
-# batch of B sequences of T tokens, width C, L blocks, on a mesh whose `data` axis has `data` devices.
+# **4.** Megatron's tensor parallelism all-reduces activations inside every block. Section 3 counted **4 per block**, 2
+# in the forward and 2 in the backward. Each carries one data slice's activations, (B/data, T, C), within a model group.
+# Section 7 finds them in the HLO.
+#
+# Write `megatron_bytes(B, T, C, L, data)`: the float32 bytes of the activation buffers that one model group all-reduces
+# in one training step. Every model group does the same for its own data slice, so do not add the groups up. The global
+# batch is B sequences of T tokens, the width is C, there are L blocks, and the mesh's `data` axis has `data` devices.
 
 # %%
 def megatron_bytes(B, T, C, L, data):
@@ -510,50 +566,58 @@ ex.check("03.megatron", lambda: nb03.check_megatron_bytes(megatron_bytes))
 
 # %% [markdown]
 # ## 7. The collectives, predicted and measured
-# Under SPMD you never call a collective: XLA's partitioner (GSPMD here; Shardy in newer XLA) inserts them where a
-# sharded computation needs data another device holds. They are visible only in the *optimized* HLO (after
-# partitioning), which XLA dumped; `labkit.spmd.sharding.count_collectives` reads count and bytes (the buffer each
-# one works on) per kind. First, the prediction, from first principles, per training step, float32, for `L`
-# blocks, width `C`, context `T`, global batch `B`:
+# Under SPMD you never call a collective. XLA's partitioner inserts them where a sharded computation needs data that
+# another device holds. Here the partitioner is GSPMD; newer XLA uses Shardy. The collectives are visible only in the
+# *optimized* HLO, after partitioning, which XLA dumped. `labkit.spmd.sharding.count_collectives` reads their count and
+# bytes per kind. The bytes are the size of the buffer each collective works on.
 #
-# * **data parallel** (`predict_data_parallel`): every device computes the gradient of its slice of the batch, and
-#   the step needs their sum: one **all-reduce** per parameter tensor, of the parameter bytes. Nothing else moves.
-# * **tensor parallel** (`predict_tensor_parallel`, Megatron): section 3's 4 all-reduces per block (2 forward, 2
-#   backward), each within one model group, of one data slice's activations (B/data, T, C). Then data parallelism
-#   over the `data` axis: each gradient all-reduced at the size one device holds.
-# * **FSDP** (`predict_fsdp`): the textbook (ZeRO-3, and what PyTorch's FSDP2 issues by construction) gathers
-#   every weight before its forward and again before its backward (**all-gather**, 2 x the parameter bytes) and
-#   **reduce-scatters** each gradient (the parameter bytes).
+# First, the prediction from first principles. It counts one training step in float32, for `L` blocks, width `C`,
+# context `T` and global batch `B`:
 #
-# Then what XLA did, and the difference (`labkit.spmd.sharding.extra_collectives`). On XLA:CPU (torch_xla 2.9) the
-# compiled step moves **more** than the prediction, and each extra has a reason:
+# * **data parallel** (`predict_data_parallel`): every device computes the gradient of its slice of the batch. The step
+#   needs their sum: one **all-reduce** per parameter tensor, of the parameter bytes. Nothing else moves.
+# * **tensor parallel** (`predict_tensor_parallel`, Megatron): section 3's 4 all-reduces per block, 2 forward and 2
+#   backward. Each runs within one model group, on one data slice's activations, (B/data, T, C). Then comes data
+#   parallelism over the `data` axis: each gradient is all-reduced at the size one device holds.
+# * **FSDP** (`predict_fsdp`): the textbook, ZeRO-3. It gathers every weight before its forward and again before its
+#   backward: **all-gathers** of 2 x the parameter bytes. It **reduce-scatters** each gradient, of the parameter bytes.
 #
-# * the tied token table is one parameter but gets two gradients (embedding lookup, output layer), and XLA
-#   all-reduces each before adding them: one extra all-reduce of `256 x C`;
-# * the mean loss: three scalar all-reduces;
+# PyTorch's FSDP2 gathers a little less than the textbook, because it works per *unit*: each module passed to
+# `fully_shard`. The root unit keeps its weights gathered from the forward to the backward, so it gathers them once a
+# step. labkit's FSDP2 plan makes each residual block a unit. Its Trainer also keeps the last block gathered after its
+# forward, since that block's backward comes next. So one step issues 2 L all-gathers for L blocks, and one
+# reduce-scatter per unit, L + 1 in all. Notebooks 08 and 09 count them.
+#
+# Then the cell prints what XLA did, and the difference (`labkit.spmd.sharding.extra_collectives`). On XLA:CPU with
+# torch_xla 2.9 the compiled step moves **more** than the prediction. Each extra has a reason:
+#
+# * The tied token table is one parameter but gets two gradients, from the embedding lookup and from the output layer.
+#   XLA all-reduces each before adding them: one extra all-reduce of `256 x C`.
+# * The mean loss costs three scalar all-reduces.
 # * LayerNorm: GSPMD partitions LayerNorm's backward, as torch_xla lowers it, with two **all-gathers** of the whole
-#   batch's (B, T, C) activations per LayerNorm (`2L + 1` of them): activations travel where the textbook moves
-#   none. That is a property of this partitioner on this graph, not of data parallelism;
-# * tensor parallel only: q, k and v are three matrices here, so their input gradients are all-reduced one by one
-#   (3 instead of Megatron's 1: 2 extra per block), and the partitioner re-gathers the heads around
-#   `scaled_dot_product_attention` (four all-gathers per block of one data slice's activations) instead of keeping
-#   them apart; marking q, k and v's layout inside the attention with `mark_sharding` is the usual remedy (not
-#   tried here);
-# * FSDP: with layers this small GSPMD moves *activations* (all-to-all, collective-permute, activation
-#   all-gathers), and it sums each gradient with an **all-reduce** of the whole gradient followed by a slice that
-#   keeps this device's 1/8 (a reduce-scatter written as all-reduce + dynamic-slice: section 7b finds them in the
-#   HLO). Only the bytes per device (section 6) are a prediction it honours exactly; below we assert what must
-#   hold whichever way XLA goes: the weights are never replicated, and communication costs more than data
+#   batch's activations, (B, T, C), per LayerNorm. There are `2L + 1` LayerNorms. So activations travel where the
+#   textbook moves none. That is a property of this partitioner on this graph, not of data parallelism.
+# * Tensor parallel only: q, k and v are three matrices here, so their input gradients are all-reduced one by one. That
+#   is 3 all-reduces instead of Megatron's 1, or 2 extra per block.
+# * Tensor parallel only: the partitioner re-gathers the heads around `scaled_dot_product_attention`, instead of keeping
+#   them apart. That costs four all-gathers per block, each of one data slice's activations. Marking q, k and v's layout
+#   inside the attention with `mark_sharding` should keep the heads apart; that is *not verified here*.
+# * FSDP: with layers this small, GSPMD moves *activations*, with all-to-all, collective-permute and activation
+#   all-gathers. It sums each gradient with an **all-reduce** of the whole gradient, then a slice that keeps this
+#   device's 1/8. That is a reduce-scatter written as all-reduce + dynamic-slice; section 7b finds them in the HLO.
+# * FSDP: only the bytes per device of section 6 are a prediction that GSPMD honours exactly. So the cell asserts what
+#   must hold whichever way XLA goes. The weights are never replicated, and communication costs more than data
 #   parallelism's.
 #
-# The sizes printed are the *buffers* the collectives work on. Adding them across kinds is not what a device
-# sends: a ring all-gather or reduce-scatter of a buffer V sends V·(W−1)/W per device, an all-reduce twice that
-# (section 7b). So the comparison below counts what one device sends (`labkit.spmd.comm.traffic`).
+# The sizes printed are the *buffers* the collectives work on. Added up across kinds, they are not what a device sends.
+# A ring all-gather or reduce-scatter of a buffer V sends V·(W−1)/W per device, and an all-reduce twice that, as section
+# 7b shows. So the comparison at the end counts what one device sends (`labkit.spmd.comm.traffic`).
 #
-# What is asserted: the measured step moves at least the predicted bytes in all-reduces (the gradients must be
-# summed, whatever else happens), and on XLA:CPU the extras are exactly the ones listed above. On a TPU XLA combines
-# and schedules collectives its own way (async pairs, combined all-reduces, reduce-scatter): there the cell prints
-# prediction, measurement and difference and does not insist on the breakdown.
+# What is asserted: the measured step moves at least the predicted bytes in all-reduces, since the gradients must be
+# summed whatever else happens. On XLA:CPU the extras are exactly the ones listed above. On a TPU, XLA combines and
+# schedules collectives its own way, with async pairs, combined all-reduces and reduce-scatters. There the cell prints
+# prediction, measurement and difference, and does not insist on the breakdown. How a TPU's compiler splits them is *not
+# verified here*.
 
 # %%
 from labkit.spmd import comm
@@ -601,28 +665,41 @@ elif not DUMPING:
     print("no HLO dump (XLA_FLAGS was set after torch_xla started): restart the kernel to count collectives")
 
 # %% [markdown]
-# **Reading a difference line.** Each entry is the measured count minus the predicted one, then the bytes, measured
-# minus predicted. The two signs can differ. FSDP's all-gather entry has fewer gathers than the textbook's two per
-# weight tensor but more bytes: some of XLA:CPU's gathers carry activations (B·T rows of C), which textbook FSDP never
-# gathers. Its negative reduce-scatter entry is the textbook's reduce-scatters, all missing: section 7b finds them,
-# written as all-reduces followed by a slice.
+# **Reading a difference line.** Each entry is the measured count minus the predicted one. Then come the bytes, measured
+# minus predicted. The two signs can differ.
+#
+# FSDP's all-gather entry has fewer gathers than the textbook's two per weight tensor, but more bytes. Some of XLA:CPU's
+# gathers carry activations, B·T rows of C, which textbook FSDP never gathers. Its negative reduce-scatter entry is the
+# textbook's reduce-scatters, all missing. Section 7b finds them, written as all-reduces followed by a slice.
+#
+# The last line of the output compares what one device sent under FSDP with data parallelism in this step graph. Read
+# the measured ratio beside the textbook's 1.5x. The measured one is larger because XLA:CPU moves activations.
 
 # %% [markdown]
 # ## 7b. Bytes into time
-# **A reduce-scatter, looked for.** FSDP's textbook step reduce-scatters each gradient: every device ends with the
-# sum over all devices of *its own* 1/W slice. The count above has no `reduce-scatter` on XLA:CPU. What XLA:CPU
-# wrote instead, read from the same HLO (`labkit.spmd.sharding.sliced_all_reduces`): an all-reduce of the whole
-# gradient, then an instruction that reads it with `partition-id` (this device's number) and keeps one slice of
-# 1/W, usually fused into AdamW's update. Same result, twice the traffic of a reduce-scatter. XLA's GPU compiler has
-# a pass that rewrites exactly this pattern into a reduce-scatter (`ReduceScatterCreator`); the CPU compiler of
-# torch_xla 2.9 does not run it; on a TPU the cell prints what that compiler chose (not verified here).
+# **A reduce-scatter, looked for.** FSDP's textbook step reduce-scatters each gradient. Every device ends with the sum
+# over all devices of *its own* 1/W slice. The count above has no `reduce-scatter` on XLA:CPU.
 #
-# Each line of the list reads: the all-reduce, the shape it sums, the slice each device keeps, and the fused
-# instruction that slices it. The shape tells what is summed; the fast run's sizes differ on purpose (vocabulary
-# 256, B·T = 384 tokens, C = 32). A `(C,)` result is a LayerNorm parameter's gradient, `(256, C)` the token
-# table's, and `(C, 256)` most likely the same table, transposed, as the tied output layer uses it. A result with
-# B·T rows is an activation, sliced along C. The cell's last line counts the results that have a parameter's shape. The other gradients are reduced
-# by the collectives the count above lists, which this notebook does not take apart.
+# What XLA:CPU wrote instead can be read from the same HLO with `labkit.spmd.sharding.sliced_all_reduces`. It is an
+# all-reduce of the whole gradient, then an instruction that reads it with `partition-id`, this device's number. That
+# instruction keeps one slice of 1/W, and is usually fused into AdamW's update. The result is the same, at twice the
+# traffic of a reduce-scatter.
+#
+# XLA's GPU compiler has a pass, `ReduceScatterCreator` in XLA's source, that rewrites exactly this pattern into a
+# reduce-scatter. The CPU compiler of torch_xla 2.9 does not run it, as the count shows. On a TPU the cell prints what
+# that compiler chose; that case is *not verified here*.
+#
+# Each line of the list gives the all-reduce, the shape it sums, the slice each device keeps, and the fused instruction
+# that slices it. The shape tells what is summed. The fast run's sizes differ on purpose: vocabulary 256, B·T = 384
+# tokens, C = 32.
+#
+# - A `(C,)` result is a LayerNorm parameter's gradient.
+# - `(256, C)` is the token table's gradient. `(C, 256)` is most likely the same table, transposed, as the tied output
+#   layer uses it.
+# - A result with B·T rows is an activation, sliced along C.
+#
+# The cell's last line counts the results that have a parameter's shape. The other gradients are reduced by the
+# collectives that the count above lists. This notebook does not take those apart.
 
 # %%
 fsdp_text = open(results["fsdp"].hlo_path).read() if DUMPING else ""
@@ -645,9 +722,9 @@ elif DUMPING:
     print("on this backend:", "reduce-scatter" if rs else "all-reduce + slice" if sliced else "neither found")
 
 # %% [markdown]
-# **What a device sends, and how long it takes.** Per device, over a ring of W devices, for a buffer of V bytes
-# (`labkit.spmd.comm.sent`): an all-gather or a reduce-scatter sends **V·(W−1)/W**, an all-reduce
-# **2·V·(W−1)/W** (a reduce-scatter followed by an all-gather). So per step, for N weights of g bytes:
+# **What a device sends, and how long it takes.** Take a ring of W devices and a buffer of V bytes
+# (`labkit.spmd.comm.sent`). An all-gather or a reduce-scatter sends **V·(W−1)/W** per device. An all-reduce sends
+# **2·V·(W−1)/W**, because it is a reduce-scatter followed by an all-gather. So per step, for N weights of g bytes:
 #
 # | strategy | collectives per step | bytes one device sends |
 # |---|---|---|
@@ -655,12 +732,15 @@ elif DUMPING:
 # | FSDP (ZeRO-3) | all-gather the weights twice (forward, backward), reduce-scatter the gradients | 3·N·g·(W−1)/W: **1.5×** data parallelism |
 # | tensor parallel (Megatron) | 4 all-reduces of one data slice's activations (tokens × C) per block | 8·L·tokens·C·g·(M−1)/M |
 #
-# The time is bytes ÷ what a chip can send over its inter-chip interconnect (ICI). Google's Cloud TPU pages give
-# a *bidirectional* ICI bandwidth per chip; a chip sends half of it, and only with every port busy (a ring along one
-# axis of v5e's 2-D torus uses 2 of its 4 ports: twice the time). Those pages also give a pod's "all-reduce
-# bandwidth", which divided by the pod's chips is the same figure, a check the tests make. **Not verified here**
-# (no TPU): the figures are Google's (docs.cloud.google.com/tpu/docs/v4, v5e, v5p-training, v6e, read 2026-11);
-# v4's page has no per-chip figure and its value is derived from the pod's all-reduce bandwidth.
+# The time is the bytes divided by what a chip can send over its inter-chip interconnect, ICI. Google's Cloud TPU pages
+# give a *bidirectional* ICI bandwidth per chip. A chip sends half of it, and only with every port busy. A ring along
+# one axis of v5e's 2-D torus uses 2 of its 4 ports, so it takes twice the time.
+#
+# Those pages also give a pod's "all-reduce bandwidth". Divided by the pod's chips, it gives the same figure, and the
+# tests check that. v4's page has no per-chip figure, so v4's value is derived from the pod's all-reduce bandwidth. The
+# figures are Google's and were not measured here: there is no TPU. They are marked *not verified here* in the table.
+#
+# *Source: docs.cloud.google.com/tpu/docs/v4, v5e, v5p-training and v6e, read 2026-11.*
 
 # %%
 from labkit.dashboard import flops as F_
@@ -681,65 +761,92 @@ print(f"textbook, this GPT in float32 on {N_DEV} devices: data parallel sends {t
       f"FSDP {textbook['fsdp']:,.0f} B (1.5x)")
 
 # %% [markdown]
-# **Where each strategy starts waiting for the network.** A step's compute grows with the tokens each chip
-# processes; the data-parallel and FSDP traffic does not (it is the weights' size). With perfect overlap the step
-# is compute-bound while each collective takes no longer than the compute **that runs while its data exists**: a
-# gradient appears during the backward, so its all-reduce can hide behind the backward (4 of the 6 FLOPs per weight
-# and token), never behind the forward, which is over before the first gradient exists. For N weights, b tokens per
-# chip, F FLOP/s per chip and S bytes sent per second (scaling-book, "How to Parallelize a Transformer for
-# Training": data parallelism and FSDP are compute-bound above the same per-axis bound, C / W_ici;
-# `comm.critical_tokens`):
+# The first table lists each chip's send rate, its bf16 peak and its ports. The second turns the bytes this notebook's
+# GPT sent per step into microseconds over each chip's ICI. FSDP's row is the largest, as section 7 found. The last line
+# gives the textbook figures for this GPT: FSDP sends 1.5x what data parallelism sends.
+#
+# **Where each strategy starts waiting for the network.** A step's compute grows with the tokens each chip processes.
+# The data-parallel and FSDP traffic does not: it is the size of the weights. With perfect overlap, the step is
+# compute-bound while each collective takes no longer than the compute **that runs while its data exists**.
+#
+# A gradient appears during the backward, so its all-reduce can hide behind the backward only. The backward is 4 of the
+# 6 FLOPs per weight and token. The forward is over before the first gradient exists.
+#
+# Take N weights, b tokens per chip, F FLOP/s per chip and S bytes sent per second. The bounds below follow the scaling
+# book, "How to Parallelize a Transformer for Training". There, data parallelism and FSDP are compute-bound above the
+# same per-axis bound, C / W_ici. `comm.critical_tokens` computes it:
 #
 # - data parallel: backward 4·N·b/F ≥ 2·N·g/S  →  **b ≥ g·F / (2·S)**
-# - FSDP: forward 2·N·b/F ≥ N·g/S (one all-gather) and backward 4·N·b/F ≥ 2·N·g/S (all-gather + reduce-scatter):
-#   **the same b**. FSDP sends 1.5× the bytes, but a third of them go out during the forward, which data
-#   parallelism has nothing to hide behind.
-# - tensor parallel: per block and token, compute 72·C²/M FLOPs against 8·C·g·(M−1)/M bytes sent: the batch cancels,
-#   and the bound is on the width per device: **C ≥ g·(M−1)·F / (9·S)** (`comm.critical_width`, `max_model_axis`).
+# - FSDP: forward 2·N·b/F ≥ N·g/S for one all-gather, and backward 4·N·b/F ≥ 2·N·g/S for an all-gather and a
+#   reduce-scatter. That gives **the same b**. FSDP sends 1.5× the bytes, but a third of them go out during the forward,
+#   and data parallelism has nothing to send then.
+# - tensor parallel: per block and token, compute is 72·C²/M FLOPs against 8·C·g·(M−1)/M bytes sent. The batch cancels,
+#   and the bound is on the width per device: **`C ≥ g·(M−1)·F / (9·S)`**. `comm.critical_width` and `max_model_axis`
+#   compute it.
 #
-# N cancels too. Below, bf16 (g = 2) at the chip's peak and every port busy: the *least* batch that can be
-# compute-bound. At a real MFU of 40 %, multiply the batch by 0.4; with half the ports (a ring along one axis of
-# the 2-D torus), by 2; on a slice without wraparound links (see below), by about 2 again. The direction is the
-# lesson: the faster the chip against its links (v6e), the more tokens each chip needs before the network hides.
+# N cancels too. The cell below takes bf16 (g = 2) at the chip's peak with every port busy. So it prints the *least*
+# batch that can be compute-bound. At a real MFU of 40 %, multiply the batch by 0.4. With half the ports, as on a ring
+# along one axis of the 2-D torus, multiply by 2. On a slice without wraparound links, multiply by about 2 again.
 #
-# **Rings need wraparound.** The ring formulas assume each axis closes into a ring. Wraparound links exist only on
-# axes of 16 chips on v5e and v6e, and only on slices made of whole 4×4×4 cubes on v4 and v5p. Google Cloud's TPU
-# pages list the slice shapes but do not state this rule; it comes from the JAX team's book *How to Scale Your Model*
-# (its TPU chapter). The slices a learner rents, a v5e-8 (2×4) or a v4-8 (2×2×1), have none: a collective there
-# runs along a line, roughly twice a ring's time. Not verified here (no TPU).
+# The direction is the lesson. The faster the chip against its links, as on v6e, the more tokens each chip needs before
+# the network hides.
 #
-# **This is the hardware's critical batch, not the optimizer's.** McCandlish et al. 2018 ("An Empirical Model of
-# Large-Batch Training") define a *statistical* critical batch size: beyond it, a larger global batch no longer cuts
-# the steps needed, and raising the learning rate with the batch stops paying. The bound here says how many tokens
-# each chip needs to keep the network hidden; theirs says how large the global batch (tokens per chip × chips) may
-# grow before the extra chips stop buying progress. A run needs both: the first sets a floor per chip, the second a
-# ceiling on chips × that floor.
+# **Rings need wraparound.** The ring formulas assume that each axis closes into a ring. Google's v5p page states the
+# rule for v5p: every slice of one 4×4×4 cube or more is a full 3-D torus, and the smaller slices are not. Some
+# multi-cube shapes can also be twisted tori. Google's v4 page lists which v4 slice shapes form a 3-D torus.
 #
-# **How the overlap happens, and what each collective can hide behind.** The bound assumes the transfers run while
-# the chip computes. Someone has to arrange that. On a TPU, XLA issues collectives asynchronously (in a TPU's
-# optimized HLO, pairs such as `all-gather-start` / `all-gather-done`) and its *latency-hiding scheduler* places
-# independent compute between the start and the done. On a host with TPU chips, torch_xla 2.9 adds
-# `xla_latency_hiding_scheduler_rerun` to `LIBTPU_INIT_ARGS` at import (its `__init__.py`: rerun the scheduler with
-# less memory if overlapping ran out); elsewhere it sets nothing. Not verified here: XLA:CPU has no such scheduler. Under FSDP2 on GPUs, the all-gather of the next module is issued on its own stream while
-# the current one computes (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` issue them earlier,
-# at the cost of memory). Either way, each collective can only hide behind compute that needs none of its result:
-# a block's weight gather behind the previous block's matmuls, a gradient's reduction behind the backward of the
-# layers below it; the gradient computed last (the first layer's) has nothing left to hide behind, and the
-# optimizer step waits for its reduction.
+# On v5e and v6e, wraparound links exist only on axes of 16 chips. That rule comes from the JAX team's book *How to
+# Scale Your Model*, in its TPU chapter. The slices a learner rents have none: a v5e-8, shaped 2×4, or a v4-8, shaped
+# 2×2×1. A collective there runs along a line, which takes roughly twice a ring's time. That factor is *not verified
+# here*.
 #
-# **Across slices.** Chips of one slice talk over ICI; slices talk over the data-centre network (DCN), far slower
-# per chip. Google's TPU pages (read 2026-11) give a v5e host two 100 Gbit/s NICs for its 8 chips: 25 Gbit/s, about
-# 3.1 GB/s per chip each way. Compare it with what a chip *sends* over ICI, 200 GB/s, since the pages' 400 GB/s
-# counts both directions. A v5p chip gets 50 Gbit/s of DCN against 600 GB/s sent over ICI, 1,200 GB/s both ways.
-# Whether that 50 Gbit/s is each way is not said on the page and not verified here; the cell reads it so.
+# *Sources: cloud.google.com/tpu/docs/v5p and cloud.google.com/tpu/docs/v4; jax-ml.github.io/scaling-book.*
 #
-# The usual layout follows from the bounds above: FSDP or tensor parallelism inside a slice over ICI, and data
-# parallelism across slices over DCN, where the only traffic is one gradient all-reduce per step, hidden behind the
-# backward. The gradients are first reduce-scattered inside each slice, so each of a slice's M chips sends over DCN
-# only its 1/M share. The bound keeps the data-parallel form with S the DCN rate per chip, but counts the tokens of a
-# whole slice: **b·M ≥ g·F / (2·S_DCN)**. The cell below prints it per slice and per chip of a 256-chip slice.
-# It is a prediction from the pages' figures, not verified here: no TPU, XLA may arrange multislice collectives
-# differently, and the NICs also carry the input pipeline.
+# **This is the hardware's critical batch, not the optimizer's.** McCandlish et al. define a *statistical* critical
+# batch size in "An Empirical Model of Large-Batch Training" (2018). Beyond it, a larger global batch no longer cuts the
+# steps needed, and raising the learning rate with the batch stops paying.
+#
+# The bound here says how many tokens each chip needs to keep the network hidden. Theirs says how large the global batch
+# may grow before extra chips stop buying progress. The global batch is tokens per chip × chips. A run needs both: the
+# first sets a floor per chip, the second a ceiling on chips × that floor.
+#
+# **How the overlap happens.** The bound assumes that the transfers run while the chip computes. Someone has to arrange
+# that. On a TPU, XLA issues collectives asynchronously: a TPU's optimized HLO holds pairs such as `all-gather-start` /
+# `all-gather-done`. XLA's *latency-hiding scheduler* places independent compute between the start and the done.
+#
+# On a host with TPU chips, torch_xla 2.9 adds `xla_latency_hiding_scheduler_rerun` to `LIBTPU_INIT_ARGS` at import, in
+# its `__init__.py`. That flag reruns the scheduler with less memory if overlapping ran out of it. Elsewhere torch_xla
+# sets nothing. XLA:CPU has no such scheduler, so none of this is verified here.
+#
+# Under FSDP2 on GPUs, the all-gather of the next unit is issued on its own stream while the current unit computes.
+# `set_modules_to_forward_prefetch` and `set_modules_to_backward_prefetch` issue them earlier, at the cost of memory.
+#
+# Either way, each collective can hide only behind compute that needs none of its result. A block's weight gather hides
+# behind the previous block's matmuls. A gradient's reduction hides behind the backward of the layers below it. The
+# gradient computed last, the first layer's, has nothing left to hide behind. The optimizer step waits for its
+# reduction.
+#
+# **Across slices.** Chips of one slice talk over ICI. Slices talk over the data-centre network, DCN, which is far
+# slower per chip. Google's TPU pages give a v5e host two 100 Gbit/s NICs for its 8 chips. That is 25 Gbit/s, about 3.1
+# GB/s per chip each way. Compare it with what a chip *sends* over ICI, 200 GB/s: the pages' 400 GB/s counts both
+# directions.
+#
+# A v5p chip gets 50 Gbit/s of DCN, against 600 GB/s sent over ICI, or 1,200 GB/s both ways. The page does not say
+# whether that 50 Gbit/s is each way. The cell reads it so, which is *not verified here*.
+#
+# *Source: cloud.google.com/tpu/docs/v5e and v5p, read 2026-11.*
+#
+# The usual layout follows from the bounds above. FSDP or tensor parallelism runs inside a slice over ICI. Data
+# parallelism runs across slices over DCN, where the only traffic is the gradients' all-reduce, hidden behind the
+# backward. Under FSDP2 that layout is HSDP: its cross-host all-reduce runs once per unit, L + 1 times a step (notebook
+# 09).
+#
+# The gradients are first reduce-scattered inside each slice. So each of a slice's M chips sends only its 1/M share over
+# DCN. The bound keeps the data-parallel form, with S the DCN rate per chip, but counts the tokens of a whole slice:
+# **b·M ≥ g·F / (2·S_DCN)**. The cell below prints it per slice and per chip of a 256-chip slice.
+#
+# This is a prediction from the pages' figures, *not verified here*. There is no TPU, XLA may arrange multislice
+# collectives differently, and the NICs also carry the input pipeline.
 
 # %%
 print(f"{'chip':5s} {'F/S':>6s} {'data: tokens/chip':>18s} {'FSDP: tokens/chip':>18s} {'Megatron axis at C=2048':>24s}")
@@ -764,18 +871,23 @@ for chip, dcn in DCN_PER_CHIP.items():
     assert per_slice / 256 < crit[chip]["data"], "the slice's reduce-scatter leaves DCN a 1/M share: a lower bar per chip"
 
 # %% [markdown]
-# **5. Your turn: time over the links, and what hides.** Two predictions nothing here can run (no TPU). The check
-# holds them to `labkit.spmd.comm`'s rules on inputs it draws anew on every call, and refuses that module's own
-# functions while yours run.
+# The first table gives each chip's ratio F/S and the least tokens per chip for data parallelism and FSDP: the two
+# columns are equal, as the bound says. The last column is the largest model axis at which a width of 2,048 stays
+# compute-bound. The two DCN lines give the tokens per slice, and per chip of a 256-chip slice, that hide the
+# cross-slice all-reduce.
 #
-# - `allreduce_seconds(nbytes, chips, send_bytes_per_s, wraparound)`: the seconds of a ring all-reduce of a buffer
-#   of `nbytes` along one axis of `chips` chips, each chip sending `send_bytes_per_s` over the ports that axis uses
-#   (section 7b: 2·B·(n−1)/n bytes per chip), and twice that when the axis has no wraparound link
-#   (`wraparound=False`: a line, the rough factor above).
-# - `exposed_seconds(backward_s, reduce_s)`: per layer, its backward time and its gradient's reduction time, both
-#   listed in the order the backward runs (index 0: the last layer, computed first). Return the seconds the step
-#   still waits for reductions after its backward ends, when each reduction starts as soon as its gradient exists
-#   *and* the links are free (the previous reduction is done).
+# **5. Your turn: time over the links, and what hides.** Write two predictions that nothing here can run, since there is
+# no TPU. The check holds them to `labkit.spmd.comm`'s rules, on inputs it draws anew on every call. It refuses that
+# module's own functions while yours run.
+#
+# - `allreduce_seconds(nbytes, chips, send_bytes_per_s, wraparound)`: the seconds of a ring all-reduce of a buffer of
+#   `nbytes` along one axis of `chips` chips. Each chip sends `send_bytes_per_s` over the ports that axis uses. Section
+#   7b gives the bytes: 2·B·(n−1)/n per chip. When the axis has no wraparound link (`wraparound=False`), it is a line:
+#   take twice the time, the rough factor above.
+# - `exposed_seconds(backward_s, reduce_s)`: for each layer, its backward time and its gradient's reduction time. Both
+#   lists run in the order the backward runs, so index 0 is the last layer, computed first. Return the seconds the step
+#   still waits for reductions after its backward ends. Each reduction starts as soon as its gradient exists *and* the
+#   links are free, that is, once the previous reduction is done.
 
 # %%
 def allreduce_seconds(nbytes, chips, send_bytes_per_s, wraparound):
@@ -804,10 +916,13 @@ if ex.solutions_on():
 ex.check("03.comm_time", lambda: nb03.check_comm_time(allreduce_seconds, exposed_seconds))
 
 # %% [markdown]
-# Your functions on two slices of v5e (the library's, if the check has not passed yet): data parallelism over one
-# axis, a GPT of 24 blocks of width 2,048 (12·C² weights a block, bf16 gradients: 101 MB each), 2,048 tokens per
-# chip, each block's gradient all-reduced as soon as its backward is done. The axis of 4 chips of a v5e-8 (2×4)
-# is a line; the axis of 16 of a v5e-256 (16×16) is a ring. A ring along one axis uses 2 of a v5e's 4 ports.
+# The next cell runs your functions on two slices of v5e, or the library's if the check has not passed yet. The setting
+# is data parallelism over one axis. The GPT has 24 blocks of width 2,048, with 12·C² weights a block. Its bf16
+# gradients are 101 MB a block, and each chip gets 2,048 tokens. Each block's gradient is all-reduced as soon as its
+# backward is done.
+#
+# The axis of 4 chips of a v5e-8 (2×4) is a line. The axis of 16 chips of a v5e-256 (16×16) is a ring. A ring along one
+# axis uses 2 of a v5e's 4 ports.
 
 # %%
 passed = ex.results.get("03.comm_time", False)
@@ -832,28 +947,38 @@ assert 0.4 < waits["v5e-8"][1.0] / (L_X * back_peak) < 0.6, waits   # "about hal
 assert abs(waits["v5e-8"][0.4] / waits["v5e-256"][0.4] - 2 * (3 / 4) / (15 / 16)) < 1e-5, waits   # only the last
 
 # %% [markdown]
-# At the chip's peak the line's all-reduce of a block takes longer than the next block's backward, so the reductions
-# queue and the step waits about half its backward again; on the ring each hides behind the next block's backward
-# and only the first block's, computed last, is left. At 40 % MFU the backward is slow enough on both, and what is
-# left is that last all-reduce alone: the line's is 1.6 times the ring's, as (3/4)·2 / (15/16) says.
+# Read the two lines above. At the chip's peak, the line's all-reduce of a block takes longer than the next block's
+# backward. So the reductions queue, and the step waits about half its backward again. On the ring, each reduction hides
+# behind the next block's backward. Only the first block's is left, since it is computed last.
+#
+# At 40 % MFU the backward is slow enough on both. What is left is that last all-reduce alone. The line's is 1.6 times
+# the ring's, as `(3/4)·2 / (15/16)` says.
 
 # %% [markdown]
-# **A prediction for what cannot run here.** A GPT of 24 layers, width 2,048, context 2,048 (about 1.2 B weights),
-# trained in bf16 with fp32 master weights and AdamW on a **v5e-256** (256 chips, 16 GB each), one sequence per
-# chip. First the memory: 16 bytes per weight (bf16 weight and gradient 2 + 2, fp32 master 4, two fp32 moments 8)
-# is 19 GB, more than a v5e's 16 GB before a single activation: data parallelism does not fit; FSDP splits it 256
-# ways. Then the time, by hand, then by the library: FSDP sends 3·N·2·255/256 bytes per chip per step, about 7 GB,
-# 36 ms at 200 GB/s, against 75 ms of matmuls at the peak; at 40 % MFU the matmuls take 190 ms and hide it
-# easily. Nothing here ran on a TPU: these are the paper figures' consequences, to check on a slice.
+# **A prediction for what cannot run here.** Take a GPT of 24 layers, width 2,048 and context 2,048: about 1.2 B
+# weights. It trains in bf16 with fp32 master weights and AdamW on a **v5e-256**: 256 chips of 16 GB each. Each chip
+# gets one sequence.
+#
+# First the memory. A weight costs 16 bytes: bf16 weight and gradient, 2 + 2; fp32 master, 4; two fp32 moments, 8. That
+# is 19 GB, more than a v5e's 16 GB before a single activation. So data parallelism does not fit, and FSDP splits the
+# state 256 ways.
+#
+# Then the time, first by hand, then by the library. FSDP sends 3·N·2·255/256 bytes per chip per step, about 7 GB. That
+# takes 36 ms at 200 GB/s, against 75 ms of matmuls at the peak. At 40 % MFU the matmuls take 190 ms and hide it easily.
+# Nothing here ran on a TPU: these are the consequences of the pages' figures, to check on a slice.
 #
 # Two conditions hide in those figures. **Bytes per weight, g = 2, holds only if the gathers move bf16.** Under
-# autocast (notebook 02) the weights and gradients stay fp32 (16 bytes a weight still: fp32 weight 4 + gradient 4 +
-# two moments 8) and FSDP gathers fp32, g = 4. That holds for FSDP2; what FSDPv2 gathers under autocast is not
-# verified here. bf16 gathers need FSDP2's `MixedPrecisionPolicy(param_dtype=
-# torch.bfloat16)`; with its `reduce_dtype=torch.float32` (the usual choice: sums in fp32) the reduce-scatter still
-# moves 4 bytes a weight, and the traffic is (2 + 2 + 4) / (3 × 2) = **1.33×** the figure above. **Compute, 6·N
-# per token, counts the weights only.** Attention's score and value products add 12·L·T·d per token (notebook 02's
-# exercise counts them; `GPT.flops_per_token` includes them): here +17 %, more time to hide the traffic behind.
+# autocast, as in notebook 02, the weights and gradients stay fp32. A weight still costs 16 bytes: fp32 weight 4,
+# gradient 4, two moments 8. FSDP2 then gathers fp32, so g = 4. What FSDPv2 gathers under autocast is *not verified
+# here*.
+#
+# bf16 gathers need FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`. The usual `reduce_dtype=torch.float32`
+# sums in fp32, so the reduce-scatter still moves 4 bytes a weight. The traffic is then `(2 + 2 + 4) / (3 × 2)` =
+# **1.33×** the figure above.
+#
+# **Compute, 6·N per token, counts the weights only.** Attention's score and value products add 12·L·T·d per token.
+# Notebook 02's exercise counts them, and `GPT.flops_per_token` includes them. Here they add 17 %: more time to hide the
+# traffic behind.
 
 # %%
 import math
@@ -890,14 +1015,22 @@ assert abs(mixed / lib["fsdp_bytes"] - 4 / 3) < 1e-9 and 0.15 < attn / (6 * N_BI
 assert TOK > comm.critical_tokens("fsdp", PEAK_V5E, "v5e", devices=W)
 
 # %% [markdown]
+# The first printed line gives the memory, whether each strategy fits, and FSDP's bytes and milliseconds against the
+# matmuls. The second gives the two conditions: 1.33x the bytes with fp32 reduction, and the compute with attention
+# added.
+#
 # ## 8. Step time and MFU
-# Median seconds per step after the first (compiling) one, each step waited for. MFU = the model's FLOPs per step
-# (`GPT.flops_per_token`, the same for every strategy) / step time / peak. On a TPU the peak is one chip's rated
-# figure times the chips the strategy uses (one for `single`). On the CPU the 8 virtual devices are threads on the
-# same cores, so every strategy is measured against one figure: a float32 matmul timed on this machine
-# (`labkit.dashboard.flops.measure_cpu_peak`). CPU times say what the *bookkeeping* costs (the collectives become memory
-# copies), not what a mesh of chips would gain, and the "one device" run computes its step 8 times over (once
-# per virtual device, replicated). At this size the model is far too small to fill even a CPU.
+# The step time is the median seconds per step after the first, compiling, one. Each step is waited for. MFU is the
+# model's FLOPs per step divided by the step time and by the peak. The FLOPs come from `GPT.flops_per_token` and are the
+# same for every strategy.
+#
+# On a TPU the peak is one chip's rated figure times the chips the strategy uses, one for `single`. On the CPU the 8
+# virtual devices are threads on the same cores. So every strategy is measured against one figure: a float32 matmul
+# timed on this machine (`labkit.dashboard.flops.measure_cpu_peak`).
+#
+# CPU times say what the *bookkeeping* costs, since the collectives become memory copies. They do not say what a mesh of
+# chips would gain. The "one device" run computes its step 8 times over, once per replicated virtual device. At this
+# size the model is far too small to fill even a CPU, so the MFU printed is a few percent at most.
 
 # %%
 PEAK, PEAK_SOURCE = flops.peak_flops(rt, "fp32")
@@ -911,9 +1044,13 @@ assert all(r.step_s > 0 for r in results.values())
 assert all(m is None or 0 < m < 1 for m in mfu.values()), mfu
 
 # %% [markdown]
+# Each line above gives a strategy's milliseconds per step and its MFU, and the last line names the peak used. Compare
+# the strategies with each other only: on the CPU these times measure bookkeeping, not a mesh.
+#
 # ## 9. The same training, four times
-# The sharded runs compute the same sums in another order, so their losses drift from the one-device run by
-# rounding only: within `loss_tol` nats at every step (and the loss fell, so there was something to agree on).
+# The sharded runs compute the same sums in another order. So their losses drift from the one-device run by rounding
+# only: within `loss_tol` nats at every step. The loss also fell, so there was something to agree on. In the output,
+# read each strategy's largest difference from one device: it should be near float32 rounding, far below `loss_tol`.
 
 # %%
 ref = results["single"].losses
@@ -925,33 +1062,40 @@ assert ref[-1] < ref[0] - 0.3, f"the loss did not fall: {ref[0]:.3f} -> {ref[-1]
 
 # %% [markdown]
 # ## 10. What each strategy costs, and when to pick it
-# * **Data parallel**: every device holds the whole model and its optimizer state; the gradients (the size of the
-#   model) are all-reduced once per step. The simplest and usually the fastest while the model, its gradients and
-#   AdamW's two moments fit one chip: 4x the weights in float32, section 6's 3x plus the gradients. Pick it first.
-# * **FSDP**: memory per device falls to ~1/N of the weights and optimizer state, paid for with more
-#   communication: the weights travel every step, forward and backward, 1.5× what data parallelism sends per
-#   device (section 7b), but a third of it travels during the forward, so its tokens-per-chip bound is the same as
-#   data parallelism's. Pick it when data parallelism no longer fits: the step is big enough that the gathers hide
-#   behind compute (large batch x context per chip).
-# * **Tensor parallel**: splits the layers themselves, so it also cuts activation memory and the work per device
-#   for one sequence, at the price of all-reduces of activations inside every block, on the critical path.
-#   Keep the model axis within the fastest links: on a TPU the chips of one slice joined by ICI (the inter-chip
-#   interconnect; a slice can span several hosts, and across slices traffic goes over the slower data-centre
-#   network); on GPUs the ones joined by NVLink. Combine it with data parallelism or FSDP on the other mesh axis,
-#   as here.
+# * **Data parallel**: every device holds the whole model and its optimizer state. The gradients, the size of the model,
+#   are all-reduced once per step. It is the simplest strategy and usually the fastest while the state fits one chip.
+#   The state is the model, its gradients and AdamW's two moments: 4x the weights in float32, section 6's 3x plus the
+#   gradients. Pick it first.
+# * **FSDP**: memory per device falls to ~1/N of the weights and optimizer state. The price is more communication: the
+#   weights travel every step, forward and backward. A device sends 1.5× what data parallelism sends (section 7b). A
+#   third of it travels during the forward, so its bound on tokens per chip is the same as data parallelism's. Pick it
+#   when data parallelism no longer fits and the step is big enough for the gathers to hide behind compute. That means a
+#   large batch × context per chip.
+# * **Tensor parallel**: it splits the layers themselves. So it also cuts activation memory and the work per device for
+#   one sequence. The price is all-reduces of activations inside every block, on the critical path. Combine it with data
+#   parallelism or FSDP on the other mesh axis, as here.
+# * Keep the tensor-parallel axis within the fastest links. On a TPU those are the chips of one slice, joined by ICI. A
+#   slice can span several hosts; across slices, traffic goes over the slower data-centre network. On GPUs the fastest
+#   links are NVLink.
 #
-# torch_xla-specific: `xs.Mesh`, `xs.mark_sharding`, `SpmdFullyShardedDataParallel`, and the fact that the
-# compiler chooses the collectives (GSPMD in torch_xla 2.9; XLA's Shardy is replacing it, and a different
-# partitioner may place different collectives, which is one more reason to read the HLO rather than trust a
-# recorded count): you predict from first principles, then read the HLO and explain the difference. What carries over: the
-# mesh, the placements, and the costs above. In plain PyTorch: `init_device_mesh("cuda", (4, 2),
-# mesh_dim_names=("data", "model"))` + DTensor,
-# `parallelize_module(block, mesh["model"], {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})`, and
-# `fully_shard(model)` (FSDP2) for ZeRO-3, which issues the textbook all-gathers and reduce-scatters itself
-# (per module; `reshard_after_forward` defaults to None in torch 2.9: True for the modules below the root, which
-# gather their weights again for the backward, False at the root, which keeps them; FSDP2 shards dim 0 of each
-# parameter unless `shard_placement_fn` says otherwise, where torch_xla's FSDPv2 takes the largest dimension); in
-# JAX, `Mesh` + `PartitionSpec` + `jax.jit` with the same GSPMD/Shardy partitioner as here.
+# What is torch_xla's: `xs.Mesh`, `xs.mark_sharding`, `SpmdFullyShardedDataParallel`, and the compiler choosing the
+# collectives. torch_xla 2.9 uses GSPMD, and XLA's Shardy is replacing it. A different partitioner may place different
+# collectives. That is one more reason to read the HLO rather than trust a recorded count. You predict from first
+# principles, then read the HLO and explain the difference.
+#
+# What carries over: the mesh, the placements, and the costs above. In plain PyTorch:
+#
+# - the mesh: `init_device_mesh("cuda", (4, 2), mesh_dim_names=("data", "model"))`, with DTensor;
+# - Megatron: `parallelize_module(block, mesh["model"], {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})`;
+# - ZeRO-3: `fully_shard(model)`, FSDP2, which issues its all-gathers and reduce-scatters itself, per unit;
+# - in JAX: `Mesh`, `PartitionSpec` and `jax.jit`, with the same GSPMD or Shardy partitioner as here.
+#
+# FSDP2's `reshard_after_forward` defaults to `None` in torch 2.9. That means `True` for the units below the root, which
+# gather their weights again for the backward. It means `False` at the root, which keeps them. So with one unit per
+# block, a plain `fully_shard` step all-gathers 2 L + 1 times and reduce-scatters L + 1 times, as notebook 08 counts.
+# With labkit's Trainer, which also keeps the last block gathered, a step issues 2 L all-gathers (notebook 09). FSDP2
+# shards dim 0 of each parameter unless `shard_placement_fn` says otherwise. torch_xla's FSDPv2 takes the largest
+# dimension instead.
 
 # %%
 rows = []
@@ -966,25 +1110,36 @@ for name, b, coll, moved, step, m, loss in rows:
 assert len(rows) == 4
 
 # %% [markdown]
-# ## 11. Save sharded, restore onto another layout
-# A checkpoint of the FSDP run must not gather the model onto one host first (for a model that needs FSDP, the
-# whole of it may not fit there). `labkit.checkpoint.CheckpointManager` sees that the state is split over
-# devices and writes it in the *sharded format*: PyTorch's Distributed Checkpoint (DCP) with torch_xla's SPMD
-# planners stores each device's slice once, with its offsets in the global tensor, then a `COMMITTED` marker
-# (a save killed midway is never restored). Because every slice knows where it belongs, the checkpoint restores
-# onto any layout: here into the data-parallel model, where every device holds all of it; on a TPU VM onto
-# another number of chips (the tests restore 8 devices onto 4 and onto 1). `restore(into=...)` fills the
-# target's own tensors, which keep their layout.
+# The table above sums up one run: bytes per device, MB sent per device, step time, MFU, final loss and the collectives
+# XLA placed. Read the bytes column for memory and the MB column for traffic: FSDP holds the least and sends the most.
 #
-# Carries over: DCP is plain PyTorch (`torch.distributed.checkpoint`; on GPUs with FSDP2/DTensor state). The
+# ## 11. Save sharded, restore onto another layout
+# A checkpoint of the FSDP run must not gather the model onto one host first. For a model that needs FSDP, the whole of
+# it may not fit there. `labkit.checkpoint.CheckpointManager` sees that the state is split over devices. So it writes
+# the *sharded format*: PyTorch's Distributed Checkpoint, DCP, with torch_xla's SPMD planners.
+#
+# DCP stores each device's slice once, with its offsets in the global tensor. Then it writes a `COMMITTED` marker, so a
+# save killed midway is never restored. Because every slice knows where it belongs, the checkpoint restores onto any
+# layout. Here it restores into the data-parallel model, where every device holds all of it. On a TPU VM it can restore
+# onto another number of chips; the tests restore 8 devices onto 4 and onto 1. `restore(into=...)` fills the target's
+# own tensors, which keep their layout.
+#
+# Carries over: DCP is plain PyTorch (`torch.distributed.checkpoint`), used on GPUs with FSDP2 and DTensor state. The
 # SPMD planners and the sharded XLA tensors are torch_xla's.
 #
-# The save prints warnings from torch 2.9's DCP about torch_xla 2.9's planners, not about this checkpoint: "The
-# function definition for SavePlanner.set_up_planner has been updated to include the storage_meta argument" (the
-# planner was written for an older DCP) and a `TypedStorage is deprecated` notice (how the planner reaches the
-# bytes). A third comes from torch_xla itself (`xla_sharded_tensor.py`): "Using a non-tuple sequence for
-# multidimensional indexing is deprecated", how it cuts the padding off a shard. All three are harmless and go away
-# when the libraries agree again.
+# The save prints three warnings. They are about the libraries, not about this checkpoint:
+#
+# - "The function definition for SavePlanner.set_up_planner has been updated to include the storage_meta argument", from
+#   torch 2.9's DCP: torch_xla 2.9's planner was written for an older DCP.
+# - `TypedStorage is deprecated`, also from DCP: it is how the planner reaches the bytes.
+# - "Using a non-tuple sequence for multidimensional indexing is deprecated", from torch_xla's own
+#   `xla_sharded_tensor.py`: it is how torch_xla cuts the padding off a shard.
+#
+# All three are harmless, and they go away when the libraries agree again.
+#
+# The output's first line gives the files and how long `save()` blocked. The second checks that each element is stored
+# once: the weights plus twice their bytes of AdamW state. The files are larger, because each slice carries a header.
+# The last line should read every weight and every moment bit-identical.
 
 # %%
 import math
@@ -1042,10 +1197,13 @@ assert len(same_m) == len(moments), sorted(set(moments) - set(same_m))
 assert tiles == {(0, 0): []}, "the target keeps its own layout"
 
 # %% [markdown]
-# **Where this goes next.** TorchTPU, which PyTorch/XLA's README (2026-04-22) says will replace torch_xla once it is public (not run here: it needs TPU chips), shards with DTensor
-# and one process per chip instead of GSPMD's one process per host.
-# * Ends with torch_xla: `xs.Mesh`, `xs.mark_sharding`, `SpmdFullyShardedDataParallel`, the SPMD planners of the
-#   sharded checkpoint, and reading the partitioned HLO dump.
-# * Carries over: meshes with named axes, a placement per tensor dimension, the bytes each layout keeps per device
-#   and the collectives it costs (the same arithmetic in sections 6 and 7), and DCP checkpoints that restore onto
-#   another layout.
+# **Where this goes next.** PyTorch/XLA's README says that TorchTPU will replace torch_xla once it is public. TorchTPU
+# shards with DTensor and one process per chip, instead of GSPMD's one process per host. It is not run here, since it
+# needs TPU chips.
+#
+# *Source: github.com/pytorch/xla, README, read 2026-04-22.*
+#
+# * Ends with torch_xla: `xs.Mesh`, `xs.mark_sharding`, `SpmdFullyShardedDataParallel`, the SPMD planners of the sharded
+#   checkpoint, and reading the partitioned HLO dump.
+# * Carries over: meshes with named axes, a placement per tensor dimension, the bytes each layout keeps per device and
+#   the collectives it costs, from the arithmetic of sections 6 and 7. DCP checkpoints restore onto another layout.
