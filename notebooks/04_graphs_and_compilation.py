@@ -18,33 +18,35 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/04_graphs_and_compilation.ipynb)
 #
-# One small MLP, run every way PyTorch can run it: eager, lazy tensors on XLA, `torch_xla.compile`,
-# `torch.compile`, `torch.jit.trace`/`script` (legacy) and `torch.export`. For each we count the graphs compiled
-# and time the first call and the steady state, all in this one run. Then the same model with one
-# data-dependent `if`, which each mode handles differently. Then the two things that hurt most on a TPU:
-# recompilations (labkit's recompile detective names the input and the line) and hidden host syncs (labkit's
-# sync finder counts them per line).
+# This notebook runs one small MLP every way PyTorch can run it: eager, lazy tensors on XLA, `torch_xla.compile`,
+# `torch.compile`, the legacy `torch.jit.trace` and `script`, and `torch.export`. For each mode we count the graphs
+# compiled. We time the first call and the steady state, all in this one run.
 #
-# Last, a profile of a live run: where each step's time went, the slowest instructions and what XLA fused into
-# them, and the same capture opened in TensorBoard/XProf or Perfetto. By the end you can:
+# Then the same model gets one data-dependent `if`, which each mode handles differently. Then come the two things that
+# hurt most on a TPU. Recompilations: labkit's recompile detective names the input and the line. Hidden host syncs:
+# labkit's sync finder counts them per line.
 #
-# - tell apart eager, lazy XLA, `torch_xla.compile`, `torch.compile`, TorchScript and `torch.export`, and say what
-#   each does with a data-dependent `if`;
+# Last comes a profile of a live run. It shows where each step's time went, the slowest instructions, and what XLA fused
+# into them. The same capture opens in TensorBoard/XProf or Perfetto. By the end you can:
+#
+# - tell apart eager, lazy XLA, `torch_xla.compile`, `torch.compile`, TorchScript and `torch.export`;
+# - say what each of them does with a data-dependent `if`;
 # - find a recompile with the recompile detective and a hidden host sync with the sync finder, and fix both;
-# - capture a profile of a running `fit()`, read where its steps' time went and which instruction was slowest,
-#   and open the same trace in TensorBoard/XProf or Perfetto.
+# - capture a profile of a running `fit()`, and read where its steps' time went and which instruction was slowest;
+# - open the same trace in TensorBoard/XProf or Perfetto.
 #
-# Notebooks 01, 02, 03 and the capstone 07 use these tools; take this one right after 00.
+# Notebooks 01, 02, 03 and the capstone 07 use these tools. Take this one right after 00.
 #
 # **In the course**: after 00; next: 01.
 #
-# **Time**: 20 s to 3 min of run time in fast mode on a 2-core CPU, quiet to busy (XLA:CPU, solutions on; 175 s
-# measured under nbval on a busy machine); about 2 minutes more in full mode (Inductor's C++ compile); 45–60 minutes
-# to read and do the four exercises.
+# **Time**: 20 s to 3 min of run time in fast mode, quiet machine to busy, and 175 s under nbval on a busy machine. Full
+# mode takes about 2 minutes more, for Inductor's C++ compile. Reading and doing the four exercises takes 45–60 minutes.
 #
-# Which lessons carry over: graph capture, graph breaks and data-dependent control flow are the same on every
-# backend (`torch.compile` on a GPU behaves as here). Lazy tensors, `torch_xla.sync()`, one graph per
-# branch and per input shape, and the cost of a host read stalling the device are torch_xla's (TPU) story.
+# *Measured on: 2-core CPU, XLA:CPU, torch 2.9, fast mode, solutions on.*
+#
+# Some lessons carry over to every backend: graph capture, graph breaks and data-dependent control flow. `torch.compile`
+# on a GPU behaves as it does here. Other lessons are torch_xla's story, for a TPU: lazy tensors, `torch_xla.sync()`,
+# one graph per branch and per input shape, and the cost of a host read that stalls the device.
 
 # %% [markdown]
 # ## Parameters
@@ -80,11 +82,12 @@ P
 
 # %% [markdown]
 # ## Set-up
-# Runs wherever you opened this (Colab TPU or GPU, Kaggle, a TPU VM, a laptop) and never replaces what the runtime
-# already has: it keeps the image's torch (and torch_xla when the pair matches), installs only what is missing,
-# and prints what it found and chose (`labkit setup: platform=... choice=...`). Only where torch and torch_xla are
-# missing or do not match (a bare TPU VM, a torch upgraded by hand) it installs the pair together and asks you to
-# restart the runtime; then run the notebook again.
+# This cell runs wherever you opened the notebook: Colab TPU or GPU, Kaggle, a TPU VM or a laptop. It never replaces
+# what the runtime already has. It keeps the image's torch, and torch_xla too when the pair matches. It installs only
+# what is missing, and prints what it found and chose (`labkit setup: platform=... choice=...`).
+#
+# Where torch and torch_xla are missing or do not match, it installs the pair together and asks you to restart the
+# runtime. That happens on a bare TPU VM, or after torch was upgraded by hand. Then run the notebook again.
 
 # %% tags=["setup"]
 # Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
@@ -117,11 +120,14 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 
 # %% [markdown]
 # ## 1. One model, every capture mode
-# Eager PyTorch runs each op as Python reaches it. The other modes build a graph first and run the graph:
-# the first call pays for tracing and compiling, later calls reuse it. On XLA the count is torch_xla's
-# `CompileTime` samples; for `torch.compile` it is dynamo's captured graphs. Timings include waiting for the
-# result (`labkit.lessons.capture_modes.measure`). Eager CPU runs on one thread here: on a busy 2-core machine OpenMP's
-# spinning threads made a 0.4 ms forward take ~20 ms.
+# Eager PyTorch runs each op as Python reaches it. The other modes build a graph first and then run the graph. The first
+# call pays for tracing and compiling, and later calls reuse the graph.
+#
+# On XLA the graph count is torch_xla's `CompileTime` samples. For `torch.compile` it is dynamo's captured graphs.
+# Timings include waiting for the result (`labkit.lessons.capture_modes.measure`).
+#
+# Eager CPU runs on one thread here. On a busy 2-core machine, OpenMP's spinning threads made a 0.4 ms forward take ~20
+# ms.
 
 # %%
 import time
@@ -199,17 +205,50 @@ if XLA:
     assert by["lazy tensors, XLA"]["first_s"] > by["lazy tensors, XLA"]["steady_s"]  # compiling costs
 
 # %% [markdown]
+# **Reading the table.** Each row is one mode: the graphs it compiled, its first call, its steady-state call, and a
+# note. Compare the first call with the steady state: the gap is the price of tracing and compiling. The lazy row and
+# `torch_xla.compile` share one graph, so the second finds it in torch_xla's cache. On this CPU a steady call of every
+# mode takes a fraction of a millisecond, because the MLP is tiny. So the table teaches the graph counts and the
+# first-call cost, not which mode is fastest.
+#
+# ### What compiling buys on a GPU, and the memory format
+# On a model that fills a GPU, the steady state is where compiling pays. One run on a lent GPU gave these figures. GPT-2
+# small, at T = 1024, batch 16 and bf16, reached **41.3 % MFU** compiled.
+#
+# ResNet-50 in a hand-written loop, at 224 px and batch 128, gave these steps:
+#
+# | ResNet-50, hand loop, batch 128 | ms per step | images/s |
+# |---|---|---|
+# | NCHW, eager | 54.6 | 2,343 |
+# | channels_last, eager | 29.5 | 4,343 |
+# | channels_last + `torch.compile` | 22.9 | 5,578 |
+#
+# *Measured on: one NVIDIA H200 (141 GB), Python 3.12, torch 2.11.0+cu130, 2026-11; one run, not in CI.
+# `bench/bench_compile.py --device cuda` measures the same two models.*
+#
+# The largest step in that table is not compiling: it is the **memory format**. A batch of images is a 4-D tensor:
+# batch, channels, height, width. PyTorch stores it as NCHW by default, one whole image per channel. A GPU's tensor
+# cores want NHWC instead, `torch.channels_last`: the channels of each pixel side by side. With channels_last the step
+# went from 54.6 to 29.5 ms, nearly twice the images a second. `torch.compile` on top then took it to 22.9 ms.
+#
+# By hand, the switch is `model.to(memory_format=torch.channels_last)` and the same call on every batch. labkit's CUDA
+# runtime trains convolutional models in channels_last, so on a GPU you write nothing. On a TPU you write nothing
+# either: XLA chooses the layout of every tensor itself when it compiles the graph.
+#
 # ### Compiled once, kept on disk: the persistent compile cache
-# Every graph above was compiled in this process and is forgotten when the runtime restarts. torch_xla can keep
-# the compiled programs in a folder (`torch_xla.runtime.initialize_cache`, which must run before the first
-# computation); `labkit.setup()` does it on a TPU by default, in `~/.cache/labkit/xla-cache`
-# (`setup(compile_cache=...)` or `LABKIT_COMPILE_CACHE` to change it). Below, two fresh processes run the same
-# training step with one cache folder: the first compiles and writes, the second looks each graph up by its hash.
-# On a TPU the second should load the program (`PersistentCacheHit`) and skip compiling (torch_xla's
-# documentation says so; not verified here: no TPU in CI). On XLA:CPU the files are
-# written and found, but torch_xla 2.9's CPU client cannot load them (`PersistentCacheDeserializeFailure`), so it
-# compiles again: the table shows the mechanism, not a saving. (The children run on XLA:CPU even on a TPU: this
-# kernel holds the chips. This kernel's own cache on a TPU is shown under the table.)
+# Every graph above was compiled in this process. It is forgotten when the runtime restarts. torch_xla can keep the
+# compiled programs in a folder with `torch_xla.runtime.initialize_cache`, which must run before the first computation.
+# `labkit.setup()` does it on a TPU by default, in `~/.cache/labkit/xla-cache`. Change the folder with
+# `setup(compile_cache=...)` or `LABKIT_COMPILE_CACHE`.
+#
+# Below, two fresh processes run the same training step with one cache folder. The first compiles and writes. The second
+# looks each graph up by its hash. On a TPU the second should load the program (`PersistentCacheHit`) and skip
+# compiling. torch_xla's documentation says so; it is *not verified here*, since CI has no TPU.
+#
+# On XLA:CPU the files are written and found. But torch_xla 2.9's CPU client cannot load them
+# (`PersistentCacheDeserializeFailure`), so it compiles again. So the output shows the mechanism, not a saving. The
+# children run on XLA:CPU even on a TPU, because this kernel holds the chips. This kernel's own cache on a TPU is shown
+# under the two lines.
 
 # %%
 compile_cache = labkit.compile_cache
@@ -234,15 +273,23 @@ if XLA:
         assert mine["PersistentCacheHit"] + mine["PersistentCacheMiss"] >= 1
 
 # %% [markdown]
-# ## 2. One data-dependent `if`
-# `branchy` doubles its output when the first layer's activations sum above zero, else subtracts one. The
-# branch depends on the *values*, which a graph does not know when it is built.
+# Read the `cold` and `warm` lines. Both list the same cached programs. On XLA:CPU the warm line counts a
+# `DeserializeFailure` and compiles again. On a TPU it would count a `Hit` and compile less.
 #
-# The cell prints noise that is not a failure, all of it from `torch.export` (seen here with torch 2.9): a
-# `TracerWarning` from `torch.jit.trace` (expected: that is its lesson); `Unable to find user code corresponding
-# to {u0}` and the refused FX graph printed twice, while export explains why it refuses (`u0` is the unknown value
-# of `h.sum() > 0`, the *data-dependent* symbol it cannot guard on); and `No CUDA runtime is found`, a check torch's
-# C++ extension loader makes when export traces `torch.cond`, on any machine without a GPU.
+# ## 2. One data-dependent `if`
+# `branchy` doubles its output when the first layer's activations sum above zero. Otherwise it subtracts one. The branch
+# depends on the *values*, which a graph does not know when it is built.
+#
+# The cell prints noise that is not a failure. All of it comes from `torch.export` and `torch.jit`, seen here with torch
+# 2.9:
+#
+# - a `TracerWarning` from `torch.jit.trace`. It is expected: that is its lesson.
+# - `Unable to find user code corresponding to {u0}`, and the refused FX graph printed twice. Export is explaining why
+#   it refuses. `u0` is the unknown value of `h.sum() > 0`, the *data-dependent* symbol it cannot guard on.
+# - `No CUDA runtime is found`: a check that torch's C++ extension loader makes when export traces `torch.cond`. It
+#   appears on any machine without a GPU.
+#
+# The last lines of the output give one verdict per mode. The next cell's table keeps them.
 
 # %%
 import torch._dynamo
@@ -320,9 +367,12 @@ for k, v in findings.items():
 
 # %% [markdown]
 # ## 3. The recompile detective
-# Variable-length batches make a new graph per length on XLA: a slow "first step" that keeps coming back.
-# labkit's `HealthMonitor` compares each step's input shapes with the warm-up ones and, with a `SyncFinder`
-# watching, names the line that compiled. (The `Dashboard` does both on its own; here the loop is hand-written.)
+# On XLA, variable-length batches make a new graph per length. The result is a slow "first step" that keeps coming back.
+# labkit's `HealthMonitor` compares each step's input shapes with the warm-up ones. With a `SyncFinder` watching, it
+# names the line that compiled. The `Dashboard` does both on its own; here the loop is hand-written.
+#
+# The output names each step that recompiled, the input that changed shape, and the line. Padding every batch to 16
+# leaves no recompile after the warm-up: the last line counts both runs.
 
 # %%
 from labkit.dashboard import HealthMonitor, SyncFinder
@@ -358,8 +408,11 @@ if XLA:
 
 # %% [markdown]
 # ## 4. Hidden host syncs
-# `.item()` and `if loss > ...:` wait for the device each step. The finder counts them per line; the fixed loop
+# `.item()` and `if loss > ...:` wait for the device at every step. The finder counts them per line. The fixed loop
 # keeps the numbers on the device and reads them once at the end.
+#
+# In the output, compare the two lines. The loop with syncs reads on two lines, once per step each. The loop without
+# reads once in all. The milliseconds per step are this machine's; on a TPU each read also stops the device.
 
 # %%
 w = torch.randn(256, 256, device=rt.device)
@@ -402,17 +455,19 @@ if XLA:
 
 # %% [markdown]
 # ## Your turn
-# Four exercises that check themselves (`labkit.lessons.exercises`; the fourth, after section 5, reads a profile):
-# replace each `...`, run the cell, then the
-# check cell. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`). The
-# checks run your code (or the code you reasoned about) on the XLA device and count what it did with torch_xla's
-# own metrics. Off XLA there is nothing to count: the checks then compare with what XLA would do and say so.
+# Four exercises check themselves here (`labkit.lessons.exercises`); the fourth comes after section 5 and reads a
+# profile. Replace each `...`, run the cell, then run the check cell. A solution hides in the collapsed cell between
+# them. It runs only with `LABKIT_SOLUTIONS=1`.
 #
-# **1. Graphs, predicted before they are counted.** Batches arrive with varying lengths; each is padded up to a
-# multiple of `multiple` (1: not padded) and run on XLA. Write `predict_graphs(lengths, multiple)`: how many graphs
-# XLA compiles for the whole sequence. Work it out from the lengths: your function must not run anything on the
-# device (the check watches torch_xla's counts while it runs); then the check runs real batches and counts
-# torch_xla's compiles.
+# The checks run your code, or the code you reasoned about, on the XLA device. They count what it did with torch_xla's
+# own metrics. Off XLA there is nothing to count: the checks then compare with what XLA would do, and say so.
+#
+# **1. Graphs, predicted before they are counted.** Batches arrive with varying lengths. Each is padded up to a multiple
+# of `multiple`, where 1 means not padded, and run on XLA. Write `predict_graphs(lengths, multiple)`: how many graphs
+# XLA compiles for the whole sequence.
+#
+# Work it out from the lengths. Your function must not run anything on the device: the check watches torch_xla's counts
+# while it runs. Then the check runs real batches and counts torch_xla's compiles.
 
 # %%
 from labkit.lessons import exercises as ex
@@ -433,14 +488,16 @@ if ex.solutions_on():
 ex.check("04.graphs", lambda: nb04.check_predict_graphs(predict_graphs, rt))
 
 # %% [markdown]
-# **2. Reads, predicted before they are counted.** Below is a loop as many are written: a NaN guard every step, a
-# log every `log_every` steps, the mean at the end. Write `predict_reads(steps, log_every)`: how many times it copies
-# a value from the device to the host (look for every line that needs a number in Python). The check runs the loop
-# for step counts you have not seen and counts torch_xla's own transfers (`TransferFromDeviceTime`); a count is
-# exact, so no tolerance. Read the loop, do not run it: while your function runs, `guarded_loop` refuses and the
-# device must do nothing. One fact you need: a value that `sync()` has already computed still lives on the device,
-# so reading it is still a transfer; each `.item()`, `bool(t)` or `if t:` copies one value, whether or not the graph
-# behind it has run.
+# **2. Reads, predicted before they are counted.** Below is a loop as many are written. It has a NaN guard every step, a
+# log every `log_every` steps, and the mean at the end. Write `predict_reads(steps, log_every)`: how many times it
+# copies a value from the device to the host. Look for every line that needs a number in Python.
+#
+# The check runs the loop for step counts you have not seen. It counts torch_xla's own transfers
+# (`TransferFromDeviceTime`). A count is exact, so there is no tolerance. Read the loop, do not run it: while your
+# function runs, `guarded_loop` refuses, and the device must do nothing.
+#
+# One fact you need: a value that `sync()` has already computed still lives on the device. So reading it is still a
+# transfer. Each `.item()`, `bool(t)` or `if t:` copies one value, whether or not the graph behind it has run.
 
 # %%
 import inspect
@@ -464,9 +521,9 @@ if ex.solutions_on():
 ex.check("04.reads", lambda: nb04.check_predict_reads(predict_reads, rt))
 
 # %% [markdown]
-# **3. A branch without a branch.** Section 2's `if h.sum() > 0: h * 2 else h - 1` reads the device at every call
-# (Python must know which way to go) and XLA keeps a graph per branch. Write `branch_free(h)`: the same values for
-# any `h`, computed on the device with no read and one graph (hint: `torch.where` computes both sides and picks).
+# **3. A branch without a branch.** Section 2's `if h.sum() > 0: h * 2 else h - 1` reads the device at every call,
+# because Python must know which way to go. XLA keeps a graph per branch. Write `branch_free(h)`: the same values for
+# any `h`, computed on the device with no read and one graph. Hint: `torch.where` computes both sides and picks.
 
 # %%
 def branch_free(h):
@@ -484,23 +541,34 @@ ex.check("04.branch", lambda: nb04.check_branch_free(branch_free, rt))
 
 # %% [markdown]
 # ## 5. Profile a live run
-# A profile answers "where does a step's time go?". `trainer.request_profile(steps)` asks a running `fit()` to
-# capture its next few steps; nothing in the training code changes, and until a request arrives the loop pays
-# one attribute test per step. Here a callback asks at step 3, as a dashboard button would; a script can be asked
-# from another shell with `kill -USR1 <pid>` or `touch profiles/PROFILE`.
+# A profile answers "where does a step's time go?". `trainer.request_profile(steps)` asks a running `fit()` to capture
+# its next few steps. Nothing in the training code changes. Until a request arrives, the loop pays one attribute test
+# per step.
 #
-# Each capture gets its own folder: the trace, `steps.json` (labkit's own step timers), `summary.json` and
-# `timeline.png`. The analysis splits every step into data wait (the loop waiting for the next batch), compile,
-# device (ops executing), host (Python building the lazy graph, on XLA) and idle, and lists the top operations.
-# Device, host and idle follow Holistic Trace Analysis (HTA: idle, compute and non-compute time, idle split into
-# host-wait and kernel-wait); data wait and compile are labkit's own categories.
+# Here a callback asks at step 3, as a dashboard button would. A script can be asked from another shell, with `kill
+# -USR1 <pid>` or `touch profiles/PROFILE`.
 #
-# What is torch_xla's: the trace comes from `torch_xla.debug.profiler` (an `.xplane.pb` that TensorBoard's profile
-# plugin and XProf open with `tensorboard --logdir <folder>`, plus the same events as a Chrome trace that labkit
-# reads), the device ops are HLO ops (`dot`, `convolution`, fusions) and the compile category exists only where
-# graphs are compiled. What carries over: on a GPU or a CPU the same call records with `torch.profiler` (a
-# Perfetto/Chrome JSON trace, ops named `aten::addmm`, CUDA kernels), and the split, the timeline and the habit of
-# profiling a few steady-state steps rather than the first ones are the same everywhere.
+# Each capture gets its own folder. It holds the trace, `steps.json` with labkit's own step timers, `summary.json` and
+# `timeline.png`. The analysis splits every step into five categories:
+#
+# - data wait: the loop waiting for the next batch;
+# - compile;
+# - device: ops executing;
+# - host: Python building the lazy graph, on XLA;
+# - idle.
+#
+# It also lists the top operations. Device, host and idle follow Holistic Trace Analysis (HTA), which splits a trace
+# into idle, compute and non-compute time, and idle into host-wait and kernel-wait. Data wait and compile are labkit's
+# own categories.
+#
+# What is torch_xla's: the trace comes from `torch_xla.debug.profiler`. It is an `.xplane.pb`, which TensorBoard's
+# profile plugin and XProf open with `tensorboard --logdir <folder>`. The same events also come as a Chrome trace, which
+# labkit reads. The device ops are HLO ops: `dot`, `convolution`, fusions. The compile category exists only where graphs
+# are compiled.
+#
+# What carries over: on a GPU or a CPU the same call records with `torch.profiler`. That gives a Perfetto/Chrome JSON
+# trace, with ops named `aten::addmm` and CUDA kernels. The split, the timeline and the habit of profiling a few
+# steady-state steps, rather than the first ones, are the same everywhere.
 
 # %%
 import os
@@ -545,12 +613,18 @@ assert [s["step"] for s in prof.steps] == [4, 5, 6, 7]
 assert prof.has_op(), "the profile should contain the MLP's matmuls (aten::addmm / HLO dot)"
 
 # %% [markdown]
-# **Reading the capture yourself.** Every captured step sits inside a span named `labkit_step`: an annotation the
-# loop opens around the step, `xp.Trace`'s TraceMe on XLA (`with torch_xla.debug.profiler.Trace("name"):` around
-# any code of yours puts a span of your own in the same trace) and `torch.profiler.record_function` elsewhere. From
-# the trace labkit reads, per step, the five categories above; where time went *inside* the device is in
-# `prof.op_events`: one entry per execution of an op, `{"name", "ts", "dur_us"}` (device ops on XLA and CUDA; on
-# the CPU, aten ops with their self time). Below: compile vs execute, the idle gaps, the wait for input.
+# The output above starts with labkit's lines about the batches and the capture. Then comes the profile's table: each
+# captured step's milliseconds, split into the five categories, then the top device ops and the top host ops. The figure
+# draws every captured step, each labelled with its length.
+#
+# **Reading the capture yourself.** Every captured step sits inside a span named `labkit_step`. The loop opens this
+# annotation around the step. On XLA it is `xp.Trace`'s TraceMe; elsewhere it is `torch.profiler.record_function`. Wrap
+# any code of yours in `with torch_xla.debug.profiler.Trace("name"):` to put a span of your own in the same trace.
+#
+# From the trace labkit reads the five categories above, per step. Where the time went *inside* the device is in
+# `prof.op_events`. It has one entry per execution of an op, `{"name", "ts", "dur_us"}`. On XLA and CUDA these are
+# device ops; on the CPU they are aten ops with their self time. The cell below prints compile against execute, the idle
+# gaps, and the wait for input.
 
 # %%
 import json
@@ -565,35 +639,54 @@ print(f"{len(prof.op_events)} op executions; the first three:", prof.op_events[:
 assert abs(sum(cats.values()) - total) < 1e-6 * max(total, 1), "the categories split each step exactly"
 
 # %% [markdown]
-# **Reading the split.** Here *host* takes most of each step (89–96 % in the runs kept with this notebook). It means:
-# the loop's Python, tracing the step's ops into a lazy graph, looking the graph up in the cache and cutting it, took
-# longer than running the graph, which for an MLP of this width on a batch of this size is a few hundred
-# microseconds of matmuls. On XLA:CPU the "device" is the same two cores, so the split says little about speed. On
-# a TPU the same MLP would show the same shape, more sharply: the chip would finish its part in microseconds and wait
-# for Python. What to change when host dominates on a chip: more work per step (a larger batch or model, so the graph
-# outlasts its tracing), fewer host reads per step (they stop the overlap of tracing with the previous step's run;
-# exercise 2), and tracing once, not per step (`torch_xla.compile` around the step, or `torch.compile(backend=
-# "openxla")`, section 1). A step where *device* dominates is the goal: the chip, not Python, sets the pace.
+# **Reading the split.** Here *host* takes most of each step: from 89 % to all of it in the runs kept with this
+# notebook. Read your own figure in the first line above. On a busy machine one captured step may last far longer than
+# the others, and the total then follows that step. It means that the loop's Python took longer than running the graph.
+# That Python traces the step's ops into a lazy graph, looks the graph up in the cache, and cuts it. Running the graph,
+# for an MLP of this width on a batch of this size, is a few hundred microseconds of matmuls.
+#
+# On XLA:CPU the "device" is the same two cores, so the split says little about speed. On a TPU the same MLP should show
+# the same shape, more sharply: the chip would finish its part in microseconds and wait for Python. That is *not
+# verified here*, since there is no TPU.
+#
+# When host dominates on a chip, change three things:
+#
+# - more work per step: a larger batch or model, so the graph outlasts its tracing;
+# - fewer host reads per step, since they stop the overlap of tracing with the previous step's run (exercise 2);
+# - tracing once, not per step: `torch_xla.compile` around the step, or `torch.compile(backend="openxla")`, as in
+#   section 1.
+#
+# A step where *device* dominates is the goal: the chip, not Python, sets the pace.
 #
 # **Who copies the batches is host work too.** `labkit.DeviceLoader` lets torch_xla's `ParallelLoader` copy them on
-# background threads, a few batches ahead; on XLA the `[labkit] batches are copied to ...` line above says so and why.
-# Lightning Fabric copies each batch in the loop's own thread instead (`DeviceLoader(feed="main")` does the same).
-# On XLA:CPU that copy waits for the step still running on the same cores, and while it waits Python cannot trace
-# the next step: for this MLP, whose step is mostly tracing, `bench/bench_peers.py --ablations` measured a step 1.7x
-# longer that way (2026-11-28, 5 rounds on a shared 2-core machine, each round slower), for ResNet-18 no difference
-# inside its spread. On a TPU the chip runs apart from the host, and the threads overlap the copy with its step.
+# background threads, a few batches ahead. On XLA the `[labkit] batches are copied to ...` line above says so and why.
+# Lightning Fabric copies each batch in the loop's own thread instead, and `DeviceLoader(feed="main")` does the same.
+#
+# On XLA:CPU that copy waits for the step still running on the same cores. While it waits, Python cannot trace the next
+# step. For this MLP, whose step is mostly tracing, `bench/bench_peers.py --ablations` measured a step 1.7x longer that
+# way. For ResNet-18 it found no difference beyond its spread. On a TPU the chip runs apart from the host, and the
+# threads should overlap the copy with its step; that is *not verified here*.
+#
+# *Measured on: a shared 2-core CPU, 2026-11-28, 5 rounds, each round slower than the last.*
 
 # %% [markdown]
-# **The same capture in TensorBoard/XProf or Perfetto.** labkit's reading is one view; the tools people use read the
-# same files. On XLA the folder holds `plugins/profile/<run>/<host>.xplane.pb`, the layout of TensorBoard's profile
-# plugin (XProf): `tensorboard --logdir <folder>`, then the *Profile* tab (trace viewer, op profile, memory). In a
-# notebook, Colab included: `%load_ext tensorboard` then `%tensorboard --logdir <folder>`. Colab's TPU image has no
-# tensorboard: install `tensorboard` and `xprof` (the profile plugin; `tensorboard-plugin-profile` only pulls in xprof)
-# first; neither depends on torch, and the
-# constraints file printed below pins the installed torch, torch_xla, numpy and protobuf so pip can only add. For
-# Perfetto, `labkit.profiling.viewers.chrome_trace` writes the events as a plain Chrome trace JSON
-# (`trace.json`): open ui.perfetto.dev and drop the file there (from Colab, download it first). Off XLA the capture
-# is already `trace.json` (torch.profiler's). Not tried on Colab here.
+# **The same capture in TensorBoard/XProf or Perfetto.** labkit's reading is one view. The tools people use read the
+# same files.
+#
+# - TensorBoard: on XLA the folder holds `plugins/profile/<run>/<host>.xplane.pb`. That is the layout of TensorBoard's
+#   profile plugin, XProf. Run `tensorboard --logdir <folder>`, then open the *Profile* tab for the trace viewer, the op
+#   profile and memory.
+# - In a notebook, Colab included: `%load_ext tensorboard`, then `%tensorboard --logdir <folder>`.
+# - Colab's TPU image has no tensorboard. Install `tensorboard` and `xprof` first; `tensorboard-plugin-profile` only
+#   pulls in xprof. Neither depends on torch. The constraints file printed below pins the installed torch, torch_xla,
+#   numpy and protobuf, so pip can only add packages.
+# - Perfetto: `labkit.profiling.viewers.chrome_trace` writes the events as a plain Chrome trace JSON, `trace.json`. Open
+#   ui.perfetto.dev and drop the file there. From Colab, download it first.
+#
+# Off XLA the capture is already `trace.json`, torch.profiler's own. These steps were *not tried on Colab here*.
+#
+# The output prints the commands for this capture's folder, then the exported trace: its size, its events, and its
+# `labkit_step` spans, one at least per captured step.
 
 # %%
 print(labkit.profiling.viewers.how_to_open(prof.folder))
@@ -606,16 +699,22 @@ print(f"{chrome}: {os.path.getsize(chrome) / 1e3:.0f} kB, {len(events)} events, 
 assert spans >= len(prof.steps), "every captured step is in the exported trace"
 
 # %% [markdown]
-# **The slowest instructions, and what each fusion fused.** `prof.ops` ranks instructions: on XLA each name is one
-# instruction of the compiled step (`dot.9`, `multiply_erf_fusion`, `fusion.3`), so two fusions never share a line.
-# A fusion is XLA gluing several elementwise ops (and sometimes a reduction) into one kernel that reads its inputs
-# once; what it glued is only in the *optimized* HLO. The parameters cell asked XLA to write that HLO
-# (`XLA_FLAGS=--xla_dump_to=...`, before torch_xla started), each trace event names its module, and
-# `labkit.profiling.viewers.fused_ops` reads the fused computation the instruction calls (constants and broadcasts
-# left out). Here GELU (`erf`), the bias adds and SGD's update `p - lr * g` should show up inside fusions, though
-# not always among the eight slowest lines printed first: the cell then prints every fusion that holds them. If XLA
-# did not dump (torch_xla started before the parameters cell, or the graph came from the compile cache) the cell says
-# so: restart the kernel and run from the top, or look in TensorBoard's *Op profile*, which lists each fusion's ops.
+# **The slowest instructions, and what each fusion fused.** `prof.ops` ranks instructions. On XLA each name is one
+# instruction of the compiled step, such as `dot.9`, `multiply_erf_fusion` or `fusion.3`. So two fusions never share a
+# line.
+#
+# A fusion is XLA gluing several elementwise ops, and sometimes a reduction, into one kernel that reads its inputs once.
+# What it glued is only in the *optimized* HLO. The parameters cell asked XLA to write that HLO
+# (`XLA_FLAGS=--xla_dump_to=...`) before torch_xla started. Each trace event names its module.
+# `labkit.profiling.viewers.fused_ops` reads the fused computation that the instruction calls, leaving out constants and
+# broadcasts.
+#
+# Here GELU (`erf`), the bias adds and SGD's update `p - lr * g` should show up inside fusions. They are not always
+# among the eight slowest lines printed first, so the cell then prints every fusion that holds them.
+#
+# XLA may not have dumped, if torch_xla started before the parameters cell or the graph came from the compile cache.
+# Then the cell says so. Restart the kernel and run from the top, or look in TensorBoard's *Op profile*, which lists
+# each fusion's ops.
 
 # %%
 first = {}
@@ -637,11 +736,17 @@ if rt.kind == "xla-cpu" and HLO_DIR:
     assert any(f[-2:] == ["multiply", "add"] or f[-2:] == ["multiply", "subtract"] for f in fusions.values()), fusions
 
 # %% [markdown]
+# Each line above gives an instruction's total milliseconds, how many times it ran, its name, and the ops it fused. Look
+# for `erf` in one fusion, and `multiply` then `add` or `subtract` in another: GELU and SGD's update.
+#
 # **4. The slowest op, from the trace.** Write `slowest_op(events)`: the name of the instruction that took the most
-# time, given `prof.op_events`. An instruction runs many times (once per step); XLA numbers the instructions of a
-# graph (`fusion.3`, `fusion.7`), and each number is an instruction of its own, calling its own fused computation:
-# `fusion.3` and `fusion.7` are two ops, not one `fusion`. The check tries made-up executions first, then captures a
-# fresh profile (an MLP of a width that changes each time) and compares with the time per name it adds up itself.
+# time, given `prof.op_events`. An instruction runs many times, once per step.
+#
+# XLA numbers the instructions of a graph, such as `fusion.3` and `fusion.7`. Each number is an instruction of its own,
+# calling its own fused computation. So `fusion.3` and `fusion.7` are two ops, not one `fusion`.
+#
+# The check tries made-up executions first. Then it captures a fresh profile of an MLP whose width changes each time. It
+# compares your answer with the time per name that it adds up itself.
 
 # %%
 def slowest_op(events):
@@ -663,10 +768,14 @@ if ex.check("04.slowest", lambda: nb04.check_slowest_op(slowest_op, rt)):
     print("this capture's slowest op:", slowest_op(prof.op_events), "- labkit's ranking:", prof.ops[0][0])
 
 # %% [markdown]
-# **Where this goes next.** TorchTPU, which PyTorch/XLA's README (2026-04-22) says will replace torch_xla once it is public (not run here), is eager by default and builds graphs
-# with `torch.compile`.
+# **Where this goes next.** PyTorch/XLA's README says that TorchTPU will replace torch_xla once it is public. TorchTPU
+# is eager by default and builds graphs with `torch.compile`. It is not run here.
+#
+# *Source: github.com/pytorch/xla, README, read 2026-04-22.*
+#
 # * Ends with torch_xla: lazy tensors and `torch_xla.sync()`, `torch_xla.compile`, the `CompileTime` and transfer
 #   counters behind the detective and the checks, and `torch_xla.debug.profiler`'s trace.
-# * Carries over: a graph per shape (there `torch.compile`'s guards and `TORCH_LOGS=recompiles`), a data-dependent
-#   branch breaking the graph, a `.item()` in the loop stalling the device, `torch.export`, and reading a profile
-#   by steps, categories and top ops (`torch.profiler` on every PyTorch backend).
+# * Carries over: a graph per shape, which `torch.compile` keeps with guards and reports with `TORCH_LOGS=recompiles`.
+#   Also a data-dependent branch breaking the graph, a `.item()` in the loop stalling the device, and `torch.export`.
+# * Carries over too: reading a profile by steps, categories and top ops, with `torch.profiler` on every PyTorch
+#   backend.
