@@ -18,40 +18,44 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/05_export_and_int8.ipynb)
 #
-# A model trained on a TPU is usually served somewhere else, very often on x86 CPUs. This notebook takes the
-# ResNet-50 of notebook 01 and the GPT of notebook 02 and shows, with measurements on the machine it runs on:
+# A model trained on a TPU is usually served somewhere else, very often on x86 CPUs. This notebook takes the ResNet-50
+# of notebook 01 and the GPT of notebook 02. It shows four steps, measured on the machine it runs on:
 #
-# 1. **Round trip**: the checkpoint written during training (on a TPU: XLA tensors, bf16 autocast) loads on a
-#    plain CPU without torch_xla and predicts what the training run's evaluation predicted.
-# 2. **Export**: `torch.export` captures each model as a graph with a dynamic batch dimension; saved, loaded
-#    and checked against eager PyTorch.
-# 3. **INT8 for x86**: post-training static quantization in the PyTorch 2 export flow (`X86InductorQuantizer`),
-#    compiled with Inductor, against float32 eager and float32 compiled: images/s at batch 1 and 32,
-#    validation accuracy, size on disk.
-# 4. **GPT generation on a CPU** with and without a key/value cache, eager and compiled.
+# 1. **Round trip**: the checkpoint written during training loads on a plain CPU without torch_xla. On a TPU that
+#    checkpoint came from XLA tensors under bf16 autocast. It predicts what the training run's evaluation predicted.
+# 2. **Export**: `torch.export` captures each model as a graph with a dynamic batch dimension. The graph is saved,
+#    loaded and checked against eager PyTorch.
+# 3. **INT8 for x86**: post-training static quantization in the PyTorch 2 export flow, with `X86InductorQuantizer`,
+#    compiled with Inductor. It is measured against float32 eager and float32 compiled: images/s at batch 1 and 32,
+#    validation accuracy, and size on disk.
+# 4. **GPT generation on a CPU**, with and without a key/value cache, eager and compiled.
 #
-# Everything here is plain PyTorch on a CPU: it carries over to any backend. The torch_xla-specific lessons are the
-# first, what a TPU run writes is ordinary float32 CPU tensors, and the arithmetic, not the file, is what differs
-# between the TPU and the CPU; and exercise 4, how those tensors leave the device in one transfer. Claims about results (same predictions, same bytes, smaller files) are checked
-# by an `assert`; speed figures are measured here and printed (and drawn), never asserted, because they depend on the
-# CPU and on who else is using it. By the end you can:
+# Everything here is plain PyTorch on a CPU, so it carries over to any backend. Two lessons are torch_xla's. The first
+# is that a TPU run writes ordinary float32 CPU tensors: the arithmetic differs between the TPU and the CPU, not the
+# file. The second is exercise 4: how those tensors leave the device in one transfer.
 #
-# - load a checkpoint written on a TPU into a model on a plain CPU and check it predicts what training evaluated;
-# - export a model with `torch.export` (a dynamic batch dimension), save, load and check it against eager PyTorch;
-# - quantize it to INT8 for x86 with the PT2E flow and weigh accuracy, size and images/s against float32;
-# - generate text on a CPU with a key/value cache and say what the cache costs in bytes.
+# Claims about results are checked by an `assert`: the same predictions, the same bytes, smaller files. Speed figures
+# are measured here, printed and drawn, but never asserted. They depend on the CPU and on who else is using it. By the
+# end you can:
 #
-# **Time**: about 2 minutes of run time in fast mode on a 2-core CPU (plain PyTorch, solutions on); 30–45 minutes to
-# read and do the four exercises.
+# - load a checkpoint written on a TPU into a model on a plain CPU, and check that it predicts what training evaluated;
+# - export a model with `torch.export` and a dynamic batch dimension, then save, load and check it against eager
+#   PyTorch;
+# - quantize it to INT8 for x86 with the PT2E flow, and weigh accuracy, size and images/s against float32;
+# - generate text on a CPU with a key/value cache, and say what the cache costs in bytes.
 #
-# **In the course**: the appendix, after 07; next: none. It needs the checkpoints of 01 and 02 (it writes small
-# ones itself when they are missing) and none of the other notebooks' tools.
+# **Time**: about 2 minutes of run time in fast mode; 30–45 minutes to read and do the four exercises.
+#
+# *Measured on: 2-core CPU, plain PyTorch, torch 2.9, fast mode, solutions on.*
+#
+# **In the course**: the appendix, after 07; next: none. It needs the checkpoints of 01 and 02, and writes small ones
+# itself when they are missing. It needs none of the other notebooks' tools.
 
 # %% [markdown]
 # ## Parameters
-# `LABKIT_<NAME>` overrides any of them; `LABKIT_FAST=1` is the CI-sized run (fewer calibration images, short
-# timing loops). Checkpoints are looked for in `$LABKIT_ARTIFACTS` or `./checkpoints`, where notebooks 01 and 02
-# leave them.
+# `LABKIT_<NAME>` overrides any of them. `LABKIT_FAST=1` is the CI-sized run, with fewer calibration images and short
+# timing loops. Checkpoints are looked for in `$LABKIT_ARTIFACTS` or `./checkpoints`, where notebooks 01 and 02 leave
+# them.
 
 # %% tags=["parameters"]
 import dataclasses, os, sys
@@ -81,11 +85,13 @@ P
 
 # %% [markdown]
 # ## Set-up
-# Runs wherever you opened this (Colab TPU or GPU, Kaggle, a TPU VM, a laptop) and never replaces what the runtime
-# already has: it keeps the image's torch (and torch_xla when the pair matches), installs only what is missing,
-# and prints what it found and chose (`labkit setup: platform=... choice=...`). Only where torch and torch_xla are
-# missing or do not match (a bare TPU VM, a torch upgraded by hand) it installs the pair together and asks you to
-# restart the runtime; then run the notebook again.
+# This cell runs wherever you opened the notebook: Colab TPU or GPU, Kaggle, a TPU VM or a laptop. It never replaces
+# what the runtime already has. It keeps the image's torch, and torch_xla too when the pair matches. It installs only
+# what is missing, and prints what it found and chose (`labkit setup: platform=... choice=...`).
+#
+# Where torch and torch_xla are missing or do not match, it installs the pair together and asks you to restart the
+# runtime. That happens on a bare TPU VM, or after torch was upgraded by hand. Then run the notebook again.
+#
 # This notebook needs no accelerator: a CPU runtime is the point.
 
 # %% tags=["setup"]
@@ -119,9 +125,12 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 
 # %% [markdown]
 # ## 1. The CPU we serve on
-# INT8 speed depends on the instruction set more than on anything in this notebook. `/proc/cpuinfo` says what
-# this CPU has: AVX2 only, AVX-512 VNNI / AVX-VNNI (int8 dot products in one instruction), or AMX (int8 tile
-# matrix multiplies, Xeon Sapphire Rapids and later).
+# INT8 speed depends on the instruction set more than on anything in this notebook. `/proc/cpuinfo` says which of three
+# this CPU has:
+#
+# - AVX2 only;
+# - AVX-512 VNNI or AVX-VNNI, which do int8 dot products in one instruction;
+# - AMX, int8 tile matrix multiplies, on Xeon Sapphire Rapids and later.
 
 # %%
 import time
@@ -142,9 +151,13 @@ INT8_MISSING = quantize.pt2e_missing()  # None where the PT2E int8 flow runs (to
 print("quantization API from:", quantize.pt2e_api()[-1] if INT8_MISSING is None else f"none here: {INT8_MISSING}")
 
 # %% [markdown]
-# Everything until exercise 4 runs on the CPU, but exercise 4 copies tensors off this runtime's accelerator, so the
-# accelerator starts here, first: torch_xla's devices must start before the process runs any backward pass (the
-# stand-ins below train on the CPU when a checkpoint is missing), or PyTorch's autograd has no queue for them.
+# The lines above name this CPU, its int8-relevant flags, what to expect from int8 on it, and where the quantization API
+# comes from. Section 4's speed-up depends on them.
+#
+# Everything until exercise 4 runs on the CPU. But exercise 4 copies tensors off this runtime's accelerator, so the
+# accelerator starts here, first. torch_xla's devices must start before the process runs any backward pass. The
+# stand-ins below train on the CPU when a checkpoint is missing. If they trained first, PyTorch's autograd would have no
+# queue for the devices.
 
 # %%
 try:
@@ -156,10 +169,12 @@ print("accelerator for exercise 4:", rt.device)
 
 # %% [markdown]
 # ## 2. Load the training run's checkpoint on the CPU
-# Notebook 01 ends its training with `labkit.serve.export.save_for_serving`: the model's weights as float32 CPU tensors
-# (copied off the device in one transfer), the architecture, the final evaluation, where the validation shards
-# live, and the logits the *training device* computed for one validation batch. In CI notebook 01 runs before this
-# one, so its checkpoint is there. If it is not, a small stand-in is trained right here, and the output says so.
+# Notebook 01 ends its training with `labkit.serve.export.save_for_serving`. It saves the model's weights as float32 CPU
+# tensors, copied off the device in one transfer. It also saves the architecture, the final evaluation, and where the
+# validation shards live. Last, it saves the logits that the *training device* computed for one validation batch.
+#
+# In CI notebook 01 runs before this one, so its checkpoint is there. If it is not, a small stand-in is trained right
+# here, and the output says so.
 
 # %%
 from labkit.models import resnet50_cifar
@@ -212,9 +227,12 @@ assert fresh.returncode == 0, f"loading the checkpoint in a fresh process failed
 assert all(t.device.type == "cpu" for t in ckpt["model"].values())
 
 # %% [markdown]
-# The validation shards: where notebook 01 wrote them. In CI they lie on the local GCS-API server of notebook
-# 01, whose folder survives the kernel; this cell serves it again. If the shards are gone, they are written
-# again from the same source (the digits and CIFAR-10 splits are fixed, so they are the same images).
+# The output names the checkpoint that loaded, or says in capitals that a stand-in was trained. It also says on which
+# device the reference logits were computed, and whether bf16 autocast was on.
+#
+# The validation shards lie where notebook 01 wrote them. In CI they lie on notebook 01's local GCS-API server, whose
+# folder survives the kernel; this cell serves it again. If the shards are gone, they are written again from the same
+# source. The digits and CIFAR-10 splits are fixed, so they are the same images.
 
 # %%
 from data_tools import load_manifest, make_loader, write_dataset
@@ -241,11 +259,14 @@ print(f"validation: {sum(s['samples'] for s in load_manifest(VAL)['shards'])} im
 
 # %% [markdown]
 # ### Round trip: the same predictions as the training run
-# Two checks. The CPU's float32 logits for the reference batch against the training device's: on XLA:CPU in
-# float32 (CI) they agree to float32 rounding (1e-3 is generous); after bf16 autocast on a TPU they agree to
-# bfloat16's precision: 8 significant bits, about 2.4 decimal digits (0.25 on logits of a few units). And the accuracy over every validation image:
-# identical to the training run's evaluation in float32; after bf16 a prediction on the edge between two classes
-# may flip, so at most 0.5 % of the images may differ there.
+# The cell makes two checks. First, the CPU's float32 logits for the reference batch against the training device's:
+#
+# - on XLA:CPU in float32, as in CI, they agree to float32 rounding, and 1e-3 is generous;
+# - after bf16 autocast on a TPU they agree to bfloat16's precision: 8 significant bits, about 2.4 decimal digits. That
+#   is 0.25 on logits of a few units.
+#
+# Second, the accuracy over every validation image. In float32 it is identical to the training run's evaluation. After
+# bf16, a prediction on the edge between two classes may flip. So at most 0.5 % of the images may differ there.
 
 # %%
 with torch.no_grad():
@@ -266,10 +287,14 @@ else:
     assert abs(EAGER["val_loss"] - ckpt["metrics"]["val_loss"]) < 1e-3
 
 # %% [markdown]
+# The output gives the largest logit difference, then the CPU's accuracy beside the training run's. Both must sit within
+# the bounds above.
+#
 # ## 3. torch.export: one graph, any batch size
-# `torch.export` traces the model into an `ExportedProgram`: ATen operations only, no Python, loadable without the
-# model's source (`torch.export.load`). The batch dimension is declared dynamic, so the same program serves one
-# image or a thousand. It is the entry point to every production path (Inductor/AOTInductor, ExecuTorch, ONNX).
+# `torch.export` traces the model into an `ExportedProgram`. It holds ATen operations only, with no Python, and loads
+# without the model's source (`torch.export.load`). The batch dimension is declared dynamic, so the same program serves
+# one image or a thousand. `torch.export` is the entry point to every production path: Inductor/AOTInductor, ExecuTorch
+# and ONNX.
 
 # %%
 x32 = next(iter(val_loader))[0]
@@ -282,24 +307,30 @@ with torch.no_grad():
 print(f"{path}: {os.path.getsize(path) / 1e6:.1f} MB; reloaded program equals eager at batch 1 and 32")
 
 # %% [markdown]
-# ## 4. INT8 post-training quantization for x86
-# The PyTorch 2 flow, step by step (`labkit.serve.quantize.quantize_x86`). It needs PT2E: in torch itself up to
-# 2.9, in torchao (>= 0.11) from torch 2.10. Colab's GPU image pairs torch 2.11 with torchao 0.10, which has
-# neither: there the cells of this section print why and the command that fixes it, and skip (checked in CI).
-# 1. `torch.export` the float32 model (strict mode: see the note below);
-# 2. `X86InductorQuantizer` marks convolutions, linears and the adds/pools between them; `prepare_pt2e` inserts
-#    observers;
-# 3. a few hundred **training** images run through it: the observers record activation ranges (calibration; the
-#    validation images stay unseen);
-# 4. `convert_pt2e` stores weights as int8 (per output channel) and leaves quantize/dequantize pairs around
-#    every op;
-# 5. `torch.compile` (Inductor, with weight freezing) turns each dequantize → conv → quantize chain into one
-#    oneDNN int8 convolution. Without step 5 the int8 graph is *slower* than float32: it runs the chain literally.
+# The output gives the program's size on disk. The reloaded program equals eager PyTorch at batch 1 and at batch 32.
 #
-# Two traps met on the way (torch 2.9): the default, non-strict `torch.export` no longer records which module
-# each op came from, and `X86InductorQuantizer` then matches nothing, silently: the "quantized" model is float32
-# (labkit uses `strict=True` and checks that int8 weights came out). And freezing must be set in Inductor's config,
-# not passed as `torch.compile(options=...)`, or the int8 graph fails to compile.
+# ## 4. INT8 post-training quantization for x86
+# This is the PyTorch 2 flow, step by step (`labkit.serve.quantize.quantize_x86`). It needs PT2E. PT2E is in torch
+# itself up to 2.9, and in torchao 0.11 or later from torch 2.10. Colab's GPU image pairs torch 2.11 with torchao 0.10,
+# which has neither. There the cells of this section print why, print the command that fixes it, and skip; CI checks
+# that case.
+#
+# 1. `torch.export` the float32 model, in strict mode: see the note below.
+# 2. `X86InductorQuantizer` marks convolutions, linears and the adds and pools between them. `prepare_pt2e` inserts
+#    observers.
+# 3. A few hundred **training** images run through the model. The observers record activation ranges: this is
+#    calibration. The validation images stay unseen.
+# 4. `convert_pt2e` stores weights as int8, per output channel. It leaves quantize/dequantize pairs around every op.
+# 5. `torch.compile`, with Inductor and weight freezing, turns each dequantize → conv → quantize chain into one oneDNN
+#    int8 convolution. Without step 5 the int8 graph is *slower* than float32, because it runs the chain literally.
+#
+# We met two traps on the way, with torch 2.9:
+#
+# - The default, non-strict `torch.export` no longer records which module each op came from. `X86InductorQuantizer` then
+#   matches nothing, silently, and the "quantized" model is float32. labkit uses `strict=True`, and checks that int8
+#   weights came out.
+# - Freezing must be set in Inductor's config, not passed as `torch.compile(options=...)`. Otherwise the int8 graph
+#   fails to compile.
 
 # %%
 if INT8_MISSING is None:  # section 4 needs the PT2E flow (see section 1's line)
@@ -322,10 +353,13 @@ else:
 
 
 # %% [markdown]
-# Now the measurement, all in this one run, one model after another on the same cores: float32 eager, float32
-# compiled by Inductor, int8 compiled by Inductor. Each compiled model is compiled once per batch size (timed
-# separately: compile time is a real cost of serving, paid at start-up). Throughput is the median over calls
-# for `time_s` seconds after warm-up.
+# The output above gives the calibration images, the seconds that quantizing took, and the two programs' sizes on disk.
+# The int8 program must be under 0.35 of the float32 one: a quarter for the weights, plus scales and zero points.
+#
+# Now the measurement, all in this one run, one model after another on the same cores. The models are float32 eager,
+# float32 compiled by Inductor, and int8 compiled by Inductor. Each compiled model is compiled once per batch size. That
+# compile is timed separately: it is a real cost of serving, paid at start-up. Throughput is the median over calls for
+# `time_s` seconds after warm-up.
 
 # %%
 if INT8_MISSING is None:  # section 4 needs the PT2E flow (see section 1's line)
@@ -350,11 +384,15 @@ else:
 
 
 # %% [markdown]
-# What it says, in numbers computed from the table above (the sentences below are printed from the measurements,
-# whatever they are on this machine). Accuracy first: calibrated int8 should cost at most a point or two;
-# float32 compiled is the same arithmetic reordered (fused, vectorised), and reordered float sums are not bit
-# for bit the same: a logit may move in its last bits and, where two classes are nearly tied, flip one prediction.
-# So the assert allows the compiled accuracy to differ from eager by at most one image of the validation set.
+# The lines above give each compiled model's compile seconds. Then a table gives, for each model, images/s at batch 1
+# and 32, validation accuracy and size in MB.
+#
+# The sentences below the next cell are printed from the measurements, whatever they are on this machine. Accuracy comes
+# first: calibrated int8 should cost at most a point or two.
+#
+# Float32 compiled is the same arithmetic, reordered: fused and vectorised. Reordered float sums are not bit for bit the
+# same. A logit may move in its last bits and, where two classes are nearly tied, flip one prediction. So the assert
+# allows the compiled accuracy to differ from eager by at most one image of the validation set.
 
 # %%
 if INT8_MISSING is None:  # section 4 needs the PT2E flow (see section 1's line)
@@ -373,15 +411,25 @@ else:
 
 
 # %% [markdown]
-# **Reading the figures honestly.** Compare int8 with float32 *compiled*, not eager: part of any "int8 speed-up" is
-# just Inductor. What int8 buys depends on the instruction set section 1 printed: with AVX2 but neither VNNI nor
-# AMX, an int8 multiply-add takes three instructions (vpmaddubsw, vpmaddwd, vpaddd) where VNNI's vpdpbusd does it in
-# one, so the gain comes mostly from moving 4x
-# fewer bytes; with AVX-512 VNNI / AVX-VNNI one instruction does it, and with AMX int8 tiles do more still. Figures
-# of "2-4x float32 with VNNI" are vendors' (Intel's DL Boost and oneDNN material), **not verified here**; what this
-# machine did is printed below (machines that ran this notebook, batch 32: about 2.1x on an AVX2-only AMD EPYC,
-# 3.1x and 5.9x on two AVX-512-VNNI hosts; loaded 2-core machines, so take them as orders of magnitude). Small inputs (32×32 images, batch 1) leave little work per kernel,
-# so per-call overhead weighs more there than at batch 32. The chart: every measured throughput, one bar each.
+# The lines above give int8's speed as a ratio to float32 compiled and to float32 eager, at each batch size. Then come
+# the accuracy cost of int8 in points, and what to expect on this CPU.
+#
+# **Reading the figures honestly.** Compare int8 with float32 *compiled*, not eager: part of any "int8 speed-up" is just
+# Inductor. What int8 buys depends on the instruction set that section 1 printed:
+#
+# - With AVX2 but neither VNNI nor AMX, an int8 multiply-add takes three instructions: vpmaddubsw, vpmaddwd and vpaddd.
+#   So the gain comes mostly from moving 4x fewer bytes.
+# - With AVX-512 VNNI or AVX-VNNI, one instruction does it: VNNI's vpdpbusd.
+# - With AMX, int8 tiles do more still.
+#
+# Figures of "2-4x float32 with VNNI" are vendors', from Intel's DL Boost and oneDNN material. They are *not verified
+# here*. What this machine did is printed below.
+#
+# Earlier runs of this notebook at batch 32 gave about 2.1x on an AVX2-only AMD EPYC, and 3.1x and 5.9x on two
+# AVX-512-VNNI hosts. Those were loaded 2-core machines, so take them as orders of magnitude.
+#
+# Small inputs leave little work per kernel: 32×32 images, batch 1. So per-call overhead weighs more there than at batch
+# 32. The chart shows every measured throughput, one bar each.
 
 # %%
 if INT8_MISSING is None:  # section 4 needs the PT2E flow (see section 1's line)
@@ -409,14 +457,19 @@ else:
 
 
 # %% [markdown]
+# The chart's last line gives this CPU's int8 ÷ float32 compiled at batch 32. Compare it with the earlier runs above.
+#
 # ## 5. The GPT on a CPU: export, and generation with a key/value cache
-# Notebook 02's `GPT.generate` was written for XLA: it runs the whole fixed `block_size` window for every new byte,
-# so that the graph never changes shape. On a CPU (or a GPU) the usual serving trick is a **key/value cache**:
-# each layer keeps the keys and values of the tokens already seen, and a new token runs through the model alone,
-# attending to the cache: about `2·N` FLOPs per token instead of a forward pass over the whole window.
-# `GPT.forward_cached` keeps the cache at a fixed size with the positions as tensors, so a compiled or exported
-# step is one graph for every token. `labkit.serve.export.export_decoder` exports that step with a dynamic batch and
-# token count (one program for the prompt's prefill and for every step after it).
+# Notebook 02's `GPT.generate` was written for XLA. It runs the whole fixed `block_size` window for every new byte, so
+# that the graph never changes shape.
+#
+# On a CPU or a GPU, the usual serving trick is a **key/value cache**. Each layer keeps the keys and values of the
+# tokens already seen. A new token runs through the model alone, attending to the cache. That costs about `2·N` FLOPs
+# per token, instead of a forward pass over the whole window.
+#
+# `GPT.forward_cached` keeps the cache at a fixed size, with the positions as tensors. So a compiled or exported step is
+# one graph for every token. `labkit.serve.export.export_decoder` exports that step with a dynamic batch and token
+# count. One program serves the prompt's prefill and every step after it.
 
 # %%
 from data_tools import text
@@ -456,12 +509,17 @@ with torch.no_grad():
 print(f"{gpath}: {os.path.getsize(gpath) / 1e6:.2f} MB; reloaded program equals eager at batch 1 and 4")
 
 # %% [markdown]
-# Tokens per second, one prompt (batch 1), greedy decoding so every variant must produce the same bytes:
+# The output gives the GPT checkpoint's validation loss and its logit difference from the training device. Then it gives
+# the exported decoder's size: the reloaded program equals eager at batch 1 and 4.
+#
+# Next, tokens per second for one prompt, at batch 1. Decoding is greedy, so every variant must produce the same bytes:
+#
 # * the fixed window of notebook 02 (`generate`), eager;
 # * the key/value cache, eager;
 # * the key/value cache through the exported program (`torch.export.load`), eager and compiled with Inductor.
 #
-# The compiled step is compiled twice (prompt prefill and one-token step), timed apart from generation.
+# The compiled step is compiled twice, for the prompt's prefill and for the one-token step. That time is measured apart
+# from generation.
 
 # %%
 step_ep = export.export_decoder(gpt)
@@ -513,13 +571,17 @@ print(f"KV cache saves {1 - tok_s['window, eager (no cache)'] / tok_s['KV cache,
 print(repr(text.decode(torch.cat([prompt[0], base[0]]))))
 
 # %% [markdown]
-# ## Your turn
-# Four exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
-# check cell. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`).
+# The output gives tokens/s for each variant, then the seconds that compiling the cached step took. The cached and the
+# window logits agree to below 1e-3. The output says how much of the eager time per token the cache saves. Last comes
+# the generated text, the same for every variant.
 #
-# **1.** Predict the size of an int8 program from a model alone: write `predict_int8_bytes(model)`. The quantizer
-# stores the weights of convolutions and linear layers as int8; everything else stays float32. The check tries two
-# other models, then this one against the file section 4 wrote.
+# ## Your turn
+# Four exercises check themselves here (`labkit.lessons.exercises`). Replace each `...`, run the cell, then run the
+# check cell. A solution hides in the collapsed cell between them. It runs only with `LABKIT_SOLUTIONS=1`.
+#
+# **1.** Predict the size of an int8 program from a model alone: write `predict_int8_bytes(model)`. The quantizer stores
+# the weights of convolutions and linear layers as int8. Everything else stays float32. The check tries two other
+# models, then this one against the file that section 4 wrote.
 
 # %%
 from labkit.lessons import exercises as ex
@@ -544,8 +606,8 @@ ex.check("05.int8_size", lambda: nb05.check_int8_size(predict_int8_bytes, model,
 
 # %% [markdown]
 # **2.** A server receives batches of any size. Set `program` to a `torch.export.ExportedProgram` of `model` that
-# answers for any batch size like `model` does, without re-exporting per size (hint: `torch.export.export(model,
-# (x32[:4],))` fixes the batch at 4; give its first dimension a `torch.export.Dim`).
+# answers like `model` for any batch size, without re-exporting per size. Hint: `torch.export.export(model, (x32[:4],))`
+# fixes the batch at 4. Give its first dimension a `torch.export.Dim`.
 
 # %%
 program = ...   # your answer
@@ -559,10 +621,12 @@ if ex.solutions_on():
 ex.check("05.dynamic_batch", lambda: nb05.check_dynamic_export(program, model, x32))
 
 # %% [markdown]
-# **3.** The key/value cache trades memory for time. Write `kv_cache_bytes(n_layer, n_head, block_size, n_embd,
-# batch)`: the bytes of a float32 cache holding a whole window, predicted before you look; the check compares with
-# the cache `GPT.empty_cache` really allocates, for shapes where the window and the width differ, and for one model
-# whose cache takes terabytes (no machine here holds it); allocating a cache inside your function is refused.
+# **3.** The key/value cache trades memory for time. Write `kv_cache_bytes(n_layer, n_head, block_size, n_embd, batch)`:
+# the bytes of a float32 cache that holds a whole window. Predict it before you look.
+#
+# The check compares your answer with the cache that `GPT.empty_cache` really allocates. It uses shapes where the window
+# and the width differ. It also uses one model whose cache takes terabytes, which no machine here holds. Allocating a
+# cache inside your function is refused.
 
 # %%
 def kv_cache_bytes(n_layer, n_head, block_size, n_embd, batch):
@@ -583,18 +647,23 @@ print(f"this GPT: a {cache.numel() * cache.element_size() / 1e3:.0f} kB cache fo
       f"{weights / 1e6:.2f} MB of weights; the cache grows with batch x window, the weights do not")
 
 # %% [markdown]
-# What the cache saves grows with the window: without it every byte costs a forward pass over `block_size`
-# positions, with it one position (plus attention over the cache). On a tiny model the per-call overhead of
-# eager PyTorch (hundreds of small kernels) is a large part of each step, which is what compiling removes.
+# The line above gives this GPT's cache for one sequence, in kB, beside its weights.
 #
-# **4. Off the device in one transfer.** Section 2 said the training run copied its weights off the device "in one
-# transfer". Each `.cpu()` (or `.to("cpu")`) of an XLA tensor is a device→host transfer of its own, and each waits
-# for the device: a ResNet-50's state dict has over 300 tensors. Write `to_host(state)`: the same dict (name →
-# tensor) with every tensor copied to the host, in one transfer for all of them, with plain torch ops (the tensors of
-# the check's state are all float32; labkit's own copy helpers are switched off while it runs). The check builds a
-# small model of its own on this runtime's device and, on XLA, counts the transfers with torch_xla's own
-# `TransferFromDeviceTime` metric. On a CUDA GPU or a plain CPU there is no such count: the names, devices and values
-# are still checked, and the check says the transfers were not counted.
+# What the cache saves grows with the window. Without it, every byte costs a forward pass over `block_size` positions.
+# With it, a byte costs one position, plus attention over the cache. On a tiny model, eager PyTorch's per-call overhead
+# is a large part of each step: hundreds of small kernels. Compiling removes that overhead.
+#
+# **4. Off the device in one transfer.** Section 2 said that the training run copied its weights off the device "in one
+# transfer". Each `.cpu()` or `.to("cpu")` of an XLA tensor is a device→host transfer of its own, and each waits for the
+# device. A ResNet-50's state dict has over 300 tensors.
+#
+# Write `to_host(state)`: the same dict of name → tensor, with every tensor copied to the host in one transfer for all
+# of them. Use plain torch ops. The tensors of the check's state are all float32, and labkit's own copy helpers are
+# switched off while it runs.
+#
+# The check builds a small model of its own on this runtime's device. On XLA it counts the transfers with torch_xla's
+# own `TransferFromDeviceTime` metric. On a CUDA GPU or a plain CPU there is no such count. The names, devices and
+# values are still checked, and the check says that the transfers were not counted.
 
 # %%
 print("the check's state will live on", rt.device)   # rt: the runtime section 1 set up
@@ -617,9 +686,12 @@ ex.check("05.to_host", lambda: nb05.check_to_host(to_host, rt))
 
 # %% [markdown]
 # ## What carries over, what is XLA-specific
-# * XLA-specific: the checkpoint of a TPU run holds ordinary float32 CPU tensors; bf16 autocast changes the
-#   arithmetic, not the file, hence a tolerance on logits rather than bit equality.
-# * Any backend: `torch.export` with dynamic batch, PT2E int8 quantization with `X86InductorQuantizer`, Inductor
-#   compilation, and key/value caching are plain PyTorch, and what they buy depends on the CPU (see section 1).
-# * TorchTPU (named by PyTorch/XLA's README of 2026-04-22 as its replacement once public; not run here): nothing in this notebook depends on torch_xla except loading a
-#   checkpoint a TPU run wrote, which holds plain CPU tensors either way, so every lesson here carries over.
+# * XLA-specific: the checkpoint of a TPU run holds ordinary float32 CPU tensors. bf16 autocast changes the arithmetic,
+#   not the file. Hence a tolerance on logits rather than bit equality.
+# * Any backend: `torch.export` with a dynamic batch, PT2E int8 quantization with `X86InductorQuantizer`, Inductor
+#   compilation and key/value caching are plain PyTorch. What they buy depends on the CPU (see section 1).
+# * TorchTPU: PyTorch/XLA's README names it as torch_xla's replacement once it is public. It is not run here. Nothing in
+#   this notebook depends on torch_xla except loading a checkpoint that a TPU run wrote. That checkpoint holds plain CPU
+#   tensors either way, so every lesson here carries over.
+#
+# *Source: github.com/pytorch/xla, README, read 2026-04-22.*
