@@ -313,8 +313,8 @@ if DUMPING:
 
 # %% [markdown]
 # **Reading a sharding string.** `S.sharding_of` prints torch_xla's own text, XLA's HLO sharding. Take `mlp.fc.weight`
-# on this (4, 2) mesh, split by rows over `"model"`. Its string reads like `{devices=[2,1,4]0,2,4,6,1,3,5,7
-# last_tile_dim_replicate}`.
+# on this (4, 2) mesh, split by rows over `"model"`. Its string reads like
+# `{devices=[2,1,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate}`.
 #
 # - `[2,1,4]` cuts the tensor into 2 × 1 tiles: dim 0 in two, dim 1 whole.
 # - The last number, 4, with `last_tile_dim_replicate`, says that 4 devices hold each tile. That is the data axis: one
@@ -348,9 +348,10 @@ if DUMPING:
 # Each strategy prints one line: its mesh, its seconds including compiling, and its first and last losses. The losses
 # should start at the same value on every line.
 #
-# The FSDP run prints a warning from torch: `Full backward hook is firing when gradients are computed with respect to
-# module outputs since no inputs require gradients`. torch_xla's FSDPv2 hooks each wrapped module's backward to place an
-# optimization barrier. A GPT's input is token ids, which never require gradients. The warning is expected and harmless.
+# The FSDP run prints a warning from torch:
+# `Full backward hook is firing when gradients are computed with respect to module outputs since no inputs require gradients`.
+# torch_xla's FSDPv2 hooks each wrapped module's backward to place an optimization barrier. A GPT's input is token ids,
+# which never require gradients. The warning is expected and harmless.
 
 # %%
 STRATEGIES = ("single", "data", "tensor", "fsdp")

@@ -545,8 +545,8 @@ ex.check("04.branch", lambda: nb04.check_branch_free(branch_free, rt))
 # its next few steps. Nothing in the training code changes. Until a request arrives, the loop pays one attribute test
 # per step.
 #
-# Here a callback asks at step 3, as a dashboard button would. A script can be asked from another shell, with `kill
-# -USR1 <pid>` or `touch profiles/PROFILE`.
+# Here a callback asks at step 3, as a dashboard button would. A script can be asked from another shell, with
+# `kill -USR1 <pid>` or `touch profiles/PROFILE`.
 #
 # Each capture gets its own folder. It holds the trace, `steps.json` with labkit's own step timers, `summary.json` and
 # `timeline.png`. The analysis splits every step into five categories:
