@@ -643,10 +643,10 @@ assert abs(sum(cats.values()) - total) < 1e-6 * max(total, 1), "the categories s
 
 # %% [markdown]
 # **Reading the split.** Here *host* takes most of each step: from 89 % to all of it in the runs kept with this
-# notebook. Read your own figure in the first line above. On a busy machine one captured step may last far longer than
-# the others, and the total then follows that step. It means that the loop's Python took longer than running the graph.
-# That Python traces the step's ops into a lazy graph, looks the graph up in the cache, and cuts it. Running the graph,
-# for an MLP of this width on a batch of this size, is a few hundred microseconds of matmuls.
+# notebook. Read your own figure in the first line above. Host time means that the loop's Python took longer than
+# running the graph. That Python traces the step's ops into a lazy graph, looks the graph up in the cache, and cuts it.
+# Running the graph, for an MLP of this width on a batch of this size, is a few hundred microseconds of matmuls. On a
+# busy machine one captured step may last far longer than the others, and the total then follows that step.
 #
 # On XLA:CPU the "device" is the same two cores, so the split says little about speed. On a TPU the same MLP should show
 # the same shape, more sharply: the chip would finish its part in microseconds and wait for Python. That is *not
