@@ -62,6 +62,8 @@
 # deprecation warning on every partitioned compile, which the parameters cell hides. The ideas below are the same under
 # both partitioners.
 #
+# *Source: github.com/openxla/shardy, and JAX's guide to migrating to Shardy.*
+#
 # Other lessons carry over: the mesh with named axes, the placements, and what each strategy costs in memory and
 # communication. A placement either splits a dimension over an axis or replicates it. Plain PyTorch writes the same with
 # `init_device_mesh` and DTensor's `Shard(0)` and `Replicate()`. Megatron's split is `parallelize_module` with

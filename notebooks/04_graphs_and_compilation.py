@@ -126,8 +126,8 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 # On XLA the graph count is torch_xla's `CompileTime` samples. For `torch.compile` it is dynamo's captured graphs.
 # Timings include waiting for the result (`labkit.lessons.capture_modes.measure`).
 #
-# Eager CPU runs on one thread here. On a busy 2-core machine, OpenMP's spinning threads made a 0.4 ms forward take ~20
-# ms.
+# Eager CPU runs on one thread here. In an earlier run on a busy 2-core machine, OpenMP's spinning threads made a 0.4 ms
+# forward take ~20 ms. That figure is *not verified here*.
 
 # %%
 import time

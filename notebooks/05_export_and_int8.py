@@ -426,7 +426,8 @@ else:
 # here*. What this machine did is printed below.
 #
 # Earlier runs of this notebook at batch 32 gave about 2.1x on an AVX2-only AMD EPYC, and 3.1x and 5.9x on two
-# AVX-512-VNNI hosts. Those were loaded 2-core machines, so take them as orders of magnitude.
+# AVX-512-VNNI hosts. Those were loaded 2-core machines, so take them as orders of magnitude. This run does not repeat
+# them: they are *not verified here*.
 #
 # Small inputs leave little work per kernel: 32×32 images, batch 1. So per-call overhead weighs more there than at batch
 # 32. The chart shows every measured throughput, one bar each.
