@@ -26,8 +26,8 @@
 # 2. **Export**: `torch.export` captures each model as a graph with a dynamic batch dimension. The graph is saved,
 #    loaded and checked against eager PyTorch.
 # 3. **INT8 for x86**: post-training static quantization in the PyTorch 2 export flow, with `X86InductorQuantizer`,
-#    compiled with Inductor. It is measured against float32 eager and float32 compiled: images/s at batch 1 and 32,
-#    validation accuracy, and size on disk.
+#    compiled with Inductor. It is measured against float32 eager and float32 compiled: images/s at batch 1 and 32 (fast
+#    mode: 32 only), validation accuracy, and size on disk.
 # 4. **GPT generation on a CPU**, with and without a key/value cache, eager and compiled.
 #
 # Everything here is plain PyTorch on a CPU, so it carries over to any backend. Two lessons are torch_xla's. The first
@@ -44,7 +44,8 @@
 # - quantize it to INT8 for x86 with the PT2E flow, and weigh accuracy, size and images/s against float32;
 # - generate text on a CPU with a key/value cache, and say what the cache costs in bytes.
 #
-# **Time**: about 2 minutes of run time in fast mode; 30–45 minutes to read and do the four exercises.
+# **Time**: 2–11 minutes of run time in fast mode, quiet machine to busy. Inductor's compiles take most of it: on a busy
+# machine each took one to two minutes. Reading and doing the four exercises takes 30–45 minutes.
 #
 # *Measured on: 2-core CPU, plain PyTorch, torch 2.9, fast mode, solutions on.*
 #
@@ -384,8 +385,8 @@ else:
 
 
 # %% [markdown]
-# The lines above give each compiled model's compile seconds. Then a table gives, for each model, images/s at batch 1
-# and 32, validation accuracy and size in MB.
+# The lines above give each compiled model's compile seconds. Then a table gives, for each model, images/s at each batch
+# size timed, validation accuracy and size in MB. Fast mode times batch 32 only.
 #
 # The sentences below the next cell are printed from the measurements, whatever they are on this machine. Accuracy comes
 # first: calibrated int8 should cost at most a point or two.
@@ -412,7 +413,8 @@ else:
 
 # %% [markdown]
 # The lines above give int8's speed as a ratio to float32 compiled and to float32 eager, at each batch size. Then come
-# the accuracy cost of int8 in points, and what to expect on this CPU.
+# float32 compiled against eager, the accuracy cost of int8 in points, and what to expect on this CPU. The accuracy cost
+# may come out positive: calibration moves a few images either way.
 #
 # **Reading the figures honestly.** Compare int8 with float32 *compiled*, not eager: part of any "int8 speed-up" is just
 # Inductor. What int8 buys depends on the instruction set that section 1 printed:
@@ -458,7 +460,8 @@ else:
 
 
 # %% [markdown]
-# The chart's last line gives this CPU's int8 ÷ float32 compiled at batch 32. Compare it with the earlier runs above.
+# The line printed with the chart gives this CPU's int8 ÷ float32 compiled at batch 32. Compare it with the earlier runs
+# above.
 #
 # ## 5. The GPT on a CPU: export, and generation with a key/value cache
 # Notebook 02's `GPT.generate` was written for XLA. It runs the whole fixed `block_size` window for every new byte, so
@@ -510,8 +513,9 @@ with torch.no_grad():
 print(f"{gpath}: {os.path.getsize(gpath) / 1e6:.2f} MB; reloaded program equals eager at batch 1 and 4")
 
 # %% [markdown]
-# The output gives the GPT checkpoint's validation loss and its logit difference from the training device. Then it gives
-# the exported decoder's size: the reloaded program equals eager at batch 1 and 4.
+# The output gives the GPT checkpoint's validation loss and its logit difference from the training device. Without
+# notebook 02's checkpoint, it says in capitals that a stand-in was trained, and gives its last loss. Then it gives the
+# exported decoder's size: the reloaded program equals eager at batch 1 and 4.
 #
 # Next, tokens per second for one prompt, at batch 1. Decoding is greedy, so every variant must produce the same bytes:
 #
@@ -572,9 +576,11 @@ print(f"KV cache saves {1 - tok_s['window, eager (no cache)'] / tok_s['KV cache,
 print(repr(text.decode(torch.cat([prompt[0], base[0]]))))
 
 # %% [markdown]
-# The output gives tokens/s for each variant, then the seconds that compiling the cached step took. The cached and the
-# window logits agree to below 1e-3. The output says how much of the eager time per token the cache saves. Last comes
-# the generated text, the same for every variant.
+# The output gives tokens/s for each variant, then the seconds that compiling the cached step took. Next, the cached and
+# the window logits, teacher-forced on a text, agree to below 1e-3. A stand-in model may write one byte over and over.
+# The output then says that the greedy comparison alone would prove little, which is why the logits are compared too.
+# Then comes how much of the eager time per token the cache saves. Last comes the generated text, the same for every
+# variant.
 #
 # ## Your turn
 # Four exercises check themselves here (`labkit.lessons.exercises`). Replace each `...`, run the cell, then run the
