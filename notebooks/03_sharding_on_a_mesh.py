@@ -298,9 +298,9 @@ if DUMPING:
         "gradients of the weights left whole are summed across the data groups"
 
 # %% [markdown]
-# The printout has three parts. First, each tensor's shape, the slice one device holds, and its sharding string. Then
-# the losses of the two steps. Last, the collectives of the step, grouped by kind and group size, with the predicted
-# size of the model group's all-reduce beside the measured ones.
+# After the mesh line, the printout has three parts. First, each tensor's shape, the slice one device holds, and its
+# sharding string. Then the losses of the two steps. Last, the collectives of the step, grouped by kind and group size,
+# with the predicted size of the model group's all-reduce beside the measured ones.
 #
 # **The whole Megatron block.** Attention gets the same pair. q, k and v are column parallel: each device of a model
 # group computes whole heads of its own, and attention needs nothing from the other heads. Attention's output projection
@@ -950,9 +950,9 @@ assert 0.4 < waits["v5e-8"][1.0] / (L_X * back_peak) < 0.6, waits   # "about hal
 assert abs(waits["v5e-8"][0.4] / waits["v5e-256"][0.4] - 2 * (3 / 4) / (15 / 16)) < 1e-5, waits   # only the last
 
 # %% [markdown]
-# Read the two lines above. At the chip's peak, the line's all-reduce of a block takes longer than the next block's
-# backward. So the reductions queue, and the step waits about half its backward again. On the ring, each reduction hides
-# behind the next block's backward. Only the first block's is left, since it is computed last.
+# Read the two slices' lines above. At the chip's peak, the line's all-reduce of a block takes longer than the next
+# block's backward. So the reductions queue, and the step waits about half its backward again. On the ring, each
+# reduction hides behind the next block's backward. Only the first block's is left, since it is computed last.
 #
 # At 40 % MFU the backward is slow enough on both. What is left is that last all-reduce alone. The line's is 1.6 times
 # the ring's, as `(3/4)·2 / (15/16)` says.
@@ -1033,7 +1033,7 @@ assert TOK > comm.critical_tokens("fsdp", PEAK_V5E, "v5e", devices=W)
 #
 # CPU times say what the *bookkeeping* costs, since the collectives become memory copies. They do not say what a mesh of
 # chips would gain. The "one device" run computes its step 8 times over, once per replicated virtual device. At this
-# size the model is far too small to fill even a CPU, so the MFU printed is a few percent at most.
+# size the model is far too small to fill even a CPU.
 
 # %%
 PEAK, PEAK_SOURCE = flops.peak_flops(rt, "fp32")
