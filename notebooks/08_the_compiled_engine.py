@@ -967,9 +967,9 @@ exercises.check("08.overhead", lambda: nb08.check_overhead(step_time_us))
 # This section's lessons decide a GPU's speed. Two figures from one GPU run show what they give.
 #
 # GPT-2 small (T = 1024, batch 16, bf16), compiled, reached 41.3 % MFU. MFU is the share of the GPU's peak bf16 FLOP/s
-# that the model's own arithmetic used. On ResNet-50 (224 px, batch 64, bf16 autocast, eager), labkit's Trainer took
-# 28.7 ms a step. A hand-written loop took 29.1 ms, Lightning Fabric 29.1 ms and Accelerate 29.5 ms: the engine, not
-# the library, sets the pace.
+# that the model's own arithmetic used. On ResNet-50 (224 px, batch 64, bf16 autocast, eager), a step took 28.7 ms
+# under labkit's Trainer. It took 29.1 ms in a hand-written loop, 29.1 ms under Lightning Fabric and 29.5 ms under
+# Accelerate: the engine, not the library, sets the pace.
 #
 # **Memory format.** A GPU's tensor cores want a convolution's activations in channels_last order (NHWC). PyTorch's
 # default for a 4-D tensor is NCHW. A hand-written loop on ResNet-50 at batch 128 measured:
