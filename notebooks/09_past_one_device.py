@@ -405,7 +405,8 @@ assert [n for n in saved if n.startswith("step-")] == [f"step-{ends[0][0]:08d}"]
 #
 # `.writer.lock` is not a checkpoint. It is the file process 0 locks while it writes to the folder, and it names the
 # writer's host and PID. A second run saving to the same folder fails on that lock instead of deleting this run's
-# checkpoints. The lock is released when the writer closes or dies; the empty-looking file stays.
+# checkpoints. The lock is released when the writer closes or dies. The file stays, with the last writer's name in
+# it.
 #
 # When torchrun itself gets SIGTERM, it passes SIGTERM on to its workers. It then waits a fixed time before SIGKILL;
 # torch's own source gives that time:
