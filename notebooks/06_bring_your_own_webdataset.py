@@ -30,10 +30,12 @@
 # - explain a run that is *input-bound*, then make it *compute-bound* by adding loader workers, with the arithmetic to
 #   say how many.
 #
-# **Time**: about a minute of run time in fast mode on a 2-core CPU. Reading and the three exercises take 20–30
-# minutes.
+# **Time**: 1–11 minutes of run time in fast mode on a 2-core CPU. On a quiet machine it takes about a minute. The
+# feed-meter runs of section 3 take most of it, and a busy machine slows every step they time. When the load changes
+# under them, they are measured again. Reading and the three exercises take 20–30 minutes.
 #
-# *Measured on: 2-core CPU, XLA:CPU, torch 2.9, fast mode, solutions on.*
+# *Measured on: 2-core CPU, XLA:CPU, torch 2.9, fast mode: about 1 minute quiet with solutions on; 679 s unsolved,
+# beside a dozen busy processes.*
 #
 # **In the course**: after 01; next: 02.
 #
@@ -303,6 +305,12 @@ print(f"a step takes {step_s * 1e3:.0f} ms with data in memory; waiting: {feed_o
 assert feed_of(free)["data_wait_frac"] < INPUT_BOUND
 
 # %% [markdown]
+# The first line says where the model runs, and how many host threads its ops get. On XLA a `[labkit]` line follows.
+# It says that a background thread copies batches to the device a few steps ahead, so that a copy never holds up the
+# loop. The last line is the step time with data in memory, and its small wait. That step time is the pace the loader
+# must keep.
+
+# %% [markdown]
 # Now stream from a **slow link**. Every photo takes `slow.delay_s` seconds to arrive before it is decoded. That is a
 # sleep, as a remote bucket's latency would cost. It uses no CPU, so the experiment works the same on a 2-core machine,
 # where the model and real decoders would fight over the same cores. The delay makes one loader `P.slowness` times
@@ -424,7 +432,8 @@ info = labkit.explain(dash)
 # %% [markdown]
 # The table lists every run so far: the workers, the share of the step spent waiting, and the ms per step. The run with
 # the most workers waits least, and its steps are the fastest. The last lines are `labkit.explain`'s verdict on that
-# run.
+# run. Its "0 graphs compiled" is no fault: the earlier runs in this kernel had compiled the step already, and this
+# run reused their graphs.
 
 # %% [markdown]
 # ## What carries over
