@@ -18,27 +18,35 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/06_bring_your_own_webdataset.ipynb)
 #
-# Notebook 01 trained on shards that labkit wrote itself: 32×32 images, a manifest with counts and checksums. The
-# datasets you bring next are WebDatasets that someone else wrote (webdataset's `ShardWriter`, `tarp`, a corpus on a
-# hub): photos of every size, labels in `cls`, `json` or `txt`, no manifest. By the end you can:
+# Notebook 01 trained on shards that labkit wrote itself: 32×32 images, with a manifest of counts and checksums. The
+# datasets you bring next are WebDatasets that someone else wrote, with webdataset's `ShardWriter`, with `tarp`, or as
+# a corpus on a hub. They hold photos of every size, labels in `cls`, `json` or `txt`, and no manifest. By the end you
+# can:
 #
 # - write a WebDataset of real photos with webdataset's own `ShardWriter`;
-# - stream any WebDataset into fixed-size batches (`make_loader(..., image_size=S)`: random-resized crops for
-#   training, a centre crop for evaluation), with labels from whichever field holds them;
-# - read labkit's **feed meter** (the share of each step spent waiting for the next batch) and explain a run that
-#   is *input-bound*, then make it *compute-bound* by adding loader workers, with the arithmetic to say how many.
+# - stream any WebDataset into fixed-size batches with `make_loader(..., image_size=S)`, with labels from whichever
+#   field holds them. Training gets random-resized crops, evaluation a centre crop.
+# - read labkit's **feed meter**: the share of each step spent waiting for the next batch;
+# - explain a run that is *input-bound*, then make it *compute-bound* by adding loader workers, with the arithmetic to
+#   say how many.
 #
-# **Time**: about a minute of run time in fast mode on a 2-core CPU (XLA:CPU, solutions on); 20–30 minutes to read
-# and do the three exercises.
+# **Time**: 1–11 minutes of run time in fast mode on a 2-core CPU. On a quiet machine it takes about a minute. The
+# feed-meter runs of section 3 take most of it, and a busy machine slows every step they time. When the load changes
+# under them, they are measured again. Reading and the three exercises take 20–30 minutes.
+#
+# *Measured on: 2-core CPU, XLA:CPU, torch 2.9, fast mode: about 1 minute quiet with solutions on; 679 s unsolved,
+# beside a dozen busy processes.*
 #
 # **In the course**: after 01; next: 02.
 #
-# **What carries over.** Tar shards streamed sequentially, decoding on the host in worker processes, static batch
-# shapes and the question "is the chip waiting for data?" are the same with TorchTPU, JAX (Grain) or a GPU: only the
-# device copy at the end differs. `torch_xla`'s `ParallelLoader` (inside `labkit.DeviceLoader`) is torch_xla's.
+# **What carries over.** Four things are the same with TorchTPU, with JAX's Grain, or on a GPU. They are tar shards
+# streamed in order, decoding on the host in worker processes, static batch shapes, and the question "is the chip
+# waiting for data?".
+# Only the device copy at the end differs. `torch_xla`'s `ParallelLoader`, inside `labkit.DeviceLoader`, is
+# torch_xla's own.
 #
-# Every claim below is checked by an `assert`. The exercises print ✓ or ✗ and never stop *Run all*; their solutions
-# are in collapsed cells that run only with `LABKIT_SOLUTIONS=1` (as the test suite does).
+# Every claim below is checked by an `assert`. The exercises print ✓ or ✗ and never stop *Run all*. Their solutions
+# are in collapsed cells that run only with `LABKIT_SOLUTIONS=1`, as the test suite runs them.
 
 # %% [markdown]
 # ## Parameters
@@ -68,11 +76,11 @@ P
 
 # %% [markdown]
 # ## Set-up
-# Runs wherever you opened this (Colab TPU or GPU, Kaggle, a TPU VM, a laptop) and never replaces what the runtime
-# already has: it keeps the image's torch (and torch_xla when the pair matches), installs only what is missing,
-# and prints what it found and chose (`labkit setup: platform=... choice=...`). Only where torch and torch_xla are
-# missing or do not match (a bare TPU VM, a torch upgraded by hand) it installs the pair together and asks you to
-# restart the runtime; then run the notebook again.
+# The next cell runs wherever you opened this notebook: Colab TPU or GPU, Kaggle, a TPU VM, a laptop. It keeps the
+# torch the runtime already has, and its torch_xla when the pair matches. It installs only what is missing. It prints
+# what it found and what it chose (`labkit setup: platform=... choice=...`). Where torch and torch_xla are missing or
+# do not match, it installs the pair together and asks you to restart the runtime. That happens on a bare TPU VM, or
+# after a torch upgraded by hand. Then run the notebook again.
 
 # %% tags=["setup"]
 # Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
@@ -106,13 +114,13 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 
 # %% [markdown]
 # ## 1. Write a WebDataset of real photos
-# A WebDataset is a set of plain tar files; the files of one sample share a key (`photo00042.jpg`,
-# `photo00042.cls`, `photo00042.json`) and sit next to each other, so a shard can be read front to back from a
-# bucket with no index. webdataset's `ShardWriter` takes one dict per sample (`"__key__"` plus one entry per file,
-# named by its extension) and starts a new shard every `maxcount` samples.
+# A WebDataset is a set of plain tar files. The files of one sample share a key, such as `photo00042.jpg`,
+# `photo00042.cls` and `photo00042.json`, and sit next to each other. So a shard can be read front to back from a
+# bucket, with no index. webdataset's `ShardWriter` takes one dict per sample: `"__key__"`, plus one entry per file,
+# named by its extension. It starts a new shard every `maxcount` samples.
 #
-# The photos: scikit-learn ships two real photos (a Chinese temple and a flower, 640×427 JPEGs) inside its wheel, so
-# this works offline. `sample_photos` cuts them into many crops of 160–427 px a side; the label says which photo.
+# The photos: scikit-learn ships two real photos inside its wheel, a Chinese temple and a flower, as 640×427 JPEGs. So
+# this works offline. `sample_photos` cuts them into many crops of 160–427 px a side. The label says which photo.
 
 # %%
 import io, math
@@ -134,10 +142,15 @@ print(f"{len(images)} photos, {sizes[0]} to {sizes[-1]} pixels (h, w), classes {
 assert len(sizes) > 50, "photos of many sizes"
 
 # %% [markdown]
-# **1. A sample for `ShardWriter`.** Write `to_sample(key, image, label, class_name)`: a dict with the key, the
-# photo as **JPEG bytes** (`"jpg"`: encode the uint8 HWC array with Pillow, quality 90, uncropped), the class index
-# as `"cls"` and a `"json"` dict `{"photo": class_name}` (webdataset encodes ints and dicts by the extension).
-
+# **1. A sample for `ShardWriter`.** Write `to_sample(key, image, label, class_name)`. It returns a dict with four
+# entries:
+#
+# - `"__key__"`: the key;
+# - `"jpg"`: the photo as **JPEG bytes**. Encode the uint8 HWC array with Pillow, quality 90, uncropped.
+# - `"cls"`: the class index;
+# - `"json"`: the dict `{"photo": class_name}`.
+#
+# webdataset encodes ints and dicts by the extension.
 
 # %%
 def to_sample(key, image, label, class_name): ...  # your code
@@ -157,8 +170,10 @@ if ex.solutions_on():
 ex.check("06.to_sample", lambda: nb06.check_to_sample(to_sample))
 
 # %% [markdown]
-# Now the whole dataset, with your function if it passed (else the reference, so that *Run all* goes on). No
-# manifest is written: this is a WebDataset as anyone would write it.
+# Now the whole dataset is written, with your function if it passed, else with the reference, so that *Run all* goes
+# on. No manifest is written: this is a WebDataset as anyone would write it. The printout says whose writer ran, how
+# many shards and MB it wrote, and the first files of the first shard: one key's `.cls`, `.jpg` and `.json` side by
+# side.
 
 # %%
 write = to_sample if ex.results.get("06.to_sample") else nb06.reference_sample
@@ -172,15 +187,17 @@ assert len(urls) == P.photos // P.per_shard and not os.path.exists(os.path.join(
 # %% [markdown]
 # ## 2. Stream it at a fixed size
 # On XLA every new input shape is a new graph, so the loader must turn photos of any size into one shape.
-# `make_loader(urls, batch, train=True, image_size=S)` does what ImageNet training does: a **random-resized crop**
-# (8–100 % of the photo's area, aspect 3:4 to 4:3) resized to S×S, and a horizontal flip where you allow it
-# (`flip=True`: a mirrored temple is still a temple; a mirrored digit is not a digit, so the default without a
-# manifest is no flip). The sample counts, which every replica needs to yield the same number of batches, are found by
-# reading the shards once and cached (or pass `num_samples=`).
+# `make_loader(urls, batch, train=True, image_size=S)` does what ImageNet training does. It takes a **random-resized
+# crop**, 8–100 % of the photo's area with an aspect of 3:4 to 4:3, and resizes it to S×S. It also flips it
+# horizontally where you allow it (`flip=True`). A mirrored temple is still a temple, but a mirrored digit is not a
+# digit. So without a manifest the default is no flip.
 #
-# Decoding is the host's big cost. labkit decodes a JPEG with torchvision's decoder, or, when the crop is at least
-# 4× the output, with Pillow's reduced "draft" decode (each side 1/4 or 1/8, so 1/16 or 1/64 of the pixels); figures in
-# `data_tools/transforms.py`, measured by `bench/bench_feed.py`.
+# Every replica needs to yield the same number of batches, so the loader needs the sample counts. It finds them by
+# reading the shards once and caches them; or pass `num_samples=`.
+#
+# Decoding is the host's big cost. labkit decodes a JPEG with torchvision's decoder. When the crop is at least 4× the
+# output, it uses Pillow's reduced "draft" decode instead: each side 1/4 or 1/8, so 1/16 or 1/64 of the pixels. The
+# figures are in `data_tools/transforms.py`, measured by `bench/bench_feed.py`.
 
 # %%
 train = make_loader(urls, P.batch, train=True, image_size=P.size, flip=True, seed=P.seed)
@@ -201,8 +218,13 @@ fig.suptitle(f"a training batch: photos of any size, random-resized crops at {P.
 plt.show()
 
 # %% [markdown]
-# A `transform=` argument takes your own pipeline instead, e.g. torchvision's v2 transforms; it receives the decoded
-# PIL image and must return one shape every time:
+# The line gives the batches per epoch, the batch's shape and dtype, and its labels. Every batch has the one shape the
+# step was compiled for, whatever the photos' sizes. The figure shows one batch: crops of different parts and scales of
+# the two photos, each resized to the same square.
+
+# %% [markdown]
+# A `transform=` argument takes your own pipeline instead, e.g. torchvision's v2 transforms. It receives the decoded
+# PIL image, and it must return one shape every time:
 
 # %%
 from torchvision.transforms import v2
@@ -212,11 +234,10 @@ xt, _ = next(iter(make_loader(urls, P.batch, train=True, transform=mine)))
 assert tuple(xt.shape) == (P.batch, 3, P.size, P.size)
 
 # %% [markdown]
-# **2. An evaluation loader.** Write `eval_loader(urls, batch_size, size)`: evaluation batches at `size`×`size`
-# (the resized shorter side and the centre crop: the same batches on every pass), every photo once (the last batch
-# padded), with the labels read from the json's `"photo"` field, a class **name** (`label="json:photo"` and
-# `classes=CLASSES`). The checker's shards have no `cls` at all.
-
+# **2. An evaluation loader.** Write `eval_loader(urls, batch_size, size)`. It gives evaluation batches at
+# `size`×`size`: the shorter side resized, then the centre crop, so every pass gives the same batches. Every photo comes
+# once, with the last batch padded. The labels are read from the json's `"photo"` field, a class **name**: use
+# `label="json:photo"` and `classes=CLASSES`. The checker's shards have no `cls` at all.
 
 # %%
 def eval_loader(urls, batch_size, size): ...  # your code
@@ -235,20 +256,26 @@ ex.check("06.eval_loader", lambda: nb06.check_eval_loader(eval_loader))
 
 # %% [markdown]
 # ## 3. Is the chip starving? The feed meter
-# Every step, labkit's Trainer reads the host clock around `next(batch)` (no device sync: two clock reads). Each log
-# record then says how long a step waited for its batch (`data_wait_s`), how long the whole step took (`step_s`)
-# and the share (`data_wait_frac`). The dashboard shows it ("data wait 62%" in the console line, a purple curve in
-# the figure) and says **input-bound** when the share passes 25 %; `labkit.explain(dash)` says it for the whole run.
+# Every step, labkit's Trainer reads the host clock around `next(batch)`. That is two clock reads and no device sync.
+# Each log record then says three things:
 #
-# First the model on its own: a small ResNet (torchvision's, one block per stage) fed from batches already in
-# memory, so data costs nothing. Its step time is what the loader has to keep up with.
+# - `data_wait_s`: how long a step waited for its batch;
+# - `step_s`: how long the whole step took;
+# - `data_wait_frac`: the share of the step spent waiting.
 #
-# Where the model runs on the CPU (no accelerator), its math and the loader's workers share the host's cores.
-# PyTorch's intra-op pool takes every core by default, and its threads wait for each other at every op: when
-# another process holds a core, a step stalls. Measured on a 2-core machine, this model's 35 ms step: with 2
-# threads beside two busy processes, a median of 95 ms and outliers of 1.8 s; with 1 thread, 50 ms and none
-# above 94 ms. So on the CPU the model gets half the cores, and the workers the rest. (On an accelerator the
-# model's math is on the chip; the host's cores are all the loader's.)
+# The dashboard shows it: "data wait 62%" in the console line, and a purple curve in the figure. It says
+# **input-bound** when the share passes 25 %. `labkit.explain(dash)` says it for the whole run.
+#
+# First the model on its own: a small ResNet, torchvision's with one block per stage, fed from batches already in
+# memory. Data then costs nothing. Its step time is what the loader has to keep up with.
+#
+# Where the model runs on the CPU, with no accelerator, its math and the loader's workers share the host's cores.
+# PyTorch's intra-op pool takes every core by default. Its threads wait for each other at every op, so when another
+# process holds a core, a step stalls. On an accelerator the model's math runs on the chip, and the host's cores are
+# all the loader's. So on the CPU the model gets half the cores, and the workers the rest.
+#
+# *Measured on: a 2-core machine, this model's 35 ms step beside two busy processes. 2 threads: median 95 ms,
+# outliers of 1.8 s. 1 thread: 50 ms, none above 94 ms.*
 
 # %%
 from torchvision.models.resnet import BasicBlock, ResNet
@@ -278,15 +305,21 @@ print(f"a step takes {step_s * 1e3:.0f} ms with data in memory; waiting: {feed_o
 assert feed_of(free)["data_wait_frac"] < INPUT_BOUND
 
 # %% [markdown]
-# Now stream from a **slow link**: every photo takes `slow.delay_s` seconds to arrive before it is decoded (a sleep,
-# as a remote bucket's latency would cost; it uses no CPU, so the experiment works the same on a 2-core machine, where
-# the model and real decoders would fight over the same cores). The delay makes one loader `P.slowness` times slower
-# than a step. Then add workers: each DataLoader worker process reads its own shards and builds whole batches.
+# The first line says where the model runs, and how many host threads its ops get. On XLA a `[labkit]` line follows.
+# It says that a background thread copies batches to the device a few steps ahead, so that a copy never holds up the
+# loop. The last line is the step time with data in memory, and its small wait. That step time is the pace the loader
+# must keep.
+
+# %% [markdown]
+# Now stream from a **slow link**. Every photo takes `slow.delay_s` seconds to arrive before it is decoded. That is a
+# sleep, as a remote bucket's latency would cost. It uses no CPU, so the experiment works the same on a 2-core machine,
+# where the model and real decoders would fight over the same cores. The delay makes one loader `P.slowness` times
+# slower than a step. Then add workers: each DataLoader worker process reads its own shards and builds whole batches.
 #
-# Timing is noisy: the step time measured above holds only while nothing else takes the model's cores (on a
-# small host the loader's own workers do). So runs that are compared are measured side by side, and each run also
-# says how long its steps computed (step minus wait); when that is more than 2x off the step time the delay was
-# set from, the runs are measured again, and the notebook says so.
+# Timing is noisy. The step time measured above holds only while nothing else takes the model's cores, and on a small
+# host the loader's own workers do. So runs that are compared are measured side by side. Each run also says how long
+# its steps computed: the step minus the wait. When that is more than 2x off the step time the delay was set from, the
+# runs are measured again, and the notebook says so.
 
 # %%
 slow = nb06.SlowLink(v2.Compose([v2.RandomResizedCrop(P.size, antialias=True), v2.PILToTensor()]), delay_s=0.0)
@@ -325,19 +358,22 @@ for workers, r in runs.items():
 assert runs[0]["data_wait_frac"] >= INPUT_BOUND, "one loader several times slower than the step: input-bound"
 
 # %% [markdown]
-# Two workers may look almost fine here. In a short run the loader's queues (two batches per worker, and
-# DeviceLoader's own) fill while the first step compiles, and 20 steps barely drain them. A longer run shows the
-# deficit: in a 40-step run on this machine, 2 workers waited 50–80 % of every interval after the first, 4 about
-# half, 8 almost never. The exception was each epoch's start: the DataLoader starts its worker processes anew
-# (`persistent_workers=False` is PyTorch's default), and the chip waited about half a second.
-# `make_loader(..., persistent_workers=True)` keeps them; `set_epoch()` still reaches them (the epoch is a shared
-# value, tested), so each epoch reshuffles as with fresh workers. How much of that half second it saves was not
+# Each line is one run: its workers and the share of each step spent waiting. One loader is input-bound, as the assert
+# says.
+#
+# Two workers may look almost fine here. In a short run the loader's queues fill while the first step compiles: two
+# batches per worker, and DeviceLoader's own. 20 steps barely drain them. A longer run shows the deficit. In a 40-step
+# run on this machine, 2 workers waited 50–80 % of every interval after the first, 4 about half, and 8 almost never.
+#
+# The exception was each epoch's start. The DataLoader starts its worker processes anew, since
+# `persistent_workers=False` is PyTorch's default, and the chip waited about half a second.
+# `make_loader(..., persistent_workers=True)` keeps them. `set_epoch()` still reaches them, since the epoch is a shared
+# value (tested). So each epoch reshuffles as with fresh workers. How much of that half second it saves was not
 # measured here.
 #
 # **3. How many workers?** One worker builds a batch in `sample_s × batch_size` seconds, one sample after another.
 # Write `workers_needed(sample_s, batch_size, step_s)`: the fewest workers that, side by side, deliver a batch every
-# `step_s` seconds (at least 1).
-
+# `step_s` seconds, and at least 1.
 
 # %%
 def workers_needed(sample_s, batch_size, step_s): ...  # your code
@@ -356,13 +392,16 @@ if ex.solutions_on():
 ex.check("06.workers", lambda: nb06.check_workers_needed(workers_needed))
 
 # %% [markdown]
-# With just enough workers the loader only keeps pace on average: worker start-up and jitter still leave steps
-# waiting. So give it twice what the arithmetic says (your answer if it passed, else the reference), and watch the
-# meter go quiet, beside a fresh run with one loader. (On XLA the host runs ahead of the device, and the batch's upload can queue behind the previous
-# step's execution: a compute-bound run still shows a little wait, which is why the meter speaks only above 25 %.)
-# The arithmetic counts the link alone; the cell also times the host's own work per photo, and where even the
-# doubled workers cannot deliver a batch per step (a GPU's step of a few ms: one shard per worker runs out first)
-# it says so and checks only that the wait fell.
+# With just enough workers, the loader only keeps pace on average. Worker start-up and jitter still leave steps
+# waiting. So the cell gives it twice what the arithmetic says: your answer if it passed, else the reference. Then it
+# runs beside a fresh run with one loader, and the meter goes quiet.
+#
+# On XLA the host runs ahead of the device. The batch's upload can queue behind the previous step's execution. So a
+# compute-bound run still shows a little wait, which is why the meter speaks only above 25 %.
+#
+# The arithmetic counts the link alone. The cell also times the host's own work per photo. Sometimes even the doubled
+# workers cannot deliver a batch per step: a GPU's step of a few ms is one case, as one shard per worker runs out first.
+# The cell then says so, and checks only that the wait fell.
 
 # %%
 import time
@@ -391,13 +430,19 @@ assert runs[many]["step_s"] < runs[0]["step_s"], "and every step is faster"
 info = labkit.explain(dash)
 
 # %% [markdown]
+# The table lists every run so far: the workers, the share of the step spent waiting, and the ms per step. The run with
+# the most workers waits least, and its steps are the fastest. The last lines are `labkit.explain`'s verdict on that
+# run. Its "0 graphs compiled" is no fault: the earlier runs in this kernel had compiled the step already, and this
+# run reused their graphs.
+
+# %% [markdown]
 # ## What carries over
 # * Any backend: WebDataset tar shards, decoding in worker processes, fixed-size batches, and the feed meter's
-#   question. On a real TPU host the decode itself is the slow link: `bench/bench_feed.py` measures images/s per
-#   host core (about 600–900 at 224 px here) and how many cores one chip would need at a stated demand.
-# * torch_xla's: `ParallelLoader` (the device copy inside `labkit.DeviceLoader`). TorchTPU and JAX have their own
-#   device prefetch; the host side is unchanged.
-# * Next: pre-resize your shards near the training size (decoding a 4000-px phone photo to train at 224 wastes most
-#   of the decode), and split the shards across hosts: under SPMD one process per host feeds all its chips, so
-#   labkit splits by `xr.process_index()` / `xr.process_count()` (hosts), not by `xr.global_ordinal()` (chips);
-#   `make_loader` does it for you.
+#   question. On a real TPU host the decode itself is the slow link. `bench/bench_feed.py` measures images/s per host
+#   core, about 600–900 at 224 px here. It also says how many cores one chip would need at a stated demand.
+# * torch_xla's: `ParallelLoader`, the device copy inside `labkit.DeviceLoader`. TorchTPU and JAX have their own device
+#   prefetch; the host side is unchanged.
+# * Next: pre-resize your shards near the training size. Decoding a 4000-px phone photo to train at 224 wastes most of
+#   the decode. Then split the shards across hosts. Under SPMD one process per host feeds all its chips. So labkit
+#   splits by hosts, `xr.process_index()` and `xr.process_count()`, not by chips (`xr.global_ordinal()`). `make_loader`
+#   does it for you.

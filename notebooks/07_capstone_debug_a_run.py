@@ -18,27 +18,35 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/07_capstone_debug_a_run.ipynb)
 #
-# A colleague hands you a training run that "works": the loss falls, nothing crashes. It is also several times
-# slower than it should be. Five faults that learners meet in practice are planted in it: a recompile on almost
-# every step, an op that falls back to the CPU, a read from the device in every step, a loader that starves
-# the chip, and, in the plan for the multi-chip run, a sharding that replicates the largest weight. Find each with
-# the tools of the earlier notebooks (the recompile detective and the sync finder of 04, torch_xla's counters of
-# 00, the time spent waiting for batches, the bytes each device holds of 03), fix it, and let the checkers measure
-# your fixed run. Then predict the fixed step's time from this machine's FLOP/s (the roofline) and measure it.
+# A colleague hands you a training run that "works": the loss falls, nothing crashes. It is also several times slower
+# than it should be. Five faults that learners meet in practice are planted in it:
 #
-# By the end you can find and fix, with measurements, the faults that make a real run slow: a recompile per step, a
-# CPU fallback, a host read per step, a starving loader and a sharding plan that replicates a weight; and predict a
+# - a recompile on almost every step;
+# - an op that falls back to the CPU;
+# - a read from the device in every step;
+# - a loader that starves the chip;
+# - in the plan for the multi-chip run, a sharding that replicates the largest weight.
+#
+# Find each fault with the tools of the earlier notebooks. 04 gave the recompile detective and the sync finder, 00
+# torch_xla's counters, 06 the time spent waiting for batches, and 03 the bytes each device holds. Fix it, and
+# let the checkers measure your fixed run. Then predict the fixed step's time from this machine's FLOP/s (the
+# roofline), and measure it.
+#
+# By the end you can find and fix, with measurements, the faults that make a real run slow. You can also predict a
 # step's time from the device's FLOP/s before you measure it.
 #
-# **Time**: 1–5 minutes of run time on a 2-core CPU (XLA:CPU; no fast mode): 61 s measured on a quiet machine with
-# the exercises unsolved, 260 s on a busy one (the three sharded runs of section 5 take ~12 s each when quiet); 60–90 minutes to read, find the faults and fix them in the four exercises.
+# **Time**: 1–5 minutes of run time on a 2-core CPU, on XLA:CPU; there is no fast mode. The three sharded runs of
+# section 5 take about 12 s each on a quiet machine. Reading, finding the faults and fixing them in the four exercises
+# take 60–90 minutes.
 #
-# **In the course**: after 09; next: the appendix, 05. The capstone: it uses 00's counters, 04's detective and sync
-# finder, 06's feed meter and 03's bytes per device.
+# *Measured on: 2-core CPU, XLA:CPU, torch 2.9, exercises unsolved: 61 s quiet, 260 s busy.*
 #
-# Which lessons carry over: a starving input pipeline, a host read per step and a roofline prediction are the
-# same on every backend. Recompiles on a new shape and CPU fallbacks are torch_xla's story; with TorchTPU (eager
-# by default) the same shape changes cost `torch.compile` recompiles instead.
+# **In the course**: after 09; next: the appendix, 05. The capstone uses 00's counters, 04's detective and sync finder,
+# 06's feed meter and 03's bytes per device.
+#
+# Which lessons carry over? A starving input pipeline, a host read per step and a roofline prediction are the same on
+# every backend. Recompiles on a new shape and CPU fallbacks are torch_xla's story. With TorchTPU, eager by default,
+# the same shape changes cost `torch.compile` recompiles instead.
 
 # %% [markdown]
 # ## Parameters
@@ -68,11 +76,11 @@ P
 
 # %% [markdown]
 # ## Set-up
-# Runs wherever you opened this (Colab TPU or GPU, Kaggle, a TPU VM, a laptop) and never replaces what the runtime
-# already has: it keeps the image's torch (and torch_xla when the pair matches), installs only what is missing,
-# and prints what it found and chose (`labkit setup: platform=... choice=...`). Only where torch and torch_xla are
-# missing or do not match (a bare TPU VM, a torch upgraded by hand) it installs the pair together and asks you to
-# restart the runtime; then run the notebook again.
+# The next cell runs wherever you opened this notebook: Colab TPU or GPU, Kaggle, a TPU VM, a laptop. It keeps the
+# torch the runtime already has, and its torch_xla when the pair matches. It installs only what is missing. It prints
+# what it found and what it chose (`labkit setup: platform=... choice=...`). Where torch and torch_xla are missing or
+# do not match, it installs the pair together and asks you to restart the runtime. That happens on a bare TPU VM, or
+# after a torch upgraded by hand. Then run the notebook again.
 
 # %% tags=["setup"]
 # Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
@@ -119,9 +127,9 @@ print(rt)
 
 # %% [markdown]
 # ## 1. The run as it was handed over
-# The data: scikit-learn's handwritten digits, 8×8, where about a fifth of the labels are missing (`-100`, as
-# in a semi-labelled or padded dataset). Reading and decoding a sample takes `P.delay_ms`. The model: an MLP.
-# Read the loader and the step below; each hides one or more of the faults.
+# The data: scikit-learn's handwritten digits, 8×8. About a fifth of the labels are missing (`-100`), as in a
+# semi-labelled or padded dataset. Reading and decoding a sample takes `P.delay_ms`. The model is an MLP. Read the
+# loader and the step below: each hides one or more of the faults.
 
 # %%
 data = capstone.SlowDigits(delay_s=P.delay_ms / 1e3)
@@ -153,15 +161,15 @@ print(capstone.describe(broken))
 
 # %% [markdown]
 # ## 2. Find the faults with the kit's tools
-# `capstone.measure` ran the steps under labkit's `HealthMonitor` (the recompile detective) and `SyncFinder`,
-# read torch_xla's counters before and after, and timed how long each step waited for its batch.
+# `capstone.measure` ran the steps under labkit's `HealthMonitor` (the recompile detective) and `SyncFinder`. It read
+# torch_xla's counters before and after, and timed how long each step waited for its batch.
 #
 # * **Recompiles**: the detective says which input changed shape, and the line that was running.
 # * **CPU fallbacks**: an `aten::` counter that grows means an op ran on the host, with a transfer each way.
 # * **Host reads**: the sync finder names each line that copied a value from the device.
-# * **A starving chip**: the time each step spends blocked on the loader. Here the recompiles still dominate
-#   the step, so the wait looks like a small share; once they are gone, it is most of the step. Fix one fault
-#   and the next one shows: measure again after each fix.
+# * **A starving chip**: the time each step spends blocked on the loader. Here the recompiles still dominate the step,
+#   so the wait looks like a small share. Once they are gone, it is most of the step. Fix one fault and the next one
+#   shows: measure again after each fix.
 
 # %%
 for ev in broken["recompile_events"][:3]:
@@ -184,24 +192,24 @@ else:
 
 # %% [markdown]
 # What the tools say, in words:
-# * `drop_unlabelled` removes rows on the host, so every batch has another number of rows: on XLA a new graph
-#   for each new size (the detective's "batch shape changed"). Keep the rows; let the loss ignore them
-#   (`ignore_index=-100` is cross-entropy's default) and count accuracy with a mask.
-# * `logits.argmax(1)[y >= 0]` is a boolean index: its size depends on the data, so XLA cannot compile it;
-#   `aten::nonzero` runs on the CPU. Multiply by the mask or use `torch.where`, which keep the shape.
-# * `history.append(loss.item())` waits for the device in every step. Return the loss; read it once per
-#   log interval (labkit's Trainer does it in a step closure).
-# * The loader decodes in the training process, one sample after another: while it decodes, the chip waits.
-#   Worker processes (`num_workers`) decode ahead, in parallel; and `drop_last=True` keeps the last batch full.
-#   On this 2-core machine DataLoader warns that its "suggested max number of worker ... is 2" when you ask for
-#   more. The warning counts cores; this decode is a sleep (waiting for a read, as a network or disk read is), which
-#   needs no core, so more workers than cores still cut the wait here. A decode that computes (a JPEG) is where the
-#   warning matters: there, workers beyond the host's cores only take turns.
+# * `drop_unlabelled` removes rows on the host, so every batch has another number of rows. On XLA that is a new graph
+#   for each new size: the detective's "batch shape changed". Keep the rows, and let the loss ignore them
+#   (`ignore_index=-100` is cross-entropy's default). Count accuracy with a mask.
+# * `logits.argmax(1)[y >= 0]` is a boolean index. Its size depends on the data, so XLA cannot compile it, and
+#   `aten::nonzero` runs on the CPU. Multiply by the mask or use `torch.where`: both keep the shape.
+# * `history.append(loss.item())` waits for the device in every step. Return the loss, and read it once per log
+#   interval. labkit's Trainer does that in a step closure.
+# * The loader decodes in the training process, one sample after another: while it decodes, the chip waits. Worker
+#   processes (`num_workers`) decode ahead, in parallel. `drop_last=True` keeps the last batch full.
+#
+# On this 2-core machine, DataLoader warns that its "suggested max number of worker ... is 2" when you ask for more. The
+# warning counts cores. This decode is a sleep, a wait for a read as a network or disk read is, and needs no core. So
+# more workers than cores still cut the wait here. The warning matters for a decode that computes, such as a JPEG's.
+# There, workers beyond the host's cores only take turns.
 #
 # ## Your turn
-# **1. Fix the step.** Write `fixed_step(model, x, y, lr)` returning `(loss, correct, labelled)` as device tensors,
-# computing the same numbers as `broken_step` but with no fallback, no read and one graph for every batch.
-
+# **1. Fix the step.** Write `fixed_step(model, x, y, lr)` returning `(loss, correct, labelled)` as device tensors. It
+# computes the same numbers as `broken_step`, but with no fallback, no read, and one graph for every batch.
 
 # %%
 def fixed_step(model, x, y, lr): ...  # your code
@@ -227,16 +235,16 @@ if ex.solutions_on():
 ex.check("07.fix_step", lambda: nb07.check_fixed_step(fixed_step, rt))
 
 # %% [markdown]
-# **2. Feed the chip.** Write `fixed_loader(dataset, batch_size)`: batches of exactly `batch_size` rows (keep the
-# unlabelled ones), each sample once per epoch, fast enough that a step of 20 ms waits for its batch less than
-# 30 % of the time. The dataset takes `delay_ms` per sample; how many samples must be decoded in parallel?
+# **2. Feed the chip.** Write `fixed_loader(dataset, batch_size)`. It yields batches of exactly `batch_size` rows,
+# the unlabelled ones kept, and each sample once per epoch. It must be fast enough that a step of 20 ms waits for its
+# batch less than 30 % of the time. The dataset takes `delay_ms` per sample: how many samples must be decoded in
+# parallel?
 #
-# The tolerance: on a busy 2-core machine even a right loader waits (handing a batch over from a worker process
-# costs milliseconds there: 24 % to 37 % of the step was measured with 4 workers). So a loader over 30 % is timed
-# again, in turns with a 4-worker loader, under the same load, and passes if its median wait per step is within
-# 5 ms (a quarter of the step) of that loader's. The message prints both numbers. A loader that decodes in the main
-# process waits its whole decode, 19 ms or more a step, and fails either way.
-
+# The tolerance: on a busy 2-core machine even a right loader waits. Handing a batch over from a worker process costs
+# milliseconds there: with 4 workers, 24 % to 37 % of the step was measured. So a loader over 30 % is timed again, in
+# turns with a 4-worker loader, under the same load. It passes if its median wait per step is within 5 ms of that
+# loader's, a quarter of the step. The message prints both numbers. A loader that decodes in the main process waits its
+# whole decode, 19 ms or more a step, and fails either way.
 
 # %%
 def fixed_loader(dataset, batch_size): ...  # your code
@@ -257,10 +265,10 @@ ex.check("07.fix_loader", lambda: nb07.check_fixed_loader(fixed_loader))
 
 # %% [markdown]
 # ## 3. Predict the fixed step, then measure it
-# The roofline: a step that does F FLOPs at this device's measured matmul rate takes at least F / (FLOP/s). A
-# linear layer does one multiply-add (2 FLOPs) per weight per sample in the forward pass; the backward pass does
-# about twice that (gradients for the inputs and for the weights). `roofline.measure` times a large matmul and a
-# memory-bound copy on this device.
+# The roofline: a step that does F FLOPs at this device's measured matmul rate takes at least F / (FLOP/s). A linear
+# layer does one multiply-add (2 FLOPs) per weight per sample in the forward pass. The backward pass does about twice
+# that: gradients for the inputs and for the weights. `roofline.measure` times a large matmul and a memory-bound copy
+# on this device.
 
 # %%
 here = roofline.measure(rt)
@@ -270,16 +278,17 @@ print(
 )
 
 # %% [markdown]
-# Read the bandwidth with its conditions. On XLA:CPU it is a copy run as an XLA graph on a shared 2-core machine, the
-# graph's launch included: around 1 GB/s here, a small fraction of what the machine's memory can stream. It is this
-# device's effective rate for a memory-bound op, which is what the roofline needs; it is no property of the memory.
-# On a TPU the same cell measures HBM (Google's v5e page rates it at 819 GB/s; not verified here: no TPU).
+# The line gives the matmul rate, the bandwidth, and the ridge: the FLOPs per byte above which a step is
+# compute-bound. Read the bandwidth with its conditions. On XLA:CPU it is a copy run as an XLA graph on a shared 2-core
+# machine, the graph's launch included. That gives around 1 GB/s here, a small fraction of what the machine's memory
+# can stream. It is this device's effective rate for a memory-bound op, which is what the roofline needs. It is no
+# property of the memory. On a TPU the same cell measures HBM; Google's v5e page rates it at 819 GB/s (not verified
+# here).
 
 # %% [markdown]
-# **3. Predict.** Write `predict_step_s(batch, model, machine)`: the seconds of matmul work in one training step
-# at `machine.flops` (count the elements of the weight matrices; `capstone.weights(model)` is not allowed: count
-# them yourself from `model.parameters()`).
-
+# **3. Predict.** Write `predict_step_s(batch, model, machine)`: the seconds of matmul work in one training step at
+# `machine.flops`. Count the elements of the weight matrices yourself, from `model.parameters()`.
+# `capstone.weights(model)` is not allowed.
 
 # %%
 def predict_step_s(batch, model, machine): ...  # your code
@@ -299,7 +308,8 @@ ex.check("07.predict", lambda: nb07.check_predict_step(predict_step_s))
 
 # %% [markdown]
 # ## 4. The fixed run
-# Your fixes if they passed, else the reference fixes (so that *Run all* goes on; the line below says which).
+# The run uses your fixes if they passed, else the reference fixes, so that *Run all* goes on. The line below says
+# which.
 
 # %%
 step_fn = fixed_step if ex.results.get("07.fix_step") else capstone.reference_step
@@ -336,12 +346,13 @@ if XLA:
     assert fixed["reads"] == 0 and fixed["compiles_after_warmup"] == 0 and not fixed["fallbacks"]
 
 # %% [markdown]
-# The prediction against the measurement. The roofline is a floor: the step also updates every weight (a
-# memory-bound pass over the parameters and gradients, see the bandwidth above), launches its work and syncs.
-# Stated tolerance, asserted: the measured step is at least 0.7× and at most 10× the matmul prediction (10×
-# leaves room for a loaded 2-core CI machine; on an idle one it was 2.4–3.1×). The matmul rate and the step were
-# measured a minute apart; on a shared machine other work can start or stop in between, so when the ratio falls
-# outside the tolerance both are measured again, side by side (at most twice, and said).
+# The prediction against the measurement. The roofline is a floor. The step also updates every weight, a memory-bound
+# pass over the parameters and gradients (see the bandwidth above). It also launches its work and syncs.
+#
+# The stated tolerance, asserted: the measured step is at least 0.7× and at most 10× the matmul prediction. 10× leaves
+# room for a loaded 2-core CI machine; on an idle one it was 2.4–3.1×. The matmul rate and the step were measured a
+# minute apart. On a shared machine other work can start or stop in between. So when the ratio falls outside the
+# tolerance, both are measured again, side by side, at most twice, and the cell says so.
 
 # %%
 flops_step = 6 * P.batch * capstone.weights(model)
@@ -371,8 +382,8 @@ print(
 
 # %% [markdown]
 # ## 5. The plan for several chips
-# The colleague also wrote the plan for the multi-chip run (a Kaggle v5e-8, a TPU VM): FSDP, every weight split
-# over the chips along one dimension, the batch split over the same axis, so that each chip holds 1/N of the model.
+# The colleague also wrote the plan for the multi-chip run, on a Kaggle v5e-8 TPU VM. It is FSDP: every weight split
+# over the chips along one dimension, and the batch split over the same axis, so that each chip holds 1/N of the model.
 # The plan is a rule, written once for every model:
 
 # %%
@@ -390,13 +401,14 @@ def colleague_plan(model, devices):
 
 
 # %% [markdown]
-# This process already drives its own device (one chip on Colab's v5e-1), and a process cannot switch to a mesh
-# of several, so `capstone_mesh.run` trains the model under the plan in a fresh Python process on
-# `P.mesh_devices` virtual XLA:CPU devices: XLA's partitioning and the bytes each device holds are real, the
-# timings are not a TPU's. It reads the layout with notebook 03's tools (`labkit.spmd.sharding.layout_table` and
-# `device_bytes`) and also trains a replicated copy on the same batches: a layout must not change the losses.
-# The table's sharding strings read as notebook 03 section 3 taught: `{devices=[4,1]0,1,2,3}` cuts a weight into
-# 4 × 1 tiles, one per device, no copies; `{replicated}` is a whole copy on every device.
+# This process already drives its own device, one chip on Colab's v5e-1, and a process cannot switch to a mesh of
+# several. So `capstone_mesh.run` trains the model under the plan in a fresh Python process, on `P.mesh_devices`
+# virtual XLA:CPU devices. XLA's partitioning and the bytes each device holds are real; the timings are not a TPU's.
+#
+# It reads the layout with notebook 03's tools, `labkit.spmd.sharding.layout_table` and `device_bytes`. It also trains
+# a replicated copy on the same batches: a layout must not change the losses. The table's sharding strings read as
+# notebook 03 section 3 taught. `{devices=[4,1]0,1,2,3}` cuts a weight into 4 × 1 tiles, one per device, no copies.
+# `{replicated}` is a whole copy on every device.
 
 # %%
 MESH = capstone_mesh.available() is None
@@ -415,23 +427,24 @@ else:
     print(capstone_mesh.available() + "; this section and exercise 4 need torch_xla")
 
 # %% [markdown]
-# The table says it: the hidden layer's weight is square, neither of the rule's comparisons holds, and the rule
-# replicated it, the largest weight of the model, on every chip. Nothing fails and the losses are the same as
-# before: the cost is memory, N copies of the biggest matrix. A model sized to fit only when split N ways would
-# not fit on a chip at all (not shown here: the virtual devices share the host's memory), and a smaller one
-# keeps less room for activations and batch. The fix takes the tie rule of torch_xla's FSDPv2 (notebook 03): on a
-# tie, split the first dimension. It adds a rule of its own that FSDPv2 does not have: split only a dimension that
-# divides over the chips. FSDPv2 splits the largest dimension whether it divides or not, and pads the last shard
-# (notebook 03's `fsdp_bytes`); this plan would rather leave no padding, so for the output layer (10 rows) it
-# looks for a dimension that divides. The "largest dimension, first on a tie" rule is FSDPv2's own: PyTorch's FSDP2 (`fully_shard`) splits dim 0
-# unless its `shard_placement_fn` says otherwise.
+# The table says it. The hidden layer's weight is square, so neither of the rule's comparisons holds. The rule
+# replicated it, the largest weight of the model, on every chip. Nothing fails, and the losses are the same as before.
+# The cost is memory: N copies of the biggest matrix. A model sized to fit only when split N ways would not fit on a
+# chip at all. That is not shown here, since the virtual devices share the host's memory. A smaller model keeps less
+# room for activations and batch.
 #
-# **4. Fix the plan.** Write `fixed_plan(model, devices)`: `{parameter name: spec}` with every weight matrix split
-# over the `"fsdp"` axis along a dimension that divides by `devices` (the larger one when both do, the first on
-# a tie); biases may stay whole. The check runs it on the virtual devices for a model of another width and
-# reads what each device holds before the first step and after the last, then asks your plan for a width on the
-# other side of the 64 inputs and for 5 devices, and compares each spec with the rule.
-
+# The fix takes the tie rule of torch_xla's FSDPv2 (notebook 03): on a tie, split the first dimension. It adds a rule
+# of its own that FSDPv2 does not have: split only a dimension that divides over the chips. FSDPv2 splits the largest
+# dimension whether it divides or not, and pads the last shard (notebook 03's `fsdp_bytes`). This plan would rather
+# leave no padding. So for the output layer, with 10 rows, it looks for a dimension that divides. The "largest
+# dimension, first on a tie" rule is FSDPv2's own. PyTorch's FSDP2 (`fully_shard`) splits dim 0, unless its
+# `shard_placement_fn` says otherwise.
+#
+# **4. Fix the plan.** Write `fixed_plan(model, devices)`, returning `{parameter name: spec}`. Split every weight matrix
+# over the `"fsdp"` axis along a dimension that divides by `devices`: the larger one when both do, the first on a tie.
+# Biases may stay whole. The check runs your plan on the virtual devices for a model of another width. It reads what
+# each device holds before the first step and after the last. Then it asks your plan about a width on the other side
+# of the 64 inputs, and about 5 devices, and compares each spec with the rule.
 
 # %%
 def fixed_plan(model, devices): ...  # your code
@@ -474,10 +487,11 @@ if MESH:
 
 # %% [markdown]
 # ## Where this goes next
-# * Carries over to TorchTPU and any backend: static batch shapes, masks instead of boolean indexing, no host
-#   read per step, workers that keep the chip fed, and the roofline arithmetic (FLOPs ÷ FLOP/s, bytes ÷ bandwidth).
-# * Ends with torch_xla: the lazy-graph counters (`CompileTime`, `aten::` fallbacks) and `torch_xla.sync()`;
-#   TorchTPU runs eagerly, so its "recompile" is a `torch.compile` guard failure, read with `TORCH_LOGS=recompiles`.
-# * The sharding plan carries over as an idea: TorchTPU shards with DTensor (`distribute_tensor` with `Shard(d)` or
-#   `Replicate()` placements on a `DeviceMesh`), where a `Replicate()` on the largest weight costs the same memory;
+# * Carries over to TorchTPU and any backend: static batch shapes, masks instead of boolean indexing, no host read per
+#   step, and workers that keep the chip fed. The roofline arithmetic carries over too: FLOPs ÷ FLOP/s, bytes ÷
+#   bandwidth.
+# * Ends with torch_xla: the lazy-graph counters (`CompileTime`, `aten::` fallbacks) and `torch_xla.sync()`. TorchTPU
+#   runs eagerly, so its "recompile" is a `torch.compile` guard failure, read with `TORCH_LOGS=recompiles`.
+# * The sharding plan carries over as an idea. TorchTPU shards with DTensor: `distribute_tensor` with `Shard(d)` or
+#   `Replicate()` placements on a `DeviceMesh`. There a `Replicate()` on the largest weight costs the same memory.
 #   `mark_sharding` and the HLO's sharding strings are torch_xla's.
