@@ -48,6 +48,9 @@ _EMPTY = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.
 # ops that read a tensor's shape, dtype and layout only, never its values
 _SHAPE_ONLY = _EMPTY | {aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like, aten.randn_like}
 _SHAPE_ONLY |= {aten.randint_like, aten.new_zeros, aten.new_ones, aten.new_full}
+# in-place ops that overwrite every element they write without reading it (an out= argument is write-only too)
+_OVERWRITE = {aten.zero_, aten.fill_, aten.copy_, aten.uniform_, aten.normal_, aten.random_, aten.bernoulli_}
+_OVERWRITE |= {aten.exponential_, aten.geometric_, aten.log_normal_, aten.cauchy_}
 _UNSEEN = "was made where labkit.meta_init could not see it (torch.tensor of a literal, or before build())"
 
 
@@ -129,6 +132,19 @@ class _Recorder(TorchDispatchMode):
 
         return tree_map(one, tree)
 
+    @staticmethod
+    def _overwrites(func, args, kwargs, w) -> bool:
+        """Whether the op writes every byte of w's storage without reading it: an out= argument, or w in place by
+        an op that reads nothing of it (BatchNorm's torch.tensor(0) never seen, then zero_())."""
+        s = w.untyped_storage()
+        whole = w.is_contiguous() and w.storage_offset() == 0 and w.numel() * w.element_size() == s.nbytes()
+        others = [t for t in _metas((args, kwargs)) if t is not w]
+        if not whole or any(t.untyped_storage()._cdata == s._cdata for t in others):
+            return False
+        out = any(a.kwarg_only and a.alias_info.is_write and kwargs.get(a.name) is w
+                  for a in func._schema.arguments if a.alias_info is not None)  # fmt: skip
+        return out or (len(args) > 0 and args[0] is w and func.overloadpacket in _OVERWRITE)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ins = _metas((args, kwargs))
@@ -139,6 +155,9 @@ class _Recorder(TorchDispatchMode):
         state = torch.get_rng_state() if random else None
         written = [t for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
                    for t in _metas(args[i] if i < len(args) else kwargs.get(a.name))]  # fmt: skip
+        if len(written) == 1 and self._overwrites(func, args, kwargs, written[0]):  # a new history: the old one is moot
+            w, s = written[0], written[0].untyped_storage()
+            self.recs[s._cdata] = _Rec(s, _Op(aten.empty_strided.default, (w.shape, w.stride()), {"dtype": w.dtype}))
         cargs, ckwargs = self._convert(func, (args, kwargs))
         out = func(*args, **kwargs)
         op = _Op(func, cargs, ckwargs, None, state)

@@ -172,3 +172,18 @@ def test_shards_are_cut_on_the_cpu_and_init_fn_has_no_one_process_parity():
     assert all(shards["equal"].values()), shards
     assert shards["moved"] == [], shards  # only Tensor.to of a whole tensor would show here
     assert after["init_fn"] == {"lin.weight": False, "lin.bias": True} and after["bias_3"], after
+
+
+class _Norms(nn.Module):  # BatchNorm's num_batches_tracked: torch.tensor(0) (never seen by the recorder), then zero_()
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)
+        self.register_buffer("seen", torch.tensor([1.0, 2.0]))
+        self.seen.mul_(2.0)  # reads values the recorder never saw: refused, not replayed on garbage
+
+
+def test_values_never_seen_are_usable_once_overwritten_and_refused_when_read():
+    model = meta_init.build(_Norms, seed=0)
+    with pytest.raises(ValueError, match=r"\bseen was made where labkit.meta_init could not see it"):
+        meta_init.materialize(model, "cpu")
+    _assert_same(lambda: nn.BatchNorm1d(3))
