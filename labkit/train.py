@@ -99,7 +99,7 @@ def run_folder(rt, root: str, resume: str | None) -> str:
     return name
 
 
-def run_resnet(P: ResNetParams, backend=None, parallel=None, resume=None, save_every=None) -> dict:
+def run_resnet(P: ResNetParams, backend=None, parallel=None, resume=None, save_every=None, meta_init=False) -> dict:
     from labkit.cloud import gcs
     from labkit.lessons import recipes
 
@@ -118,13 +118,15 @@ def run_resnet(P: ResNetParams, backend=None, parallel=None, resume=None, save_e
     else:
         gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_project or None)
     try:  # whatever fails from here on, the server ends with the run
-        return _train_resnet(P, rt, plan, prec, data, ckpt_root, parallel, resume, save_every)
+        return _train_resnet(P, rt, plan, prec, data, ckpt_root, parallel, resume, save_every, meta_init)
     finally:
         if server is not None:
             server.close()
 
 
-def _train_resnet(P, rt, plan, prec, data: str, ckpt_root: str, parallel=None, resume=None, save_every=None) -> dict:
+def _train_resnet(
+    P, rt, plan, prec, data: str, ckpt_root: str, parallel=None, resume=None, save_every=None, meta_init=False
+) -> dict:
     import labkit
     from data_tools import load_manifest
     from labkit.checkpoint import CheckpointManager
@@ -145,7 +147,7 @@ def _train_resnet(P, rt, plan, prec, data: str, ckpt_root: str, parallel=None, r
     # lr was set for one chip's batch: scaled to the global one as notebook 01 does (SGD linear, AdamW square root)
     global_batch = plan.global_batch * P.accum_steps
     lr = scaled_lr(P.lr, P.batch_size, global_batch, "linear" if P.optimizer == "sgd" else "sqrt")
-    model, optimizer = recipes.build_resnet(len(classes), P.cifar_stem, P.optimizer, lr, P.seed, rt)
+    model, optimizer = recipes.build_resnet(len(classes), P.cifar_stem, P.optimizer, lr, P.seed, rt, meta=meta_init)
     cfg = labkit.TrainConfig(
         epochs=P.epochs,
         max_steps=P.max_steps,
@@ -172,7 +174,7 @@ def _train_resnet(P, rt, plan, prec, data: str, ckpt_root: str, parallel=None, r
     return _finish(trainer, plan, ckpt, extra={"source": source})
 
 
-def run_gpt(P: GPTParams, backend=None, parallel=None, resume=None, save_every=None) -> dict:
+def run_gpt(P: GPTParams, backend=None, parallel=None, resume=None, save_every=None, meta_init=False) -> dict:
     import labkit
     from data_tools.text import split
     from labkit.checkpoint import CheckpointManager
@@ -196,7 +198,7 @@ def run_gpt(P: GPTParams, backend=None, parallel=None, resume=None, save_every=N
         name=name,
     )
     gcfg = GPTConfig(block_size=P.block_size, n_layer=P.n_layer, n_head=P.n_head, n_embd=P.n_embd, dropout=P.dropout)
-    model, optimizer, scheduler = recipes.build_gpt(gcfg, P.lr, P.weight_decay, P.max_steps, P.seed, rt)
+    model, optimizer, scheduler = recipes.build_gpt(gcfg, P.lr, P.weight_decay, P.max_steps, P.seed, rt, meta=meta_init)
     if (resume is not None or save_every) and not P.save_to:
         raise SettingError("--resume and --save-every need --save-to FOLDER (the gpt recipe's checkpoint folder)")
     if resume not in (None, "latest", P.save_to):
@@ -278,7 +280,8 @@ def main(argv=None) -> dict:
     run = run_resnet if args.recipe == "resnet" else run_gpt
     try:
         with sigterm_raises():  # SIGTERM as an exception: the finally blocks stop what the run started
-            return run(P, backend=args.backend, parallel=args.parallel, resume=args.resume, save_every=args.save_every)
+            kw = {"parallel": args.parallel, "resume": args.resume, "save_every": args.save_every}
+            return run(P, backend=args.backend, meta_init=args.meta_init, **kw)
     except (PlanError, SettingError) as e:  # a setting this run cannot use: one line naming it, exit 2
         top.error(str(e))
     finally:  # a clean end, an error or SIGTERM alike: the other processes are not left waiting for this one

@@ -226,6 +226,13 @@ def parser() -> argparse.ArgumentParser:
             metavar="N",
             help="save a checkpoint every N optimizer steps (resnet: as --checkpoint-every; gpt: into --save-to)",
         )
+        sub.add_argument(
+            "--meta-init",
+            action="store_true",
+            help="build the model on the meta device (labkit.meta_init): each process allocates only its own shards, "
+            "filled with the values of the ordinary build of the same seed (the same losses); an initialisation it "
+            "cannot replay is refused by name",
+        )
     return top
 
 

@@ -124,6 +124,27 @@ def test_torchrun_ddp_two_ranks_matches_one_process(single):
     assert abs(ddp["loss"] - single["loss"]) < TOL, (ddp["loss"], single["loss"])
 
 
+def test_meta_init_flag_gives_the_plain_builds_losses(single):
+    """--meta-init builds the model on the meta device; the plan gives it memory. One process: the losses of the
+    plain build, to every printed digit."""
+    cmd = [sys.executable, "-m", "labkit.train", *ARGS, "--batch-size", str(GLOBAL_BATCH), "--backend", "cpu"]
+    meta = _final([*cmd, "--meta-init"], _env())
+    assert (meta["loss"], meta["train_loss"]) == (single["loss"], single["train_loss"]), (meta, single)
+
+
+def test_meta_init_flag_under_fsdp2_gives_the_plain_builds_losses(single):
+    """2 gloo processes under --parallel fsdp2 (about 22 CPU-seconds): with --meta-init each process fills only its
+    shards, and the losses are the plain build's under fsdp2, to every printed digit."""
+    got = {}
+    for flag in ([], ["--meta-init"]):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}"]
+        cmd += ["-m", "labkit.train", *ARGS, "--batch-size", str(GLOBAL_BATCH // 2), "--parallel", "fsdp2", *flag]
+        got[bool(flag)] = _final(cmd, _env())
+    meta, plain = got[True], got[False]
+    assert meta["world"] == 2 and (meta["loss"], meta["train_loss"]) == (plain["loss"], plain["train_loss"]), got
+    assert abs(meta["loss"] - single["loss"]) < TOL, (meta["loss"], single["loss"])
+
+
 @pytest.mark.heavy  # ~100 s here: XLA:CPU compiles the partitioned graphs
 def test_spmd_on_four_xla_cpu_devices_matches_one_process(single):
     cmd = [sys.executable, "-m", "labkit.train", *ARGS, "--batch-size", str(GLOBAL_BATCH // 4)]

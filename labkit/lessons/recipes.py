@@ -12,6 +12,7 @@ notebook text explains the steps, this file keeps them from drifting apart.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -71,12 +72,15 @@ def image_loaders(manifests: dict, plan, rt, num_workers: int = 0, seed: int = 0
     return train, val
 
 
-def build_resnet(num_classes: int, cifar_stem: bool, optimizer: str, lr: float, seed: int, rt):
-    """A fresh ResNet-50 (seeded) and its optimizer: SGD+Nesterov or AdamW (capturable on XLA)."""
+def build_resnet(num_classes: int, cifar_stem: bool, optimizer: str, lr: float, seed: int, rt, meta: bool = False):
+    """A fresh ResNet-50 (seeded) and its optimizer: SGD+Nesterov or AdamW (capturable on XLA). meta: built on the
+    meta device (labkit.meta_init), given memory (only its shards) by the Trainer's plan."""
+    from labkit import meta_init
     from labkit.models.resnet import image_optimizer, resnet50_cifar
 
     torch.manual_seed(seed)
-    model = resnet50_cifar(num_classes=num_classes, cifar_stem=cifar_stem)
+    make = functools.partial(resnet50_cifar, num_classes=num_classes, cifar_stem=cifar_stem)
+    model = meta_init.build(make, seed) if meta else make()
     return model, image_optimizer(model, optimizer, lr, xla=rt.capturable_optimizers)
 
 
@@ -98,14 +102,16 @@ def text_batches(train_data, val_data, plan, rt, *, block_size, steps_per_eval, 
     return train, val
 
 
-def build_gpt(gcfg, lr: float, weight_decay: float, max_steps: int, seed: int, rt):
+def build_gpt(gcfg, lr: float, weight_decay: float, max_steps: int, seed: int, rt, meta: bool = False):
     """(model, optimizer, scheduler): the GPT seeded on host and device, AdamW with decay on matrices
-    (capturable on XLA), warm-up over 5% of the steps and cosine to 10%."""
+    (capturable on XLA), warm-up over 5% of the steps and cosine to 10%. meta: built on the meta device
+    (labkit.meta_init), given memory (only its shards) by the Trainer's plan."""
+    from labkit import meta_init
     from labkit.models.gpt import GPT, adamw
 
     rt.manual_seed(seed)
     torch.manual_seed(seed)
-    model = GPT(gcfg)
+    model = meta_init.build(functools.partial(GPT, gcfg), seed) if meta else GPT(gcfg)
     optimizer = adamw(model, lr, weight_decay, betas=(0.9, 0.95), rt=rt)
     scheduler = warmup_cosine(optimizer, warmup=max(1, max_steps // 20), total=max_steps, floor=0.1)
     return model, optimizer, scheduler
