@@ -712,7 +712,8 @@ if ex.solutions_on():
         return 1 + len(set(batch_sizes[1:]))
 
 # %%
-ex.check("01.graphs", lambda: nb01.check_graphs(graphs_compiled, rt))
+if ex.check("01.graphs", lambda: nb01.check_graphs(graphs_compiled, rt)):
+    print("Your count follows XLA's rule: a graph for the first step, then one for each batch size after it.")
 
 # %% [markdown]
 # **3. Padded evaluation.** The last validation batch is short. Write `pad_labels(y, batch)`: the labels padded to
@@ -730,7 +731,8 @@ if ex.solutions_on():
         return torch.cat([y, torch.full((batch - len(y),), -100, dtype=y.dtype)])
 
 # %%
-ex.check("01.pad_eval", lambda: nb01.check_pad_labels(pad_labels))
+if ex.check("01.pad_eval", lambda: nb01.check_pad_labels(pad_labels)):
+    print("The padded batch keeps its full shape, and its -100 labels add nothing to the loss.")
 
 # %% [markdown]
 # **4. Resume where it stopped.** A checkpoint saved after `step` optimizer steps must say where the next batch
@@ -749,7 +751,8 @@ if ex.solutions_on():
         return divmod(step, batches_per_epoch)
 
 # %%
-ex.check("01.resume", lambda: nb01.check_resume_position(resume_position))
+if ex.check("01.resume", lambda: nb01.check_resume_position(resume_position)):
+    print("A run resumed after any step starts at the next batch: none skipped, none repeated.")
 
 # %% [markdown]
 # ## 8. What did XLA do?
