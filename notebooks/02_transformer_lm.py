@@ -38,12 +38,14 @@
 # You can also predict its memory: weights, gradients, AdamW state and activations. From that you can say whether it
 # fits one TPU chip.
 #
-# **Time**: one to three minutes of run time in fast mode on a 2-core CPU; the range is the machine's load. On an
-# NVIDIA H200 the notebook runs in 17 s. On a Colab TPU v5e-1, full mode should take about 3–6 minutes, an estimate
-# not verified here. Reading and the exercises take 45–60 minutes.
+# **Time**: a few minutes of run time in fast mode on a 2-core CPU, and up to about 5 on a busy one. The range is
+# the machine's load: XLA compiles the graphs on the same cores as everything else, and compiling is most of a
+# short run. On an NVIDIA H200 the notebook runs in 17 s. On a Colab TPU v5e-1, full mode should take about 3–6
+# minutes, an estimate *not verified here*. Reading and the exercises take 45–60 minutes.
 #
-# *Measured on: 2-core x86_64 CPU, XLA:CPU, torch_xla 2.9, fast mode; NVIDIA H200 (141 GB), torch 2.11.0+cu130,
-# exercises unsolved, 2026-11.*
+# *Measured on: 2-core x86_64 CPU, XLA:CPU, torch_xla 2.9, fast mode: 4.4 min at a load of 14–16, beside a run of
+# notebook 01, with 75 s of it compiling. NVIDIA H200 (141 GB), torch 2.11.0+cu130, exercises unsolved: 17 s,
+# 2026-11.*
 #
 # **In the course**: after 06; next: 03.
 
@@ -262,9 +264,10 @@ print("peak for MFU:", PEAK_SOURCE)
 # The buttons act mid-run only when the cell runs `history = await labkit.dashboard.fit_with_buttons(trainer)`.
 # With the plain call below, a click waits for the cell to end, as notebook 01 explains.
 #
-# The dashboard's first interval includes the compiles, so its first rate and its first ETA are too pessimistic;
-# both settle from the second interval on. The cell's last line gives the steps, the seconds, and the final
-# validation loss in nats and in bits per byte.
+# The dashboard's first interval includes the compiles, so its first rate is too low and its first ETA too long.
+# Both settle once the compiles are done. The cell first prints a `[labkit]` line that says who copies batches to
+# the device; notebook 00 explains it. Its last line gives the steps, the seconds, and the final validation loss in
+# nats and in bits per byte.
 
 # %%
 # GPT(gcfg) seeded on host and device; labkit.models.gpt.adamw (decay on matrices only, capturable on XLA);
@@ -341,6 +344,11 @@ from IPython.display import Image, display
 display(Image(dash.png_bytes(dpi=90)))   # the Figure is not pyplot's: drawn to PNG, it shows in any front end
 
 # %% [markdown]
+# The figure is the dashboard at the end of the run. The training loss falls, and the two validation points sit
+# below it. Tokens/s climbs over the first intervals as the warm-up's compiles pass. It dips once more where the
+# first evaluation compiled its graphs: the second red bar, bottom left, in the interval after that evaluation. The
+# right axis of the tokens/s panel is the share of each step spent waiting for data; near 0 %, the loader keeps up.
+#
 # ## 5. Generate text without recompiling for every byte
 # The textbook sampling loop feeds the model a sequence that grows by one token per step. On XLA every new input
 # shape is a new graph, and every new graph is a compile. A 600-byte sample would mean hundreds of compiles.
@@ -824,6 +832,12 @@ if high == float("inf"):
 assert 0.7 <= measured_step / predicted <= high, (measured_step, predicted)
 
 # %% [markdown]
+# The measured step is several times the prediction, and that is expected. The prediction counts only the model's
+# FLOPs, at the speed of one large matmul. A small model's step also spends time in softmax, LayerNorms, the
+# optimizer's update and Python, none of which run at that speed. So the assert checks a floor, 0.7× the
+# prediction, and a ceiling of 30×. On a fast chip the ceiling goes: there kernel launches, not FLOPs, set a small
+# model's step, and the cell says so. The ratio itself varies with the machine's load.
+#
 # ### Use your own bucket
 # Set `save_to` to `gs://YOUR_BUCKET/gpt` to keep the trained model. The bucket must exist:
 # `gcloud storage buckets create gs://YOUR_BUCKET --location=us-central1`, in the TPU's region. Your account needs
