@@ -41,16 +41,17 @@
 # chip of the host with SPMD, and read the dashboard: loss, throughput, compiles, fallbacks and host syncs. You can
 # also checkpoint a run, and resume it after a preemption at the same sample.
 #
-# **Time**: on a 2-core CPU, fast mode takes 10 to 25 minutes of run time. Most of it is XLA compiling the ResNet's
-# graphs, on the same two cores that everything else uses. So the time depends on what else the machine runs: a
-# busy machine can double it. On an NVIDIA H200 the whole notebook runs in about a minute. On a Colab TPU v5e-1,
+# **Time**: on a 2-core CPU, fast mode takes 10 to 25 minutes of run time. XLA compiles the ResNet's graphs and
+# then runs them on the same two cores that everything else uses. So the time depends on what else the machine
+# runs: a busy machine can double it. On an NVIDIA H200 the whole notebook runs in about a minute. On a Colab TPU v5e-1,
 # full mode should take 10–20 minutes; that is an estimate, *not verified here*, since no TPU run was timed.
 # Reading and the exercises take 45–60 minutes.
 #
 # *Measured on: 2-core x86_64 CPU, XLA:CPU, torch_xla 2.9, fast mode. Whole notebook: 12.3 min beside one other
-# job, 13 min under the test suite in a quiet stretch, 21.6 min beside another run of it, RUN01_TOTAL. Compiling:
-# 203–523 s of that. Training alone: 132 s for 88 steps on a quiet machine, over 900 s beside another run. NVIDIA
-# H200 (141 GB), torch 2.11.0+cu130, exercises unsolved: 58 s, 2026-11.*
+# job, 13 min under the test suite in a quiet stretch, 21.6 min beside another run of it, 23.2 min at a load of
+# 13–16. Compiling the run's five graphs: from 151 s to 523 s. Training alone: 132 s for its 88 steps on a quiet
+# machine, 1,063 s at a load of 13–16. NVIDIA H200 (141 GB), torch 2.11.0+cu130, exercises unsolved: 58 s,
+# 2026-11.*
 #
 # **In the course**: after 04; next: 06.
 
@@ -268,7 +269,8 @@ assert names[0].endswith((".cls", ".png")) and names[0].split(".")[0] == names[1
 # `cross_entropy`'s ignore index. So shapes stay static and the accuracy stays exact.
 #
 # The cell prints the batches per epoch and one batch's shapes. The normalised pixels should have a mean near 0 and
-# a std near 1. The figure after it shows 16 training images after augmentation, with their labels.
+# a std near 1. The figure after it shows 16 training images after augmentation, with their labels: the digits are
+# shifted by the crop, never mirrored.
 
 # %%
 # two make_loader calls (train: shuffled, augmented; val: in order, padded), shards dealt by rt.ordinal / rt.world_size
@@ -526,7 +528,12 @@ assert max(one_big) < 2 * one_big[0], "the probe's learning rate overshoots: its
 # They must not climb far, though. With a learning rate ten times this one, the probe's steps overshoot, and the
 # losses climb several-fold in both lists alike. The last assert checks that they stay within twice the first.
 #
-# The next cell trains the ResNet. Its dashboard prints the warm-up's compiles first, and they take minutes on a
+# Above the lists, a `[labkit]` line appears once per runtime. It says that a background thread copies the batches
+# to the device, and why: from the loop's own thread, a copy would stall the tracing of the next step. The figure in
+# it comes from `bench/bench_peers.py`, the repository's benchmark that times labkit's loop against hand-written
+# loops and other frameworks. There an MLP step took 1.7× longer with copies made in the loop's thread.
+#
+# The next cell trains the ResNet. Its dashboard shows the warm-up's compiles first, and they take minutes on a
 # CPU: the section *Did it learn* below reads them.
 
 # %%
@@ -577,7 +584,8 @@ print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f
 # * After warm-up XLA compiled nothing new during training: one graph served every step.
 #
 # Its first line gives the loss from the first interval to the end. With AdamW in fast mode, it starts near
-# ln 10 ≈ 2.3 and falls well below; read the figure your run prints, since it varies from run to run.
+# ln 10 ≈ 2.3 and falls well below; read the figure your run prints, since it varies from run to run. The last
+# line gives the throughput: on a 2-core CPU, a few examples per second.
 #
 # **Reading the compiles in the log above.** The first line's `compiles N (T s)` is the warm-up. The step compiles
 # once at step 0. It compiles again at step 1, when the optimizer's state first exists: AdamW's two moments in fast
@@ -589,8 +597,9 @@ print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f
 # forward-only graphs the first time it runs. The dashboard does not count them as recompilations.
 #
 # **How long the warm-up takes.** XLA compiles on the same cores that the rest of the machine uses, so the seconds
-# vary with the load. On a 2-core CPU the warm-up took 203 s in one learner's run and 363 s in another. Read your
-# own figure in the first line's `(T s)`.
+# vary with the load. On a 2-core CPU the warm-up took 203 s in one learner's run and 363 s in another. All five
+# graphs of a run, the evaluation's included, took from 151 s to 523 s in the runs measured. Read your own figure
+# in the first line's `(T s)`.
 #
 # **"Very slow compile?"** During a long compile XLA may print a block of asterisks around the line
 # `Very slow compile?  If you want to file a bug, run with envvar XLA_FLAGS=--xla_dump_to=/tmp/foo and attach the
@@ -638,7 +647,8 @@ display(Image(dash.png_bytes(dpi=90)))   # the Figure is not pyplot's: drawn to 
 # The figure is the dashboard at the end of the run. Top left, the loss: training per interval, and validation at
 # each evaluation. Top middle, the accuracy against the dotted chance line. Top right, examples/s on the left axis.
 # The dotted purple line on the right axis is the share of each step spent waiting for data. Bottom left, XLA's
-# compiles and transfers per interval: the tall bars are the warm-up and the first evaluation.
+# compiles and transfers per interval: the tall bars are the warm-up and the first evaluation. The dashed "since
+# epoch start" rate starts again with each epoch, so it dips where the second epoch begins.
 #
 # ## 6. Evaluate: accuracy per class
 # This section builds a confusion matrix the XLA way. The tempting `pred[y >= 0]` drops the padded tail of the last
@@ -770,7 +780,8 @@ assert hist2[0]["loss"] < first - 0.3, "the resumed run did not start from the t
 #
 # The cell prints the child's `labkit` lines, including `SIGTERM at step` and the line that says it is finishing the
 # upload. Then it prints where SIGTERM came, and where the resumed run started: at the sample right after the
-# checkpoint's last one.
+# checkpoint's last one. The resumed run says how many batches of the epoch it skips, because they were trained
+# before the checkpoint.
 
 # %%
 import signal, tempfile
@@ -816,7 +827,8 @@ assert again.step == done + 8
 # check watches torch_xla's counts while it runs.
 #
 # After the check, the cell prints this run's bytes per step and the host→device traffic at its measured speed.
-# That traffic is MB/s, while a TPU host's PCIe link carries GB/s: input bandwidth does not limit this run.
+# On a CPU that traffic is well under a MB/s, while a TPU host's PCIe link carries GB/s. Input bandwidth does not
+# limit this run.
 
 # %%
 from labkit.lessons import exercises as ex
