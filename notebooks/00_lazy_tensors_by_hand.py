@@ -32,8 +32,8 @@
 # XLA compiles each graph on the same cores that everything else uses. Reading and the three exercises take 20–40
 # minutes.
 #
-# *Measured on: 2-core x86_64 CPU, XLA:CPU, torch_xla 2.9, fast mode with solutions on: 25 s quiet, 93–102 s at a
-# load of 10–12; full mode about 45 s quiet.*
+# *Measured on: 2-core x86_64 CPU, XLA:CPU, torch_xla 2.9, fast mode: 25 s quiet; 79–102 s at a load of 10–12,
+# with the exercises solved or not; full mode about 45 s quiet.*
 #
 # **In the course**: the first notebook; next: 04.
 #
@@ -340,7 +340,7 @@ if exercises.solutions_on():
 
 # %%
 if exercises.check("00.bucket", lambda: nb00.check_pad_batch(pad_batch)):
-    print("Each batch now compiles once per bucket of 8 rows, and its padding leaves the loss unchanged.")
+    print("Batch sizes now share one graph per bucket of 8 rows, and the padding leaves the loss unchanged.")
 
 # %% [markdown]
 # ## 5. Shapes that only the data know
