@@ -341,10 +341,10 @@ del probe
 # - `graphs N`: the graphs this run has compiled so far, not counting what earlier cells compiled;
 # - `xfers`: device-to-host copies in the last interval.
 #
-# **The first ETA counts the compiles.** The dashboard's ETA divides the steps left by the rate so far. The first
-# intervals include the warm-up's compiles, which can take minutes on a CPU, so the first ETA is far too long. On a
-# 2-core CPU a learner saw `ETA 1:15:30` early in a fit that took 9 minutes. That is expected: do not stop the run.
-# The ETA falls as soon as the compiles are done.
+# **The first ETA counts the compiles.** The dashboard's ETA divides the steps left by a smoothed rate of steps per
+# second. The first intervals include the warm-up's compiles, which can take minutes on a CPU, so the first ETA is far too long. On a
+# 2-core CPU one fit showed `ETA 1:15:30` early on, and it finished in 9 minutes. That is expected: do not stop the run.
+# Once the compiles are done, the smoothed rate catches up with the real one, and the ETA falls.
 #
 # A checkpoint is written every `checkpoint_every` steps, in a background thread; training does not wait for it.
 #
@@ -597,7 +597,7 @@ print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f
 # forward-only graphs the first time it runs. The dashboard does not count them as recompilations.
 #
 # **How long the warm-up takes.** XLA compiles on the same cores that the rest of the machine uses, so the seconds
-# vary with the load. On a 2-core CPU the warm-up took 203 s in one learner's run and 363 s in another. All five
+# vary with the load. On a 2-core CPU the warm-up has taken 203 s in one run and 363 s in another. All five
 # graphs of a run, the evaluation's included, took from 151 s to 523 s in the runs measured. Read your own figure
 # in the first line's `(T s)`.
 #
