@@ -18,42 +18,56 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/labkit/labkit/blob/main/notebooks/00_lazy_tensors_by_hand.ipynb)
 #
-# The other notebooks train with `labkit.Trainer`. This one writes the training step by hand in plain torch_xla,
-# so you see what the Trainer does for you and why. By the end you can:
+# The other notebooks train with `labkit.Trainer`. This one writes the training step by hand, in plain torch_xla.
+# You will see what the Trainer does for you, and why. By the end you can:
 #
-# - write a torch_xla training step (`torch_xla.device()`, forward, backward, `optimizer.step()`, `torch_xla.sync()`)
-#   and say what runs when;
-# - print the lazy graph of a step (IR and HLO) and read torch_xla's metrics report (compiles, executions, counters);
-# - cause a recompilation and a host sync, find each (metrics, labkit's sync finder, `PT_XLA_DEBUG_LEVEL=2`) and fix it;
+# - write a torch_xla training step and say what runs when: `torch_xla.device()`, forward, backward,
+#   `optimizer.step()`, `torch_xla.sync()`;
+# - print the lazy graph of a step, as IR and as HLO;
+# - read torch_xla's metrics report: compiles, executions, counters;
+# - cause a recompilation and a host sync, find each, and fix it;
 # - check that `labkit.Trainer` computes exactly what your hand-written loop computes.
 #
-# **Time**: 25 s of run time in fast mode on a quiet 2-core CPU, 1–2 minutes on a busy one (102 s measured with the
-# load at ~10 on 2 cores; XLA:CPU, solutions on; full mode ~45 s on a quiet machine); 20–40 minutes to read and do
-# the three exercises.
+# **Time**: from under half a minute to about two minutes of run time in fast mode. The range is the machine's load:
+# XLA compiles each graph on the same cores that everything else uses. Reading and the three exercises take 20–40
+# minutes.
+#
+# *Measured on: 2-core x86_64 CPU, XLA:CPU, torch_xla 2.9, fast mode: 25 s quiet; 79–102 s at a load of 10–12,
+# with the exercises solved or not; full mode about 45 s quiet.*
 #
 # **In the course**: the first notebook; next: 04.
 #
-# **What is torch_xla's and what carries over.** Lazy tensors, `torch_xla.sync()`, one compiled graph per input
-# shape, the metrics report and `PT_XLA_DEBUG_LEVEL` are torch_xla's. Static shapes (padding to buckets), masking
-# instead of boolean indexing, and not reading the device inside the loop pay off on every compiled backend
-# (`torch.compile` with CUDA graphs, TorchTPU, JAX) and most of them on an eager GPU too.
+# **What is torch_xla's, and what carries over.** Some of what you meet here belongs to torch_xla alone: lazy
+# tensors, `torch_xla.sync()`, the metrics report and `PT_XLA_DEBUG_LEVEL`. The rest pays off on every compiled
+# backend: `torch.compile` with CUDA graphs, TorchTPU and JAX. That rest is three habits. Keep shapes static by
+# padding to buckets. Use masks instead of boolean indexing. Never read the device inside the loop. Most of these
+# help on an eager GPU too.
 #
-# > **Status: torch_xla 2.9.0 is the last release on PyPI so far.** PyTorch/XLA's README (its note of 2026-04-22) says
-# > that *once TorchTPU is public* it will replace PyTorch/XLA (a plan, with its condition), and names no last version (an r2.10 branch exists, untagged). TorchTPU (public since 2026,
-# > `pip install torch_tpu`; its package, `torch-tpu` 0.2.0, requires torch ≥ 2.11, though its `torch.compile` guide
-# > says 2.10; that requirement is not verified here) uses `torch.device("tpu")`, runs **eager by default** and compiles with `torch.compile(backend="tpu")`.
-# > Its default eager mode runs each op as Python reaches it (its documentation also names deferred and fused eager
-# > modes, which queue ops before running them): there is no graph to cut, but `.item()`, `print(t)` and `if t:` still
-# > wait for the chip to finish everything queued, so the host-sync lessons hold as they are. What carries over from this notebook: a compiled graph per
-# > input shape (so bucketing and masking), host syncs that stall the chip (so read once per log interval), and
-# > checking a wrapper against a hand-written loop. What does not: `torch_xla.sync()`, the lazy IR and
-# > torch_xla's metrics and debug variables. TorchTPU was **not run here**: it needs a TPU VM (no CPU mode).
+# > **Status: torch_xla 2.9.0 is the last release on PyPI so far.** PyTorch/XLA's README, in its note of
+# > 2026-04-22, says that TorchTPU will replace PyTorch/XLA *once TorchTPU is public*. That is a plan with a
+# > condition. The README names no last version; an r2.10 branch exists, untagged.
+# >
+# > TorchTPU has been public since 2026: `pip install torch_tpu`. Its package, `torch-tpu` 0.2.0, requires
+# > torch ≥ 2.11, while its `torch.compile` guide says 2.10 (not verified here). It uses `torch.device("tpu")`,
+# > runs **eager by default**, and compiles with `torch.compile(backend="tpu")`.
+# >
+# > In its default eager mode each op runs as Python reaches it, so there is no graph to cut. Its documentation
+# > also names deferred and fused eager modes, which queue ops before running them. In every mode, `.item()`,
+# > `print(t)` and `if t:` still wait for the chip to finish what is queued. So the host-sync lessons hold as
+# > they are.
+# >
+# > What carries over from this notebook: a compiled graph per input shape, so bucketing and masking; host syncs
+# > that stall the chip, so one read per log interval; and checking a wrapper against a hand-written loop. What
+# > does not: `torch_xla.sync()`, the lazy IR, and torch_xla's metrics and debug variables. TorchTPU was **not
+# > run here**: it needs a TPU VM and has no CPU mode.
 #
-# Every claim below is checked by an `assert`. The exercises print ✓ or ✗ and never stop *Run all*; their
-# solutions are in collapsed cells that run only with `LABKIT_SOLUTIONS=1` (as the test suite does).
+# Every claim below is checked by an `assert`. The exercises print ✓ or ✗ and never stop *Run all*. Their
+# solutions sit in collapsed cells that run only with `LABKIT_SOLUTIONS=1`, which the test suite sets.
 
 # %% [markdown]
 # ## Parameters
+# Every knob of this notebook lives in this cell. Each one can also be set from the environment as
+# `LABKIT_<NAME>`; `LABKIT_FAST=1` gives the CI-sized run, 12 steps instead of 28. The cell shows the values in use.
 
 # %% tags=["parameters"]
 import dataclasses, os, sys
@@ -78,11 +92,14 @@ P
 
 # %% [markdown]
 # ## Set-up
-# Runs wherever you opened this (Colab TPU or GPU, Kaggle, a TPU VM, a laptop) and never replaces what the runtime
-# already has: it keeps the image's torch (and torch_xla when the pair matches), installs only what is missing,
-# and prints what it found and chose (`labkit setup: platform=... choice=...`). Only where torch and torch_xla are
-# missing or do not match (a bare TPU VM, a torch upgraded by hand) it installs the pair together and asks you to
-# restart the runtime; then run the notebook again.
+# This cell runs wherever you opened the notebook: Colab TPU or GPU, Kaggle, a TPU VM or a laptop. It never
+# replaces what the runtime already has. It keeps the image's torch, and its torch_xla when the two match, and
+# installs only what is missing.
+#
+# It prints what it found and what it chose, as `labkit setup: platform=...` and `labkit setup: choice=...`.
+# `choice=keep` means nothing was installed. Where torch and torch_xla are missing or do not match, as on a bare TPU
+# VM or after a torch upgraded by hand, it installs the pair together. It then asks you to restart the runtime;
+# run the notebook again after the restart.
 
 # %% tags=["setup"]
 # Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
@@ -115,13 +132,19 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 
 # %% [markdown]
 # ## 1. A training step by hand
-# On an XLA device every torch op only *records* itself in a graph (a lazy tensor); nothing is computed until
-# something needs the values: `torch_xla.sync()`, which cuts the graph, compiles it (the first time XLA sees it)
-# and runs it, or any read on the host, which does the same for the graph behind the value it reads (`.item()`,
-# `print(t)`, `if t:`, `.cpu()`; section 5 counts them). Here is the whole
-# loop: a small MLP on scikit-learn's digits (1,797 real 8×8 images, shipped with the wheel: no download).
-# A TPU runtime uses the TPU; anywhere else this notebook uses torch_xla on the CPU (XLA:CPU), which compiles and
-# runs graphs exactly the same way.
+# On an XLA device a torch op does not compute anything. It only *records* itself in a graph, and the tensor it
+# returns is a *lazy tensor*. Nothing runs until something needs the values.
+#
+# Two things need them. `torch_xla.sync()` cuts the graph, compiles it the first time XLA sees it, and runs it. A
+# read on the host does the same for the graph behind the value it reads. Such reads are `.item()`, `print(t)`,
+# `if t:` and `.cpu()`; section 6 counts them.
+#
+# Here is the whole loop. It trains a small MLP on scikit-learn's digits: 1,797 real 8×8 images. They ship with
+# the wheel, so nothing is downloaded.
+#
+# On a TPU runtime the loop runs on the TPU. Anywhere else, a GPU runtime included, it runs on torch_xla's CPU
+# backend, XLA:CPU. XLA:CPU compiles and runs graphs the same way a TPU does. The first cell prints the runtime it
+# chose: `kind='xla-cpu'` or a TPU.
 
 # %%
 import math, subprocess, tempfile, textwrap
@@ -178,12 +201,24 @@ print("losses:", " ".join(f"{v:.3f}" for v in hand))
 assert hand[-1] < hand[0], "the loss falls"
 
 # %% [markdown]
+# The cell above printed one loss per step. The first is close to ln 10 ≈ 2.30, the loss of a uniform guess over
+# 10 classes; then it falls.
+#
 # ## 2. The lazy graph of one step
-# Before `sync()`, a tensor is only a description of how to compute it. torch_xla can print it: first its own IR
-# (one line per op, `xla::device_data` are the inputs already on the device: weights and the batch), then the
-# HLO that XLA compiles (`parameter(n)` inputs, `dot` for the matmuls, `maximum` for the ReLU). Look for the ops
-# you wrote and for the shapes: every shape is part of the graph, which is why a new shape is a new graph.
-# Both calls are **private** torch_xla APIs (`torch_xla._XLAC`): fine for learning, not for a library.
+# Before `sync()`, a tensor is only a description of how to compute it. torch_xla can print that description in
+# two forms.
+#
+# The first is torch_xla's own IR, one line per op. `xla::device_data` marks an input already on the device: a
+# weight or the batch. `aten::addmm` is a `Linear` layer.
+#
+# The second is the HLO that XLA compiles. Its `parameter(n)` lines are the inputs, `dot` is a matmul and `maximum`
+# is the ReLU.
+#
+# Look for the ops you wrote, and then for the shapes. Every shape is written into the graph: `f32[64,64]` is the
+# batch, 64 images of 64 pixels. That is why a new shape makes a new graph.
+#
+# Both calls are **private** torch_xla APIs (`torch_xla._XLAC`). They are fine for learning, but a library should
+# not rely on them.
 
 # %%
 x, y = next(iter(loader))
@@ -199,20 +234,26 @@ torch_xla.sync()
 
 # %% [markdown]
 # ## 3. What the metrics say
-# torch_xla counts everything it does. `metrics_report()` is long; the lines that matter:
-# `CompileTime` (how many graphs were compiled and how long it took), `ExecuteTime` (graph runs),
-# `TransferFromDeviceTime` (device→host reads), and counters: `CachedCompile` (a graph found in the cache),
-# `UncachedCompile`, and `aten::*` (ops that ran through torch's own CPU kernel instead of an XLA lowering: each
-# is a sync and a slow op). One `aten::*` name is not a fallback of your maths: `aten::_local_scalar_dense` is how
-# torch spells `.item()` itself, a read, counted once per loss read after the loop. One compile more than the loop's
-# two is section 2's graph.
+# torch_xla counts everything it does. `metrics_report()` is long, and these entries matter:
 #
-# Two spellings of one kind of figure: the report prints a metric's total as `Accumulator: 05s989ms562.984us`
-# (5 s, 989 ms, 562.984 µs: torch_xla's own format), and the lines below print totals from `met.metric_data`, in
-# nanoseconds turned into seconds (`5.990 s`). The report's block is `CompileTime` alone; the lines below are three
-# metrics, so compare the `CompileTime` line with it: measured here, the two agree to the microsecond.
-# Step 0 compiles the step; step 1 compiles again because the optimizer's momentum buffers now exist (a new
-# graph input); from then on every step is the same graph, served from the cache.
+# - `CompileTime`: how many graphs were compiled, and how long compiling took;
+# - `ExecuteTime`: how many graphs ran;
+# - `TransferFromDeviceTime`: how many device→host reads;
+# - `CachedCompile` and `UncachedCompile`: a graph found in the cache, or compiled anew;
+# - `aten::*`: ops that ran through torch's own CPU kernel instead of an XLA lowering. Each one costs a sync and a
+#   slow op.
+#
+# One `aten::*` name is not a fallback of your maths. `aten::_local_scalar_dense` is how torch spells `.item()`
+# itself: a read. It is counted once for each loss read after the loop.
+#
+# The report prints totals in torch_xla's own format. `Accumulator: 05s989ms562.984us` means 5 s, 989 ms and
+# 562.984 µs. The lines below the report's block use `met.metric_data` instead, which counts nanoseconds, and print
+# them as seconds (`5.990 s`). The report's block is `CompileTime` alone, so compare it with the `CompileTime`
+# line below it. The two totals agree to the last printed digit.
+#
+# The last line lists the compiles after each step of section 1. Step 0 compiles the step. Step 1 compiles again,
+# because SGD's momentum buffers now exist and are new graph inputs. From then on every step is the same graph,
+# served from the cache. `CompileTime` counts one graph more than the loop's two: section 2's.
 
 # %%
 report = met.metrics_report()
@@ -234,8 +275,9 @@ assert met.counter_value("CachedCompile") >= len(compiled) - 2
 
 # %% [markdown]
 # ## 4. A recompilation, caused and fixed
-# A batch of another size is another graph. Typical source: the last, smaller batch of an epoch, or sentences of
-# different lengths. Below: one step at batch 50 after training at 64.
+# A batch of another size is another graph. The usual sources are the last, smaller batch of an epoch and
+# sentences of different lengths. Below, one step runs at batch 50 after training at 64. The cell prints how many
+# new graphs that step compiled.
 
 # %%
 def train_step(x, y):
@@ -253,8 +295,9 @@ print("batch of 50:", compiles() - before, "new graph(s)")
 assert compiles() == before + 1
 
 # %% [markdown]
-# The fix: pad the batch on the host to the shape XLA already knows, with labels -100 that `cross_entropy`
-# ignores (so the loss is the same). The padded batch reuses the compiled graph of batch 64.
+# The fix is to pad the batch on the host to a shape XLA already knows. The padding rows get the label -100, which
+# `cross_entropy` ignores, so the loss stays the same. The padded batch reuses the compiled graph of batch 64: the
+# cell prints 0 new graphs.
 
 # %%
 def pad_to(x, y, rows):
@@ -274,11 +317,14 @@ with torch.no_grad():  # the padding rows do not change the loss
 
 # %% [markdown]
 # ### Exercise 1: bucket by multiples of 8
-# Padding everything to the largest batch wastes work when sizes vary a lot. The usual compromise is
-# *buckets*: round the size up to a multiple of 8, so at most a few graphs exist. Write `pad_batch(x, y)` that pads
-# host tensors `x` (rows × features) and `y` (labels) to the next multiple of 8 rows, labels -100 for the padding.
-# The check runs it on batches of 8 sizes on the XLA device and counts the compiles (one per bucket) and compares
-# the loss with the unpadded one.
+# Padding everything to the largest batch wastes work when sizes vary a lot. The usual compromise is *buckets*:
+# round the size up to a multiple of 8, so that only a few graphs ever exist.
+#
+# Write `pad_batch(x, y)`. It pads two host tensors to the next multiple of 8 rows: `x`, of rows × features, and
+# `y`, the labels. The padding rows of `x` are zeros, and those of `y` get the label -100.
+#
+# The check runs your function on batches of 8 sizes on the XLA device. It counts the compiles, which should be one
+# per bucket. It also compares the loss with the loss of the unpadded batch.
 
 # %%
 # your turn
@@ -293,13 +339,20 @@ if exercises.solutions_on():
         return pad_to(x, y, 8 * math.ceil(len(x) / 8))  # pad on the host: on the device it would be a graph per size
 
 # %%
-exercises.check("00.bucket", lambda: nb00.check_pad_batch(pad_batch))
+if exercises.check("00.bucket", lambda: nb00.check_pad_batch(pad_batch)):
+    print("Batch sizes now share one graph per bucket of 8 rows, and the padding leaves the loss unchanged.")
 
 # %% [markdown]
 # ## 5. Shapes that only the data know
-# `pred[y >= 0]` keeps the rows whose label is valid: how many depends on the *values* of `y`. XLA compiles for
-# fixed shapes, so torch_xla runs the mask on the device, copies it to the host (`aten::nonzero`, a CPU fallback
-# and a sync), and the result's shape then enters the graph: a new graph whenever the count changes.
+# `pred[y >= 0]` keeps the rows whose label is valid. How many rows that is depends on the *values* in `y`. XLA
+# compiles for fixed shapes, so torch_xla must learn the count first.
+#
+# It runs the mask on the device and copies it to the host. That copy is `aten::nonzero`: a CPU fallback and a
+# sync. The result's shape then enters the graph, so a new count means a new graph.
+#
+# The cell prints one pair per mask: CPU fallbacks, then new graphs. Each mask costs one fallback. The three masks
+# keep 8, 11 and 12 rows. The first compiles two graphs: the mask itself, and the mean over its 8 rows. Each later
+# mask reuses the mask's graph but has a new count, so it adds one graph.
 
 # %%
 pred = torch.randn(16).to(device)
@@ -316,10 +369,11 @@ assert all(f == 1 for f, _ in seen) and sum(c for _, c in seen) >= 2
 
 # %% [markdown]
 # ### Exercise 2: the same mean without dynamic shapes
-# Write `masked_mean(pred, y)`: the mean of `pred` over the positions where `y >= 0`, with every intermediate
-# tensor of a fixed shape (hint: `torch.where`, or multiply by the mask and divide by its sum). The check runs it on
-# masks where half to four fifths of the values are valid (it prints how many): the value must be right, computed on
-# the device with no `aten::*` fallback and no transfer, and one graph for all masks.
+# Write `masked_mean(pred, y)`: the mean of `pred` over the positions where `y >= 0`. Every intermediate tensor
+# must keep a fixed shape. Hint: use `torch.where`, or multiply by the mask and divide by its sum.
+#
+# The check runs it on masks where half to four fifths of the values are valid, and prints how many. The value must
+# be right and computed on the device, with no `aten::*` fallback and no transfer. All masks must share one graph.
 
 # %%
 # your turn
@@ -335,14 +389,18 @@ if exercises.solutions_on():
         return torch.where(keep, pred, 0.0).sum() / keep.sum()
 
 # %%
-exercises.check("00.mask", lambda: nb00.check_masked_mean(masked_mean))
+if exercises.check("00.mask", lambda: nb00.check_masked_mean(masked_mean)):
+    print("Your mean keeps every shape fixed: one graph serves every mask, with no CPU fallback and no transfer.")
 
 # %% [markdown]
 # ## 6. A host sync, caused and found
-# `loss.item()` inside the loop is the most common way to slow a TPU down: the host waits for the step to finish
-# and copy the loss back before it can trace the next step, so the chip idles while Python works. On a CPU the
-# cost is small; on a TPU it serialises host and chip. labkit's `SyncFinder` counts device→host reads per line of
-# *your* code (it wraps `Tensor.item`, `__bool__`, ... while active and adds no transfer of its own).
+# `loss.item()` inside the loop is the most common way to slow a TPU down. The host waits for the step to finish
+# and for the loss to come back. Only then can it trace the next step, so the chip idles while Python works. On a
+# CPU the cost is small. On a TPU it serialises host and chip.
+#
+# labkit's `SyncFinder` counts device→host reads per line of *your* code. While it is active it wraps
+# `Tensor.item`, `__bool__` and the other reads. It adds no transfer of its own. Its report below names one line,
+# `total += loss.item()`, and the count in front of it, 5, is one read per step.
 
 # %%
 from labkit.dashboard import SyncFinder
@@ -358,11 +416,16 @@ print(finder.report())
 assert n == 5 and "loss.item()" in site.code
 
 # %% [markdown]
-# torch_xla can say the same from the inside: `PT_XLA_DEBUG_LEVEL=2` prints an "Execution Analysis" for every
-# graph run, with its cause and the Python line that triggered it. It is read once, when torch_xla starts, so it
-# needs a fresh process: below, a tiny script runs in a child with the variable set. (torch_xla 2.9 prints no
-# separate "TransferFromDevice" line at this level: the `.item()` shows up as an execution whose cause is "user
-# code trying to access tensor value".)
+# torch_xla can say the same from the inside. With `PT_XLA_DEBUG_LEVEL=2` it prints an "Execution Analysis" for
+# every graph it runs: its cause and the Python line that triggered it.
+#
+# torch_xla reads the variable once, when it starts, so it needs a fresh process. Below, a tiny script runs in a
+# child process with the variable set. torch_xla 2.9 prints no separate "TransferFromDevice" line at this level.
+# The `.item()` shows up as an execution whose cause is "user code trying to access tensor value".
+#
+# The cell prints the first two analyses. The first is the `.item()` line's read. The second is the
+# `torch_xla.sync()` on the next line, with cause "user torch_xla.sync". The last line counts the executions the
+# `.item()` line caused: one per step.
 
 # %%
 script = textwrap.dedent("""
@@ -391,10 +454,11 @@ os.unlink(f.name)
 
 # %% [markdown]
 # ### Exercise 3: read the device once
-# Write `quiet_epoch(model, opt, batches)`: train one step per `(x, y)` host batch, exactly like the loop in
-# section 1, and return the epoch's mean loss as a Python float, reading the device **at most once**
-# (sum the losses on the device, read after the loop). The check runs it under a `SyncFinder` and compares
-# with the per-step `.item()` version.
+# Write `quiet_epoch(model, opt, batches)`. It trains one step per `(x, y)` host batch, exactly like the loop in
+# section 1. It returns the epoch's mean loss as a Python float.
+#
+# It may read the device **at most once**. So sum the losses on the device, and read the sum after the loop. The
+# check runs your function under a `SyncFinder` and compares its result with the per-step `.item()` version.
 
 # %%
 # your turn
@@ -419,15 +483,27 @@ if exercises.solutions_on():
         return total.item() / len(batches)  # the one read
 
 # %%
-exercises.check("00.sync", lambda: nb00.check_quiet_epoch(quiet_epoch))
+if exercises.check("00.sync", lambda: nb00.check_quiet_epoch(quiet_epoch)):
+    print("One read an epoch gives the same mean loss as a read every step.")
 
 # %% [markdown]
 # ## 7. The same training with `labkit.Trainer`
-# The Trainer's step is the loop of section 1 with hooks (`train_step`, `run_optimizer`), a background
-# host→device loader, and a loss summed on the device and read once per `log_every` steps inside a *step closure*
-# (`xm.add_step_closure(fn)`: torch_xla runs `fn` right after the next `torch_xla.sync()` has launched the step's
-# graph, so reading the loss there costs no sync of its own: the values are being computed anyway). Same model (same seed), same data in the same order (`shuffle=False`), same optimizer:
-# with `log_every=1` each logged loss is one step's loss, and it must equal the hand loop's.
+# The Trainer's step is the loop of section 1, cut into named hooks such as `train_step` and `run_optimizer`. It adds
+# two things. A background loader copies the next batches from host to device. And the loss is summed on the device
+# and read only once per `log_every` steps, inside a *step closure*.
+#
+# A step closure is a function given to `xm.add_step_closure(fn)`. torch_xla runs `fn` right after the next
+# `torch_xla.sync()` has launched the step's graph. Reading the loss there costs no sync of its own, because the
+# values are being computed anyway.
+#
+# The comparison below uses the same model and seed, the same data in the same order (`shuffle=False`), and the same
+# optimizer. With `log_every=1` each logged loss is one step's loss, so it must equal the hand loop's.
+#
+# The cell first prints a `[labkit]` line: who copies batches to the device, and why. On XLA:CPU a background
+# thread does. Copying from the loop's own thread would stall the tracing of the next step. The repository's
+# benchmark of training loops, `bench/bench_peers.py`, measured an MLP step 1.7× longer that way. The last line
+# prints the largest difference between the Trainer's losses and yours; the assert allows float32 rounding,
+# under 1e-5.
 
 # %%
 model2 = make_model()
@@ -447,18 +523,22 @@ assert len(trained) == len(hand) and worst < 1e-5
 # | a CPU fallback | an op without an XLA lowering (`aten::nonzero`) | `aten::*` counters | a fixed-shape rewrite |
 # | a host sync | `.item()`, `print(t)`, `if t:` in the loop | `SyncFinder`, `PT_XLA_DEBUG_LEVEL=2` | sum on the device, read once per log interval |
 #
-# Next: notebook 04 runs one model every way PyTorch can capture it and gives you the tools the later notebooks use
-# (the recompile detective, the sync finder, a profile); notebook 01 then trains a ResNet-50 with the Trainer, whose
-# dashboard watches all three for you.
+# Next, notebook 04 runs one model every way PyTorch can capture it. It also gives you the tools the later
+# notebooks use: the recompile detective, the sync finder and a profile. Notebook 01 then trains a ResNet-50 with
+# the Trainer, whose dashboard watches all three problems for you.
 #
-# **Where this goes next.** torch_xla 2.9.0 is the last release on PyPI so far; TorchTPU (`torch-tpu`
-# on PyPI, not run here: it needs a TPU, torch ≥ 2.11 by its package's requirement, and has no CPU mode), which PyTorch/XLA's README (2026-04-22) says will
-# replace torch_xla once it is public, is eager by default and builds graphs with `torch.compile` (read 2026-11).
+# **Where this goes next.** torch_xla 2.9.0 is the last release on PyPI so far. PyTorch/XLA's README says that
+# TorchTPU will replace torch_xla once TorchTPU is public. TorchTPU (`torch-tpu` on PyPI) is eager by default and
+# builds graphs with `torch.compile`. It was not run here: it needs a TPU, its package requires torch ≥ 2.11, and it
+# has no CPU mode.
+#
 # * Ends with torch_xla: the lazy tensor, `torch_xla.sync()`, the IR and HLO dumps, and the metrics report's
 #   counters (`CompileTime`, `aten::*`, `TransferFromDeviceTime`).
-# * Carries over: a new shape is a new graph (under `torch.compile` a guard failure and a recompile), a data-
-#   dependent shape breaks the graph, and a host read per step stalls the chip; padding to buckets, masks instead of
-#   indexing and reading once per log interval are the same fixes.
+# * Carries over: a new shape is a new graph; under `torch.compile` it is a guard failure and a recompile. A
+#   data-dependent shape breaks the graph. A host read per step stalls the chip. The fixes are the same: pad to
+#   buckets, use masks instead of indexing, and read once per log interval.
+#
+# *Sources read: PyTorch/XLA's README (its note of 2026-04-22) and TorchTPU's package page, 2026-11.*
 
 # %%
 print({k: v for k, v in exercises.results.items() if k.startswith("00.")})

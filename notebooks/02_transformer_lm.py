@@ -20,34 +20,42 @@
 #
 # What this notebook does, top to bottom:
 #
-# 1. **Set-up**: the same one call as notebook 01 finds the accelerator; a doctor checks versions.
-# 2. **Text**: bytes are the tokens (256 of them, no tokenizer). Offline the text is the Python Language
-#    Reference that ships inside every Python installation; online, tiny-shakespeare (1 MB).
-# 3. **The model**: a decoder-only transformer written out in `labkit/gpt.py` (under 300 lines): pre-norm blocks,
-#    causal self-attention, an output layer tied to the input embedding.
-# 4. **Training** with labkit's loop and dashboard: loss, tokens per second, and **MFU** (model FLOPs
-#    utilisation: the share of the chip's peak arithmetic the model actually uses).
-# 5. **Sampling text** without recompiling XLA for every new token.
+# 1. **Set-up**: the same call as in notebook 01 finds the accelerator, and a doctor checks versions.
+# 2. **Text**: the tokens are bytes, 256 of them, so there is no tokenizer. Offline, the text is the Python Language
+#    Reference that ships with every Python. Online, it is tiny-shakespeare, 1 MB.
+# 3. **The model**: a decoder-only transformer written out in `labkit/models/gpt.py`, about 350 lines. It has
+#    pre-norm blocks, causal self-attention, and an output layer tied to the input embedding.
+# 4. **Training** with labkit's loop and dashboard: loss, tokens per second, and **MFU**. MFU is model FLOPs
+#    utilisation: the share of the chip's peak arithmetic that the model actually uses.
+# 5. **Sampling text** without a new XLA compile for every token.
 # 6. **What XLA did**, in plain words.
 #
-# What the text claims about this run is checked by an `assert`; what it says about TPUs it cannot measure here is
-# marked *not verified here*. On Colab: *Runtime → Change runtime type → TPU*, then *Run all*.
+# Every claim about this run is checked by an `assert`. What the text says about TPUs, which it cannot measure
+# here, is marked *not verified here*. On Colab: *Runtime → Change runtime type → TPU*, then *Run all*.
 
 # %% [markdown]
-# By the end you can train a byte-level GPT, read tokens/s and MFU, sample text without a compile per token, and
-# predict its memory (weights, gradients, AdamW state and activations) and whether it fits one TPU chip.
+# By the end you can train a byte-level GPT, read tokens/s and MFU, and sample text without a compile per token.
+# You can also predict its memory: weights, gradients, AdamW state and activations. From that you can say whether it
+# fits one TPU chip.
 #
-# **Time**: 1–2 min of run time in fast mode on a 2-core CPU (XLA:CPU); ~3–6 min in full mode on a Colab TPU v5e-1
-# (estimated, not verified); 45–60 minutes to read and do the exercises.
+# **Time**: a few minutes of run time in fast mode on a 2-core CPU, and up to about 5 on a busy one. The range is
+# the machine's load: XLA compiles the graphs on the same cores as everything else, and compiling is most of a
+# short run. On an NVIDIA H200 the notebook runs in 17 s. On a Colab TPU v5e-1, full mode should take about 3–6
+# minutes, an estimate *not verified here*. Reading and the exercises take 45–60 minutes.
+#
+# *Measured on: 2-core x86_64 CPU, XLA:CPU, torch_xla 2.9, fast mode: 4.4 min at a load of 14–16, beside a run of
+# notebook 01, with 75 s of it compiling. NVIDIA H200 (141 GB), torch 2.11.0+cu130, exercises unsolved: 17 s,
+# 2026-11.*
 #
 # **In the course**: after 06; next: 03.
 
 # %% [markdown]
 # ## Parameters
-# Every knob lives in this cell; each can be set from the environment as `LABKIT_<NAME>` (for example
-# `LABKIT_MAX_STEPS=500`). `LABKIT_FAST=1` gives the CI-sized run: a 2-layer, 64-wide model for 400 steps
-# (well under a minute of training on a 2-core CPU). The defaults are sized for one Colab TPU (10.7 M parameters,
-# 5000 steps).
+# Every knob lives in this cell. Each one can also be set from the environment as `LABKIT_<NAME>`, for example
+# `LABKIT_MAX_STEPS=500`.
+#
+# `LABKIT_FAST=1` gives the CI-sized run: a 2-layer, 64-wide model trained for 400 steps. The defaults are sized for
+# one Colab TPU: 10.7 M parameters and 5,000 steps.
 
 # %% tags=["parameters"]
 import dataclasses, os, sys
@@ -92,11 +100,13 @@ P
 
 # %% [markdown]
 # ## Set-up
-# Runs wherever you opened this (Colab TPU or GPU, Kaggle, a TPU VM, a laptop) and never replaces what the runtime
-# already has: it keeps the image's torch (and torch_xla when the pair matches), installs only what is missing,
-# and prints what it found and chose (`labkit setup: platform=... choice=...`). Only where torch and torch_xla are
-# missing or do not match (a bare TPU VM, a torch upgraded by hand) it installs the pair together and asks you to
-# restart the runtime; then run the notebook again.
+# This cell runs wherever you opened the notebook: Colab TPU or GPU, Kaggle, a TPU VM or a laptop. It never
+# replaces what the runtime already has. It keeps the image's torch, and its torch_xla when the two match, and
+# installs only what is missing.
+#
+# It prints what it found and what it chose, as `labkit setup: platform=...` and `labkit setup: choice=...`.
+# `choice=keep` means nothing was installed. Where torch and torch_xla are missing or do not match, it installs the
+# pair together and asks you to restart the runtime. Run the notebook again after the restart.
 
 # %% tags=["setup"]
 # Set-up: keeps the torch (+ torch_xla) the runtime already has, installs only what is missing.
@@ -129,10 +139,14 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 
 # %% [markdown]
 # ## 1. Find the device
-# TPU first, then a CUDA GPU, then torch_xla on the CPU (how CI runs this notebook), then plain PyTorch.
-# bfloat16 autocast is on by default where the chip has matrix units for it: a TPU (its MXUs work in bf16 natively)
-# and a CUDA GPU of compute capability 8.0 or newer (Ampere and later); an older GPU gets float16 with a gradient
-# scaler, a CPU float32 (`labkit.precision.choose`, printed below).
+# labkit looks for a TPU first, then a CUDA GPU, then torch_xla on the CPU, then plain PyTorch. CI runs this
+# notebook on torch_xla's CPU backend.
+#
+# bfloat16 autocast is on by default where the chip has matrix units for it. A TPU's MXUs work in bf16 natively. A
+# CUDA GPU has them from compute capability 8.0, Ampere and later. An older GPU gets float16 with a gradient scaler,
+# and a CPU gets float32. `labkit.precision.choose` makes the choice, and the cell prints it.
+#
+# The cell's last line is the batch plan: how many chips share a step, and how many sequences each one takes.
 
 # %%
 import math, time
@@ -150,17 +164,19 @@ print(PLAN.describe())
 
 # %% [markdown]
 # ## 2. The text
-# A language model learns to predict the next token from the ones before it. Our tokens are bytes, so the
-# vocabulary is exactly 256 and nothing has to be downloaded or trained to split text into tokens; the price is
+# A language model learns to predict the next token from the ones before it. Our tokens are bytes. So the
+# vocabulary is exactly 256, and nothing has to be downloaded or trained to split text into tokens. The price is
 # sequences about four times longer than with a word-piece tokenizer.
 #
-# * **offline** (no network needed): the *Python Language Reference* that every CPython carries for `help()`
-#   (`pydoc_data.topics`): about 460 KB of English prose about Python, with code samples.
+# * **offline**, with no network needed: the *Python Language Reference* that every CPython carries for `help()`
+#   (`pydoc_data.topics`). It holds about 460 KB of English prose about Python, with code samples.
 # * **shakespeare**: Karpathy's tiny-shakespeare, 1.1 MB, downloaded once to `~/.cache/labkit` when online.
 #
-# The first 90 % trains, the last 10 % validates. Batches are random windows of `block_size + 1` bytes (input
-# and the same window shifted by one, the targets), drawn with a seeded generator: every batch has the same
-# shape, so XLA compiles the training step once.
+# The first 90 % of the text trains and the last 10 % validates. A batch is a set of random windows of
+# `block_size + 1` bytes, drawn with a seeded generator. The input is a window's first `block_size` bytes, and the
+# targets are the same window shifted by one. Every batch has the same shape, so XLA compiles the training step once.
+#
+# The cell prints the text's size, a 400-byte sample of it between two rules, and one batch's shape.
 
 # %%
 from labkit.lessons import recipes
@@ -185,23 +201,27 @@ print("one batch:", tuple(x.shape), x.dtype, "| targets are the inputs shifted b
 # ## 3. The model
 # `labkit.models.gpt.GPT` is a decoder-only transformer in the style of GPT-2:
 #
-# * **Embeddings**: each byte gets a learned vector (`wte`), each position 0..T-1 another (`wpe`); their sum
+# * **Embeddings**: each byte gets a learned vector, `wte`, and each position 0..T-1 another, `wpe`. Their sum
 #   enters the residual stream.
-# * **Blocks**, `n_layer` of them, each `x = x + attention(LayerNorm(x))` then `x = x + MLP(LayerNorm(x))`.
-#   This is *pre-norm*: the normalisation sits on the branch, so the residual path from input to output is a
-#   plain sum and gradients reach the first layer undamped; deep stacks train without special warm-up tricks.
-# * **Causal self-attention**: every position mixes information from the positions before it (and itself),
-#   never after; `F.scaled_dot_product_attention(..., is_causal=True)` applies the triangular mask. That is what
-#   lets one forward pass train on all T next-byte predictions of a window at once.
-# * **Weight tying**: the output layer that turns the final vector into 256 scores reuses the input embedding
-#   matrix. It saves `256 × n_embd` parameters and ties "what a byte means" to "when a byte is likely".
-# * **Init**: weights ~ N(0, 0.02), and the layers that write into the residual stream are scaled by
-#   1/sqrt(2·n_layer), so the stream does not grow with depth. At initialisation the model predicts all
-#   256 bytes about equally: the loss starts near ln 256 = 5.55 nats (8 bits per byte).
+# * **Blocks**: `n_layer` of them. Each computes `x = x + attention(LayerNorm(x))`, then
+#   `x = x + MLP(LayerNorm(x))`. This is *pre-norm*: the normalisation sits on the branch. So the residual path from
+#   input to output is a plain sum, and gradients reach the first layer undamped. Deep stacks then train without
+#   special warm-up tricks.
+# * **Causal self-attention**: every position mixes information from itself and the positions before it, never
+#   after. `F.scaled_dot_product_attention(..., is_causal=True)` applies the triangular mask. That mask lets one
+#   forward pass train on all T next-byte predictions of a window at once.
+# * **Weight tying**: the output layer turns the final vector into 256 scores, and it reuses the input embedding
+#   matrix. That saves `256 × n_embd` parameters. It also ties "what a byte means" to "when a byte is likely".
+# * **Init**: weights are drawn from N(0, 0.02). The layers that write into the residual stream are scaled by
+#   1/sqrt(2·n_layer), so the stream does not grow with depth. At initialisation the model predicts all 256 bytes
+#   about equally. So the loss starts near ln 256 = 5.55 nats, 8 bits per byte.
 #
-# **FLOPs**: a matrix product (m×k)·(k×n) costs 2·m·k·n FLOPs (a multiply and an add per term), and its backward
-# pass costs about twice its forward (one product for the input's gradient, one for the weight's). Exercise 3 below
-# turns that into the cost of a training step; `GPT.flops_per_token()` is labkit's count, used here for MFU.
+# **FLOPs**: a matrix product `(m×k)·(k×n)` costs 2·m·k·n FLOPs, a multiply and an add per term. Its backward pass
+# costs about twice its forward: one product for the input's gradient, one for the weight's. Exercise 3 below turns
+# that into the cost of a training step. `GPT.flops_per_token()` is labkit's count, and MFU uses it.
+#
+# The cell prints the model's size, its loss at initialisation next to ln 256, and the peak FLOP/s that MFU will
+# divide by, with where that peak comes from.
 
 # %%
 from labkit.models import GPT, GPTConfig, bits_per_byte
@@ -224,21 +244,30 @@ print("peak for MFU:", PEAK_SOURCE)
 
 # %% [markdown]
 # ## 4. Train
-# The same `labkit` loop as the ResNet notebook, with the two hooks a language model changes (`LMTrainer`: the
-# model computes its own loss; evaluation sums loss and next-byte hits over every position). AdamW with a
-# linear warm-up and cosine decay.
+# This is the same `labkit` loop as in the ResNet notebook. A language model changes two hooks, in `LMTrainer`: the
+# model computes its own loss, and evaluation sums the loss and the next-byte hits over every position. The optimizer
+# is AdamW, with a linear warm-up and a cosine decay.
 #
-# One XLA trap hides in plain AdamW: it computes its bias correction `sqrt(1 - beta2**step)` as a Python
-# number. torch_xla passes most Python numbers to the device as data, but writes 0 and 1 into the graph as
-# constants, so on the step where that correction rounds to exactly 1.0 (step 325 with beta2 = 0.95, rounded to float32,
-# the dtype it takes on the device; in Python's float64 it would be step 730) the
-# graph changes and XLA recompiles in the middle of the run. `labkit.models.gpt.adamw` sets `capturable=True` on XLA,
-# which keeps the step count on the device and computes the correction there: one graph for the whole run.
-# (The learning rate is a Python number too: the schedule below never reaches exactly 0 for the same reason.) The dashboard gets the work per step, so it reports tokens per second and
-# MFU = achieved FLOP/s ÷ peak FLOP/s of one chip. On a CPU there is no meaningful vendor peak, so labkit
-# measures one: a float32 matrix multiply timed for a second. (The buttons act mid-run only when the cell runs
-# `history = await labkit.dashboard.fit_with_buttons(trainer)`; with the plain call below a click waits for the
-# cell to end, as notebook 01 explains.)
+# One XLA trap hides in plain AdamW. It computes its bias correction, `sqrt(1 - beta2**step)`, as a Python number.
+# torch_xla passes most Python numbers to the device as data. But it writes 0 and 1 into the graph as constants.
+#
+# So on the step where the correction rounds to exactly 1.0, the graph changes and XLA recompiles mid-run. With
+# beta2 = 0.95 that is step 325 in float32, the dtype the number takes on the device; in Python's float64 it would be
+# step 730. `labkit.models.gpt.adamw` sets `capturable=True` on XLA. That keeps the step count on the device and
+# computes the correction there, so one graph serves the whole run. The learning rate is a Python number too, so the
+# schedule below never reaches exactly 0.
+#
+# The dashboard knows the work per step. So it reports tokens per second and MFU: achieved FLOP/s ÷ peak FLOP/s of
+# one chip. A CPU has no meaningful vendor peak, so labkit measures one: a float32 matrix multiply timed for a
+# second.
+#
+# The buttons act mid-run only when the cell runs `history = await labkit.dashboard.fit_with_buttons(trainer)`.
+# With the plain call below, a click waits for the cell to end, as notebook 01 explains.
+#
+# The dashboard's first interval includes the compiles, so its first rate is too low and its first ETA too long.
+# Both settle once the compiles are done. The cell first prints a `[labkit]` line that says who copies batches to
+# the device; notebook 00 explains it. Its last line gives the steps, the seconds, and the final validation loss in
+# nats and in bits per byte.
 
 # %%
 # GPT(gcfg) seeded on host and device; labkit.models.gpt.adamw (decay on matrices only, capturable on XLA);
@@ -262,20 +291,31 @@ print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f
 
 # %% [markdown]
 # ### Did it learn, how fast, and did XLA behave?
-# * The training loss fell: the last logged interval is at least 0.5 nats below the first, and the validation
-#   loss is at least 1.5 nats (over 2 bits per byte) below uniform guessing.
-# * After warm-up XLA compiled nothing new during training. (Evaluation has its own forward-only graphs,
-#   compiled at the first evaluation and reused after; the dashboard does not count them as recompilations.)
-# * Why validation can sit *below* training here: each training point averages an interval during which the
-#   model kept improving, and with the offline text the last 10 % (the reference's last sections) is simply
-#   easier to predict: the same model scored ~0.25 nats lower on it than on training windows (measured once
-#   on a longer run; not re-checked by this notebook).
-# * Throughput in tokens per second and MFU, with where the peak figure comes from. On a CPU the peak is what
-#   torch's own float32 matmul reaches on these cores, so MFU there says how close the whole compiled training
-#   step gets to one large matmul; it is not comparable with a TPU's MFU against the chip's rated bf16 peak.
-#   On a TPU, small matrices leave the matrix units (MXUs: 128×128 on v2-v5, 256×256 on v6e Trillium) partly
-#   idle. How busy the defaults (384 channels, 256-byte context, batch 64) keep them was not measured here (no TPU
-#   in CI): the MFU the dashboard prints on a TPU is the answer.
+# The cell below checks three claims and prints the figures behind them.
+#
+# * The training loss fell. The last logged interval is at least 0.5 nats below the first. The validation loss is
+#   at least 1.5 nats, over 2 bits per byte, below uniform guessing.
+# * After warm-up XLA compiled nothing new during training. Evaluation has its own forward-only graphs. They compile
+#   at the first evaluation and are reused after, and the dashboard does not count them as recompilations.
+# * Throughput in tokens per second, and MFU, with the source of the peak figure.
+#
+# Validation can sit *below* training here, for two reasons. Each training point averages an interval during which
+# the model kept improving. And with the offline text, the last 10 % is the reference's last sections, which are
+# simply easier to predict. The same model scored about 0.25 nats lower on it than on training windows. That was
+# measured once, on a longer run, and this notebook does not re-check it.
+#
+# On a CPU the peak is what torch's own float32 matmul reaches on these cores. So MFU there says how close the whole
+# compiled training step gets to one large matmul. It is not comparable with a TPU's MFU, which is measured against
+# the chip's rated bf16 peak.
+#
+# On a TPU, small matrices leave the matrix units partly idle. These MXUs are 128×128 on v2–v5 and 256×256 on v6e
+# Trillium. How busy the defaults keep them was not measured here, since CI has no TPU. The defaults are 384
+# channels, a 256-byte context and batch 64. The MFU the dashboard prints on a TPU is the answer.
+#
+# A GPU figure for scale: GPT-2 small compiled with `torch.compile` reached 41.3 % MFU in bf16. That model is far
+# larger than this one, which is why its matrices keep the tensor cores busy.
+#
+# *Measured on: NVIDIA H200, torch 2.11.0+cu130, GPT-2 small, T = 1024, batch 16, bf16, 2026-11.*
 
 # %%
 losses = [r["loss"] for r in history]
@@ -304,21 +344,29 @@ from IPython.display import Image, display
 display(Image(dash.png_bytes(dpi=90)))   # the Figure is not pyplot's: drawn to PNG, it shows in any front end
 
 # %% [markdown]
+# The figure is the dashboard at the end of the run. The training loss falls, and the two validation points sit
+# below it. Tokens/s climbs over the first intervals as the warm-up's compiles pass. It dips once more where the
+# first evaluation compiled its graphs: the second red bar, bottom left, in the interval after that evaluation. The
+# right axis of the tokens/s panel is the share of each step spent waiting for data; near 0 %, the loader keeps up.
+#
 # ## 5. Generate text without recompiling for every byte
-# The textbook sampling loop feeds the model a sequence that grows by one token per step. On XLA every new
-# input shape is a new graph, and every new graph is a compile: a 600-byte sample would mean hundreds of
-# compiles. `GPT.generate` avoids that:
+# The textbook sampling loop feeds the model a sequence that grows by one token per step. On XLA every new input
+# shape is a new graph, and every new graph is a compile. A 600-byte sample would mean hundreds of compiles.
+# `GPT.generate` avoids that in three ways:
 #
-# * the model always runs on a **fixed window** of `block_size` bytes kept on the device; while it fills,
-#   the position to read is a *device tensor*, not a Python number, so every step is the same graph (causal
-#   attention makes the unused tail of the window invisible); once full, the window slides left by one byte
-#   (a second graph);
-# * the next byte is **sampled on the device** (the Gumbel-max trick: `argmax(logits / temperature + noise)`
-#   draws from the softmax; top-k keeps the k best with a fixed k), with no `.item()` per byte;
-# * the bytes come back to the host **once**, at the end.
+# * The model always runs on a **fixed window** of `block_size` bytes, kept on the device. While the window fills,
+#   the position to read is a *device tensor*, not a Python number, so every step is the same graph. Causal attention
+#   makes the unused tail of the window invisible. Once the window is full, it slides left by one byte: a second
+#   graph.
+# * The next byte is **sampled on the device**, with no `.item()` per byte. The Gumbel-max trick,
+#   `argmax(logits / temperature + noise)`, draws from the softmax. Top-k keeps the k best scores, with a fixed k.
+# * The bytes come back to the host **once**, at the end.
 #
-# The cost: each byte runs the full window through the model (no key/value cache). Below: a few compiles at
-# the start, then none, checked with torch_xla's counter; a second call compiles nothing at all.
+# The cost: each byte runs the full window through the model, since there is no key/value cache.
+#
+# The cell prints the sampled text, then a line with both calls' seconds and compiles. The first call compiles a
+# few graphs. The second compiles none, which torch_xla's counter checks. A fast-mode model trained for a minute
+# writes text that looks like the source's but reads as nonsense.
 
 # %%
 from labkit.dashboard import compile_count
@@ -343,12 +391,12 @@ if rt.is_xla:
 
 # %% [markdown]
 # ## Your turn
-# Three exercises that check themselves (`labkit.lessons.exercises`): replace each `...`, run the cell, then the
-# check cell. A solution hides in the collapsed cell between them (it runs only with `LABKIT_SOLUTIONS=1`).
+# Three exercises check themselves (`labkit.lessons.exercises`). Replace each `...`, run the cell, then run the
+# check cell. A solution hides in the collapsed cell between them, and it runs only with `LABKIT_SOLUTIONS=1`.
 #
-# **1. Bucketing.** A server gets prompts of every length from 1 to `block_size`; on XLA each length would be a
-# graph to compile. Write `bucket(n)`: the length to pad a prompt of n bytes to, a multiple of 32 (no more than 31
-# bytes of padding, never past the window), so all lengths share a handful of graphs.
+# **1. Bucketing.** A server gets prompts of every length from 1 to `block_size`. On XLA each length would be a
+# graph to compile. Write `bucket(n)`: the length to pad a prompt of n bytes to. It is a multiple of 32, adds no more
+# than 31 bytes of padding, and never passes the window. Then all lengths share a handful of graphs.
 
 # %%
 from labkit.lessons import exercises as ex
@@ -366,14 +414,17 @@ if ex.solutions_on():
         return min(P.block_size, 32 * math.ceil(n / 32))
 
 # %%
-ex.check("02.bucket", lambda: nb02.check_bucket(bucket, P.block_size, rt))
+if ex.check("02.bucket", lambda: nb02.check_bucket(bucket, P.block_size, rt)):
+    print("Every prompt length now pads to one of a handful of shapes, so a server compiles a handful of graphs.")
 
 # %% [markdown]
 # **2. Parameters, predicted from the shapes.** Write `gpt_params(V, T, L, d)`: how many parameters labkit's GPT
-# has with vocabulary V, context T, L blocks of width d (read `labkit/models/gpt.py`: biases on, LayerNorms with a
-# weight and a bias, an MLP 4× wide, the output layer tied to the token table). The check counts real models of
-# four other shapes and one of billions of parameters that this machine could not train; building a GPT or any
-# of its parts inside your function is refused (that is the measurement, not a prediction).
+# has with vocabulary V, context T, and L blocks of width d. Read `labkit/models/gpt.py` for the details. Biases are
+# on. Each LayerNorm has a weight and a bias. The MLP is 4× wide. The output layer is tied to the token table.
+#
+# The check counts real models of four other shapes. It also checks one model of billions of parameters that this
+# machine could not train. Building a GPT or any of its parts inside your function is refused, because that would
+# be the measurement, not a prediction.
 
 # %%
 def gpt_params(V, T, L, d):
@@ -388,14 +439,17 @@ if ex.solutions_on():
         return V * d + T * d + L * block + 2 * d   # tables, blocks, the final LayerNorm
 
 # %%
-ex.check("02.params", lambda: nb02.check_gpt_params(gpt_params))
+if ex.check("02.params", lambda: nb02.check_gpt_params(gpt_params)):
+    print("Your count matches real models of every shape tried: the parameters follow from the shapes alone.")
 
 # %% [markdown]
 # **Memory, predicted then measured.** Training with AdamW in float32 keeps three numbers per parameter between
-# steps: the weight and Adam's two moments, 12 bytes; during the step its gradient adds 4 more (the loop frees
-# gradients after each step: `zero_grad(set_to_none=True)`), 16 bytes at the peak. Below, that prediction against the
-# bytes this run's model and optimizer really hold, and the same arithmetic on paper for two larger GPTs and one
-# TPU v5e chip (16 GB of HBM; activations, in the cell after, come on top).
+# steps: the weight and Adam's two moments, 12 bytes. During the step its gradient adds 4 more, so the peak is 16
+# bytes. Between steps the loop frees the gradients, with `zero_grad(set_to_none=True)`.
+#
+# The cell compares that prediction with the bytes this run's model and optimizer really hold. Then it does the same
+# arithmetic on paper for two larger GPTs and one TPU v5e chip, which has 16 GB of HBM. Activations come on top;
+# the cell after counts them.
 
 # %%
 def state_bytes(model, opt):
@@ -425,16 +479,24 @@ for name, (L_, d_, T_, V_) in {"GPT-2 small shape": (12, 768, 1024, 50257), "1.3
     print(f"{name}: {n / 1e6:,.0f} M parameters, {need / 1e9:.1f} GB of weights + gradients + AdamW state: {verdict}")
 
 # %% [markdown]
-# **Activations, predicted then measured.** The forward pass keeps tensors for the backward pass: the *activations*,
-# which grow with the tokens in the batch, not with the parameters. Count them for labkit's GPT per token, in floats:
-# in each block, the block's input and the first LayerNorm's output (d each), q, k and v (3d), the attention's output
-# and its projection's input (d each), the second LayerNorm's input and output (d each) and the MLP's hidden layer
-# before and after GELU (4d each): **16·d per block**; after the last block the final LayerNorm's input and output
-# (2d) and the log-softmax over the vocabulary (V). So `4 · tokens · (16·L·d + 2·d + V)` bytes in float32, leaving
-# out a few floats per token (LayerNorm's mean and
-# variance, the attention's log-sum-exp per head, the token ids). Measured below with
-# `torch.autograd.graph.saved_tensors_hooks`, which sees every tensor autograd keeps, on the plain CPU (where
-# tensors have storage to measure), for two model sizes at two batch sizes.
+# **Activations, predicted then measured.** The forward pass keeps tensors for the backward pass: the
+# *activations*. They grow with the tokens in the batch, not with the parameters.
+#
+# Count them for labkit's GPT per token, in floats. Each block keeps:
+#
+# - the block's input and the first LayerNorm's output: d each;
+# - q, k and v: 3d;
+# - the attention's output and its projection's input: d each;
+# - the second LayerNorm's input and output: d each;
+# - the MLP's hidden layer before and after GELU: 4d each.
+#
+# That is **16·d per block**. After the last block come the final LayerNorm's input and output, 2d, and the
+# log-softmax over the vocabulary, V. So the total is `4 · tokens · (16·L·d + 2·d + V)` bytes in float32. It leaves
+# out a few floats per token: LayerNorm's mean and variance, the attention's log-sum-exp per head, and the token ids.
+#
+# The cell measures the kept bytes with `torch.autograd.graph.saved_tensors_hooks`, which sees every tensor autograd
+# keeps. It runs on the plain CPU, where tensors have storage to measure, for two model sizes at two batch sizes.
+# Each line gives the prediction, the measurement, and their gap, about 1 %.
 
 # %%
 def saved_for_backward(model, x, y):
@@ -469,15 +531,20 @@ for L_, d_, H_ in ((2, 64, 4), (4, 128, 8)):
         assert abs(got - want) <= 0.03 * want, (L_, d_, B_, T_, got, want)  # what is left out: ~1 %
 
 # %% [markdown]
-# On XLA the compiler decides what stays in memory (it fuses and may recompute), so the saved tensors are what the
-# program *asks* to keep. One difference is visible in them: PyTorch's CPU attention is a fused kernel that keeps
-# only a log-sum-exp per head, while torch_xla's default `scaled_dot_product_attention` is matmul + softmax, which
-# keeps the attention probabilities, (B, H, T, T): **H·T more floats per token per block**, more than 16·d once
-# T > 16·d/H. Flash-attention kernels (on TPU, torch_xla's Pallas kernels) avoid that; not verified here. The cell
-# looks for that tensor on this backend, then does the arithmetic for two GPTs on a v5e chip, with it.
-# At these sizes activations, not weights, decide the verdict: besides more chips, the usual cures are a smaller
-# batch per chip, bf16 activations (half the bytes) and recomputing them in the backward pass instead of keeping
-# them (`torch.utils.checkpoint`; torch_xla has its own `checkpoint`).
+# On XLA the compiler decides what stays in memory: it fuses ops and may recompute. So the saved tensors are what the
+# program *asks* to keep.
+#
+# One difference is visible in them. PyTorch's CPU attention is a fused kernel that keeps only a log-sum-exp per
+# head. torch_xla's default `scaled_dot_product_attention` is a matmul and a softmax, and it keeps the attention
+# probabilities, of shape (B, H, T, T). That is **H·T more floats per token per block**: more than 16·d once
+# T > 16·d/H. Flash-attention kernels avoid that; on a TPU these are torch_xla's Pallas kernels, not verified here.
+#
+# The cell looks for that tensor on this backend. Then it does the arithmetic for two GPTs on a v5e chip, with the
+# tensor counted. At these sizes the activations, not the weights, decide the verdict.
+#
+# Besides more chips, the usual cures are a smaller batch per chip, bf16 activations at half the bytes, and
+# recomputing activations in the backward pass instead of keeping them. The tool for that is
+# `torch.utils.checkpoint`; torch_xla has its own `checkpoint`.
 
 # %%
 if rt.is_xla:
@@ -507,16 +574,24 @@ for name, (L_, d_, H_, T_) in {"GPT-2 small shape": (12, 768, 12, 1024), "1.3 B"
               f"{verdict} (v5e figures not verified here)")
 
 # %% [markdown]
-# **Recomputing activations.** The cure named above, applied: `GPTConfig(recompute=True)` wraps each block in
-# `torch.utils.checkpoint`, so the forward pass keeps only each block's input (d floats per token) and the backward
-# pass runs the block's forward again to rebuild the rest, one block at a time. Predicted: `4 · tokens · (L·d + 2·d +
-# V)` bytes kept instead of `4 · tokens · (16·L·d + 2·d + V)`, plus, while one block is being rebuilt, that block's
-# 16·d (and on XLA its attention matrix). The price: one more forward pass of the blocks, so a step's FLOPs go from
-# 1 + 2 (forward, backward) to about 1 + 1 + 2: ~4/3 of the time, measured below side by side on the plain CPU. The
-# same losses and gradients (tests/test_gpt_recompute.py checks them, dropout included). On XLA give the model
-# torch_xla's checkpoint (`model.recompute_fn = functools.partial(torch_xla.utils.checkpoint.checkpoint,
-# use_reentrant=True)`): its optimization barrier keeps the compiler from merging the recomputed forward back into
-# the first one, which would keep the activations after all (not verified on a TPU here).
+# **Recomputing activations.** Here the cure named above is applied. `GPTConfig(recompute=True)` wraps each block
+# in `torch.utils.checkpoint`. The forward pass then keeps only each block's input, d floats per token. The backward
+# pass runs the block's forward again to rebuild the rest, one block at a time.
+#
+# Predicted: `4 · tokens · (L·d + 2·d + V)` bytes kept instead of `4 · tokens · (16·L·d + 2·d + V)`. While one block
+# is being rebuilt, that block's 16·d comes on top, and on XLA its attention matrix too.
+#
+# The price is one more forward pass of the blocks. A step's work goes from 1 + 2 (forward, backward) to about
+# 1 + 1 + 2, so a step should take about 4/3 of the time. The cell measures both on the plain CPU, side by side.
+# The losses and gradients stay the same; `tests/test_gpt_recompute.py` checks them, dropout included.
+#
+# On XLA, give the model torch_xla's checkpoint:
+# `model.recompute_fn = functools.partial(torch_xla.utils.checkpoint.checkpoint, use_reentrant=True)`. Its
+# optimization barrier keeps the compiler from merging the recomputed forward back into the first one. Without it
+# the activations would be kept after all. This was not verified on a TPU here.
+#
+# The time ratio the cell prints varies with the machine's load, because the two timings are taken a moment apart;
+# the bytes do not vary.
 
 # %%
 def kept_bytes(L, d, V, tokens, recompute=False):
@@ -552,13 +627,19 @@ print(f"{kept[False] / kept[True]:.1f}x less kept for {seconds[True] / seconds[F
 assert kept[True] < kept[False] / 4
 
 # %% [markdown]
-# **An out-of-memory on a v5e, predicted, read and fixed.** Take the GPT-2 small shape (12 layers, d = 768, 12 heads,
-# 1,024-token windows, GPT-2's 50,257-token vocabulary) with AdamW in float32 on one v5e chip (16 GB
-# of HBM). At batch 8 it fits; at batch 16 the activations alone pass 16 GB. On a TPU the program would fail when XLA
-# compiles it, before any step runs, with a `RESOURCE_EXHAUSTED` error listing the largest buffers; `rt.memory()`
-# (`xm.get_memory_info`: bytes in use and the limit) reads the HBM while a run goes. Reading it the way the prediction
-# does says which term to cut: the activations, not the state. Recomputation cuts them below the limit at the same
-# batch (the global batch, and so the learning rate, unchanged). Predicted here, not verified on a TPU.
+# **An out-of-memory on a v5e, predicted, read and fixed.** Take the GPT-2 small shape: 12 layers, d = 768,
+# 12 heads, 1,024-token windows and GPT-2's 50,257-token vocabulary. Train it with AdamW in float32 on one v5e chip,
+# with 16 GB of HBM. At batch 8 it fits. At batch 16 the activations alone pass 16 GB.
+#
+# On a TPU that program would fail when XLA compiles it, before any step runs. The error says `RESOURCE_EXHAUSTED`
+# and lists the largest buffers. While a run goes, `rt.memory()` reads the HBM: bytes in use and the limit, from
+# `xm.get_memory_info`.
+#
+# Reading the error the way the prediction does tells you which term to cut: the activations, not the state.
+# Recomputation brings them under the limit at the same batch. So the global batch, and with it the learning rate,
+# stays unchanged. All of this is predicted here, not verified on a TPU.
+#
+# The cell's first line is `rt.memory()` on this runtime: a CPU has no HBM to report.
 
 # %%
 def v5e_need(L, d, H, T, V, batch, recompute):
@@ -580,17 +661,21 @@ assert v5e_need(**shape, batch=8, recompute=False) < HBM < v5e_need(**shape, bat
 assert v5e_need(**shape, batch=16, recompute=True) < HBM
 
 # %% [markdown]
-# **bf16: range against precision, measured.** A float has an exponent (its range) and a fraction (its precision).
-# float32: 8 exponent bits, 23 fraction bits. fp16: 5 and 10. bf16: 8 and 7 (8 significant bits with the implicit
-# one): float32's range with far less precision. What that means for training, measured on this CPU:
-# * **Underflow.** A gradient of 1e-8 is below fp16's smallest number (6e-8): it becomes 0, and that weight stops
-#   learning. bf16 keeps it (its smallest normal number is float32's, 1.2e-38). That is why fp16 training needs loss
-#   scaling (multiply the loss by e.g. 2^16 before backward, divide the gradients after: torch's `GradScaler`, what
-#   `labkit.precision` uses for fp16) and a TPU, computing in bf16, needs none.
-# * **Overflow.** fp16's largest number is 65,504: an activation of 70,000 is `inf`. bf16 reaches 3.4e38, like float32.
-# * **Precision.** bf16 steps by 2^-7 ≈ 0.0078 near 1.0: `w + lr·g` with lr·g = 1e-3 rounds back to `w`. A model whose
-#   weights were stored in bf16 would stop learning; so mixed precision keeps **float32 master weights** (autocast
-#   computes the matmuls in bf16; the parameters, their gradients and the optimizer's update stay float32).
+# **bf16: range against precision, measured.** A float has an exponent, which sets its range, and a fraction, which
+# sets its precision. For float32 these are 8 exponent bits and 23 fraction bits. For fp16 they are 5 and 10. For
+# bf16 they are 8 and 7, which makes 8 significant bits with the implicit one. So bf16 has float32's range with far less precision. The cell measures
+# what that means for training, on this CPU:
+#
+# * **Underflow.** A gradient of 1e-8 is below fp16's smallest number, 6e-8. It becomes 0, and that weight stops
+#   learning. bf16 keeps it, because its smallest normal number is float32's, 1.2e-38. That is why fp16 training
+#   needs loss scaling: multiply the loss by e.g. 2^16 before backward, and divide the gradients after. torch's
+#   `GradScaler` does this, and `labkit.precision` uses it for fp16. A TPU computes in bf16 and needs none.
+# * **Overflow.** fp16's largest number is 65,504, so an activation of 70,000 is `inf`. bf16 reaches 3.4e38, like
+#   float32.
+# * **Precision.** bf16 steps by 2^-7 ≈ 0.0078 near 1.0. So `w + lr·g` with lr·g = 1e-3 rounds back to `w`. A model
+#   whose weights were stored in bf16 would stop learning. So mixed precision keeps **float32 master weights**.
+#   Autocast computes the matmuls in bf16, while the parameters, their gradients and the optimizer's update stay
+#   float32.
 
 # %%
 def tiny_grad(dtype, scale=1.0):
@@ -617,13 +702,18 @@ print(f"after 100 updates of 1e-3: a bf16 weight {w16.item():.4f} (each one roun
 assert w16.item() == 1.0 and abs(w32.item() - 1.1) < 1e-4
 
 # %% [markdown]
-# **How `GradScaler` picks its scale.** No one scale suits a whole run, so torch's scaler moves it: when a step's
-# gradients hold an `inf` or `NaN` (the scaled loss overflowed fp16), `scaler.step` **skips** the optimizer step and
-# `update()` multiplies the scale by `backoff_factor` (0.5); after `growth_interval` steps in a row without one
-# (2,000 by default), it multiplies the scale by `growth_factor` (2.0) to probe upward again (torch 2.9's
-# `torch.amp.GradScaler` defaults: `init_scale` 2^16). So a few skipped steps at the start of an fp16 run are the
-# scaler finding its level, not a fault; skipped steps that never stop are. Below, on the CPU, a growth interval of 3
-# to see it in six steps: one overflowing gradient at step 1.
+# **How `GradScaler` picks its scale.** No one scale suits a whole run, so torch's scaler moves it. Suppose a step's
+# gradients hold an `inf` or a `NaN`, because the scaled loss overflowed fp16. Then `scaler.step` **skips** the
+# optimizer step, and `update()` multiplies the scale by `backoff_factor`, 0.5.
+#
+# After `growth_interval` steps in a row without an overflow, 2,000 by default, it multiplies the scale by
+# `growth_factor`, 2.0. That probes upward again. These are torch 2.9's `torch.amp.GradScaler` defaults, with an
+# `init_scale` of 2^16.
+#
+# So a few skipped steps at the start of an fp16 run are the scaler finding its level, not a fault. Skipped steps
+# that never stop are a fault. Below, on the CPU, a growth interval of 3 shows it in six steps, with one
+# overflowing gradient at step 1. Read the printed lines: step 1 is skipped and halves the scale, and after three
+# clean steps, at step 4, the scale doubles back.
 
 # %%
 w_s = torch.nn.Parameter(torch.ones(4))
@@ -642,13 +732,17 @@ assert [t[1] for t in scale_log] == [True, False, True, True, True, True]
 assert [t[2] for t in scale_log] == [2.0**16, 2.0**15, 2.0**15, 2.0**15, 2.0**16, 2.0**16]  # halved; 3 clean steps: doubled
 
 # %% [markdown]
-# **XLA's matmul precision.** On a TPU, a float32 matrix product by default is not computed in float32: XLA rounds
-# the inputs to bf16 for one MXU pass (products accumulated in float32). torch_xla 2.9 sets this per process with
-# `torch_xla.backends.set_mat_mul_precision("default" | "high" | "highest")` (about 8, 14 and 22 significant bits: 1,
-# 3 and 6 passes, per its docstring; underneath `torch_xla._XLAC._xla_set_mat_mul_precision`), read back with
-# `torch_xla.backends.get_mat_mul_precision()`. The XLA:CPU here multiplies in float32 whatever it says, so the cell
-# reads the setting and emulates the default's rounding on the CPU: a float32 model on a TPU sees errors of ~1e-3,
-# not ~1e-7 (not verified on a TPU here).
+# **XLA's matmul precision.** On a TPU, a float32 matrix product is by default not computed in float32. XLA rounds
+# the inputs to bf16 for one MXU pass and accumulates the products in float32.
+#
+# torch_xla 2.9 sets this per process with `torch_xla.backends.set_mat_mul_precision`. Its three settings are
+# `"default"`, `"high"` and `"highest"`. Per its docstring they give about 8, 14 and 22 significant bits, in 1, 3 and 6
+# passes. Underneath it calls `torch_xla._XLAC._xla_set_mat_mul_precision`. `torch_xla.backends.get_mat_mul_precision()`
+# reads the setting back.
+#
+# The XLA:CPU here multiplies in float32 whatever the setting says. So the cell reads the setting, then emulates the
+# default's rounding on the CPU. Its last line compares the two errors. A float32 model on a TPU sees errors of
+# about 1e-3, not 1e-7 (not verified on a TPU here).
 
 # %%
 if rt.is_xla:
@@ -668,13 +762,17 @@ assert err_bf16_pass > 100 * err32
 # %% [markdown]
 # **3. A step's time, predicted before it is measured.** Write `predict_step_s(V, T, L, d, batch, flops_per_s)`: the
 # seconds one training step on `batch` windows of T bytes takes at `flops_per_s`. Derive the FLOPs per token from
-# section 3's two rules: every parameter takes part in one multiply-add per token forward, backward costs twice that
-# (count every parameter of exercise 2 except the position table, which is a lookup, not a matmul; biases and
-# LayerNorms are a few % and labkit's count keeps them); attention adds two products without weights in every layer,
-# the scores Q·Kᵀ and the mix of the values, each over all T positions of the window (count the full T×T square, as
-# the usual convention does, although the causal mask makes half of it zeros). The check uses shapes where T, d and V
-# all differ (within 2 % of labkit's count); the cell after it compares such a prediction with this run's measured
-# step at this device's measured FLOP/s.
+# section 3's two rules.
+#
+# - Every parameter takes part in one multiply-add per token in the forward pass, and backward costs twice that.
+# - Count every parameter of exercise 2 except the position table, which is a lookup, not a matmul. Biases and
+#   LayerNorms are a few %, and labkit's count keeps them.
+# - Attention adds two products without weights in every layer: the scores Q·Kᵀ, and the mix of the values. Each
+#   runs over all T positions of the window. Count the full T×T square, as the usual convention does, although the
+#   causal mask makes half of it zeros.
+#
+# The check uses shapes where T, d and V all differ, and passes within 2 % of labkit's count. The cell after it
+# compares such a prediction with this run's measured step, at this device's measured FLOP/s.
 
 # %%
 def predict_step_s(V, T, L, d, batch, flops_per_s):
@@ -689,7 +787,8 @@ if ex.solutions_on():
         return (6 * n + 12 * L * T * d) * batch * T / flops_per_s
 
 # %%
-ex.check("02.step_time", lambda: nb02.check_step_time(predict_step_s))
+if ex.check("02.step_time", lambda: nb02.check_step_time(predict_step_s)):
+    print("Your FLOPs per step match labkit's count; the next cell sets such a prediction against this run's step.")
 
 # %%
 from labkit.profiling import roofline
@@ -733,11 +832,20 @@ if high == float("inf"):
 assert 0.7 <= measured_step / predicted <= high, (measured_step, predicted)
 
 # %% [markdown]
+# The measured step is several times the prediction, and that is expected. The prediction counts only the model's
+# FLOPs, at the speed of one large matmul. A small model's step also spends time in softmax, LayerNorms, the
+# optimizer's update and Python, none of which run at that speed. So the assert checks a floor, 0.7× the
+# prediction, and a ceiling of 30×. On a fast chip the ceiling goes: there kernel launches, not FLOPs, set a small
+# model's step, and the cell says so. The ratio itself varies with the machine's load.
+#
 # ### Use your own bucket
-# Set `save_to` to `gs://YOUR_BUCKET/gpt` to keep the trained model. The bucket must exist
-# (`gcloud storage buckets create gs://YOUR_BUCKET --location=us-central1`, the TPU's region) and your account needs
-# `roles/storage.objectAdmin` on it. Sign-in happens only when the path is `gs://` (Colab: a pop-up; Kaggle: Add-ons >
-# Google Cloud Services; TPU VM: its service account). A missing bucket, a 403 or no credentials stop here with the fix.
+# Set `save_to` to `gs://YOUR_BUCKET/gpt` to keep the trained model. The bucket must exist:
+# `gcloud storage buckets create gs://YOUR_BUCKET --location=us-central1`, in the TPU's region. Your account needs
+# `roles/storage.objectAdmin` on it.
+#
+# Sign-in happens only when the path starts with `gs://`. On Colab it is a pop-up. On Kaggle, attach Add-ons >
+# Google Cloud Services. On a TPU VM, its service account is used. A missing bucket, a 403 or missing credentials
+# stop the cell here, with the fix.
 
 # %%
 if P.save_to:
@@ -753,23 +861,28 @@ if P.save_to:
 
 # %% [markdown]
 # ## 6. What did XLA do?
-# `labkit.explain(dash)` reads torch_xla's metrics: compile vs execute time, recompilations and their causes, ops that
-# fell back to the CPU, device→host transfers, each with what to do about it.
+# `labkit.explain(dash)` reads torch_xla's metrics. It reports compile time against execute time, recompilations
+# and their causes, ops that fell back to the CPU, and device→host transfers. Each comes with what to do about it.
+#
+# Its first line gives this run's graphs and the seconds spent compiling them. In a run this short, compiling can
+# take longer than the steps themselves; a long run amortises it. On a GPU or plain CPU, explain says there is no
+# XLA to explain.
 
 # %%
 info = labkit.explain(dash)
 
 # %% [markdown]
 # **Where to go from here**
-# * On a Colab TPU the defaults train a 10.7 M-parameter model on 256-byte windows; watch MFU on the dashboard and
-#   try a larger `batch_size` or `n_embd` (multiples of 128 fit the 128×128 MXUs of TPU v2-v5; v6e's are 256×256,
-#   so there multiples of 256).
+# * On a Colab TPU the defaults train a 10.7 M-parameter model on 256-byte windows. Watch MFU on the dashboard, and
+#   try a larger `batch_size` or `n_embd`. Multiples of 128 fit the 128×128 MXUs of TPU v2–v5. v6e's are 256×256, so
+#   there use multiples of 256.
 # * `LABKIT_SOURCE=/path/to/any.txt` trains on your own text.
-# * `python -m labkit.train gpt --max-steps 5000` trains the same model from a terminal (the same recipes, these
-#   parameters as flags), also on a pod slice or under `torchrun` (README: *Scale out*).
-# * The loss in bits per byte compares across tokenizers: a byte-level model at 1.5 bits/byte on English is
-#   doing well for its size.
-# * **Where this goes next** (TorchTPU, named in PyTorch/XLA's README of 2026-04-22 as its replacement once public; not run here). Ends with torch_xla: the lazy step,
-#   the `CompileTime` count behind the recompile checks, and `explain`'s metrics. Carries over: bucketed prompt
-#   lengths, generation over a fixed window read at a device-tensor position (a few graphs, then none: asserted
-#   above; under `torch.compile`, guards that keep holding), the 6·N FLOPs per token, MFU, and the memory arithmetic.
+# * `python -m labkit.train gpt --max-steps 5000` trains the same model from a terminal, from the same recipes, with
+#   these parameters as flags. It also runs on a pod slice or under `torchrun` (README: *Scale out*).
+# * The loss in bits per byte compares across tokenizers. A byte-level model at 1.5 bits/byte on English is doing
+#   well for its size.
+# * **Where this goes next.** PyTorch/XLA's README (its note of 2026-04-22) names TorchTPU as its replacement once
+#   TorchTPU is public; TorchTPU was not run here. Ends with torch_xla: the lazy step, the `CompileTime` count behind
+#   the recompile checks, and `explain`'s metrics. Carries over: bucketed prompt lengths, the 6·N FLOPs per token,
+#   MFU, and the memory arithmetic. Generation over a fixed window, read at a device-tensor position, carries over
+#   too: it compiles a few graphs and then none, and under `torch.compile` its guards keep holding.

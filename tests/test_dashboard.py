@@ -314,6 +314,29 @@ def test_figure_says_only_what_it_draws():
     assert not any(ln.get_label().startswith("chance") for ln in lm.axes[1].lines)
 
 
+def test_the_throughput_panels_second_axis_is_labelled_inside_the_figure():
+    """The feed meter's axis (% of step waiting for data) sits right of the throughput panel: its label must be
+    drawn, and drawn inside the figure (with the old right margin it fell past the figure's edge)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from labkit.dashboard.view import render
+
+    data = _view_data(tokens=False, chance=0.1)
+    for r in data["history"]:
+        r["data_wait_frac"] = 0.1
+    fig = render(data)
+    FigureCanvasAgg(fig).draw()
+    rate = fig.axes[2]
+    (feed,) = [ax for ax in fig.axes if ax is not rate and ax.bbox.bounds == rate.bbox.bounds]  # its twin
+    assert rate.get_ylabel() == "examples/s" and "waiting for data" in feed.get_ylabel()
+    width = fig.bbox.width
+    for ax in (rate, feed):
+        label = ax.yaxis.label.get_window_extent()
+        ticks = [t.get_window_extent() for t in ax.yaxis.get_ticklabels() if t.get_visible() and t.get_text()]
+        assert 0 <= label.x0 and label.x1 <= width, (ax.get_ylabel(), label, width)
+        assert all(0 <= t.x0 and t.x1 <= width for t in ticks), (ax.get_ylabel(), [t.x1 for t in ticks], width)
+
+
 def test_the_last_line_says_finished_or_stopped_not_an_eta():
     """A fit that ends says so in its last line; one stopped early says where (an ETA there misled)."""
 

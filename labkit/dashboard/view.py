@@ -143,7 +143,8 @@ def render(data: dict):
 
     rows, evals, f = data["history"], data["evals"], data["frame"]
     fig = Figure(figsize=(13, 6.5))
-    fig.subplots_adjust(left=0.05, right=0.98, top=0.9, bottom=0.08, hspace=0.35, wspace=0.25)
+    # right=0.94: room for the throughput panel's second axis (its ticks and label) inside the figure
+    fig.subplots_adjust(left=0.05, right=0.94, top=0.9, bottom=0.08, hspace=0.35, wspace=0.25)
     gs = fig.add_gridspec(2, 3)
     steps = [r["step"] for r in rows]
     ax = fig.add_subplot(gs[0, 0])

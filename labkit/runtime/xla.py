@@ -28,7 +28,8 @@ class XlaRuntime(Runtime):
     feed = "thread"
     feed_why = (
         "a copy waits for the step running on XLA:CPU's cores; from the loop's thread it would stall the tracing of "
-        "the next step (an MLP step 1.7x longer in bench_peers)"
+        "the next step (an MLP step took 1.7x longer so, in the repository's timing of training loops, "
+        "bench/bench_peers.py)"
     )
     _said_feed = False
 
