@@ -252,24 +252,36 @@ def _map(obj, fn):
     return obj
 
 
-def epoch_leftovers(loader, accum_steps: int, world_size: int = 1) -> str | None:
+def batch_rows(loader) -> int | None:
+    """Samples in one of the loader's batches, known before the first one: its batch_size, or its dataset's (a
+    shard stream batches itself: its DataLoader's batch_size is None); None when neither says."""
+    host = getattr(loader, "loader", loader)
+    bs = getattr(host, "batch_size", None) or getattr(getattr(host, "dataset", None), "batch_size", None)
+    return bs if isinstance(bs, int) and not isinstance(bs, bool) and bs > 0 else None
+
+
+def epoch_leftovers(loader, accum_steps: int, world_size: int = 1, rows: int | None = None) -> str | None:
     """What each epoch leaves out of the training data, and why, as one line (None when nothing is): the short last
     batch (every step keeps one shape, so nothing recompiles) and the batches after the last whole accumulation
-    (every optimizer step averages the same number of samples). Where the data's length is not known up front, the
+    (every optimizer step averages the same number of samples), with the samples each costs. `rows`: samples in a
+    batch, where the loader does not say (batch_rows: a list of batches); "" when that number is needed and not
+    known yet (the Trainer says it at the first batch). Where the data's length is not known up front, the
     DeviceLoader says so the first time it drops a short batch."""
     if not isinstance(loader, DeviceLoader):
         return None
-    bs, short, left = getattr(loader.loader, "batch_size", None), loader.partial_rows(), len(loader) % accum_steps
+    bs, short, left = rows or batch_rows(loader), loader.partial_rows(), len(loader) % accum_steps
+    if left and bs is None:
+        return ""
     parts = []
     if short:
         parts.append(f"{short} in the short last batch (every step keeps one shape: no recompile)")
     if left:
-        rows = f"{left * bs} in" if bs else "the samples of"
         parts.append(
-            f"{rows} the last {left} batch(es), fewer than accum_steps={accum_steps} (every optimizer step averages "
-            "the same number of samples)"
+            f"{left * bs} in the last {left} batch(es), fewer than accum_steps={accum_steps} (every "
+            "optimizer step averages the same number of samples)"
         )
     if not parts:
         return None
-    each = f" on each of the {world_size} processes" if world_size > 1 else ""
+    lost = (short or 0) + left * (bs or 0)
+    each = f" on each of the {world_size} processes ({lost * world_size} in all)" if world_size > 1 else ""
     return f"[labkit] each epoch leaves out, of the training data{each}: " + "; ".join(parts)

@@ -229,7 +229,16 @@ def runs(tmp_path_factory, gcs_server):
         tmp,
         "hsdp",
         [
-            {"name": "count", "parallel": "hsdp", "steps": 3, "count": True},
+            # k = 2 as one merged batch, then accumulated sharded: the all-reduce across hosts once per step in both
+            {"name": "count", "parallel": "hsdp", "accum_steps": 2, "merge": True, "steps": 3, "count": True},
+            {
+                "name": "count_k2",
+                "parallel": "hsdp",
+                "accum_steps": 2,
+                "steps": 3,
+                "count": True,
+                "fsdp_accumulate": "sharded",
+            },
             {"name": "save", "parallel": "hsdp", "steps": 6, "stop_at": 3, "checkpoint_every": 3, "ckpt": ckh},
         ],
     )
@@ -387,6 +396,21 @@ def test_hsdp_over_two_hosts_counts_per_dimension_and_resumes_on_one(runs):
     assert abs(crossed - shard_bytes) <= 0.02 * shard_bytes, (crossed, shard_bytes)  # FSDP2 pads dim 0 to 2
     assert _close(save["global_losses"], ref[:3]) and back["first_step"] == 4
     assert _close(back["global_losses"], ref[3:]), (back["global_losses"], ref[3:])
+
+
+@heavy
+def test_hsdp_sharded_accumulation_crosses_hosts_once_per_step(runs):
+    """2 hosts x 2 processes, k = 2 accumulated sharded: each micro-batch reduce-scatters inside its host, and the
+    all-reduce of those gradient shards across hosts runs once per optimizer step (set_requires_all_reduce(False)
+    before the last micro-batch), its bytes one gradient shard, as the merged k = 1 batch's; the same losses."""
+    k1, k2 = runs["hsdp"]["count"], runs["hsdp"]["count_k2"]
+    assert "error" not in k2, k2
+    assert "accumulation sharded (asked for)" in k2["plan"], k2["plan"]
+    d1, d2 = k1["comm_by_dim"], k2["comm_by_dim"]
+    assert d2["replicate"] == d1["replicate"], (d1, d2)  # [count, bytes] per step: 2x each before
+    assert d2["shard"]["reduce-scatter"][0] == 2 * d1["shard"]["reduce-scatter"][0], (d1, d2)
+    assert d2["shard"]["all-gather"][0] == 2 * d1["shard"]["all-gather"][0], (d1, d2)
+    assert _close(k2["losses"], k1["losses"]), (k1["losses"], k2["losses"])
 
 
 @heavy
