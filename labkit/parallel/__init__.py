@@ -41,7 +41,7 @@ another number of processes reads them back (DCP reshards).
 
 from labkit.parallel.choice import auto_plan, check_setting, choose
 from labkit.parallel.count import collective_counter, comm_by_dim
-from labkit.parallel.fsdp import FullyShard, accumulation, accumulation_bytes, hosts, units
+from labkit.parallel.fsdp import FullyShard, accumulation, accumulation_bytes, batchnorm_groups, hosts, units
 from labkit.parallel.plans import (
     STATE_BYTES_PER_WEIGHT,
     PlanError,
@@ -63,6 +63,7 @@ __all__ = [
     "accumulation",
     "accumulation_bytes",
     "auto_plan",
+    "batchnorm_groups",
     "broadcast_buffers",
     "check_setting",
     "choose",
