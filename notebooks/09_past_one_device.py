@@ -266,11 +266,13 @@ print("float32 weights, bf16 input ->", y.dtype)
 assert failed and "expected scalar type BFloat16 but found Float" in failed and y.dtype == torch.bfloat16
 
 # %% [markdown]
-# So one bf16 policy over a ResNet fails at its first BatchNorm. labkit's fsdp2 plan makes each BatchNorm a unit of
-# its own with float32 weights and leaves its bf16 input as it comes (`FullyShard.batchnorm_precision`). The cost is
-# latency: one small all-gather in forward, one in backward and one small reduce-scatter per BatchNorm and step, 53 of
-# each in ResNet-50. `tests/test_fsdp_resnet.py` trains a ResNet that way under bf16 on gloo processes; it is *not
-# run here*. Each process also updates its own running statistics from its own batches, so before every evaluation
+# So one bf16 policy over a ResNet fails at its first BatchNorm. labkit's fsdp2 plan makes each residual block's
+# BatchNorms one unit with float32 weights (`fully_shard` takes a list of modules) and leaves their bf16 input as it
+# comes (`FullyShard.batchnorm_precision`). ResNet-50 has 17 such units for its 53 BatchNorms. The cost is latency:
+# one small all-gather in forward and one small reduce-scatter per unit and step, since the units stay gathered from
+# forward to backward (0.2 MB of weights in all). That is 34 collectives a step, where a unit per BatchNorm freed
+# after forward took 159. `tests/test_fsdp_resnet.py` trains a ResNet that way under bf16 on gloo processes and counts
+# its collectives; it is *not run here*. Each process also updates its own running statistics from its own batches, so before every evaluation
 # and save the Trainer broadcasts process 0's buffers (`parallel.broadcast_buffers`), as DDP does at every forward.
 
 # %% [markdown]
@@ -447,7 +449,7 @@ if exercises.check("09.accumulate", lambda: nb09.check_accumulate(accumulate_cos
 # | accumulation, gathered | + whole weights and gradients for the window; k = 1's collectives | collectives counted; memory from the rule |
 # | accumulation, sharded | the shard only; k times the collectives | collectives counted |
 # | meta-device build | shards + the largest tensor at the peak; the same values | values and losses equal |
-# | BatchNorm under bf16 | its own float32 unit: 3 small collectives a step each | the dtype error, reproduced |
+# | BatchNorm under bf16 | a float32 unit per block: 2 small collectives a step each | the dtype error, reproduced |
 # | uneven evaluation | one 4-byte all-reduce a batch (`lockstep`) | read; tested in `tests/test_fsdp_resnet.py` |
 # | preemption | one 8-byte all-reduce a step (`StepVote`); 30 s before SIGKILL | one SIGTERM, one step, one checkpoint |
 # | hsdp | the host's shard; one all-reduce of the gradient shard across hosts a step | predicted; counted in `tests/test_fsdp_trainer.py` |

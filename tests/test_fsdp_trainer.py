@@ -142,6 +142,30 @@ def test_parallel_setting_is_checked_and_read_from_the_environment(monkeypatch):
     assert args.parallel == "fsdp2"
 
 
+def test_fsdp_accumulate_is_a_flag_of_the_recipe_that_accumulates(monkeypatch, capsys):
+    """`python -m labkit.train resnet --fsdp-accumulate MODE` reaches the run's TrainConfig; else
+    LABKIT_FSDP_ACCUMULATE, else auto; a mode FullyShard lacks is refused naming the flag or the variable. The gpt
+    recipe does not accumulate: no such flag there."""
+    from labkit import train
+
+    seen = {}
+    monkeypatch.setattr(train, "run_resnet", lambda P, **kw: seen.update(kw) or {})
+    train.main(["resnet", "--fsdp-accumulate", "sharded", "--accum-steps", "2"])
+    assert seen["fsdp_accumulate"] == "sharded"
+    P = train.params_from(train.parser().parse_args(["resnet", "--accum-steps", "2"]))
+    assert train.resnet_config(P, 10, fsdp_accumulate=seen["fsdp_accumulate"]).fsdp_accumulate == "sharded"
+    assert train.resnet_config(P, 10).fsdp_accumulate == "auto"
+    monkeypatch.setenv("LABKIT_FSDP_ACCUMULATE", "gathered")
+    assert train.resnet_config(P, 10).fsdp_accumulate == "gathered"
+    monkeypatch.setenv("LABKIT_FSDP_ACCUMULATE", "shraded")
+    with pytest.raises(ValueError, match="LABKIT_FSDP_ACCUMULATE='shraded'"):
+        train.resnet_config(P, 10)
+    for argv in (["resnet", "--fsdp-accumulate", "shraded"], ["gpt", "--fsdp-accumulate", "sharded"]):
+        with pytest.raises(SystemExit):
+            train.parser().parse_args(argv)
+    assert "--fsdp-accumulate" in capsys.readouterr().err
+
+
 def test_auto_picks_by_bytes_per_device():
     gib = 2**30
     # 16 bytes a weight (weight, gradient, AdamW's two moments) against half of the device
