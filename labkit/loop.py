@@ -45,7 +45,7 @@ from labkit import meta_init, resume
 from labkit.accumulate import mean_of, read
 from labkit.config import TrainConfig
 from labkit.interrupts import Preempted, StepVote, finish_pending_save, sigterm_raises
-from labkit.loader import DeviceLoader, batch_rows, epoch_leftovers
+from labkit.loader import DeviceLoader, batch_rows
 from labkit.optim import check_lr, move_model, optimizer_step
 from labkit.parallel import choose as choose_plan
 from labkit.precision import Precision, choose
@@ -99,7 +99,6 @@ class Trainer:
         self.eval_history: list[dict] = []
         self.log = StepLog(rt, self.cfg, self.precision)  # losses summed on the device, read once per interval
         self._stop = self._stop_after_epoch = self._save_requested = False
-        self._leftovers_unsaid = False  # fit() sets it where an epoch's leftover samples wait for a batch to count
         self._step_offset = 0  # steps trained at another batch size before a resume (see total_steps)
         self.profiler, self.vote = StepProfiler(rt), StepVote(rt)  # idle until asked; torchrun: SIGTERM and NaN
 
@@ -153,10 +152,6 @@ class Trainer:
         k, micro = self.cfg.accum_steps, []  # accumulation: k micro-batches per optimizer step
         left = (self.steps_per_epoch() - self.batch_in_epoch) * k if k > 1 else None  # the last len % k: not trained
         for batch in itertools.islice(batches, left):
-            if self._leftovers_unsaid:  # the loader did not say its batch size: the first batch does
-                self._leftovers_unsaid = False
-                rows = self.batch_size_of(batch)
-                self.rt.master_print(epoch_leftovers(self.train_loader, k, self.rt.world_size, rows=rows))
             with self.plan.gradient_sync(len(micro) == k - 1):  # only the last micro-batch reduces gradients
                 micro.append(self.train_step(batch))  # forward + backward: only recorded on XLA, nothing runs yet
             if len(micro) < k:  # gradients add up in .grad; the micro-step's graph ends here, the same one each time
@@ -349,10 +344,8 @@ class Trainer:
                 f"accum_steps={self.cfg.accum_steps}; fewer samples than one batch, and partial batches are dropped "
                 "for static shapes): lower the batch size or accum_steps, or add data"
             )
-        said = self.cfg.epochs and epoch_leftovers(self.train_loader, self.cfg.accum_steps, self.rt.world_size)
-        if said:  # once per fit(): nothing is dropped without a word
-            self.rt.master_print(said)
-        self._leftovers_unsaid = said == ""  # a batch's samples not known up front: said at the first batch
+        if self.cfg.epochs and isinstance(self.train_loader, DeviceLoader):  # once per fit(): nothing left unsaid
+            self.train_loader.say_leftovers(self.cfg.accum_steps, self.rt.world_size)
 
     def _last_metrics(self) -> dict:
         return dict(self.eval_history[-1]) if self.eval_history else {}
