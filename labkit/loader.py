@@ -86,6 +86,7 @@ class DeviceLoader:
         self.fetched = self.yielded = self.dropped = 0
         self.skip_batches = 0  # the next iteration skips this many host batches (then resets)
         self._said_short = False  # a dropped short batch of unknown size up front is said once (host_batches)
+        self._leftovers = None  # (accum_steps, world_size) while what an epoch leaves out waits for a batch's rows
         self._lock = threading.Lock()
         self._error: BaseException | None = None  # raised by the host loader, re-raised by __iter__
 
@@ -109,6 +110,14 @@ class DeviceLoader:
             return len(ds) % bs if bs else None
         except TypeError:  # an iterable dataset: its length is not known before it ends
             return None
+
+    def say_leftovers(self, accum_steps: int, world_size: int = 1) -> None:
+        """Print once what each epoch leaves out (epoch_leftovers): now, or where a batch's samples are not known up
+        front (a list of batches), when the first batch comes (host_batches)."""
+        said = epoch_leftovers(self, accum_steps, world_size)
+        if said:
+            self.rt.master_print(said)
+        self._leftovers = (accum_steps, world_size) if said == "" else None
 
     def set_epoch(self, epoch: int) -> None:
         for obj in (self.loader, getattr(self.loader, "dataset", None)):
@@ -138,6 +147,9 @@ class DeviceLoader:
                     continue
                 n = _leading_dim(batch)
                 size = n if size is None else size
+                if self._leftovers is not None and size:  # the first batch tells its rows: say what is left out
+                    args, self._leftovers = self._leftovers, None
+                    self.rt.master_print(epoch_leftovers(self, *args, rows=size))
                 if self.drop_partial and (short is not None or (n is not None and n > size)):
                     j, rows = short if short is not None else (i, n)
                     raise ValueError(
@@ -252,24 +264,36 @@ def _map(obj, fn):
     return obj
 
 
-def epoch_leftovers(loader, accum_steps: int, world_size: int = 1) -> str | None:
+def batch_rows(loader) -> int | None:
+    """Samples in one of the loader's batches, known before the first one: its batch_size, or its dataset's (a
+    shard stream batches itself: its DataLoader's batch_size is None); None when neither says."""
+    host = getattr(loader, "loader", loader)
+    bs = getattr(host, "batch_size", None) or getattr(getattr(host, "dataset", None), "batch_size", None)
+    return bs if isinstance(bs, int) and not isinstance(bs, bool) and bs > 0 else None
+
+
+def epoch_leftovers(loader, accum_steps: int, world_size: int = 1, rows: int | None = None) -> str | None:
     """What each epoch leaves out of the training data, and why, as one line (None when nothing is): the short last
     batch (every step keeps one shape, so nothing recompiles) and the batches after the last whole accumulation
-    (every optimizer step averages the same number of samples). Where the data's length is not known up front, the
+    (every optimizer step averages the same number of samples), with the samples each costs. `rows`: samples in a
+    batch, where the loader does not say (batch_rows: a list of batches); "" when that number is needed and not
+    known yet (DeviceLoader.say_leftovers says it at the first batch). Where the data's length is not known up front, the
     DeviceLoader says so the first time it drops a short batch."""
     if not isinstance(loader, DeviceLoader):
         return None
-    bs, short, left = getattr(loader.loader, "batch_size", None), loader.partial_rows(), len(loader) % accum_steps
+    bs, short, left = rows or batch_rows(loader), loader.partial_rows(), len(loader) % accum_steps
+    if left and bs is None:
+        return ""
     parts = []
     if short:
         parts.append(f"{short} in the short last batch (every step keeps one shape: no recompile)")
     if left:
-        rows = f"{left * bs} in" if bs else "the samples of"
         parts.append(
-            f"{rows} the last {left} batch(es), fewer than accum_steps={accum_steps} (every optimizer step averages "
-            "the same number of samples)"
+            f"{left * bs} in the last {left} batch(es), fewer than accum_steps={accum_steps} (every "
+            "optimizer step averages the same number of samples)"
         )
     if not parts:
         return None
-    each = f" on each of the {world_size} processes" if world_size > 1 else ""
+    lost = (short or 0) + left * (bs or 0)
+    each = f" on each of the {world_size} processes ({lost * world_size} in all)" if world_size > 1 else ""
     return f"[labkit] each epoch leaves out, of the training data{each}: " + "; ".join(parts)

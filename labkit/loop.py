@@ -45,7 +45,7 @@ from labkit import meta_init, resume
 from labkit.accumulate import mean_of, read
 from labkit.config import TrainConfig
 from labkit.interrupts import Preempted, StepVote, finish_pending_save, sigterm_raises
-from labkit.loader import DeviceLoader, epoch_leftovers
+from labkit.loader import DeviceLoader, batch_rows
 from labkit.optim import check_lr, move_model, optimizer_step
 from labkit.parallel import choose as choose_plan
 from labkit.precision import Precision, choose
@@ -279,8 +279,7 @@ class Trainer:
     def global_batch(self) -> int | None:
         """Samples per optimizer step over all replicas: the loader's batch_size (or its dataset's: a shard stream
         batches itself) x world size x accum_steps, else the last step's (None before the first step)."""
-        host = getattr(self.train_loader, "loader", self.train_loader)
-        bs = getattr(host, "batch_size", None) or getattr(getattr(host, "dataset", None), "batch_size", None)
+        bs = batch_rows(self.train_loader)
         return bs * self.rt.world_size * self.cfg.accum_steps if bs else self.log.last_rows
 
     def _dispatch(self, name: str, *args) -> None:
@@ -345,9 +344,8 @@ class Trainer:
                 f"accum_steps={self.cfg.accum_steps}; fewer samples than one batch, and partial batches are dropped "
                 "for static shapes): lower the batch size or accum_steps, or add data"
             )
-        said = self.cfg.epochs and epoch_leftovers(self.train_loader, self.cfg.accum_steps, self.rt.world_size)
-        if said:  # once per fit(): nothing is dropped without a word
-            self.rt.master_print(said)
+        if self.cfg.epochs and isinstance(self.train_loader, DeviceLoader):  # once per fit(): nothing left unsaid
+            self.train_loader.say_leftovers(self.cfg.accum_steps, self.rt.world_size)
 
     def _last_metrics(self) -> dict:
         return dict(self.eval_history[-1]) if self.eval_history else {}

@@ -4,6 +4,8 @@
     python -m labkit.train resnet --epochs 8 --batch-size 128     # a TPU VM: SPMD over every local chip
     torchrun --nproc_per_node=4 -m labkit.train gpt ...           # GPUs (nccl) or CPU ranks (gloo), DDP
     torchrun --nproc_per_node=4 -m labkit.train gpt --parallel fsdp2   # the same, each weight sharded (FSDP2)
+    torchrun --nnodes=2 --nproc_per_node=8 ... -m labkit.train resnet --parallel hsdp --accum-steps 4 \
+        --fsdp-accumulate sharded                                   # two hosts: sharded within, replicated across
     gcloud compute tpus tpu-vm ssh NAME --zone=ZONE --worker=all --command="python -m labkit.train resnet ..."
 
 Flags are the notebooks' `Params` fields (`--batch-size` is `batch_size`, per chip), read in the order
@@ -15,9 +17,20 @@ How the work is split:
   loads batch_size x chips samples per step and XLA shards them over the devices;
 - a TPU pod slice: the same command on every host (`--worker=all`); each host is one process
   (xr.process_index / process_count become rt.ordinal / rt.world_size) and reads its own shards;
-- torchrun: one process per GPU or CPU rank, DistributedDataParallel averaging gradients (--parallel replicate),
-  or FSDP2 sharding weights, gradients and AdamW state over them (--parallel fsdp2; auto: by what fits).
-The global batch is batch_size x chips x processes. Only process 0 prints, logs and writes checkpoints.
+- torchrun: one process per GPU or CPU rank (labkit.parallel says how, and counts what each plan issues):
+  - --parallel replicate: DistributedDataParallel, a whole copy per process, gradients all-reduced;
+  - --parallel fsdp2: FSDP2 shards weights, gradients and AdamW state over the processes, one unit per transformer
+    block or residual block (a ResNet's BatchNorms one float32 unit per block under bf16), then the root. A step
+    all-gathers the root once, each block in forward and all but the last block again in backward (2L all-gathers
+    for L blocks), and reduce-scatters each unit's gradients;
+  - --parallel hsdp: the same within each host, replicated across hosts (torchrun --nnodes): the all-gathers and
+    reduce-scatters stay inside a host, one all-reduce of each gradient shard a step crosses between hosts;
+  - --parallel auto: replicate where a whole copy fits half a device, else hsdp (several hosts) or fsdp2;
+  - --fsdp-accumulate (resnet, with --accum-steps > 1): gathered (k = 1's collectives, a whole copy's memory) or
+    sharded (k times the collectives, shards only; across hosts still once a step); auto by what fits.
+The global batch is batch_size x chips x processes (x accum_steps). Only process 0 prints and logs. Checkpoints:
+under replicate process 0 writes one file; under fsdp2 and hsdp every process writes its own shards (DCP), process 0
+commits once all are stored, and a run on another number of processes resumes them.
 The last line on process 0 is machine-readable:
     FINAL loss=<final validation loss> train_loss=<last interval, process 0> steps=N samples=M world=W chips=C
 """
@@ -77,6 +90,34 @@ def _parallel(choice) -> str:
     return check_setting(os.environ.get("LABKIT_PARALLEL") or "auto", "LABKIT_PARALLEL")
 
 
+def _fsdp_accumulate(choice) -> str:
+    """--fsdp-accumulate, else LABKIT_FSDP_ACCUMULATE (TrainConfig.fsdp_accumulate's variable), else "auto"; a mode
+    FullyShard does not have is refused naming the variable (the flag's choices are argparse's)."""
+    from labkit.config import ACCUMULATE
+
+    value = choice or os.environ.get("LABKIT_FSDP_ACCUMULATE") or "auto"
+    if value not in ACCUMULATE:
+        raise SettingError(f"LABKIT_FSDP_ACCUMULATE={value!r}: expected one of {', '.join(ACCUMULATE)}")
+    return value
+
+
+def resnet_config(P, batches: int, parallel=None, fsdp_accumulate=None, resume=None, save_every=None):
+    """The resnet recipe's TrainConfig: P's fields, `batches` per epoch from the train loader, the command line's
+    plan (--parallel) and accumulation mode (--fsdp-accumulate), or their variables."""
+    import labkit
+
+    return labkit.TrainConfig(
+        epochs=P.epochs,
+        max_steps=P.max_steps,
+        log_every=P.log_every,
+        accum_steps=P.accum_steps,
+        checkpoint_every=save_every or P.checkpoint_every or batches // P.accum_steps,
+        parallel=_parallel(parallel),
+        fsdp_accumulate=_fsdp_accumulate(fsdp_accumulate),
+        resume=resume is not None,
+    )
+
+
 def run_folder(rt, root: str, resume: str | None) -> str:
     """The run's checkpoint folder, decided on process 0 and sent to the others (each process naming it from its own
     clock would split one run's shards over several folders). resume=None: a new `run-YYYYmmdd-HHMMSS` under root;
@@ -99,7 +140,9 @@ def run_folder(rt, root: str, resume: str | None) -> str:
     return name
 
 
-def run_resnet(P: ResNetParams, backend=None, parallel=None, resume=None, save_every=None, meta_init=False) -> dict:
+def run_resnet(
+    P: ResNetParams, backend=None, parallel=None, resume=None, save_every=None, fsdp_accumulate=None, meta_init=False
+) -> dict:
     from labkit.cloud import gcs
     from labkit.lessons import recipes
 
@@ -118,14 +161,26 @@ def run_resnet(P: ResNetParams, backend=None, parallel=None, resume=None, save_e
     else:
         gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_project or None)
     try:  # whatever fails from here on, the server ends with the run
-        return _train_resnet(P, rt, plan, prec, data, ckpt_root, parallel, resume, save_every, meta_init)
+        return _train_resnet(
+            P, rt, plan, prec, data, ckpt_root, parallel, resume, save_every, fsdp_accumulate, meta_init
+        )
     finally:
         if server is not None:
             server.close()
 
 
 def _train_resnet(
-    P, rt, plan, prec, data: str, ckpt_root: str, parallel=None, resume=None, save_every=None, meta_init=False
+    P,
+    rt,
+    plan,
+    prec,
+    data: str,
+    ckpt_root: str,
+    parallel=None,
+    resume=None,
+    save_every=None,
+    fsdp_accumulate=None,
+    meta_init=False,
 ) -> dict:
     import labkit
     from data_tools import load_manifest
@@ -148,15 +203,7 @@ def _train_resnet(
     global_batch = plan.global_batch * P.accum_steps
     lr = scaled_lr(P.lr, P.batch_size, global_batch, "linear" if P.optimizer == "sgd" else "sqrt")
     model, optimizer = recipes.build_resnet(len(classes), P.cifar_stem, P.optimizer, lr, P.seed, rt, meta=meta_init)
-    cfg = labkit.TrainConfig(
-        epochs=P.epochs,
-        max_steps=P.max_steps,
-        log_every=P.log_every,
-        accum_steps=P.accum_steps,
-        checkpoint_every=save_every or P.checkpoint_every or len(train) // P.accum_steps,
-        parallel=_parallel(parallel),
-        resume=resume is not None,
-    )
+    cfg = resnet_config(P, len(train), parallel, fsdp_accumulate, resume, save_every)
     total = min(cfg.epochs * (len(train) // P.accum_steps), cfg.max_steps or 10**12)
     ckpt = CheckpointManager(run_folder(rt, ckpt_root, resume), keep=2, rt=rt)
     trainer = labkit.Trainer(
@@ -278,9 +325,10 @@ def main(argv=None) -> dict:
     if fast_mode() and os.environ.get("RANK", "0") == "0":
         print(f"[labkit.train] {args.recipe} (fast): {P}", flush=True)
     run = run_resnet if args.recipe == "resnet" else run_gpt
+    extra = {"fsdp_accumulate": args.fsdp_accumulate} if args.recipe == "resnet" else {}  # gpt does not accumulate
     try:
         with sigterm_raises():  # SIGTERM as an exception: the finally blocks stop what the run started
-            kw = {"parallel": args.parallel, "resume": args.resume, "save_every": args.save_every}
+            kw = {"parallel": args.parallel, "resume": args.resume, "save_every": args.save_every, **extra}
             return run(P, backend=args.backend, meta_init=args.meta_init, **kw)
     except (PlanError, SettingError) as e:  # a setting this run cannot use: one line naming it, exit 2
         top.error(str(e))

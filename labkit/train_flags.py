@@ -12,7 +12,7 @@ import dataclasses
 import os
 import typing
 
-from labkit.config import PARALLEL, check_number, from_env, parse_bool
+from labkit.config import ACCUMULATE, PARALLEL, check_number, from_env, parse_bool
 
 
 @dataclasses.dataclass
@@ -207,9 +207,23 @@ def parser() -> argparse.ArgumentParser:
             "--parallel",
             default=None,
             choices=PARALLEL,
-            help="under torchrun: replicate (DDP) | fsdp2 (fully_shard per block) | auto (by what fits; default "
-            "$LABKIT_PARALLEL, else auto); TrainConfig.parallel",
+            help="under torchrun: replicate (DDP: a whole copy per process, gradients all-reduced) | fsdp2 "
+            "(fully_shard per transformer or residual block, then the root: each step all-gathers the root once, "
+            "every block in forward and all but the last again in backward, and reduce-scatters its gradients) | hsdp (fsdp2 within "
+            "each host, replicated across hosts: one all-reduce of each gradient shard per step crosses them) | auto "
+            "(by what fits; default $LABKIT_PARALLEL, else auto); TrainConfig.parallel",
         )
+        if "accum_steps" in {f.name for f in dataclasses.fields(cls)}:  # the recipes that accumulate
+            sub.add_argument(
+                "--fsdp-accumulate",
+                default=None,
+                choices=ACCUMULATE,
+                help="with --accum-steps > 1 under fsdp2/hsdp: gathered (weights kept gathered and gradients "
+                "unreduced through the window: k = 1's collectives, a whole copy's memory) | sharded (every "
+                "micro-batch gathers and reduce-scatters: k times the collectives, shards only; under hsdp the "
+                "all-reduce across hosts still once per step) | auto (gathered where it fits half the device; default "
+                "$LABKIT_FSDP_ACCUMULATE, else auto); TrainConfig.fsdp_accumulate",
+            )
         sub.add_argument(
             "--resume",
             nargs="?",

@@ -336,13 +336,16 @@ assert failed and "expected scalar type BFloat16 but found Float" in failed and 
 # The first line is torch's refusal: bf16 weights beside float32 statistics. The second shows the way out: float32
 # weights take the bf16 input and return bf16.
 #
-# So one bf16 policy over a ResNet fails at its first BatchNorm. labkit's fsdp2 plan makes each BatchNorm a unit of its
-# own, with float32 weights, and leaves its bf16 input as it comes (`FullyShard.batchnorm_precision`). On a GPU such a
-# BatchNorm runs torch's native CUDA kernel, not cuDNN's (*not verified here*).
+# So one bf16 policy over a ResNet fails at its first BatchNorm. labkit's fsdp2 plan makes the BatchNorms of each
+# residual block one unit, with float32 weights (`fully_shard` takes a list of modules). It leaves their bf16 input as
+# it comes (`FullyShard.batchnorm_precision`). On a GPU such a BatchNorm runs torch's native CUDA kernel, not cuDNN's
+# (*not verified here*).
 #
-# The cost is latency, not bytes. Each BatchNorm unit costs two small all-gathers a step, one in forward and one in
-# backward, and one small reduce-scatter. ResNet-50 has 53 such units. `tests/test_fsdp_resnet.py` trains a ResNet that
-# way under bf16 on gloo processes; it is *not run here*.
+# The cost is latency, not bytes. ResNet-50 has 17 such units for its 53 BatchNorms: one for the stem, one per block.
+# Each unit costs one small all-gather in forward and one small reduce-scatter in backward. It stays gathered from
+# forward to backward, so backward gathers nothing again. That is 34 small collectives a step. A unit per BatchNorm,
+# freed after forward, took 159. `tests/test_fsdp_resnet.py` trains a ResNet that way under bf16 on gloo processes and
+# counts its collectives; it is *not run here*.
 #
 # Each process also updates its own running statistics from its own batches. So before every evaluation and save, the
 # Trainer broadcasts process 0's buffers (`parallel.broadcast_buffers`). DDP does the same at every forward.
@@ -608,7 +611,7 @@ if exercises.check("09.accumulate", lambda: nb09.check_accumulate(accumulate_cos
 # | accumulation, gathered | + whole weights and gradients for the window; k = 1's collectives | collectives counted; memory from the rule |
 # | accumulation, sharded | the shard only; k times the collectives | collectives counted |
 # | meta-device build | shards + the largest tensor at the peak; the same values | values and losses equal |
-# | BatchNorm under bf16 | its own float32 unit: 2 small all-gathers and 1 reduce-scatter a step each | the dtype error, reproduced |
+# | BatchNorm under bf16 | a float32 unit per block: 1 small all-gather and 1 reduce-scatter a step each | the dtype error, reproduced |
 # | uneven evaluation | one 4-byte all-reduce a batch (`lockstep`) | read; tested in `tests/test_fsdp_resnet.py` |
 # | preemption | one 8-byte all-reduce a step (`StepVote`); 30 s before SIGKILL | one SIGTERM, a stop one step later on every process, one checkpoint |
 # | hsdp | the host's shard; L + 1 all-reduces of gradient shards across hosts a step | predicted; counted in `tests/test_fsdp_trainer.py` |

@@ -53,6 +53,28 @@ def test_resnet_trains_under_fsdp2_in_bf16_with_batchnorm_in_float32(report):
 
 
 @heavy
+def test_batchnorms_are_one_unit_per_block_and_stay_gathered_through_accumulation(report):
+    """ResNet-18 under bf16: 8 blocks, 20 BatchNorms in 9 units (a block's, and the stem's), kept gathered after
+    forward. A step gathers the root, each block in forward and all but the last again in backward, and each
+    BatchNorm unit once: 1 + 8 + 7 + 9 = 25 all-gathers and 8 + 1 + 9 = 18 reduce-scatters (56 and 29 with a unit
+    per BatchNorm, freed after forward). Accumulated gathered at k = 2, the same per optimizer step (76 all-gathers
+    when the BatchNorm units were gathered again each micro-batch); float32 has no BatchNorm units: 16 and 9."""
+    import torchvision
+
+    from labkit.parallel import batchnorm_groups, units
+
+    model = torchvision.models.resnet18()
+    groups, blocks = batchnorm_groups(model), units(model)
+    assert len(blocks) == 8 and len(groups) == 9 and sum(map(len, groups)) == 20
+    assert len(batchnorm_groups(torchvision.models.resnet50())) == 17  # 53 BatchNorms
+    b, g = len(blocks), len(groups)
+    bf16, k2, fp32 = _ok(report["bf16"])["comm"], _ok(report["bf16_k2"])["comm"], _ok(report["fp32"])["comm"]
+    assert bf16["all-gather"][0] == 1 + b + (b - 1) + g and bf16["reduce-scatter"][0] == b + 1 + g, bf16
+    assert "accumulation gathered" in report["bf16_k2"]["plan"] and k2 == bf16, (bf16, k2)
+    assert fp32["all-gather"][0] == 1 + b + (b - 1) and fp32["reduce-scatter"][0] == b + 1, fp32
+
+
+@heavy
 def test_evaluation_over_uneven_shares_ends_and_equals_one_process(report):
     """3 batches on process 0, 2 on process 1: the evaluation ends on both (padding forwards count nothing) and its
     metrics equal one process's over all 5 batches with the same weights and statistics."""

@@ -146,3 +146,42 @@ def test_scaled_lr_rules():
     assert scaled_lr(1e-3, 32, 32 * 4, "sqrt") == pytest.approx(2e-3)
     with pytest.raises(ValueError, match="rule"):
         scaled_lr(0.1, 32, 64, "cubic")
+
+
+class _Batched(torch.utils.data.IterableDataset):
+    """A dataset that batches itself (as a shard stream does): its DataLoader's batch_size is None."""
+
+    batch_size = 4
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def test_a_last_partial_accumulation_is_said_once_with_the_samples_it_costs(capsys):
+    """7 batches of 4 at k = 3: 2 optimizer steps an epoch, the 7th batch never trained. Whether the loader says its
+    batch size (a DataLoader), its dataset does (batch_size=None, a stream that batches itself) or nothing does (a
+    list of batches: the first batch is counted), one line says the 4 samples each epoch leaves out."""
+    from labkit.loader import DeviceLoader, epoch_leftovers
+
+    rt = labkit.setup("cpu")
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 16, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(7)]
+    plain = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*map(torch.cat, zip(*batches))), batch_size=4)
+    for loader in (plain, torch.utils.data.DataLoader(_Batched(batches), batch_size=None), batches):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tr = Trainer(model, opt, rt, TrainConfig(epochs=2, log_every=1, eval_every=0, accum_steps=3), loader)
+        tr.fit()
+        assert tr.step == 4  # 2 an epoch
+        said = [ln for ln in capsys.readouterr().out.splitlines() if "each epoch leaves out" in ln]
+        assert len(said) == 1, (type(loader).__name__, said)  # two epochs, one fit(): once
+        assert "4 in the last 1 batch(es), fewer than accum_steps=3" in said[0], said
+    # under torchrun: each process's samples, and all of them
+    line = epoch_leftovers(DeviceLoader(plain, rt), 3, world_size=2)
+    assert "on each of the 2 processes (8 in all)" in line, line

@@ -55,15 +55,16 @@ def cpu_copy(o):
     return copy.deepcopy(o)
 
 
-def _stager():
-    """DCP's AsyncStager protocol around cpu_copy: the copy is done before async_save returns."""
+def _stager(mirror=None):
+    """DCP's AsyncStager protocol around cpu_copy, or around `mirror` (labkit.checkpoint.staging.CpuMirror: the
+    manager's host tensors, refilled at each save): the copy is done before async_save returns."""
     from torch.distributed.checkpoint.staging import AsyncStager
 
     class CopyToCPU(AsyncStager):
         _synchronize_after_execute = False
 
         def stage(self, state_dict):
-            return cpu_copy(state_dict)
+            return cpu_copy(state_dict) if mirror is None else mirror.stage(state_dict)
 
         def synchronize_staging(self) -> None:
             pass

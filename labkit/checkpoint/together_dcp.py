@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from labkit.checkpoint.state import _tensors
+from labkit.checkpoint.staging import CpuMirror, first_nonfinite
 from labkit.checkpoint.together import _stager, agree
 from labkit.checkpoint.writer import no_space
 from labkit.cloud import gcs
@@ -19,12 +19,8 @@ from labkit.cloud import gcs
 
 def _first_nonfinite(state) -> str | None:
     """The path of the first floating-point tensor holding NaN/inf among this process's shards (a DTensor's local
-    part: no collective), else None."""
-    for path, t in _tensors(state):
-        t = t.to_local() if hasattr(t, "to_local") else t
-        if t.is_floating_point() and t.numel() and not bool(t.isfinite().all()):
-            return path or "a tensor"
-    return None
+    part: no collective), else None: one stacked read per device (labkit.checkpoint.staging)."""
+    return first_nonfinite(state)
 
 
 def folder_name(step: int) -> str:
@@ -34,12 +30,20 @@ def folder_name(step: int) -> str:
 class ShardedTogether:
     """Sharded's methods for several processes (self is the format: its store, listing, _url and _remove)."""
 
+    @property
+    def mirror(self) -> CpuMirror:
+        """The host tensors this format's background saves stage into: one per format, so one per manager, reused
+        from save to save (the manager waits for the previous save before it stages the next)."""
+        if getattr(self, "_mirror", None) is None:
+            self._mirror = CpuMirror()
+        return self._mirror
+
     def begin_together(self, step, state, rt, group, replace, background: bool) -> dict:
         """Every process, on the training thread: the NaN check, the old step's removal (process 0, after the
         manager allowed it), one agreement; then DCP's save of this process's shards into a temp folder of its own
         (process 0 adds `.metadata`, which names every file), on `group`. background=True: DCP's async_save, which
-        first copies the shards to new CPU tensors here (together.cpu_copy as DCP's stager: once each, DTensors
-        kept DTensors)
+        first copies the shards to the CPU here (into the format's CpuMirror, labkit.checkpoint.staging: once each,
+        into host tensors kept from the last save, DTensors kept DTensors)
         and returns while a thread of DCP's writes them, so the training's next steps cannot change what is saved.
         The cost on this thread: that copy; in host memory, this process's shards again until the save ends.
         finish_together ends it."""
@@ -71,7 +75,7 @@ class ShardedTogether:
                     storage_writer=writer,
                     planner=DefaultSavePlanner(),
                     process_group=group,
-                    async_stager=_stager(),
+                    async_stager=_stager(self.mirror),
                 )
             else:
                 future = None

@@ -22,6 +22,22 @@ def _batchnorms(model) -> list:
     return [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
 
 
+def batchnorm_groups(model, blocks=None) -> list[list]:
+    """The BatchNorms FSDP2 shards together under bf16, one group per unit (labkit.parallel.units): a residual
+    block's BatchNorms (3 in a ResNet-50 Bottleneck, 4 where it has a downsample) form one group, and those outside
+    every unit (the stem's) one more. ResNet-50: 17 groups for its 53 BatchNorms. fully_shard takes a list of
+    modules (torch 2.9: one FSDPParamGroup, gathered at the first one's forward): one collective per group."""
+    blocks = units(model) if blocks is None else blocks
+    groups, seen = [], set()
+    for unit in blocks:
+        mine = [m for m in _batchnorms(unit) if id(m) not in seen]
+        seen.update(id(m) for m in mine)
+        if mine:
+            groups.append(mine)
+    rest = [m for m in _batchnorms(model) if id(m) not in seen]
+    return groups + ([rest] if rest else [])
+
+
 def units(model) -> list:
     """The submodules FSDP2 shards as units of their own, before the root, in forward order: model.fsdp_units() if
     it has one, the GPT's transformer blocks, a (torchvision) ResNet's residual blocks (16 in ResNet-50: a unit is
@@ -75,9 +91,12 @@ class FullyShard(Processes):
         float32 buffers, which FSDP2 never casts), and its bf16 input left as it comes (cast_forward_inputs=False):
         torch's batch_norm takes a bf16 input with float32 parameters and statistics (CPU and cuDNN alike), but not
         bf16 parameters with float32 statistics, the error "expected scalar type BFloat16 but found Float" that a
-        single bf16 policy over a ResNet gives at its first BatchNorm. The cost: each BatchNorm is a unit of its own,
-        so one small all-gather in forward, one in backward and one small reduce-scatter per BatchNorm and step
-        (53 of each in ResNet-50): latency, a few KB each, not bandwidth."""
+        single bf16 policy over a ResNet gives at its first BatchNorm. The cost: the BatchNorms of one block are a
+        unit of their own (labkit.parallel.fsdp.batchnorm_groups: 17 in ResNet-50, for 53 BatchNorms), each one
+        all-gather in forward and one reduce-scatter in backward a step: latency, a few KB each, not bandwidth.
+        They are not freed after forward (reshard_after_forward=False: ResNet-50's BatchNorm weights are 0.2 MB),
+        so backward gathers none of them again: 34 collectives a step where a unit per BatchNorm, freed after
+        forward, took 159 (53 x 3)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
@@ -98,9 +117,9 @@ class FullyShard(Processes):
         before = dict(model.named_parameters())
         self.accumulate, self.said = accumulation(self, sum(p.numel() for p in before.values()))
         self.units = units(model)
-        if "mp_policy" in kw:  # BatchNorm keeps float32 weights: its own unit, gathered in float32
-            for bn in _batchnorms(model):
-                fully_shard(bn, mesh=self.mesh, mp_policy=self.batchnorm_precision())
+        if "mp_policy" in kw:  # BatchNorm keeps float32 weights: a unit per block, gathered in float32
+            for group in batchnorm_groups(model, self.units):
+                fully_shard(group, mesh=self.mesh, mp_policy=self.batchnorm_precision(), reshard_after_forward=False)
         for i, unit in enumerate(self.units):  # the last unit stays gathered after forward: backward needs it first
             fully_shard(unit, **kw, reshard_after_forward=self._reshard(i))
         self.root = fully_shard(model, **kw)
@@ -111,10 +130,17 @@ class FullyShard(Processes):
 
     def gradient_sync(self, enabled: bool):
         """enabled=False (a micro-batch before the last): no reduce-scatter (the gradients add up unsharded), and the
-        weights, once gathered, stay gathered: no reshard after the units' forward nor after backward, so the next
-        micro-batches gather nothing. enabled=True (the last, or k = 1): torch's defaults again, so its forward
-        frees each unit, its backward gathers it again, reduce-scatters and reshards: k = 1's collectives."""
-        if self.accumulate == "sharded":  # every micro-batch reduce-scatters (torch's defaults): memory stays sharded
+        weights, once gathered, stay gathered: no reshard after the units' forward nor after backward (the
+        BatchNorm units included: set recursively), so the next micro-batches gather nothing. enabled=True (the
+        last, or k = 1): torch's defaults again, so its forward frees each unit, its backward gathers it again,
+        reduce-scatters and reshards: k = 1's collectives.
+
+        Sharded accumulation reduce-scatters every micro-batch (memory stays sharded); under hsdp the all-reduce
+        across hosts of those gradient shards waits for the last one (set_requires_all_reduce(False) before it: the
+        shards add up on each process), so the slow link is crossed once per optimizer step, as at k = 1."""
+        if self.accumulate == "sharded":
+            if self.hsdp:
+                self.root.set_requires_all_reduce(enabled)  # recursive: every unit's gradient shards
             return contextlib.nullcontext()
         self.root.set_requires_gradient_sync(enabled)  # read at backward: reduce-scatter now, or keep adding up
         self.root.set_reshard_after_backward(enabled)

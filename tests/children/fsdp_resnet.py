@@ -3,6 +3,8 @@ ResNet-18 (BatchNorm), the runs a GPU node takes next. Process 0 writes OUT (JSO
 
 - "bf16": fsdp2 with a bf16 precision trains 3 steps (BatchNorm in float32 units), then evaluates over shares that
   do not divide (process 0 three batches, process 1 two); the BatchNorm buffers of both processes after it.
+  Its collectives per optimizer step on the plan's mesh, counted ("comm": {op: [count, bytes]}).
+- "bf16_k2": the same 3 steps, each of 2 micro-batches accumulated gathered: its collectives per optimizer step.
 - "fp32": the same in float32; then process 0 evaluates a plain copy of the trained model (the whole state gathered)
   over all five batches: the metrics one process gives over the whole set.
 - "rng": each process seeded differently; saved with DCP; a new Trainer resumed from it: each process's torch RNG
@@ -46,14 +48,22 @@ class Listed(list):
         pass
 
 
-def trainer(rt, precision, steps, train=None, val=None, ckpt=None, resume=False):
+def trainer(rt, precision, steps, train=None, val=None, ckpt=None, resume=False, accum_steps=1):
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=CLASSES)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = labkit.TrainConfig(
-        epochs=1, max_steps=steps, log_every=1, eval_every=0, parallel="fsdp2", resume=resume, checkpoint_every=0
+        epochs=1,
+        max_steps=steps,
+        log_every=1,
+        eval_every=0,
+        parallel="fsdp2",
+        resume=resume,
+        checkpoint_every=0,
+        accum_steps=accum_steps,
+        fsdp_accumulate="gathered",
     )
-    train = Listed(train if train is not None else batches(steps, 10 + rt.ordinal))
+    train = Listed(train if train is not None else batches(steps * accum_steps, 10 + rt.ordinal))
     return labkit.Trainer(model, opt, rt, cfg, train, Listed(val or []), checkpoint=ckpt, precision=precision)
 
 
@@ -62,11 +72,27 @@ def val_shares(rt):
     return every, (every[:3] if rt.ordinal == 0 else every[3:])
 
 
+def counted_fit(t) -> dict:
+    """fit(), its collectives on the plan's mesh counted: {op: [count, bytes] per optimizer step}."""
+    from labkit.parallel import collective_counter, comm_by_dim
+
+    with collective_counter() as mode:
+        t.fit()
+    mine = comm_by_dim(mode, t.plan.mesh).get("fsdp", {})
+    return {op: [c / t.step, b / t.step] for op, (c, b) in mine.items()}
+
+
+def run_k2(rt):
+    t = trainer(rt, Precision("bf16", "cpu", "test: bf16 under fsdp2"), 3, accum_steps=2)
+    comm = counted_fit(t)
+    return {"plan": t.plan.describe(), "comm": comm, "losses": [r["loss"] for r in t.history]}
+
+
 def run_eval(rt, name):
     prec = Precision("bf16", "cpu", "test: bf16 under fsdp2") if name == "bf16" else None
     every, mine = val_shares(rt)
     t = trainer(rt, prec, 3, val=mine)
-    t.fit()
+    comm = counted_fit(t)
     metrics = t.evaluate()
     buffers = torch.cat([t.module.bn1.running_mean, t.module.layer4[1].bn2.running_var])
     seen = [None] * rt.world_size
@@ -77,6 +103,7 @@ def run_eval(rt, name):
         "val": metrics,
         "buffers_equal": all(s == seen[0] for s in seen),
         "bn_weight_dtype": str(t.module.bn1.weight.dtype),
+        "comm": comm,
     }
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -147,6 +174,7 @@ def main():
     report = {}
     for name, fn in [
         ("bf16", lambda: run_eval(rt, "bf16")),
+        ("bf16_k2", lambda: run_k2(rt)),
         ("fp32", lambda: run_eval(rt, "fp32")),
         ("rng", lambda: run_rng(rt, ckpt_dir)),
         ("nan", lambda: run_nan(rt)),
