@@ -9,6 +9,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 # each child writes "id start end" (time.time()) to the file it is given, after sleeping
 _CHILD = "import sys, time; t = time.time(); time.sleep(float(sys.argv[2])); open(sys.argv[3], 'a').write(f'{sys.argv[1]} {t} {time.time()}\\n')"
 
@@ -33,6 +35,7 @@ def spans(out):
     return {name: (float(a), float(b)) for name, a, b in rows}
 
 
+@pytest.mark.timing
 def test_one_worker_runs_the_longest_first_then_the_rest_one_at_a_time(tmp_path):
     bg, out = fresh(), tmp_path / "spans"
     jobs = [sleeper(bg, "short", 0.2, out), sleeper(bg, "long", 0.6, out)]
@@ -43,6 +46,7 @@ def test_one_worker_runs_the_longest_first_then_the_rest_one_at_a_time(tmp_path)
     assert s["long"][1] <= s["short"][0], f"the long job first, the short one after it ended: {s}"
 
 
+@pytest.mark.timing
 def test_a_second_worker_takes_the_queued_jobs_when_the_suite_is_done(tmp_path):
     bg, out = fresh(), tmp_path / "spans"
     bg.submit([sleeper(bg, name, 1.0, out) for name in ("a", "b", "c")])

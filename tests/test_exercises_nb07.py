@@ -100,6 +100,7 @@ def test_fixed_step_reads_counted_by_torch_xla(rt):
         nb07.check_fixed_step(on_the_host, rt)
 
 
+@pytest.mark.timing
 def test_fixed_loader():
     def right(dataset, batch_size):
         return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=4)
