@@ -35,15 +35,17 @@ from labkit.accumulate import DeviceAccumulator, read, to_host
 
 
 class StepLog:
-    def __init__(self, rt, cfg, precision=None):
-        self.rt, self.cfg, self.precision = rt, cfg, precision
+    """clock: the host clock every time here is read from (tests give a fake one to control the feed meter)."""
+
+    def __init__(self, rt, cfg, precision=None, clock=time.perf_counter):
+        self.rt, self.cfg, self.precision, self.clock = rt, cfg, precision, clock
         self._acc = DeviceAccumulator(rt)
         self.last_rows = None  # the last step's rows over all replicas
         self.begin_fit()
         self.begin_epoch()
 
     def begin_fit(self) -> None:
-        self.t0 = self._last_emit_t = self._last_log_t = time.perf_counter()
+        self.t0 = self._last_emit_t = self._last_log_t = self.clock()
         self._interval_examples = self._interval_steps = 0
         self._wait_s, self._interval_t0 = 0.0, self.t0  # the feed meter's interval: data wait, start
         self._problem, self._skips_in_a_row = None, 0
@@ -68,13 +70,13 @@ class StepLog:
         ahead = (lambda: loader.fetched - loader.yielded) if hasattr(loader, "fetched") else (lambda: 0)
         it = iter(batches)
         while True:
-            starving, t = ahead() <= 1, time.perf_counter()
+            starving, t = ahead() <= 1, self.clock()
             try:
                 batch = next(it)
             except StopIteration:
                 return
             if starving:
-                self._wait_s += time.perf_counter() - t
+                self._wait_s += self.clock() - t
             yield batch
 
     def add(self, loss, rows: int) -> None:
@@ -95,11 +97,11 @@ class StepLog:
         c = self.cfg
         if (c.log_every and step % c.log_every == 0) or step >= total:
             return True
-        return bool(c.log_seconds) and time.perf_counter() - self._last_log_t >= c.log_seconds
+        return bool(c.log_seconds) and self.clock() - self._last_log_t >= c.log_seconds
 
     def close(self, step: int, epoch: int, optimizer, on_record) -> None:
         """End the interval: its sums are read in a closure after this step's sync (master only)."""
-        sums, self._last_log_t = self._acc.take(), time.perf_counter()
+        sums, self._last_log_t = self._acc.take(), self.clock()
         meta = {"step": step, "epoch": epoch, "examples": self._interval_examples}
         # the epoch's count and clock, taken now: on XLA the closure runs at the next sync. The loop syncs right
         # after close(), but a loop that began the next epoch first would mix the two epochs
@@ -133,7 +135,7 @@ class StepLog:
         losses, scales = sums.pop("loss", []), sums.pop("_scale", [])
         vals = read({"loss": losses, **sums, **{("_scale", i): t for i, t in enumerate(scales)}})  # one transfer
         scales = [vals.pop(("_scale", i)) for i in range(len(scales))]
-        steps, now = max(vals.pop("_steps"), 1), time.perf_counter()
+        steps, now = max(vals.pop("_steps"), 1), self.clock()
         dt, self._last_emit_t = now - self._last_emit_t, now
         rec = {
             "step": meta["step"],

@@ -12,6 +12,9 @@ worker runs the jobs one after another, longest first, so at most two heavy thin
 rest of the suite is done (the first of those tests calls `wait`), a second worker takes the jobs not yet
 started, so the second core is not left idle while the last jobs run one by one.
 Output goes to files (no pipe to fill up); jobs still running when the session ends are killed.
+
+Each job's CPU time is its whole process tree's, as /usr/bin/time counts it: os.wait4's resource usage of the child,
+which holds every descendant it waited for (a kernel, pip, a pytest). tests/timing.py shows it per row.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Job:
     seconds: float = 0.0
     log: str = ""
     started: float = 0.0
+    cpu_s: float | None = None  # user + system CPU seconds of the job's process tree (None: not reaped here)
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -45,6 +49,7 @@ _procs: list[subprocess.Popen] = []
 _lock = threading.Lock()
 _running = 0  # workers running (a worker stops when it finds the queue empty)
 _dir = None
+_queued_cpu = 0.0  # CPU seconds of the queued jobs reaped so far (run_here's count in the calling test)
 
 
 def _next() -> Job | None:
@@ -65,7 +70,9 @@ def _execute(job: Job) -> None:
             )
             with _lock:
                 _procs.append(proc)
-            job.returncode = proc.wait()
+            _, status, usage = os.wait4(proc.pid, 0)  # proc.wait() with the tree's rusage (what /usr/bin/time reads)
+            proc.returncode = job.returncode = os.waitstatus_to_exitcode(status)
+            job.cpu_s = usage.ru_utime + usage.ru_stime
     except OSError as e:
         with open(job.log, "a") as out:
             out.write(f"could not start {job.argv}: {e}\n")
@@ -75,8 +82,18 @@ def _execute(job: Job) -> None:
 
 
 def _run() -> None:
+    global _queued_cpu
     while (job := _next()) is not None:
         _execute(job)
+        with _lock:
+            _queued_cpu += job.cpu_s or 0.0
+
+
+def queued_cpu() -> float:
+    """CPU seconds of the queued jobs' process trees reaped so far: this process's RUSAGE_CHILDREN grew by as much
+    when each was reaped, while some other test was running (tests/timing.py takes it out of that test's row)."""
+    with _lock:
+        return _queued_cpu
 
 
 def run_here(job: Job) -> Job:

@@ -18,6 +18,22 @@ def mlp(dim=16, classes=4, seed=0):
     return nn.Sequential(nn.Linear(dim, 32), nn.ReLU(), nn.Linear(32, classes))
 
 
+class FakeClock:
+    """A host clock for the code's timing seams (e.g. a Trainer's `log.clock`, the feed meter's): its time moves
+    only when a test says so, by `sleep(seconds)` and by `tick` at every read. A verdict computed from it is the
+    same on any machine, however loaded."""
+
+    def __init__(self, tick=0.0):
+        self.t, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.t += self.tick
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+
 def child_env(root, **extra) -> dict:
     """This process's environment for a child Python that imports labkit and tests from `root` (a checkout or a
     copy of one), plus `extra` variables. The outer pytest's PYTEST_ADDOPTS is left out: a child pytest would read

@@ -1,5 +1,9 @@
 """The dashboard on a real loop (XLA:CPU and CPU): what it draws, that it adds no syncs, its warnings,
-its console twin and exports, and the figure rendered in a real notebook kernel."""
+its console twin and exports, and the figure rendered in a real notebook kernel.
+
+The feed meter's verdict ("input-bound: ...") depends on the machine's speed: a loaded core makes the tiny
+model's step wait for its batch. These tests leave that line out of what they count (FEED); test_feed_meter.py
+proves the verdict itself on a fake clock."""
 
 import base64
 import io
@@ -43,7 +47,11 @@ class LossKeeper(Trainer):
         return {"loss": loss, "acc": (out.argmax(-1) == y).float().mean()}
 
 
-def _run(rt, dim, steps=60, log_every=20, callbacks=(), n=None, trainer_cls=Trainer, **cfg):
+FEED = "input-bound: "  # the feed meter's warning, the one a machine's speed can add
+
+
+def _run(rt, dim, steps=60, log_every=20, callbacks=(), n=None, trainer_cls=Trainer, clock=None, **cfg):
+    """A fit of an MLP on blobs. clock: the Trainer's host clock (a tests.helpers.FakeClock), else the real one."""
     ds = blobs(n=n or 32 * steps, dim=dim)
     model = mlp(dim=dim)
     tr = trainer_cls(
@@ -54,10 +62,13 @@ def _run(rt, dim, steps=60, log_every=20, callbacks=(), n=None, trainer_cls=Trai
         torch.utils.data.DataLoader(ds, batch_size=32),
         callbacks=list(callbacks),
     )
+    if clock is not None:
+        tr.log.clock = clock
     tr.fit()
     return tr
 
 
+@pytest.mark.timing
 def test_fake_sink_draws_each_interval_with_the_loop_numbers():
     rt = labkit.setup("xla-cpu")
     sink = FakeSink()
@@ -73,7 +84,7 @@ def test_fake_sink_draws_each_interval_with_the_loop_numbers():
         assert f["rate"] > 0 and f["global_rate"] > 0 and f["tokens_per_s"] > 0 and 0 < f["mfu"] < 1
         assert f["health"]["xla"] and f["health"]["transfers"] == 1  # the loop's one read per interval
     assert sink.frames[0]["health"]["compiles"] >= 1 and sink.frames[-1]["health"]["compiles"] == 0
-    assert sink.frames[-1]["eta_s"] == 0 and not sink.frames[-1]["warnings"]
+    assert sink.frames[-1]["eta_s"] == 0 and [w for w in sink.frames[-1]["warnings"] if not w.startswith(FEED)] == []
 
 
 def _counts():
@@ -87,10 +98,13 @@ def _counts():
 
 
 def _drawn_lines(dash):
-    """The console twin's interval lines (without the how-to-steer lines it prints at train begin)."""
-    return [ln for ln in dash.sink.stream.getvalue().splitlines() if "trainer.request_" not in ln]
+    """The console twin's interval lines (without the how-to-steer lines it prints at train begin, and without
+    the feed meter's warning, which a loaded machine adds)."""
+    out = dash.sink.stream.getvalue().splitlines()
+    return [ln for ln in out if "trainer.request_" not in ln and not ln.startswith("  ! " + FEED)]
 
 
+@pytest.mark.timing
 def test_dashboard_adds_no_device_syncs():
     """Same 60-step loop with and without the dashboard (fresh graphs for each: different widths)."""
     rt = labkit.setup("xla-cpu")
@@ -156,6 +170,7 @@ def test_cpu_fallback_warning_names_the_op(capsys):
     assert any("aten::nonzero" in a and "mask" in a for a in info["advice"])
 
 
+@pytest.mark.timing
 def test_console_twin_exports_and_plain_cpu(tmp_path):
     assert environment() == "console"  # tests set LABKIT_CONSOLE=1
     force_console(True)

@@ -96,6 +96,7 @@ def test_an_object_whose_eq_lies_never_reaches_a_comparison(learner, capsys):
         ex.integer(2.5)
 
 
+@pytest.mark.timing
 def test_a_loop_that_never_ends_hits_the_time_limit(learner, capsys):
     def forever(x):
         while True:

@@ -1,6 +1,7 @@
 """labkit.explain(dash) and the dashboard speak about the run the Dashboard watched: graphs that other code
 compiled in the same process (an exercise check, a demo cell) before, between or after its fits are not the
-run's, and a clean run gets no advice."""
+run's, and a clean run gets no advice. The fits run on a fake clock that stands still: the feed meter's verdict,
+which a loaded machine could add to the advice, is then "no wait" on any machine."""
 
 import io
 
@@ -9,6 +10,7 @@ import torch
 import labkit
 from labkit import Dashboard
 from labkit.dashboard import ConsoleSink
+from tests.helpers import FakeClock
 from tests.test_dashboard import _run
 
 
@@ -25,7 +27,7 @@ def test_explain_counts_the_watched_run_only():
     rt = labkit.setup("xla-cpu")
     _other_graphs(rt, 25)  # > rules.MANY_COMPILES: the process's counts alone would earn advice
     dash = Dashboard(title="scope", sink=ConsoleSink(io.StringIO()))
-    _run(rt, dim=29, steps=12, log_every=4, callbacks=[dash])
+    _run(rt, dim=29, steps=12, log_every=4, callbacks=[dash], clock=FakeClock())
     _other_graphs(rt, 4, first=25)  # after the fit: not the run's either
     info = labkit.explain(dash, verbose=False)
     assert info["scope"] == "run"
@@ -38,7 +40,7 @@ def test_explain_counts_the_watched_run_only():
     # a second fit on the same Dashboard: what ran between the two fits stays out
     before = info["compiles"]
     _other_graphs(rt, 6, first=29)
-    _run(rt, dim=29, steps=8, log_every=4, callbacks=[dash])
+    _run(rt, dim=29, steps=8, log_every=4, callbacks=[dash], clock=FakeClock())
     again = labkit.explain(dash, verbose=False)
     assert before <= again["compiles"] <= before + 2, (before, again["compiles"])
     # without a Dashboard, explain reads the whole process and says so

@@ -230,6 +230,7 @@ def test_a_redirect_to_ftp_is_refused_by_name():
         s.close()
 
 
+@pytest.mark.timing
 def test_a_trickle_into_a_large_read_fails_by_its_rate(monkeypatch):
     import http.server
     import threading

@@ -37,6 +37,7 @@ class Trickle(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.timing
 def test_a_trickling_body_fails_by_its_rate_naming_the_url(monkeypatch):
     monkeypatch.setattr(urls._HttpStream, "GRACE_S", 1.0)
     server, base = _serve(Trickle)

@@ -273,6 +273,7 @@ def test_bad_learning_rate_and_empty_loader_are_named():
         tr.fit()
 
 
+@pytest.mark.timing
 def test_rate_since_epoch_start_when_the_closure_runs_in_the_next_epoch():
     """On XLA the interval's closure runs at the next sync; when the loop began the next epoch first, the
     rate since epoch start is still the finished epoch's (it once divided by the new epoch's few microseconds)."""
@@ -298,6 +299,7 @@ def test_rate_since_epoch_start_when_the_closure_runs_in_the_next_epoch():
     assert 64 / spent <= records[0]["global_rate"] <= 64 / 0.5, (records[0], spent)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("log_every", [4, 3])  # 3: an interval spans each epoch boundary
 def test_rates_across_epoch_boundaries(log_every):
     """Every example is counted in some interval (one that spans an epoch boundary once dropped the first

@@ -200,6 +200,7 @@ def test_a_capture_that_cannot_start_warns_and_training_goes_on(tmp_path):
     assert tr.step == 4 and tr.profiles == [] and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.timing
 def test_a_capture_from_the_first_xla_step_shows_the_compile(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 4))  # a graph no other test compiled

@@ -12,6 +12,14 @@ A test that only waits for its background job (test_images.py, test_py313.py) is
 are. The last lines give the session's wall time and how many of the machine's cores it kept busy on average (CPU
 seconds of this process and all its children ÷ wall seconds), so a change that costs minutes, or leaves a core idle,
 shows in its own run.
+
+Each row has its wall minutes and its CPU minutes (user + system), and `cores`, the two's ratio: 1.0 kept one core
+busy the whole time, 0.1 mostly waited. A test's CPU is this process's and its children's (resource.getrusage SELF +
+CHILDREN) from its start to its teardown's end, less the background jobs reaped meanwhile; a child counts when it is
+reaped, so a session-wide server's CPU lands in the test whose teardown stops it. A background job's CPU is its
+process tree's (tests/background.py: os.wait4); its parts' CPU comes from its JSON ("cpu_s"), and what they leave
+goes to the job's "the rest" row. The CPU no row holds (collection, mostly) is said on the last line but one; the
+total, on the last line, counts from the session's start (pytest's own start-up before it, a few seconds, is left out).
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ from pathlib import Path
 import pytest
 
 OWN_ROW_S = 30.0  # a test this long is a row of its own
-_rows: dict[str, list] = defaultdict(lambda: [0.0, 0, "fg"])  # name -> [seconds, count, fg | bg]
+_rows: dict[str, list] = defaultdict(lambda: [0.0, 0, "fg", None])  # name -> [seconds, count, fg | bg, CPU seconds]
 _phases: dict[str, float] = defaultdict(float)  # node id -> seconds so far (setup, call)
+_cpu_at: dict[str, float] = {}  # node id -> the test's own CPU clock (_fg_cpu) at its start
 _started = time.perf_counter()
 _waiting: set[str] = set()  # node ids of tests that wait for a background job
 
@@ -38,6 +47,14 @@ def _cpu_seconds() -> float:
 
 
 _cpu0 = _cpu_seconds()
+
+
+def _fg_cpu() -> float:
+    """CPU seconds of this process and its reaped children, less the queued background jobs' (reaped by the
+    background worker while some test ran: not that test's)."""
+    from tests import background
+
+    return _cpu_seconds() - background.queued_cpu()
 
 
 def session_started() -> None:
@@ -58,6 +75,11 @@ def _group(nodeid: str, seconds: float) -> str:
     return path
 
 
+def start(nodeid: str) -> None:
+    """pytest_runtest_logstart: the test's CPU clock at its start."""
+    _cpu_at[nodeid] = _fg_cpu()
+
+
 def record(report) -> None:
     """pytest_runtest_logreport: add one phase of one test."""
     if report.nodeid in _waiting:
@@ -65,16 +87,17 @@ def record(report) -> None:
     _phases[report.nodeid] += report.duration
     if report.when == "teardown":
         seconds = _phases.pop(report.nodeid)
-        row = _rows[_group(report.nodeid, seconds)]
-        row[0] += seconds
-        row[1] += 1
+        cpu = _fg_cpu() - _cpu_at.pop(report.nodeid) if report.nodeid in _cpu_at else None
+        add(_group(report.nodeid, seconds), seconds, "fg", cpu)
 
 
-def add(name: str, seconds: float, where: str = "bg") -> None:
+def add(name: str, seconds: float, where: str = "bg", cpu: float | None = None) -> None:
     row = _rows[name]
     row[0] += seconds
     row[1] += 1
     row[2] = where
+    if cpu is not None:
+        row[3] = (row[3] or 0.0) + cpu
 
 
 def add_background(jobs) -> None:
@@ -89,25 +112,35 @@ def add_background(jobs) -> None:
         except (OSError, ValueError, IndexError):
             r = None
         if not isinstance(r, dict) or not ({"built", "runs", "seconds"} & set(r)):
-            add(job.id, job.seconds)  # a job whose result has no parts this table knows: its whole time
+            add(job.id, job.seconds, cpu=job.cpu_s)  # a job whose result has no parts this table knows: its whole time
             continue
         name = job.id.removeprefix("image-")
-        parts = 0.0
+        parts, parts_cpu = 0.0, 0.0
+
+        def part(row: str, d: dict) -> None:
+            nonlocal parts, parts_cpu
+            cpu = float(d["cpu_s"]) if d.get("cpu_s") is not None else None
+            parts += float(d["seconds"])
+            parts_cpu += cpu or 0.0
+            add(row, float(d["seconds"]), cpu=cpu)
+
         built = r.get("built", {})
         if "seconds" in built:
-            parts += float(built["seconds"])
-            add(
+            part(
                 f"{'image ' + name if job.id.startswith('image-') else name}: venv {built.get('action', 'built')}",
-                float(built["seconds"]),
+                built,
             )
         for stem, run in (r.get("runs") or {}).items():
-            parts += run["seconds"]
-            add(f"image {name}: {stem} (solutions off)", run["seconds"])
+            part(f"image {name}: {stem} (solutions off)", run)
         if "seconds" in r and not r.get("runs"):
-            parts += r["seconds"]
-            add(f"{name} unit tests (the Python-sensitive modules)", r["seconds"])
-        if job.seconds - parts > 5:
-            add(f"{job.id}: the rest (start-up, pip freeze, clean-up)", job.seconds - parts)
+            part(f"{name} unit tests (the Python-sensitive modules)", r)
+        rest_cpu = job.cpu_s - parts_cpu if job.cpu_s is not None else None
+        if job.seconds - parts > 5 or (rest_cpu or 0.0) > 5:
+            add(f"{job.id}: the rest (start-up, pip freeze, clean-up)", max(job.seconds - parts, 0.0), cpu=rest_cpu)
+
+
+def _min(seconds: float | None) -> str:
+    return f"{seconds / 60:8.2f}" if seconds is not None else f"{'-':>8}"
 
 
 def table(limit: int = 30) -> list[str]:
@@ -116,18 +149,29 @@ def table(limit: int = 30) -> list[str]:
     rows = sorted(_rows.items(), key=lambda kv: -kv[1][0])
     fg = sum(v[0] for v in _rows.values() if v[2] == "fg")
     bg = sum(v[0] for v in _rows.values() if v[2] == "bg")
+    in_rows = sum(v[3] or 0.0 for v in _rows.values())
     lines = [
-        f"{'seconds':>8} {'share':>6} {'tests':>5}  where   what (fg: in pytest's own order; bg: the background worker)"
+        f"{'wall min':>8} {'CPU min':>8} {'cores':>5} {'share':>6} {'tests':>5}  where   "
+        "what (fg: in pytest's own order; bg: the background worker)"
     ]
-    for name, (seconds, count, where) in rows[:limit]:
+
+    def line(seconds, cpu_s, count, where, name):
         share = seconds / (fg + bg) if fg + bg else 0.0
-        lines.append(f"{seconds:8.1f} {share:6.1%} {count:5d}  {where}      {name}")
-    if len(rows) > limit:
-        rest = rows[limit:]
+        cores = f"{cpu_s / seconds:5.2f}" if cpu_s is not None and seconds > 0 else f"{'-':>5}"
+        return f"{_min(seconds)} {_min(cpu_s)} {cores} {share:6.1%} {count:5d}  {where}      {name}"
+
+    for name, (seconds, count, where, cpu_s) in rows[:limit]:
+        lines.append(line(seconds, cpu_s, count, where, name))
+    rest = rows[limit:]
+    if rest:
+        rest_cpu = sum(v[3] or 0.0 for _, v in rest)
         lines.append(
-            f"{sum(v[0] for _, v in rest):8.1f} {'':6} {sum(v[1] for _, v in rest):5d}  ..      "
-            f"{len(rest)} more rows (tests/timing.py)"
+            line(sum(v[0] for _, v in rest), rest_cpu, sum(v[1] for _, v in rest), "..", f"{len(rest)} more rows")
         )
+    lines.append(
+        f"CPU: {in_rows / 60:.2f} min in the rows above; {max(cpu - in_rows, 0.0) / 60:.2f} min in none (collection, "
+        "the background worker's own threads, jobs still running at the end)"
+    )
     lines.append(
         f"session {wall / 60:.1f} min wall: tests {fg / 60:.1f} min in this process's order, background jobs "
         f"{bg / 60:.1f} min beside them; {cpu / 60:.1f} CPU-min, {cpu / wall if wall else 0:.2f} of "
@@ -141,6 +185,9 @@ class Plugin:
 
     def pytest_sessionstart(self, session):
         session_started()
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        start(nodeid)
 
     def pytest_runtest_logreport(self, report):
         record(report)

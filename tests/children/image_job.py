@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -156,6 +157,12 @@ def exercise_lines(nb) -> dict[str, list[str]]:
     return found
 
 
+def cpu_s() -> float:
+    """User + system CPU seconds of this process and its reaped children (a part's cost: the difference)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def run_notebook(path: Path, img, kernel: str, workdir: Path, out_dir: Path) -> dict:
     nb = nbformat.read(path, as_version=4)
     env = kernel_env(img, workdir)
@@ -164,7 +171,7 @@ def run_notebook(path: Path, img, kernel: str, workdir: Path, out_dir: Path) -> 
     client = NotebookClient(
         nb, timeout=CELL_TIMEOUT, kernel_name=kernel, resources={"metadata": {"path": str(workdir)}}
     )
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     error = None
     try:
         client.execute(env=env)
@@ -174,6 +181,7 @@ def run_notebook(path: Path, img, kernel: str, workdir: Path, out_dir: Path) -> 
         nbformat.write(nb, out_dir / path.name)
     return {
         "seconds": time.perf_counter() - t0,
+        "cpu_s": cpu_s() - c0,  # the kernel's too: nbclient reaps it before execute() returns
         "error": error,
         "setup": setup_lines(nb),
         "exercises": exercise_lines(nb),
@@ -193,7 +201,9 @@ def printed(nb, limit: int = 200_000) -> str:
 def image_run(name: str) -> dict:
     image_venv = load_image_venv()
     img = image_venv.load(name)
+    c0 = cpu_s()
     built = image_venv.build(img, log=lambda msg: None)
+    built = dict(built, cpu_s=cpu_s() - c0)
     before = image_venv.freeze(img.python_bin)
     pristine = before == image_venv.expected_freeze(img)
     tmp = Path(tempfile.mkdtemp(prefix=f"image-{name}-"))
@@ -226,7 +236,9 @@ def image_run(name: str) -> dict:
 
 def py313_run(modules: list[str]) -> dict:
     image_venv = load_image_venv()
+    c0 = cpu_s()
     built = image_venv.build_lock_venv("3.13", log=lambda msg: None)
+    built = dict(built, cpu_s=cpu_s() - c0)
     drop = ("VIRTUAL_ENV", "PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(PYTHONPATH=str(ROOT), PJRT_DEVICE="CPU", LABKIT_FAST="1", MPLBACKEND="Agg", LABKIT_CONSOLE="1")
@@ -243,7 +255,7 @@ def py313_run(modules: list[str]) -> dict:
         "-p",
         "no:cacheprovider",
     ]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     proc = subprocess.run(cmd + ["--timeout=900"], cwd=ROOT, env=env, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     summary = next((ln for ln in reversed(lines) if re.search(r"\d+ (passed|failed|error)", ln)), "(no summary)")
@@ -251,6 +263,7 @@ def py313_run(modules: list[str]) -> dict:
         "built": {k: str(v) for k, v in built.items()},
         "version": version.stdout.strip(),
         "seconds": time.perf_counter() - t0,
+        "cpu_s": cpu_s() - c0,
         "returncode": proc.returncode,
         "summary": summary.strip("= "),
         "stdout": _report(proc.stdout),
