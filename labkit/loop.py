@@ -81,6 +81,9 @@ class Trainer:
         cfg, steps = self.cfg, planned_steps(self.cfg, train_loader)  # "auto" compiles where the steps repay it
         self.plan = choose_plan(rt, cfg.parallel, self.precision, model, cfg.fsdp_accumulate, cfg.accum_steps)
         model = model if meta_init.is_meta(model) else move_model(model, optimizer, rt.device)
+        # the memory format (labkit.runtime.layout): channels_last on CUDA for 2-D convolutions, said once with why
+        self.layout = rt.choose_layout(model, cfg.memory_format)
+        model = self.layout.apply(model, optimizer) if self.plan.weights_in_layout else model  # FSDP2: contiguous
         model = self.plan.wrap(model, optimizer)
         self.module = getattr(model, "module", model)  # DDP unwrapped, never compiled: what checkpoints hold
         # how the step is captured (labkit.runtime.step): torch.compile'd model and optimizer step, or as written
@@ -91,6 +94,11 @@ class Trainer:
         self.loss_fn = loss_fn or F.cross_entropy
         self.train_loader = self._wrap(train_loader)
         self.eval_loader = self._wrap(eval_loader) if eval_loader is not None else None
+        for loader in (self.train_loader, self.eval_loader):
+            if isinstance(loader, DeviceLoader):
+                loader.layout = self.layout  # images handed over in the model's format
+        if isinstance(self.train_loader, DeviceLoader):
+            rt.autotune(self.train_loader.drop_partial)  # CUDA: cuDNN's autotuner for the loader's fixed shapes
         self.callbacks, self.checkpoint = list(callbacks), checkpoint
         self.step, self._last_batch = 0, None  # optimizer steps done; the last batch (evaluation's padding, torchrun)
         self.epoch = 0  # current epoch
