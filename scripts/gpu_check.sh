@@ -12,12 +12,14 @@
 #   3. fsdp2_case: FSDP2 on one GPU (bench/gpu_fsdp_case.py: "cpu:gloo,cuda:nccl", a bf16 ResNet with float32
 #      BatchNorm units, materialize on CUDA, async_save of CUDA DTensors and its STALL);
 #   4. bench_stage (only where bench/bench_stage.py exists): labkit's stager against torch's;
+#      feed_gpu_decode: torchvision's batched decode_jpeg on the GPU with a crop + resize to 224 (bench_feed.py
+#      --gpu-decode), images/s against one H200's demand;
 #   5. bench_compile_resnet50: ResNet-50 at 224 px, batch 128, images/s, the same three loops as 1;
 #   6. notebooks 08, 02, 01 on CUDA with the exercises unsolved (LABKIT_SOLUTIONS=0, LABKIT_FAST=1), each whole and
 #      under its own limit, as far as the budget goes.
 # Results: $OUT/results.json and $OUT/results.txt (which torch, GPU, CUDA and driver ran; every step's status, exit
-# code, seconds and limit, also for a step the limit stopped or the budget left out; the RATIO/MFU/PAYBACK/HOST/CASE/STALL
-# lines),
+# code, seconds and limit, also for a step the limit stopped or the budget left out; the RATIO/MFU/PAYBACK/HOST/CASE/
+# STALL/FEED lines),
 # env.txt (nvidia-smi, glibc, the wheels' install, pip list), and logs.tar.gz: each step's log and the executed
 # notebooks (the device tool returns at most 8 files from $OUT).
 #
@@ -96,6 +98,7 @@ if [ "$DRY" = 1 ]; then
     RES=(--size small --batch 2 --steps 1 --trials 1)
     PEERS=(--device cpu --frameworks hand,labkit,fabric,accel --segments 1 --steps 1 --warmup 1 --batch 2)
     RESNET=(--model resnet18 --size 32)
+    FEED=(--photos 8 --batch 8 --trials 1)
     NOTEBOOKS=(notebooks/08_*.ipynb)
     NB_LIMITS=(300)
     NB_ARGS=(--stop-before 'backward\(|\.fit\(')
@@ -105,6 +108,7 @@ else
     RES=(--size gpt2 --steps 10 --trials 3)
     PEERS=(--device cuda --frameworks hand,labkit,fabric,accel --segments 3 --steps 30 --warmup 10 --batch 64)
     RESNET=(--model resnet50 --size 224)
+    FEED=(--photos 256 --batch 64 --trials 3)
     NOTEBOOKS=(notebooks/08_*.ipynb notebooks/02_*.ipynb notebooks/01_*.ipynb)
     NB_LIMITS=(90 60 60)
     NB_ARGS=()
@@ -126,6 +130,7 @@ step fsdp2_case 40 "$PY" bench/gpu_fsdp_case.py --device $DEV
 if [ -f bench/bench_stage.py ]; then
     step bench_stage 40 "$PY" bench/bench_stage.py --device $DEV
 fi
+step feed_gpu_decode 30 "$PY" bench/bench_feed.py --gpu-decode $DEV "${FEED[@]}"
 step bench_compile_resnet50 100 "$PY" bench/bench_compile.py --device $DEV --models resnet "${RES[@]}" "${BACKEND[@]}"
 for i in "${!NOTEBOOKS[@]}"; do
     nb=${NOTEBOOKS[$i]}
@@ -145,7 +150,7 @@ for line in (logs / "steps.tsv").read_text().splitlines():
     name, status, rc, seconds, limit = line.split("\t")
     log = logs / f"{name}.txt"
     text = log.read_text(errors="replace") if log.exists() else ""
-    figures = [ln for ln in text.splitlines() if re.match(r"(RATIO|MFU|PAYBACK|HOST|CASE|STALL) ", ln)]
+    figures = [ln for ln in text.splitlines() if re.match(r"(RATIO|MFU|PAYBACK|HOST|CASE|STALL|FEED) ", ln)]
     steps.append(dict(name=name, status=status, exit=int(rc) if rc else None, seconds=int(seconds),
                       limit=int(limit), figures=figures, tail=text.splitlines()[-3:] if status != "passed" else []))
 ran = {}

@@ -70,7 +70,7 @@ def test_gpu_check_dry_run(capsys):
     names = [s["name"] for s in r["steps"]]
     want = ["wheels", "imports", "bench_compile_gpt2", "peers_resnet50_cl", "peers_resnet50_nchw", "peers_mlp"]
     want += ["fsdp2_case"] + (["bench_stage"] if (ROOT / "bench" / "bench_stage.py").exists() else [])
-    want += ["bench_compile_resnet50", "notebook_08"]
+    want += ["feed_gpu_decode", "bench_compile_resnet50", "notebook_08"]
     assert names == want, names
     bad = [s for s in r["steps"] if s["status"] != "passed"]
     assert not bad and summary["gpu_check_rc"] == 0, f"steps that did not pass: {bad}\n{log[-4000:]}"
@@ -82,7 +82,7 @@ def test_gpu_check_dry_run(capsys):
         "RATIO resnet18 channels_last labkit/hand",
     ):
         assert any(f.startswith(prefix) for f in figures), f"no {prefix!r} line in {figures}"
-    for prefix in ("RATIO resnet18 nchw labkit/hand", "RATIO mlp labkit/hand", "STALL fsdp2 async_save"):
+    for prefix in ("RATIO resnet18 nchw labkit/hand", "RATIO mlp labkit/hand", "STALL fsdp2 async", "FEED gpu decode"):
         assert any(f.startswith(prefix) for f in figures), f"no {prefix!r} line in {figures}"
     assert sum(f.startswith("CASE ") and ": ok" in f for f in figures) == 3, figures
     sent = sorted(p.name for p in (out / "OUT").iterdir())  # what the device tool would bring back: 8 files at most
