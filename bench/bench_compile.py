@@ -251,13 +251,37 @@ def main():
         help="labkit.setup's: cuda | cpu (default: cuda if there is one, else cpu)",
     )
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile's backend")
+    ap.add_argument(
+        "--sdpa",
+        default="default",
+        choices=sorted(SDPA),
+        help="the attention kernel scaled_dot_product_attention tries first (default: torch's own order)",
+    )
     a = ap.parse_args()
     # never XLA by default: its lazy trace is its compiler, and TrainConfig.compile="on" is refused there
     rt = labkit.setup(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     precision = labkit.precision.choose(rt, a.precision or ("bf16" if a.size == "gpt2" else "fp32"))
-    print(f"torch {torch.__version__}, {rt.kind} ({rt.chip_name()}), {precision}", flush=True)
-    for name in a.models.split(","):
-        bench(Workload(name.strip(), a.size, a.batch, a.steps, rt), rt, precision, a)
+    print(f"torch {torch.__version__}, {rt.kind} ({rt.chip_name()}), {precision}, sdpa {a.sdpa}", flush=True)
+    with sdpa_first(a.sdpa):
+        for name in a.models.split(","):
+            bench(Workload(name.strip(), a.size, a.batch, a.steps, rt), rt, precision, a)
+
+
+# --sdpa: the backend scaled_dot_product_attention tries first, the others after it in torch's order (a kernel that
+# cannot run the call is skipped, never an error). On Hopper cuDNN's attention is the one to weigh against flash.
+SDPA = {"default": None, "cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+
+
+def sdpa_first(name: str):
+    import contextlib
+
+    if SDPA[name] is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rest = [b for b in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH") if b != SDPA[name]]
+    order = [getattr(SDPBackend, b) for b in [SDPA[name], *rest]]
+    return sdpa_kernel(order, set_priority=True)
 
 
 if __name__ == "__main__":

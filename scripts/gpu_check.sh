@@ -15,6 +15,7 @@
 #      feed_gpu_decode: torchvision's batched decode_jpeg on the GPU with a crop + resize to 224 (bench_feed.py
 #      --gpu-decode), images/s against one H200's demand;
 #   5. bench_compile_resnet50: ResNet-50 at 224 px, batch 128, images/s, the same three loops as 1;
+#      bench_compile_gpt2_cudnn: 1. again with cuDNN's attention tried first (--sdpa cudnn), as far as the budget goes;
 #   6. notebooks 08, 02, 01 on CUDA with the exercises unsolved (LABKIT_SOLUTIONS=0, LABKIT_FAST=1), each whole and
 #      under its own limit, as far as the budget goes.
 # Results: $OUT/results.json and $OUT/results.txt (which torch, GPU, CUDA and driver ran; every step's status, exit
@@ -132,6 +133,8 @@ if [ -f bench/bench_stage.py ]; then
 fi
 step feed_gpu_decode 30 "$PY" bench/bench_feed.py --gpu-decode $DEV "${FEED[@]}"
 step bench_compile_resnet50 100 "$PY" bench/bench_compile.py --device $DEV --models resnet "${RES[@]}" "${BACKEND[@]}"
+step bench_compile_gpt2_cudnn 120 "$PY" bench/bench_compile.py --device $DEV --models gpt "${GPT[@]}" "${BACKEND[@]}" \
+    --sdpa cudnn
 for i in "${!NOTEBOOKS[@]}"; do
     nb=${NOTEBOOKS[$i]}
     name=notebook_$(basename "$nb" .ipynb | cut -d_ -f1)

@@ -70,7 +70,7 @@ def test_gpu_check_dry_run(capsys):
     names = [s["name"] for s in r["steps"]]
     want = ["wheels", "imports", "bench_compile_gpt2", "peers_resnet50_cl", "peers_resnet50_nchw", "peers_mlp"]
     want += ["fsdp2_case"] + (["bench_stage"] if (ROOT / "bench" / "bench_stage.py").exists() else [])
-    want += ["feed_gpu_decode", "bench_compile_resnet50", "notebook_08"]
+    want += ["feed_gpu_decode", "bench_compile_resnet50", "bench_compile_gpt2_cudnn", "notebook_08"]
     assert names == want, names
     bad = [s for s in r["steps"] if s["status"] != "passed"]
     assert not bad and summary["gpu_check_rc"] == 0, f"steps that did not pass: {bad}\n{log[-4000:]}"
