@@ -46,6 +46,7 @@ from labkit.dashboard import flops
 from labkit.lm import LMTrainer
 from labkit.models import gpt
 from labkit.models.gpt import GPT, GPTConfig
+from labkit.runtime.layout import has_conv2d
 
 SIZES = {
     # model -> (model shape, batch)
@@ -122,12 +123,17 @@ class LabkitLoop:
 
 
 class HandCompiledLoop:
-    """What a careful PyTorch user writes with torch.compile (the PyTorch tutorials' compiled model and optimizer)."""
+    """What a careful PyTorch user writes with torch.compile (the PyTorch tutorials' compiled model and optimizer).
+    On CUDA a model with 2-D convolutions and its batches in channels_last, as that user would for tensor cores
+    (ResNet-50 on an H200: 29.5 ms a step against 54.6 in NCHW, eager): the best the hand loop gets, not a straw man."""
 
     def __init__(self, work, rt, precision, backend):
         self.work, self.rt, self.dtype = work, rt, precision.dtype
         self.device = rt.device
-        self.model = torch.compile(work.model().to(self.device), dynamic=False, backend=backend)
+        model = work.model()
+        cl = self.device.type == "cuda" and has_conv2d(model)
+        self.fmt = torch.channels_last if cl else torch.contiguous_format
+        self.model = torch.compile(model.to(self.device, memory_format=self.fmt), dynamic=False, backend=backend)
         self.opt = work.optimizer(self.model)
         opt = self.opt
 
@@ -143,6 +149,7 @@ class HandCompiledLoop:
         for i in range(steps):
             x, y = next(it)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            x = x.contiguous(memory_format=self.fmt) if x.dim() == 4 else x
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
                 loss = self.work.loss(self.model, x, y)
             loss.backward()

@@ -2,7 +2,7 @@
 # The GPU check, prepared to run at once on a lent NVIDIA machine (H100 / H200) within about 8 minutes. Here, once:
 #   python scripts/gpu_wheels.py          # the wheels the device lacks, into .gpu_wheels/ (ignored; ~32 MiB)
 # then, with the device tool:
-#   run(command="bash scripts/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=580)
+#   run(command="bash scripts/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=480)
 # Steps, in order of value, each under its own `timeout` (cut to what is left of BUDGET seconds):
 #   1. bench_compile_gpt2: GPT-2-small (124 M, T=1024, bf16) through the Trainer eager / compiled / hand-compiled,
 #      3 trials of 20 steps: its MFU and the compile's PAYBACK in steps (labkit.runtime.step.PAYBACK_STEPS's "cuda" row);
@@ -39,7 +39,7 @@ SITE=${GPU_CHECK_SITE:-/tmp/gpu_check_site}
 DRY=${GPU_CHECK_DRY:-0}
 # seconds for all of it (the tool's own start and transfers come on top); the dry run's limits are generous: CI's
 # 2 cores are shared, and a step that the limit stops there would say nothing of the device
-BUDGET=${BUDGET:-$([ "${GPU_CHECK_DRY:-0}" = 1 ] && echo 1500 || echo 500)}
+BUDGET=${BUDGET:-$([ "${GPU_CHECK_DRY:-0}" = 1 ] && echo 1500 || echo 470)}
 DRY_LIMIT=300
 START=$(date +%s)
 LOGS=${GPU_CHECK_LOGS:-/tmp/gpu_check_logs} # each step's log; $OUT gets 4 files (the tool returns at most 8)
@@ -123,9 +123,9 @@ print('gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None
 print('labkit', labkit.__file__, 'webdataset', webdataset.__version__, 'ipykernel', ipykernel.__version__)
 print(labkit.setup('$DEV'))"
 step bench_compile_gpt2 170 "$PY" bench/bench_compile.py --device $DEV --models gpt "${GPT[@]}" "${BACKEND[@]}"
-step peers_resnet50_cl 60 "$PY" bench/bench_gpu_peers.py "${PEERS[@]}" "${RESNET[@]}" --memory-format channels_last
-step peers_resnet50_nchw 60 "$PY" bench/bench_gpu_peers.py "${PEERS[@]}" "${RESNET[@]}" --memory-format nchw
-step peers_mlp 40 "$PY" bench/bench_gpu_peers.py "${PEERS[@]}" --model mlp
+step peers_resnet50_cl 75 "$PY" bench/bench_gpu_peers.py "${PEERS[@]}" "${RESNET[@]}" --memory-format channels_last
+step peers_resnet50_nchw 75 "$PY" bench/bench_gpu_peers.py "${PEERS[@]}" "${RESNET[@]}" --memory-format nchw
+step peers_mlp 50 "$PY" bench/bench_gpu_peers.py "${PEERS[@]}" --model mlp
 step fsdp2_case 40 "$PY" bench/gpu_fsdp_case.py --device $DEV
 # -- labkit's stager against torch's: bench/bench_stage.py is written elsewhere; its step runs once it exists --
 if [ -f bench/bench_stage.py ]; then
