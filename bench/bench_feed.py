@@ -17,7 +17,13 @@ also timed on 20 phone-sized photos (the two enlarged to 1920x1280), where a red
    + normalise, batches of 64): labkit's make_loader(image_size=S, flip=True) and webdataset's
    WebDataset(...).shuffle().decode("pil").to_tuple().map_tuple(v2 transforms).batched(), both in the
    main process (num_workers=0: images/s per host core). The ratio labkit / webdataset (goal >= 1).
-3. Host cores needed to feed one chip at a stated demand (not verified here: no TPU on this machine).
+3. Host cores needed to feed one chip at a stated demand: a TPU's from public figures; an H200's measured
+   (ResNet-50, 224 px, bf16, channels_last + torch.compile, a hand loop, 2026-11-28: 5,578 images/s), and 8 of them
+   for one node.
+4. --formats jpg,png: the pipeline of 2. on the same photos stored as PNG (lossless: larger files, a slower decode).
+5. --gpu-decode cuda: torchvision.io.decode_jpeg on the GPU, a batch of JPEG byte tensors per call (nvJPEG), then
+   each image's crop resized to 224 on the GPU: images/s of one GPU's decode, against its demand. The host only
+   reads the bytes. (--gpu-decode cpu runs the same calls on the CPU: the GPU check's dry run.)
 
 Best of --trials per figure (the least disturbed on a shared machine); figures are printed, never asserted.
 """
@@ -44,6 +50,9 @@ from data_tools.transforms import IMAGENET_MEAN, IMAGENET_STD, crop_box, fit_ima
 # ResNet-50 at 224 px on one TPU v5e chip in bf16 is reported at roughly 2,500 img/s (MLPerf-style runs);
 # a small ResNet at 64 px asks several times more. Change it to your own model's figure.
 CHIP_DEMAND = {224: 2500, 64: 10000}
+# One NVIDIA H200, measured (a hand-written loop, ResNet-50 at 224 px, bf16, channels_last, torch.compile, batch 128,
+# 2026-11-28): 5,578 images/s. A node holds 8.
+GPU_DEMAND, GPUS_PER_NODE = {224: 5578}, 8
 
 
 def best(fn, trials: int) -> float:
@@ -55,7 +64,7 @@ def best(fn, trials: int) -> float:
     return out
 
 
-def write_photos(folder: str, n: int) -> tuple[list[str], list[bytes]]:
+def write_photos(folder: str, n: int, fmt: str = "jpg") -> tuple[list[str], list[bytes]]:
     import webdataset as wds
     from PIL import Image
 
@@ -63,12 +72,40 @@ def write_photos(folder: str, n: int) -> tuple[list[str], list[bytes]]:
     jpegs = []
     for img in images:
         buf = io.BytesIO()
-        Image.fromarray(img).save(buf, format="JPEG", quality=90)
+        Image.fromarray(img).save(buf, **({"format": "JPEG", "quality": 90} if fmt == "jpg" else {"format": "PNG"}))
         jpegs.append(buf.getvalue())
+    folder = os.path.join(folder, fmt)
+    os.makedirs(folder, exist_ok=True)
     with wds.ShardWriter(os.path.join(folder, "photos-%06d.tar"), maxcount=100, verbose=0) as sink:
         for i, (data, label) in enumerate(zip(jpegs, labels)):
-            sink.write({"__key__": f"p{i:06d}", "jpg": data, "cls": str(int(label)).encode()})
+            sink.write({"__key__": f"p{i:06d}", fmt: data, "cls": str(int(label)).encode()})
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".tar")), jpegs
+
+
+def gpu_decode(jpegs: list[bytes], device: str, batch: int, trials: int, size: int = 224) -> float:
+    """images/s of torchvision's batched decode_jpeg on `device`, plus a random crop of each resized to size."""
+    import torch.nn.functional as F
+    from torchvision.io import decode_jpeg
+
+    data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in jpegs]
+    rng = np.random.default_rng(0)
+
+    def run():
+        for i in range(0, len(data) - batch + 1, batch):
+            imgs = decode_jpeg(data[i : i + batch], device=device)
+            out = []
+            for img in imgs:
+                h, w = img.shape[-2:]
+                s = int(min(h, w) * rng.uniform(0.5, 1.0))
+                y, x = int(rng.integers(0, h - s + 1)), int(rng.integers(0, w - s + 1))
+                crop = img[None, :, y : y + s, x : x + s].float()
+                out.append(F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True))
+            torch.cat(out)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    run()  # warm: nvJPEG's handles, the allocator
+    return (len(data) // batch) * batch / best(run, trials)
 
 
 def large_jpegs(n: int = 20) -> list[bytes]:
@@ -176,7 +213,17 @@ def main(argv=None):
     p.add_argument("--photos", type=int, default=400)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--formats", default="jpg", help="jpg,png: the pipeline also on PNG shards of the same photos")
+    p.add_argument("--gpu-decode", choices=("cuda", "cpu"), help="only the batched decode_jpeg on this device (5.)")
     a = p.parse_args(argv)
+    if a.gpu_decode:
+        _, jpegs = write_photos(tempfile.mkdtemp(prefix="bench-feed-"), a.photos)
+        rate = gpu_decode(jpegs, a.gpu_decode, min(a.batch, len(jpegs)), a.trials)
+        print(f"decode_jpeg on {a.gpu_decode}, batches of {min(a.batch, len(jpegs))}, crop + resize to 224 there")
+        print(
+            f"FEED gpu decode {rate:.0f} images/s on {a.gpu_decode} ({rate / GPU_DEMAND[224]:.2f}x one H200's demand)"
+        )
+        return
     torch.set_num_threads(1)  # one host core per figure: what one loader worker gets
     with tempfile.TemporaryDirectory() as d:
         urls, jpegs = write_photos(d, a.photos)
@@ -200,10 +247,24 @@ def main(argv=None):
             print(f"  labkit make_loader(image_size={size}, flip=True)  {ours:7.0f} img/s")
             print(f"  webdataset + torchvision v2 ({size})              {theirs:7.0f} img/s")
             print(f"  ratio labkit / webdataset: {ours / theirs:.2f}")
-    print("\n== host cores to feed one chip (demand NOT verified here: public figures, no TPU on this machine)")
+        png = {}
+        for fmt in [f for f in a.formats.split(",") if f and f != "jpg"]:
+            purls, _ = write_photos(d, a.photos, fmt)
+            png[fmt] = images_per_s(
+                lambda u=purls: make_loader(u, a.batch, train=True, image_size=224, flip=True, verify=False), a.trials
+            )
+            print(f"== {fmt.upper()}: labkit make_loader(image_size=224, flip=True)  {png[fmt]:7.0f} img/s per core")
+    print("\n== host cores to feed one chip (a TPU's demand: public figures, not verified here)")
     for size, rate in per_core.items():
         need = CHIP_DEMAND[size]
         print(f"  {size} px: {need} img/s per chip / {rate:.0f} img/s per core = {need / rate:.1f} cores")
+    for fmt, rate in [("jpg", per_core.get(224))] + list(png.items()):
+        if rate:
+            need = GPU_DEMAND[224] / rate
+            print(
+                f"FEED {fmt} 224 px: {rate:.0f} images/s per core; one H200 ({GPU_DEMAND[224]:,} images/s) needs "
+                f"{need:.0f} cores, a node of {GPUS_PER_NODE} needs {need * GPUS_PER_NODE:.0f}"
+            )
 
 
 if __name__ == "__main__":

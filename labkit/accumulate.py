@@ -66,6 +66,25 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _numbers(tensors: list[torch.Tensor]) -> list:
+    """Each tensor as a Python number (one element) or a list, copied as to_host copies them. Off XLA the one-element
+    tensors of a device and dtype come back as one stacked tensor read with one .tolist(): the same numbers as one
+    .item() each, without a host tensor and an .item() per step (the Trainer reads log_every losses at a time)."""
+    if not tensors or tensors[0].device.type == "xla":
+        return [t.item() if t.numel() == 1 else t.tolist() for t in to_host(tensors)]
+    out: list = [None] * len(tensors)
+    scalars: dict = {}  # (device, dtype) -> positions of one-element tensors
+    for i, t in enumerate(tensors):
+        if t.numel() == 1:
+            scalars.setdefault((t.device, t.dtype), []).append(i)
+        else:
+            out[i] = t.detach().cpu().tolist()
+    for where in scalars.values():
+        for i, v in zip(where, torch.stack([tensors[i].detach().reshape(()) for i in where]).cpu().tolist()):
+            out[i] = v
+    return out
+
+
 def read(values: dict) -> dict:
     """Device tensors (or lists of them) -> Python numbers; lists are summed. One transfer.
 
@@ -80,8 +99,7 @@ def read(values: dict) -> dict:
                 flat.append(t)
                 where.append(k)
     out = {k: v for k, v in values.items() if not isinstance(v, (list, torch.Tensor))}
-    for k, t in zip(where, to_host(flat)):
-        val = t.item() if t.numel() == 1 else t.tolist()
+    for k, val in zip(where, _numbers(flat)):
         if isinstance(values[k], list):
             out[k] = out.get(k, 0.0) + val
         else:

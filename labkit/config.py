@@ -168,7 +168,13 @@ def check_ranges(obj) -> None:
 
 COMPILE = ("auto", "on", "off")
 PARALLEL = ("auto", "replicate", "fsdp2", "hsdp")  # TrainConfig.parallel (labkit.parallel's plans)
-ACCUMULATE = ("auto", "gathered", "sharded")  # TrainConfig.fsdp_accumulate (labkit.parallel.FullyShard)
+ACCUMULATE = ("auto", "gathered", "sharded")
+MEMORY_FORMATS = (
+    "auto",
+    "channels_last",
+    "contiguous",
+    "probe",
+)  # TrainConfig.memory_format (labkit.runtime.layout)  # TrainConfig.fsdp_accumulate (labkit.parallel.FullyShard)
 
 
 def _compile_setting(value) -> str:
@@ -224,6 +230,10 @@ class TrainConfig:
     # reduce-scatters every micro-batch (memory stays sharded, k times the collectives), "auto" gathered where that
     # fits half the device (labkit.parallel.accumulation), else sharded
     fsdp_accumulate: str = "auto"
+    # how 4-D image tensors lie in memory for a model with 2-D convolutions (labkit.runtime.layout): "auto" is the
+    # runtime's choice (channels_last on CUDA, contiguous on XLA and the plain CPU, said once with why),
+    # "channels_last" / "contiguous" force one, "probe" measures this machine's convolutions in both first
+    memory_format: str = "auto"
     # removed: mixed precision is labkit.precision's alone (Trainer(..., precision=choose(rt, "bf16")))
     bf16: dataclasses.InitVar[None] = None
 
@@ -261,6 +271,10 @@ class TrainConfig:
         if self.fsdp_accumulate not in ACCUMULATE:
             raise ValueError(
                 f"TrainConfig.fsdp_accumulate={self.fsdp_accumulate!r}: expected one of {', '.join(ACCUMULATE)}"
+            )
+        if self.memory_format not in MEMORY_FORMATS:
+            raise ValueError(
+                f"TrainConfig.memory_format={self.memory_format!r}: expected one of {', '.join(MEMORY_FORMATS)}"
             )
         if not isinstance(self.compile_backend, str) or not self.compile_backend.strip():
             raise ValueError(

@@ -9,8 +9,10 @@
   Fabric does on one XLA device: one graph fewer at warm-up, but on XLA:CPU the copy then waits for the running step
   and stalls the tracing of the next (measured in bench/bench_peers.py). Under SPMD the batch is sharded along dim 0
   over the mesh's "data" axis either way.
-- CUDA: pinned host memory, `non_blocking` copies on a side stream, one batch ahead.
-- CPU: pass-through.
+- CUDA: pinned host memory, `non_blocking` copies on a side stream, one batch ahead; 4-D image batches turned
+  channels_last on that stream when the run's memory format is (`.layout`, which the Trainer sets from its runtime's
+  decision: labkit.runtime.layout).
+- CPU: pass-through (images in `.layout` too).
 
 Static shapes matter on XLA: a smaller last batch is a new graph, i.e. a recompilation (tens
 of seconds for ResNet-50). So a short LAST batch is dropped by default (`drop_partial=True`) and
@@ -29,6 +31,8 @@ from __future__ import annotations
 import threading
 
 import torch
+
+from labkit.runtime.layout import CONTIGUOUS
 
 
 def _leading_dim(batch):
@@ -83,6 +87,7 @@ class DeviceLoader:
         self.device_prefetch, self.loader_prefetch = device_prefetch, loader_prefetch
         self.host_to_device_threads = host_to_device_threads
         self.input_sharding = input_sharding
+        self.layout = CONTIGUOUS  # the memory format of 4-D image batches (the Trainer sets its runtime's choice)
         self.fetched = self.yielded = self.dropped = 0
         self.skip_batches = 0  # the next iteration skips this many host batches (then resets)
         self._said_short = False  # a dropped short batch of unknown size up front is said once (host_batches)
@@ -208,13 +213,14 @@ class DeviceLoader:
             yield xm.send_cpu_data_to_device([batch], self.rt.device, sharding)[0]
 
     def cuda_batches(self, host):
-        """CUDA: pinned host memory, copied on a side stream while the step runs."""
+        """CUDA: pinned host memory, copied on a side stream while the step runs; images turned to the run's memory
+        format there too (a permute on the GPU: the host's cores stay on decoding)."""
         stream = torch.cuda.Stream(device=self.rt.device)
 
         def copy(batch):
             with torch.cuda.stream(stream):
                 pinned = _map(batch, lambda t: t.pin_memory() if not t.is_pinned() else t)
-                return self.rt.to_device(pinned, non_blocking=True)
+                return self.layout.batch(self.rt.to_device(pinned, non_blocking=True))
 
         it = iter(host)
         nxt = None

@@ -76,11 +76,12 @@ class Trainer:
         # loss scale (a GradScaler's) is this run's state
         self.precision = (precision or choose(rt, "fp32")).fresh()
         self.optimizer, self.scheduler = optimizer, scheduler
-        # on the device (the optimizer follows its parameters; a model built on the meta device gets its memory from
-        # the plan, sharded), laid out over torchrun's processes by the run's plan (labkit.parallel, TrainConfig.parallel)
+        # on the device (a meta-built model gets its memory from the plan, sharded), laid out by the run's plan
         cfg, steps = self.cfg, planned_steps(self.cfg, train_loader)  # "auto" compiles where the steps repay it
         self.plan = choose_plan(rt, cfg.parallel, self.precision, model, cfg.fsdp_accumulate, cfg.accum_steps)
         model = model if meta_init.is_meta(model) else move_model(model, optimizer, rt.device)
+        self.layout = rt.choose_layout(model, cfg.memory_format)  # channels_last on CUDA (labkit.runtime.layout)
+        model = self.layout.apply(model, optimizer) if self.plan.weights_in_layout else model  # FSDP2: contiguous
         model = self.plan.wrap(model, optimizer)
         self.module = getattr(model, "module", model)  # DDP unwrapped, never compiled: what checkpoints hold
         # how the step is captured (labkit.runtime.step): torch.compile'd model and optimizer step, or as written
@@ -89,23 +90,23 @@ class Trainer:
         self.model = self.capture.model(model)
         self._optimizer_step = self.capture.function(optimizer_step)
         self.loss_fn = loss_fn or F.cross_entropy
-        self.train_loader = self._wrap(train_loader)
-        self.eval_loader = self._wrap(eval_loader) if eval_loader is not None else None
+        self.train_loader, self.eval_loader = self._wrap(train_loader, train=True), self._wrap(eval_loader)
         self.callbacks, self.checkpoint = list(callbacks), checkpoint
-        self.step, self._last_batch = 0, None  # optimizer steps done; the last batch (evaluation's padding, torchrun)
-        self.epoch = 0  # current epoch
-        self.batch_in_epoch = 0  # batches of the current epoch done
-        self.history: list[dict] = []
-        self.eval_history: list[dict] = []
+        # optimizer steps done; the current epoch and its batches done; the last batch (evaluation's padding, torchrun)
+        self.step, self.epoch, self.batch_in_epoch, self._last_batch = 0, 0, 0, None
+        self.history, self.eval_history = [], []  # the logged records; one per evaluation
         self.log = StepLog(rt, self.cfg, self.precision)  # losses summed on the device, read once per interval
         self._stop = self._stop_after_epoch = self._save_requested = False
         self._step_offset = 0  # steps trained at another batch size before a resume (see total_steps)
         self.profiler, self.vote = StepProfiler(rt), StepVote(rt)  # idle until asked; torchrun: SIGTERM and NaN
 
-    def _wrap(self, loader):
-        if loader is None or isinstance(loader, DeviceLoader):
-            return loader
-        return DeviceLoader(loader, self.rt)
+    def _wrap(self, loader, train=False):  # images in the model's memory format; CUDA tunes cuDNN for train's shapes
+        if loader is not None:
+            loader = loader if isinstance(loader, DeviceLoader) else DeviceLoader(loader, self.rt)
+            loader.layout = self.layout
+            if train:
+                self.rt.autotune(loader.drop_partial)
+        return loader
 
     # -- hooks -----------------------------------------------------------------------------
     def autocast(self):
@@ -113,9 +114,8 @@ class Trainer:
         return self.precision.autocast()
 
     def backward(self, loss) -> None:
-        """loss.backward(), scaled first under fp16 (the GradScaler keeps small gradients from flushing to 0).
-        Accumulating (cfg.accum_steps = k > 1), the mean-reduced loss is divided by k: the k gradients then add up
-        in .grad to the gradient of the mean over the k-times larger batch."""
+        """loss.backward(), scaled first under fp16 (the GradScaler keeps small gradients from flushing to 0). With
+        cfg.accum_steps = k > 1 the mean loss is divided by k: the k gradients add up to the k-times batch's mean's."""
         k = self.cfg.accum_steps
         self.precision.backward(loss / k if k > 1 else loss)
 

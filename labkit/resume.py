@@ -27,6 +27,7 @@ import warnings
 from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
 from labkit.checkpoint.state import check_compatible
+from labkit.runtime.layout import match_state
 from labkit.seeding import manual_seed, rng_state, set_rng_state
 from labkit.versions import versions
 
@@ -199,6 +200,8 @@ def load_trainer_state(self, state: dict) -> None:  # self: the Trainer
     self.plan.load_model_state(self.module, state["model"])
     self.plan.load_optimizer_state(self.module, self.optimizer, state["optimizer"])
     self.capture.prepare(self.optimizer)  # the checkpoint's param groups replaced the prepared ones
+    if self.layout.channels_last:  # the moments arrive contiguous: laid out as their weights are (fused AdamW)
+        match_state(self.optimizer)
     if self.scheduler is not None and "scheduler" in state:
         self.scheduler.load_state_dict(state["scheduler"])
     if "scaler" in state:

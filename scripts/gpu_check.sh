@@ -2,17 +2,25 @@
 # The GPU check, prepared to run at once on a lent NVIDIA machine (H100 / H200) within about 8 minutes. Here, once:
 #   python scripts/gpu_wheels.py          # the wheels the device lacks, into .gpu_wheels/ (ignored; ~32 MiB)
 # then, with the device tool:
-#   run(command="bash scripts/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=580)
+#   run(command="bash scripts/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=480)
 # Steps, in order of value, each under its own `timeout` (cut to what is left of BUDGET seconds):
 #   1. bench_compile_gpt2: GPT-2-small (124 M, T=1024, bf16) through the Trainer eager / compiled / hand-compiled,
-#      its MFU and the compile's PAYBACK in steps (labkit.runtime.step.PAYBACK_STEPS's "cuda" row);
-#   2. bench_compile_resnet50: ResNet-50 at 224 px, batch 128, images/s, the same three loops;
-#   3. bench_loop_eager, bench_loop_compiled: the Trainer / a hand-written loop with the same compile setting on both
-#      sides (bench_loop.py --compile off, then --compile on), ResNet-50 bf16 batch 64 at 224 px;
-#   4. notebooks 08, 02, 01 on CUDA with the exercises unsolved (LABKIT_SOLUTIONS=0, LABKIT_FAST=1), each whole and
-#      under its own limit.
+#      3 trials of 20 steps: its MFU and the compile's PAYBACK in steps (labkit.runtime.step.PAYBACK_STEPS's "cuda" row);
+#   2. peers_resnet50_cl, peers_resnet50_nchw, peers_mlp: labkit / a hand loop / Lightning Fabric / Accelerate
+#      (bench/bench_gpu_peers.py: each in its own process, 3 segments of 30 steps), ResNet-50 bf16 batch 64 at 224 px
+#      in channels_last and in NCHW, and the MLP at batch 64 (the host tax);
+#   3. fsdp2_case: FSDP2 on one GPU (bench/gpu_fsdp_case.py: "cpu:gloo,cuda:nccl", a bf16 ResNet with float32
+#      BatchNorm units, materialize on CUDA, async_save of CUDA DTensors and its STALL);
+#   4. bench_stage (only where bench/bench_stage.py exists): labkit's stager against torch's;
+#      feed_gpu_decode: torchvision's batched decode_jpeg on the GPU with a crop + resize to 224 (bench_feed.py
+#      --gpu-decode), images/s against one H200's demand;
+#   5. bench_compile_resnet50: ResNet-50 at 224 px, batch 128, images/s, the same three loops as 1;
+#      bench_compile_gpt2_cudnn: 1. again with cuDNN's attention tried first (--sdpa cudnn), as far as the budget goes;
+#   6. notebooks 08, 02, 01 on CUDA with the exercises unsolved (LABKIT_SOLUTIONS=0, LABKIT_FAST=1), each whole and
+#      under its own limit, as far as the budget goes.
 # Results: $OUT/results.json and $OUT/results.txt (which torch, GPU, CUDA and driver ran; every step's status, exit
-# code, seconds and limit, also for a step the limit stopped or the budget left out; the RATIO/MFU/PAYBACK/HOST lines),
+# code, seconds and limit, also for a step the limit stopped or the budget left out; the RATIO/MFU/PAYBACK/HOST/CASE/
+# STALL/FEED lines),
 # env.txt (nvidia-smi, glibc, the wheels' install, pip list), and logs.tar.gz: each step's log and the executed
 # notebooks (the device tool returns at most 8 files from $OUT).
 #
@@ -31,7 +39,7 @@ SITE=${GPU_CHECK_SITE:-/tmp/gpu_check_site}
 DRY=${GPU_CHECK_DRY:-0}
 # seconds for all of it (the tool's own start and transfers come on top); the dry run's limits are generous: CI's
 # 2 cores are shared, and a step that the limit stops there would say nothing of the device
-BUDGET=${BUDGET:-$([ "${GPU_CHECK_DRY:-0}" = 1 ] && echo 1500 || echo 500)}
+BUDGET=${BUDGET:-$([ "${GPU_CHECK_DRY:-0}" = 1 ] && echo 1500 || echo 470)}
 DRY_LIMIT=300
 START=$(date +%s)
 LOGS=${GPU_CHECK_LOGS:-/tmp/gpu_check_logs} # each step's log; $OUT gets 4 files (the tool returns at most 8)
@@ -89,15 +97,19 @@ if [ "$DRY" = 1 ]; then
     DEV=cpu BACKEND=(--compile-backend eager)
     GPT=(--size small --batch 2 --steps 1 --trials 1)
     RES=(--size small --batch 2 --steps 1 --trials 1)
-    LOOP=(--backend cpu --model resnet18 --precision fp32 --batch 2 --size 32 --steps 1 --trials 1)
+    PEERS=(--device cpu --frameworks hand,labkit,fabric,accel --segments 1 --steps 1 --warmup 1 --batch 2)
+    RESNET=(--model resnet18 --size 32)
+    FEED=(--photos 8 --batch 8 --trials 1)
     NOTEBOOKS=(notebooks/08_*.ipynb)
     NB_LIMITS=(300)
     NB_ARGS=(--stop-before 'backward\(|\.fit\(')
 else
     DEV=cuda BACKEND=()
-    GPT=(--size gpt2 --steps 10 --trials 3)
+    GPT=(--size gpt2 --steps 20 --trials 3)
     RES=(--size gpt2 --steps 10 --trials 3)
-    LOOP=(--backend cuda --model resnet50 --precision auto --batch 64 --size 224 --steps 10 --trials 3)
+    PEERS=(--device cuda --frameworks hand,labkit,fabric,accel --segments 3 --steps 30 --warmup 10 --batch 64)
+    RESNET=(--model resnet50 --size 224)
+    FEED=(--photos 256 --batch 64 --trials 3)
     NOTEBOOKS=(notebooks/08_*.ipynb notebooks/02_*.ipynb notebooks/01_*.ipynb)
     NB_LIMITS=(90 60 60)
     NB_ARGS=()
@@ -111,9 +123,18 @@ print('gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None
 print('labkit', labkit.__file__, 'webdataset', webdataset.__version__, 'ipykernel', ipykernel.__version__)
 print(labkit.setup('$DEV'))"
 step bench_compile_gpt2 170 "$PY" bench/bench_compile.py --device $DEV --models gpt "${GPT[@]}" "${BACKEND[@]}"
+step peers_resnet50_cl 75 "$PY" bench/bench_gpu_peers.py "${PEERS[@]}" "${RESNET[@]}" --memory-format channels_last
+step peers_resnet50_nchw 75 "$PY" bench/bench_gpu_peers.py "${PEERS[@]}" "${RESNET[@]}" --memory-format nchw
+step peers_mlp 50 "$PY" bench/bench_gpu_peers.py "${PEERS[@]}" --model mlp
+step fsdp2_case 40 "$PY" bench/gpu_fsdp_case.py --device $DEV
+# -- labkit's stager against torch's: bench/bench_stage.py is written elsewhere; its step runs once it exists --
+if [ -f bench/bench_stage.py ]; then
+    step bench_stage 40 "$PY" bench/bench_stage.py --device $DEV
+fi
+step feed_gpu_decode 30 "$PY" bench/bench_feed.py --gpu-decode $DEV "${FEED[@]}"
 step bench_compile_resnet50 100 "$PY" bench/bench_compile.py --device $DEV --models resnet "${RES[@]}" "${BACKEND[@]}"
-step bench_loop_eager 40 "$PY" bench/bench_loop.py "${LOOP[@]}" --compile off
-step bench_loop_compiled 70 "$PY" bench/bench_loop.py "${LOOP[@]}" --compile on "${BACKEND[@]}"
+step bench_compile_gpt2_cudnn 120 "$PY" bench/bench_compile.py --device $DEV --models gpt "${GPT[@]}" "${BACKEND[@]}" \
+    --sdpa cudnn
 for i in "${!NOTEBOOKS[@]}"; do
     nb=${NOTEBOOKS[$i]}
     name=notebook_$(basename "$nb" .ipynb | cut -d_ -f1)
@@ -132,7 +153,7 @@ for line in (logs / "steps.tsv").read_text().splitlines():
     name, status, rc, seconds, limit = line.split("\t")
     log = logs / f"{name}.txt"
     text = log.read_text(errors="replace") if log.exists() else ""
-    figures = [ln for ln in text.splitlines() if re.match(r"(RATIO|MFU|PAYBACK|HOST) ", ln)]
+    figures = [ln for ln in text.splitlines() if re.match(r"(RATIO|MFU|PAYBACK|HOST|CASE|STALL|FEED) ", ln)]
     steps.append(dict(name=name, status=status, exit=int(rc) if rc else None, seconds=int(seconds),
                       limit=int(limit), figures=figures, tail=text.splitlines()[-3:] if status != "passed" else []))
 ran = {}

@@ -7,6 +7,7 @@ machine. One test keeps the real clock, marked `timing`: a loader that sleeps 0.
 of the tiny model even on a loaded core, must be called input-bound (scripts/contention.sh runs it beside hogs)."""
 
 import io
+import math
 import time
 
 import pytest
@@ -16,7 +17,7 @@ import labkit
 from labkit import Dashboard
 from labkit.dashboard import ConsoleSink
 from labkit.dashboard.explain import feed_of
-from labkit.dashboard.rules import INPUT_BOUND, feed_finding
+from labkit.dashboard.rules import INPUT_BOUND, cores_needed, feed_finding
 from tests.helpers import FakeClock, blobs, small_trainer, xla_counts
 
 
@@ -167,6 +168,45 @@ def test_the_rule_and_the_run_summary():
     feed = feed_of(Rows())
     assert abs(feed["data_wait_frac"] - 0.1) < 1e-9 and abs(feed["step_s"] - 0.2) < 1e-9
     assert feed_of(object()) is None
+
+
+def test_the_verdict_says_how_many_cores_one_chip_needs():
+    """Injected figures, never a timing: 4 workers deliver a batch every 0.2 s while the step alone takes 0.05 s, so
+    the chip asks 4 x 0.2 / 0.05 = 16 cores' worth; a GPU node's case (an H200 step of ResNet-50: 11.5 ms for 64
+    images, 0.9 of it waiting on 8 workers) asks 80. Without workers the verdict is as before; a step that only
+    waits needs an unbounded number."""
+    assert cores_needed(0.15, 0.2, 4) == pytest.approx(16) and cores_needed(0.0, 0.2, 0) == pytest.approx(1)
+    assert cores_needed(0.2, 0.2, 2) == math.inf
+    (f,) = feed_finding(0.75, 0.15, 0.2, 4, 320.0)
+    assert f.advice.endswith(
+        " One chip needs about 16 host cores decoding at this rate (4 workers now, 80 images/s each)."
+    )
+    (g,) = feed_finding(0.9, 0.1035, 0.115, 8)
+    assert "about 80 host cores" in g.advice and "(8 workers now)" in g.advice
+    (h,) = feed_finding(0.5, 0.1, 0.2, 0, 64.0)
+    assert "about 2 host cores" in h.advice and "(the loop's own process now, 64 images/s each)" in h.advice
+    (old,) = feed_finding(0.75, 0.15, 0.2)
+    assert "host cores" not in old.advice
+
+    class Rows:
+        history = [
+            {"step": 5, "data_wait_frac": 0.5, "data_wait_s": 0.1, "step_s": 0.2},
+            {"step": 10, "data_wait_frac": 0.5, "data_wait_s": 0.1, "step_s": 0.2, "data_workers": 2},
+        ]
+        history[1]["examples_per_s"] = 100.0
+
+    feed = feed_of(Rows())
+    assert feed["workers"] == 2 and feed["images_per_s"] == 100.0
+
+
+def test_the_log_records_the_loaders_workers():
+    rt = labkit.setup("cpu")
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4), torch.arange(8) % 2), 4)
+    model = torch.nn.Linear(4, 2)
+    cfg = labkit.TrainConfig(max_steps=2, log_every=1, eval_every=0, compile="off")
+    tr = labkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt, cfg, data)
+    tr.fit()
+    assert [r["data_workers"] for r in tr.history] == [0, 0]
 
 
 def _text_of(dash) -> str:

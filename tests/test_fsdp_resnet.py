@@ -199,3 +199,20 @@ def test_a_shard_stream_is_named_by_its_samples_over_every_process():
     resume.check_data(saved, Loader())  # the same data on another number of processes: no refusal
     with pytest.raises(ValueError, match="another dataset"):
         resume.check_data({**saved, "dataset": {"total_samples": 999}}, Loader())
+
+
+@heavy
+def test_channels_last_holds_under_ddp_and_fsdp2_with_the_losses_of_nchw(report):
+    """memory_format="channels_last" under both plans: every batch reaches the step in channels_last; DDP keeps the
+    weights in it, FSDP2 keeps them contiguous (fully_shard refuses channels_last parameters); the first step's loss
+    (the same weights) equals NCHW's to float32 rounding (later steps of this 16 px, batch-4 ResNet-18 amplify a
+    rounding through BatchNorm's cancellations; tests/test_memory_format.py compares trajectories on a better
+    conditioned one). Before labkit.runtime.layout, TrainConfig had no memory_format and nothing was channels_last."""
+    r = _ok(report["layout"])
+    for plan, weight_cl in (("replicate", True), ("fsdp2", False)):
+        cl, nchw = r[f"{plan} channels_last"], r[f"{plan} contiguous"]
+        assert cl["seen"] == [[True, weight_cl]] * 3, (plan, cl["seen"])
+        assert nchw["seen"] == [[False, False]] * 3, (plan, nchw["seen"])
+        assert len(cl["losses"]) == 3
+        a, b = cl["losses"][0], nchw["losses"][0]
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (plan, cl["losses"], nchw["losses"])

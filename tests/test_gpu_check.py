@@ -68,15 +68,23 @@ def test_gpu_check_dry_run(capsys):
         print((out / "OUT" / "results.txt").read_text(), end="")
     assert r["dry_run"] and r["ran_on"]["torch"].startswith("2.11"), r["ran_on"]
     names = [s["name"] for s in r["steps"]]
-    want = ["wheels", "imports", "bench_compile_gpt2", "bench_compile_resnet50", "bench_loop_eager"]
-    want += ["bench_loop_compiled", "notebook_08"]
+    want = ["wheels", "imports", "bench_compile_gpt2", "peers_resnet50_cl", "peers_resnet50_nchw", "peers_mlp"]
+    want += ["fsdp2_case"] + (["bench_stage"] if (ROOT / "bench" / "bench_stage.py").exists() else [])
+    want += ["feed_gpu_decode", "bench_compile_resnet50", "bench_compile_gpt2_cudnn", "notebook_08"]
     assert names == want, names
     bad = [s for s in r["steps"] if s["status"] != "passed"]
     assert not bad and summary["gpu_check_rc"] == 0, f"steps that did not pass: {bad}\n{log[-4000:]}"
     figures = [f for s in r["steps"] for f in s["figures"]]
-    for prefix in ("PAYBACK gpt", "RATIO gpt compiled/eager", "RATIO resnet", "RATIO labkit/hand-written"):
+    for prefix in (
+        "PAYBACK gpt",
+        "RATIO gpt compiled/eager",
+        "RATIO resnet",
+        "RATIO resnet18 channels_last labkit/hand",
+    ):
         assert any(f.startswith(prefix) for f in figures), f"no {prefix!r} line in {figures}"
-    assert sum("(compile on)" in f for f in figures) == 1 and sum("(compile off)" in f for f in figures) == 1
+    for prefix in ("RATIO resnet18 nchw labkit/hand", "RATIO mlp labkit/hand", "STALL fsdp2 async", "FEED gpu decode"):
+        assert any(f.startswith(prefix) for f in figures), f"no {prefix!r} line in {figures}"
+    assert sum(f.startswith("CASE ") and ": ok" in f for f in figures) == 3, figures
     sent = sorted(p.name for p in (out / "OUT").iterdir())  # what the device tool would bring back: 8 files at most
     assert "logs.tar.gz" in sent and len(sent) <= 8 and all((out / "OUT" / n).is_file() for n in sent), sent
 

@@ -158,7 +158,13 @@ class Dashboard:
         if h.get("memory"):
             row["memory_used"] = h["memory"]["used"]
         # the feed meter (labkit.steplog): live, so it goes away again once the loader keeps up
-        feed = feed_finding(record.get("data_wait_frac"), record.get("data_wait_s"), record.get("step_s"))
+        feed = feed_finding(
+            record.get("data_wait_frac"),
+            record.get("data_wait_s"),
+            record.get("step_s"),
+            record.get("data_workers"),
+            record.get("examples_per_s"),
+        )
         h = dict(h, warnings=list(h["warnings"]) + [f.short for f in feed])
         self._last_health = h
         self.history.append(row)

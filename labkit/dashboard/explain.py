@@ -99,7 +99,14 @@ def feed_of(source) -> dict | None:
     wait = sum(b["data_wait_s"] * n for (_, b), n in zip(pairs, steps))
     wall = sum(b["step_s"] * n for (_, b), n in zip(pairs, steps))
     frac = wait / wall if wall > 0 else 0.0
-    return {"data_wait_frac": frac, "data_wait_s": wait / sum(steps), "step_s": wall / sum(steps)}
+    rates = [b["examples_per_s"] for _, b in pairs if isinstance(b.get("examples_per_s"), (int, float))]
+    return {
+        "data_wait_frac": frac,
+        "data_wait_s": wait / sum(steps),
+        "step_s": wall / sum(steps),
+        "workers": pairs[-1][1].get("data_workers"),  # the host loader's num_workers (None: not a DataLoader)
+        "images_per_s": sum(rates) / len(rates) if rates else None,
+    }
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
@@ -191,7 +198,8 @@ def explain(source=None, verbose: bool = True, report: str | None = None, rt=Non
         return _explain_compiled(source, rt, [], [], None, verbose)
     events, syncs = _events_of(source)
     feed = feed_of(source)
-    fed = feed_finding(feed["data_wait_frac"], feed["data_wait_s"], feed["step_s"]) if feed else []
+    keys = ("data_wait_frac", "data_wait_s", "step_s", "workers", "images_per_s")
+    fed = feed_finding(*(feed[k] for k in keys)) if feed else []
     if report is not None:
         d = _from_report(report)
     else:

@@ -10,6 +10,7 @@ and nowhere else.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 # ops that fall back because their output size depends on the data
@@ -243,12 +244,29 @@ def findings(
     return out
 
 
-def feed_finding(wait_frac, wait_s=None, step_s=None) -> list[Finding]:
+def cores_needed(wait_s: float, step_s: float, workers: int) -> float:
+    """Host cores that would feed the chip at the step's own pace, from the feed meter's figures. Input-bound, the
+    loader's processes (num_workers, or the loop's own process for 0) decode flat out and deliver one batch per
+    step_s; the chip alone would take one per step_s - wait_s. So each core gives batch / step_s / workers images/s,
+    the chip asks batch / (step_s - wait_s), and their quotient is workers x step_s / (step_s - wait_s)."""
+    busy = step_s - wait_s
+    return max(workers, 1) * step_s / busy if busy > 0 else math.inf
+
+
+def feed_finding(wait_frac, wait_s=None, step_s=None, workers=None, images_per_s=None) -> list[Finding]:
     """The feed meter's verdict (labkit.steplog): input-bound when the loop waited for data for at least
-    INPUT_BOUND of its time and MIN_WAIT_S per step; nothing otherwise (or when the share is unknown)."""
+    INPUT_BOUND of its time and MIN_WAIT_S per step; nothing otherwise (or when the share is unknown). Knowing the
+    loader's `workers` (0: the loop's own process), it says how many host cores one chip needs at this step's pace
+    (cores_needed), and with the run's `images_per_s` what each core gives now."""
     if wait_frac is None or wait_frac < INPUT_BOUND or (wait_s is not None and wait_s < MIN_WAIT_S):
         return []
     per = f" ({wait_s:.3g} s of {step_s:.3g} s per step)" if wait_s is not None and step_s else ""
+    cores = ""
+    if workers is not None and wait_s is not None and step_s:
+        need = cores_needed(wait_s, step_s, workers)
+        procs = f"{workers} worker{'s' if workers != 1 else ''}" if workers else "the loop's own process"
+        each = f", {images_per_s / max(workers, 1):,.0f} images/s each" if images_per_s else ""
+        cores = f" One chip needs about {math.ceil(need - 1e-9)} host cores decoding at this rate ({procs} now{each})."
     short = (
         f"input-bound: {100 * wait_frac:.0f} % of step time waiting for data{per}: "
         "add workers, pre-resize the shards, or smaller images"
@@ -256,6 +274,6 @@ def feed_finding(wait_frac, wait_s=None, step_s=None) -> list[Finding]:
     advice = (
         f"{short}. The chip idles while the host decodes: raise make_loader's num_workers "
         "(one per free host core: num_workers='auto'), store images near the size you train at, or lower image_size; "
-        "bench/bench_feed.py measures images/s per core."
+        f"bench/bench_feed.py measures images/s per core.{cores}"
     )
     return [Finding("input_bound", short, advice)]

@@ -81,7 +81,7 @@ def build_resnet(num_classes: int, cifar_stem: bool, optimizer: str, lr: float, 
     torch.manual_seed(seed)
     make = functools.partial(resnet50_cifar, num_classes=num_classes, cifar_stem=cifar_stem)
     model = meta_init.build(make, seed) if meta else make()
-    return model, image_optimizer(model, optimizer, lr, xla=rt.capturable_optimizers)
+    return model, image_optimizer(model, optimizer, lr, xla=rt.capturable_optimizers, fused=rt.fused_optimizers)
 
 
 def resnet_schedule(optimizer, total: int):

@@ -331,7 +331,8 @@ def _sync_fn(device):
 
 def adamw(model, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95), *, rt) -> torch.optim.AdamW:
     """AdamW as GPTs are usually trained: weight decay on matrices only (not on biases, LayerNorm
-    gains), and `capturable=True` where the backend traces the step into a graph (rt.capturable_optimizers: XLA).
+    gains), `capturable=True` where the backend traces the step into a graph (rt.capturable_optimizers: XLA), and
+    `fused=True` on CUDA (rt.adamw_options: one kernel for the whole update instead of a few per tensor).
 
     Why capturable on XLA: plain AdamW computes its bias corrections, e.g. sqrt(1 - beta2**step),
     as Python floats on the host. torch_xla sends most Python numbers to the device as data, but
@@ -342,7 +343,7 @@ def adamw(model, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95), *, rt)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, capturable=rt.capturable_optimizers)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, **rt.adamw_options())  # + fused=True on CUDA
 
 
 def bits_per_byte(nats_per_token: float) -> float:

@@ -30,18 +30,20 @@ def resnet50_cifar(num_classes: int = 10, cifar_stem: bool = True, zero_init_res
     return model
 
 
-def image_optimizer(model: nn.Module, name: str, lr: float, xla: bool = False):
+def image_optimizer(model: nn.Module, name: str, lr: float, xla: bool = False, fused: bool = False):
     """The two optimizers notebook 01 offers for an image classifier.
 
     sgd: Nesterov momentum 0.9, weight decay 5e-4 (the classic CIFAR recipe). adamw: weight decay 0.05,
     capturable on XLA, so the bias corrections are computed on the device and the graph does not change
-    (recompile) when one of them rounds to exactly 1.0 after ~16,600 steps (see labkit.models.gpt.adamw)."""
+    (recompile) when one of them rounds to exactly 1.0 after ~16,600 steps (see labkit.models.gpt.adamw); fused (one
+    kernel for the update) where the runtime says it pays (rt.fused_optimizers: CUDA)."""
     import torch
 
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05, capturable=xla)
+        fused_kw = {"fused": True} if fused else {}
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05, capturable=xla, **fused_kw)
     raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {name!r} (parameter 'optimizer')")
 
 

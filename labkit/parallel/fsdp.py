@@ -58,6 +58,9 @@ class FullyShard(Processes):
     """FSDP2: fully_shard on each unit (labkit.parallel.units), then the root, over all torchrun processes."""
 
     name = "fsdp2"
+    # fully_shard refuses a channels_last parameter (torch 2.9: "FSDP does not support non-contiguous parameters"):
+    # the weights stay contiguous, and a channels_last batch makes cuDNN run the convolution in channels_last anyway
+    weights_in_layout = False
 
     def __init__(self, rt, precision=None, accumulate: str = "auto", accum_steps: int = 1, hsdp: bool = False):
         super().__init__(rt)

@@ -44,6 +44,8 @@ class Single:
     """One process (or XLA's own replication): nothing to wrap, nothing to sync."""
 
     name = "single"
+    # the weights may take the run's memory format (labkit.runtime.layout): FSDP2 refuses non-contiguous parameters
+    weights_in_layout = True
 
     def __init__(self, rt=None):
         self.rt = rt

@@ -20,8 +20,10 @@
 | reads_metrics / uses_ddp   | no / yes          | no / yes                  | yes (torch_xla's) / no           | same                     |
 | devices_per_process()      | 1                 | 1                         | 1                                | every addressable device |
 | step_capture(compile, ...) | eager; "on": torch.compile | torch.compile ("auto": past the payback) | the lazy trace ("on" refused) | same |
+| choose_layout(model)       | contiguous ("probe": measured) | channels_last (2-D convs) | contiguous (XLA lays out) | same |
+| adamw_options / autotune   | torch's / nothing | fused=True / cuDNN autotuner | capturable=True / nothing | same |
 
-step.py holds the two captures that step_capture() returns (EagerStep, CompiledStep) and says which graphs a
+layout.py holds the memory-format decision (labkit.runtime.layout). step.py holds the two captures that step_capture() returns (EagerStep, CompiledStep) and says which graphs a
 compiled step is made of. One module per family: base.py (Runtime, the CPU), cuda.py (CudaRuntime), xla.py (XlaRuntime on XLA:CPU,
 TpuRuntime, and SpmdRuntime / TpuSpmdRuntime; the TPU classes differ from XLA:CPU by precision and chip name
 only). Each class names the (kind, spmd) pairs it runs in `backs`, and `Runtime("cuda", device, ...)` builds

@@ -9,6 +9,7 @@ import torch
 
 from labkit import precision as _precision
 from labkit import seeding
+from labkit.runtime import layout as _layout
 from labkit.runtime import step as _step
 
 
@@ -40,6 +41,16 @@ class Runtime:
     # several processes average gradients with DistributedDataParallel in backward (labkit.parallel: DDP or FSDP2);
     # XLA replicas reduce in optimizer_step instead, and SPMD's compiler inserts the all-reduce
     uses_ddp = True
+    # AdamW(fused=True): one kernel for the whole update (labkit.optim.adamw_options); CUDA only, where it pays
+    fused_optimizers = False
+    # the memory format for models with 2-D convolutions under TrainConfig.memory_format="auto" (labkit.runtime.layout)
+    layout = _layout.Layout(
+        False,
+        "the plain CPU: whether channels_last pays depends on the CPU and the shapes, so labkit does not guess "
+        "(TrainConfig.memory_format='probe' measures this CPU)",
+    )
+    _said_layout = None  # the last decision said (choose_layout says each new one once)
+    _said_tune = False
 
     # (kind, spmd) pairs this class runs; each subclass names its own, and Runtime(kind, ...) builds the class
     # registered for them (labkit.runtime imports every backend module, so all are registered)
@@ -92,6 +103,24 @@ class Runtime:
         which and why), else the step as written."""
         log = self.master_print if setting == "auto" else None
         return _step.choose(setting, backend, self.kind, steps, log=log)
+
+    def choose_layout(self, model, setting: str = "auto") -> _layout.Layout:
+        """The memory format this run trains `model` in (labkit.runtime.layout), said once with the reason."""
+        return self._say_layout(_layout.decide(model, setting, self.layout, probe=_layout.measure))
+
+    def _say_layout(self, layout):
+        if layout != self._said_layout:
+            self._said_layout = layout
+            self.master_print(layout.describe())
+        return layout
+
+    def adamw_options(self) -> dict:
+        """torch.optim.AdamW's keywords for this backend: capturable where the step is traced into a graph (XLA),
+        fused where one kernel for the whole update pays (CUDA); on the plain CPU torch's defaults."""
+        return {"capturable": self.capturable_optimizers, **({"fused": True} if self.fused_optimizers else {})}
+
+    def autotune(self, fixed_shapes: bool) -> None:
+        """Let the backend tune its kernels for shapes that never change (cuDNN's autotuner): nothing here."""
 
     # -- replicas ------------------------------------------------------------------------------
     def master_print(self, *args, **kwargs) -> None:
@@ -148,8 +177,11 @@ class Runtime:
 
     # -- the input pipeline ---------------------------------------------------------------------
     def iterate(self, loader, host):
-        """Device batches from `host` (labkit.loader.DeviceLoader's host-side iterator): here, as they come."""
-        return iter(host)
+        """Device batches from `host` (labkit.loader.DeviceLoader's host-side iterator): here, as they come, images
+        in the loader's memory format."""
+        if not loader.layout.channels_last:
+            return iter(host)
+        return (loader.layout.batch(b) for b in host)
 
     # -- RNG, precision, profiler -----------------------------------------------------------------
     def manual_seed(self, seed: int) -> None:

@@ -6,17 +6,43 @@ import torch
 
 from labkit import precision as _precision
 from labkit.runtime.base import Runtime
+from labkit.runtime.layout import Layout
+
+
+def cudnn_benchmark(fixed_shapes: bool) -> tuple[bool, str]:
+    """Whether to turn cuDNN's autotuner on (torch.backends.cudnn.benchmark), and why. It times every algorithm for
+    each new convolution shape once, then reuses the fastest: it pays when shapes repeat (a DeviceLoader that drops
+    the short last batch makes every step the same shape) and costs a search per shape when they do not."""
+    if fixed_shapes:
+        return (
+            True,
+            "every training batch has one shape (the short last one is dropped): each convolution is tuned once",
+        )
+    return False, "batch shapes vary (drop_partial=False): a new search for every new shape would cost more"
 
 
 class CudaRuntime(Runtime):
     """torch's own CUDA: eager, asynchronous kernels; under torchrun one process per GPU over nccl."""
 
     backs = (("cuda", False),)
+    fused_optimizers = True  # AdamW(fused=True): one multi-tensor kernel for the update instead of a few per tensor
+    layout = Layout(
+        True,
+        "CUDA: tensor cores read NHWC, and cuDNN transposes an NCHW convolution in and out of it (ResNet-50, 224 px, "
+        "batch 128, bf16, a hand loop on an H200, 2026-11-28: 54.6 ms a step in NCHW, 29.5 ms in channels_last)",
+    )
     # TrainConfig.compile="auto" compiles the step for runs longer than the compile's payback on CUDA
     # (labkit.runtime.step.PAYBACK_STEPS["cuda"], from bench/bench_compile.py --device cuda)
 
     def wait(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def autotune(self, fixed_shapes: bool) -> None:
+        on, why = cudnn_benchmark(fixed_shapes)
+        torch.backends.cudnn.benchmark = on
+        if not self._said_tune:
+            self._said_tune = True
+            self.master_print(f"[labkit] cuDNN autotuner {'on' if on else 'off'}: {why}")
 
     def ddp_device_ids(self):
         return [self.device.index]

@@ -9,6 +9,7 @@ import torch
 from labkit import precision as _precision
 from labkit.runtime import step as _step
 from labkit.runtime.base import Runtime
+from labkit.runtime.layout import SETTINGS, Layout, has_conv2d
 
 
 class XlaRuntime(Runtime):
@@ -43,6 +44,16 @@ class XlaRuntime(Runtime):
         import torch_xla.core.xla_model as xm
 
         xm.wait_device_ops()
+
+    def choose_layout(self, model, setting: str = "auto") -> Layout:
+        """Contiguous, whatever is asked: XLA's compiler picks each tensor's layout for the chip itself, so an eager
+        tensor's strides would only add a transpose to the graph."""
+        if setting not in SETTINGS:
+            raise ValueError(f"TrainConfig.memory_format={setting!r}: expected one of {', '.join(SETTINGS)}")
+        if not has_conv2d(model):
+            return self._say_layout(Layout(False, "the model has no 2-D convolution"))
+        asked = f" (memory_format={setting!r} ignored)" if setting not in ("auto", "contiguous") else ""
+        return self._say_layout(Layout(False, f"XLA chooses its own layouts for the chip{asked}"))
 
     def step_capture(self, setting: str = "auto", backend: str = "inductor", steps: int | None = None):
         """The lazy trace is this backend's capture: the step is recorded and compiled at sync(), so it stays as it

@@ -10,6 +10,9 @@ ResNet-18 (BatchNorm), the runs a GPU node takes next. Process 0 writes OUT (JSO
 - "rng": each process seeded differently; saved with DCP; a new Trainer resumed from it: each process's torch RNG
   state as saved, and the checkpoint's rng_by_process.
 - "nan": process 1's second batch is NaN: what each process raised, and at which step.
+- "layout": fsdp2 and replicate (DDP) in channels_last and in contiguous NCHW, 3 steps in float32 each: the losses,
+  whether each step's batch and the first conv's weight were channels_last (DDP keeps the weights' format; FSDP2's
+  gathered weights are contiguous, the batch carries the format).
 - "folder": labkit.train.run_folder with process 1's clock 1.5 s behind process 0's: the folder each one got.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/children/fsdp_resnet.py OUT CKPT_DIR
@@ -48,23 +51,52 @@ class Listed(list):
         pass
 
 
-def trainer(rt, precision, steps, train=None, val=None, ckpt=None, resume=False, accum_steps=1):
+def trainer(
+    rt, precision, steps, train=None, val=None, ckpt=None, resume=False, accum_steps=1, cls=labkit.Trainer, **kw
+):
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=CLASSES)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    kw.setdefault("parallel", "fsdp2")
+    if kw["parallel"] == "fsdp2":
+        kw.setdefault("fsdp_accumulate", "gathered")
     cfg = labkit.TrainConfig(
         epochs=1,
         max_steps=steps,
         log_every=1,
         eval_every=0,
-        parallel="fsdp2",
         resume=resume,
         checkpoint_every=0,
         accum_steps=accum_steps,
-        fsdp_accumulate="gathered",
+        **kw,
     )
     train = Listed(train if train is not None else batches(steps * accum_steps, 10 + rt.ordinal))
-    return labkit.Trainer(model, opt, rt, cfg, train, Listed(val or []), checkpoint=ckpt, precision=precision)
+    return cls(model, opt, rt, cfg, train, Listed(val or []), checkpoint=ckpt, precision=precision)
+
+
+class Watched(labkit.Trainer):
+    """Notes, at each step, whether the batch and the first convolution's weight are channels_last."""
+
+    seen: list
+
+    def train_step(self, batch):
+        cl = torch.channels_last
+        w = self.module.conv1.weight
+        w = w.full_tensor() if hasattr(w, "full_tensor") else w  # FSDP2 between steps: the shard
+        self.seen = getattr(self, "seen", []) + [
+            [batch[0].is_contiguous(memory_format=cl), w.is_contiguous(memory_format=cl)]
+        ]
+        return super().train_step(batch)
+
+
+def run_layout(rt):
+    out = {}
+    for parallel in ("fsdp2", "replicate"):
+        for fmt in ("channels_last", "contiguous"):
+            t = trainer(rt, None, 3, cls=Watched, parallel=parallel, memory_format=fmt)
+            t.fit()
+            out[f"{parallel} {fmt}"] = {"losses": [r["loss"] for r in t.history], "seen": t.seen}
+    return out
 
 
 def val_shares(rt):
@@ -179,6 +211,7 @@ def main():
         ("rng", lambda: run_rng(rt, ckpt_dir)),
         ("nan", lambda: run_nan(rt)),
         ("folder", lambda: run_folder(rt, ckpt_dir + "-runs")),
+        ("layout", lambda: run_layout(rt)),
     ]:
         try:
             report[name] = fn()
