@@ -34,14 +34,27 @@ import contextlib
 import signal
 import threading
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from labkit.torchrun import side_group
 
 
 class Preempted(KeyboardInterrupt):
     """SIGTERM arrived during fit() (a preempted TPU VM, a stopped container). A KeyboardInterrupt,
     so `except Exception` in user code does not swallow it."""
+
+
+class Asked(NamedTuple):
+    """What a callback asked the Trainer for (request_stop, request_checkpoint), and a problem seen (a NaN loss):
+    under torchrun, what StepVote.share made every process's."""
+
+    stop: bool = False
+    after_epoch: bool = False
+    save: bool = False
+    problem: str | None = None
 
 
 class StepVote:
@@ -69,24 +82,35 @@ class StepVote:
     def cast(self, problem: str | None = None) -> str | None:
         """Every process's vote (a collective: every process calls it at the same step). Sets agreed_on (SIGTERM
         anywhere) and returns the problem seen anywhere ("on process r: ..."), else None."""
+        return self.share(problem).problem
+
+    def share(self, problem: str | None = None, asked: Asked | None = None) -> Asked:
+        """cast() that also carries what a callback asked for on any process (`asked`: its stop, stop after the
+        epoch, save): the returned Asked is every process's, with the problem seen anywhere. on_log runs on process 0
+        alone, a dashboard's button is pressed on one: acted on by one process, a save would wait in its agreement
+        and a stop would leave the others in the next step's collectives. Same cost: the flags ride in the one
+        all_reduce (5 int32 instead of 2)."""
+        asked = asked or Asked()
         if not self.active:
-            return problem
+            return Asked(asked.stop, asked.after_epoch, asked.save, problem)
         if self._group is None:  # the default group where it runs on the CPU, else a gloo one (made once, together)
-            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else side_group()
         # outside any dispatch mode: a step's collective count (labkit.parallel.collective_counter) is the model's
-        # traffic, which this 8-byte message is not part of
+        # traffic, which this message of a few bytes is not part of
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
-            flags = torch.tensor([int(self.got), int(problem is not None)], dtype=torch.int32)
+            mine = [self.got, problem is not None, asked.stop, asked.after_epoch, asked.save]
+            flags = torch.tensor([int(bool(v)) for v in mine], dtype=torch.int32)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-            self.agreed_on = bool(flags[0])
-            if not flags[1]:
-                return None
+            got, bad, stop, after_epoch, save = (bool(v) for v in flags.tolist())
+            self.agreed_on = got
+            if not bad:
+                return Asked(stop, after_epoch, save, None)
             seen = [None] * self.rt.world_size
             dist.all_gather_object(seen, problem, group=self._group)
         r, text = next((r, t) for r, t in enumerate(seen) if t is not None)
-        return f"{text} on process {r} of {self.rt.world_size}"
+        return Asked(stop, after_epoch, save, f"{text} on process {r} of {self.rt.world_size}")
 
     def agreed(self) -> bool:
         """Whether any process got SIGTERM (cast() without a problem)."""

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from labkit import meta_init, resume
 from labkit.accumulate import mean_of, read
 from labkit.config import TrainConfig
-from labkit.interrupts import Preempted, StepVote, finish_pending_save, sigterm_raises
+from labkit.interrupts import Asked, Preempted, StepVote, finish_pending_save, sigterm_raises
 from labkit.loader import DeviceLoader, epoch_leftovers
 from labkit.optim import check_lr, move_model, optimizer_step
 from labkit.parallel import choose as choose_plan
@@ -99,6 +99,7 @@ class Trainer:
         self.eval_history: list[dict] = []
         self.log = StepLog(rt, self.cfg, self.precision)  # losses summed on the device, read once per interval
         self._stop = self._stop_after_epoch = self._save_requested = False
+        self._asked: set = set()  # torchrun: requests not yet shared by the step vote (_share_requests)
         self._step_offset = 0  # steps trained at another batch size before a resume (see total_steps)
         self.profiler, self.vote = StepProfiler(rt), StepVote(rt)  # idle until asked; torchrun: SIGTERM and NaN
 
@@ -179,6 +180,7 @@ class Trainer:
         self.model.train()
         self.log.begin_fit()
         self._stop = self._stop_after_epoch = self._save_requested = False
+        self._asked = set()
         self.profiler.install_signal()
         with sigterm_raises(self.vote):
             try:
@@ -192,6 +194,7 @@ class Trainer:
                     if c.eval_every and self.eval_loader is not None and (self.epoch + 1) % c.eval_every == 0:
                         self.evaluate()
                     self._dispatch("on_epoch_end")
+                    self._share_requests()  # torchrun: a stop asked for at the epoch's end, on every process
                     self.epoch, self.batch_in_epoch = self.epoch + 1, 0  # a save now resumes at the next epoch
                     if self.checkpoint is not None and not c.checkpoint_every:  # 0: "at each epoch end"
                         self.checkpoint.save(self.step, self.state_dict(), metrics=self._last_metrics())
@@ -252,9 +255,10 @@ class Trainer:
         return loader
 
     def _after_step(self, batch) -> None:
-        self._last_batch = batch  # torchrun: one vote a step carries SIGTERM and a NaN seen on any process to all
-        self.log.raise_problem(self.step, self.vote.cast(self.log.take_problem()))  # before any save (NaN weights)
+        self._last_batch = batch
         self._dispatch("on_step_end", batch)  # host-side only (e.g. the dashboard notes batch shapes)
+        # torchrun: one vote a step makes SIGTERM, a NaN and a callback's stop or save on any process every process's
+        self.log.raise_problem(self.step, self._share_requests(self.log.take_problem()))  # before any save (NaN weights)
         self._save_requested |= self.vote.agreed_on  # SIGTERM to any process -> all save this step
         periodic = self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0
         if self._save_requested or periodic:
@@ -308,18 +312,33 @@ class Trainer:
     def request_stop(self, after_epoch: bool = False) -> None:
         """Stop after the current step (callable from any callback; position kept for a resume).
         after_epoch=True: finish the current epoch (its evaluation, on_epoch_end and epoch-end
-        checkpoint included), then stop; a resume starts the next epoch."""
-        if after_epoch:
-            self._stop_after_epoch = True
-        else:
-            self._stop = True
+        checkpoint included), then stop; a resume starts the next epoch. Under torchrun a request made on any
+        process (on_log runs on process 0 only) stops every process at the same step: the step vote shares it."""
+        self._ask("stop_after_epoch" if after_epoch else "stop")
 
     stop = request_stop  # older name
 
     def request_checkpoint(self) -> None:
         """Save a checkpoint after the current step, whatever checkpoint_every says (needs a
-        CheckpointManager; without one the request warns and is dropped)."""
-        self._save_requested = True
+        CheckpointManager; without one the request warns and is dropped). Under torchrun every process saves
+        that step, whichever process asked."""
+        self._ask("save_requested")
+
+    def _ask(self, what: str) -> None:
+        if self.vote.active:  # torchrun: acted on at the next step boundary, by every process (_share_requests)
+            self._asked.add(what)
+        else:
+            setattr(self, f"_{what}", True)
+
+    def _share_requests(self, problem: str | None = None) -> str | None:
+        """The requests made on any process since the last vote, and `problem` (a NaN loss), made every process's by
+        one StepVote (labkit.interrupts); returns the problem seen anywhere. One process: no collective."""
+        mine, self._asked = self._asked, set()  # one swap: a request made meanwhile waits for the next vote
+        asked = self.vote.share(problem, Asked("stop" in mine, "stop_after_epoch" in mine, "save_requested" in mine))
+        self._stop |= asked.stop
+        self._stop_after_epoch |= asked.after_epoch
+        self._save_requested |= asked.save
+        return asked.problem
 
     def request_profile(self, steps: int = 5, out_dir: str | None = None) -> None:
         """Profile the next `steps` training steps of the running (or next) fit(): a trace in its own

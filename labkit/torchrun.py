@@ -26,11 +26,12 @@ def torchrun_world() -> int:
         raise BackendError(f"environment variable WORLD_SIZE={raw!r} is not an integer (torchrun sets it)") from None
 
 
-def timeout() -> datetime.timedelta:
+def timeout(default_s: float = 600) -> datetime.timedelta:
     """How long a collective may wait for the other processes before it fails (naming itself) instead of hanging:
-    LABKIT_DIST_TIMEOUT_S seconds, 600 by default (NCCL's own default; gloo's is 30 minutes). A checkpoint save does
-    not count against it: labkit.checkpoint saves on a group of its own."""
-    raw = os.environ.get("LABKIT_DIST_TIMEOUT_S", "600")
+    LABKIT_DIST_TIMEOUT_S seconds, else `default_s` (600: NCCL's own default; gloo's is 30 minutes). The default group
+    and every side group (side_group) get it; the checkpoint's group defaults to an hour (a slow upload is waited
+    for there), and LABKIT_DIST_TIMEOUT_S, where set, is its timeout too."""
+    raw = os.environ.get("LABKIT_DIST_TIMEOUT_S", "").strip() or str(default_s)
     try:
         seconds = float(raw)
         if seconds <= 0:
@@ -38,6 +39,15 @@ def timeout() -> datetime.timedelta:
     except ValueError:
         raise BackendError(f"LABKIT_DIST_TIMEOUT_S={raw!r}: expected a number of seconds > 0") from None
     return datetime.timedelta(seconds=seconds)
+
+
+def side_group(default_s: float = 600):
+    """A new gloo group over every process, for small CPU agreements beside the training's collectives (the step
+    vote, the evaluation's lockstep, a checkpoint's agreements), with timeout(default_s): without it gloo waits 30
+    minutes. A collective itself: every process makes it at the same point."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=timeout(default_s))
 
 
 def setup_cpu() -> Runtime:

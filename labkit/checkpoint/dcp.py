@@ -174,6 +174,8 @@ class Sharded(ShardedTogether):
         rec["labkit"] = __version__  # a labkit too old to read it can then say so
         if record.get("best"):
             rec["best"] = record["best"]
+        if record.get("position"):  # what restore(check=...) refuses a resume by, before any tensor is read
+            rec["position"] = record["position"]
         data = json.dumps(rec).encode()
         try:  # create-only: a second writer committing the same step fails instead of overwriting
             self.store.put_if_absent(f"{folder_name(step)}/{MARKER}", data, gcs.crc32c_b64(data))

@@ -60,6 +60,18 @@ from labkit.cloud import open_store
 FORMATS = ("auto", "file", "sharded")
 
 
+def position(state) -> dict:
+    """What a commit record keeps of the state for restore(check=...) to read before any tensor: its plain entries
+    (numbers, strings, flat dicts of them: the step, epoch, data position, optimizer class and dataset identity of
+    labkit.resume), a few hundred bytes. Under torchrun, process 0's."""
+    plain = (bool, int, float, str, type(None))
+    out = {}
+    for k, v in state.items() if isinstance(state, dict) else ():
+        if isinstance(v, plain) or isinstance(v, dict) and all(isinstance(x, plain) for x in v.values()):
+            out[k] = v
+    return out
+
+
 class CheckpointManager(Together):
     def __init__(
         self,
@@ -175,10 +187,10 @@ class CheckpointManager(Together):
         if not self._master:
             return True
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
-        self.writer.submit(step, self._write, fmt, int(step), cpu, meta, dict(self.best or {}))
+        self.writer.submit(step, self._write, fmt, int(step), cpu, meta, dict(self.best or {}), position(state))
         return True
 
-    def _write(self, fmt, step, cpu_state, metrics, best):
+    def _write(self, fmt, step, cpu_state, metrics, best, position=None):
         """In the writer's thread: store the bytes, prove the lock, commit, prune."""
         name = fmt.name(step)
         try:
@@ -188,7 +200,7 @@ class CheckpointManager(Together):
             entries = self._entries()  # listed once: the lock keeps other writers out until the prune
             kept = self._retained(step, best, entries)
             self.store.check_writer()  # the commit point: only while the lock is still ours
-            fmt.commit(step, info, {"metrics": metrics, "best": best or None}, kept)
+            fmt.commit(step, info, {"metrics": metrics, "best": best or None, "position": position}, kept)
         except BaseException:
             fmt.abort(step)
             raise
@@ -242,7 +254,7 @@ class CheckpointManager(Together):
                 self.store.release_writer()
 
     # -- reading -----------------------------------------------------------------------------------
-    def restore(self, step: int | None = None, map_location="cpu", into: dict | None = None):
+    def restore(self, step: int | None = None, map_location="cpu", into: dict | None = None, check=None):
         """The verified state of the newest committed step (or of `step`), or None when nothing was saved;
         the pointer or commit record of what was loaded is then self.restored. A damaged newest step warns
         and falls back to the previous committed one, whichever format; a damaged explicit `step` raises.
@@ -250,11 +262,18 @@ class CheckpointManager(Together):
 
         A step in the sharded format is read through DCP into `into`, in place (its tensors keep their
         device and sharding: any mesh, or none), and `into` is returned; without `into`, into new full CPU
-        tensors. A one-file step returns the loaded CPU state."""
+        tensors. A one-file step returns the loaded CPU state.
+
+        check: a function that refuses a step by raising (labkit.resume's data and optimizer checks), given the
+        step's recorded position (its commit record's `position`: the state's plain entries, such as step, epoch,
+        the data position and the dataset's identity) before any tensor is read, so that a refused resume leaves
+        `into` (the live model) as it was; given the loaded state instead for a step recorded without one (an older
+        labkit's, a one-file step). Under torchrun every process runs it, and a refusal on any process is every
+        process's (ValueError naming the process)."""
         self.wait()
         self._continues = True  # a run that restored may save any step
         if self.formats["sharded"].together(self.rt):  # torchrun: one decision for every process
-            return self._restore_together(step, into, map_location)
+            return self._restore_together(step, into, map_location, check)
         entries = self._entries()
         if step is not None:
             found = [(s, f, c) for s, f, c in entries if s == step]
@@ -264,7 +283,7 @@ class CheckpointManager(Together):
             s, fmt, committed = max(found, key=lambda e: e[2])
             if not committed and fmt.unfinished(step):  # a one-file step verifies on its own; a DCP folder does not
                 raise FileNotFoundError(f"checkpoint {self.store.url(fmt.name(step))}: {fmt.unfinished(step)}")
-            state, self.restored = fmt.read(step, into, map_location)
+            state, self.restored = self._read_checked(fmt, step, into, map_location, check)
             return state
         tried = []
         for s, fmt, committed in reversed(entries):
@@ -274,7 +293,7 @@ class CheckpointManager(Together):
                 continue
             tried.append(fmt.name(s))
             try:
-                state, record = fmt.read(s, into, map_location)
+                state, record = self._read_checked(fmt, s, into, map_location, check)
             except ReadFailed:
                 raise  # unreachable is not damaged: an older step would quietly undo progress
             except Exception as e:
@@ -288,6 +307,20 @@ class CheckpointManager(Together):
         if tried:
             raise RuntimeError(f"no readable checkpoint under {self.root} (tried {tried})")
         return None
+
+    def _read_checked(self, fmt, step, into, map_location, check, rec=None, precheck=None):
+        """fmt.read of `step`, refused by `check` first where its record holds the position (see restore); `rec`:
+        the sharded step's commit record, read already; precheck(position) runs `check` itself (under torchrun: as
+        one decision)."""
+        if check is not None and fmt.kind == "sharded" and rec is None:
+            rec = fmt.marker(step)
+        saved = (rec or {}).get("position") if check is not None else None
+        if saved is not None:
+            (precheck or check)(saved)  # before DCP fills `into` in place
+        state, record = fmt.read(step, into, map_location, rec=rec) if rec else fmt.read(step, into, map_location)
+        if check is not None and saved is None:
+            check(state)
+        return state, record
 
     def latest(self) -> dict | None:
         """The record of the newest commit: the `latest` pointer (one file) or the COMMITTED record of the

@@ -24,12 +24,10 @@ GROUP_TIMEOUT_S = 3600
 
 def checkpoint_group():
     """A new gloo group over every process (a collective: every process calls it at the same point, once per
-    manager)."""
-    from datetime import timedelta
+    manager); its timeout LABKIT_DIST_TIMEOUT_S where set, else GROUP_TIMEOUT_S (labkit.torchrun.side_group)."""
+    from labkit.torchrun import side_group
 
-    import torch.distributed as dist
-
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    return side_group(GROUP_TIMEOUT_S)
 
 
 def cpu_copy(o):

@@ -1,0 +1,154 @@
+"""Run under torchrun by tests/test_agreement.py: decisions, failures and waits that every process shares, each a
+case on 2 gloo processes (FSDP2 on labkit.lessons.fsdp_trainer's tiny GPT and data).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/children/agreement.py JOB.json
+
+JOB.json: {"out": PATH, "runs": [{"name", "case", ...}, ...]}, in order. Each case returns a dict on every process;
+the report holds, per name, the list of every process's dict (an exception: {"error": its text}). The report is
+written after each case, so a launch stopped by a hang still shows what finished.
+"""
+
+import json
+import os
+import sys
+import traceback
+import warnings
+import zlib
+
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit.checkpoint import CheckpointManager
+from labkit.lessons.fsdp_trainer import GlobalLoss, Rows, gpt_config
+from labkit.models.gpt import GPT, adamw
+
+
+def trainer_for(rt, spec, callbacks=(), ckpt=None):
+    g = torch.Generator().manual_seed(1)
+    text = torch.randint(0, 8, (spec.get("steps", 6) * spec.get("accum_steps", 1), 16, 17), generator=g)
+    torch.manual_seed(0)
+    model = GPT(gpt_config())
+    cfg = labkit.TrainConfig(
+        epochs=1,
+        max_steps=spec.get("stop_at", spec.get("steps", 6)),
+        log_every=1,
+        eval_every=0,
+        clip_norm=1.0,
+        parallel=spec.get("parallel", "fsdp2"),
+        accum_steps=spec.get("accum_steps", 1),
+        checkpoint_every=spec.get("checkpoint_every", 1000),
+        resume=spec.get("resume", False),
+    )
+    loader = Rows(text, rt.ordinal, rt.world_size)
+    if rt.ordinal in spec.get("more_data_on", []):  # another dataset on this process: 16 samples more
+        loader.dataset = loader.dataset + list(range(16))
+    trainer = GlobalLoss(model, adamw(model, 1e-2, rt=rt), rt, cfg, loader, callbacks=list(callbacks), checkpoint=ckpt)
+    trainer.global_losses = None
+    return trainer
+
+
+def checksum(module) -> int:
+    """crc32 of this process's parameter shards: equal before and after means the model was not touched."""
+    crc = 0
+    for _, p in sorted(module.named_parameters()):
+        t = p.to_local() if hasattr(p, "to_local") else p
+        crc = zlib.crc32(t.detach().contiguous().numpy().tobytes(), crc)
+    return crc
+
+
+def fit(rt, trainer):
+    """fit(), then the manager closed; {"step", "error"?}."""
+    out = {}
+    try:
+        trainer.fit()
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if trainer.checkpoint is not None:
+            try:
+                trainer.checkpoint.close()
+            except Exception as e:
+                out.setdefault("error", f"{type(e).__name__}: {e}")
+    out["step"] = trainer.step
+    return out
+
+
+# -- the cases -------------------------------------------------------------------------------------------------
+def case_plan(rt, spec):
+    """LABKIT_MEMORY_MB differs per process (budget_mb: one per process) while "auto" picks the plan and the
+    accumulation mode."""
+    os.environ["LABKIT_MEMORY_MB"] = str(spec["budget_mb"][rt.ordinal])
+    try:
+        trainer = trainer_for(rt, spec)
+    finally:
+        os.environ.pop("LABKIT_MEMORY_MB", None)
+    out = fit(rt, trainer)
+    out["plan"] = trainer.plan.describe()
+    return out
+
+
+class Asks:
+    """A callback whose on_log (process 0 only) asks for a checkpoint at `save_at` and a stop at `stop_at`."""
+
+    def __init__(self, save_at, stop_at):
+        self.save_at, self.stop_at = save_at, stop_at
+
+    def on_log(self, trainer, rec):
+        if rec["step"] == self.save_at:
+            trainer.request_checkpoint()
+        if rec["step"] == self.stop_at:
+            trainer.request_stop()
+
+
+def case_asks(rt, spec):
+    ckpt = CheckpointManager(spec["ckpt"], keep=3, rt=rt, async_save=False)
+    trainer = trainer_for(rt, spec, [Asks(spec["save_at"], spec["ask_stop_at"])], ckpt)
+    out = fit(rt, trainer)
+    out["saved"] = sorted(n for n in os.listdir(spec["ckpt"]) if n.startswith("step-"))
+    return out
+
+
+def case_train(rt, spec):
+    ckpt = CheckpointManager(spec["ckpt"], keep=3, rt=rt, async_save=spec.get("async", False))
+    return fit(rt, trainer_for(rt, spec, (), ckpt))
+
+
+def case_refuse(rt, spec):
+    """A resume whose data differs (on the processes in more_data_on): refused on every process, the model as
+    it was built."""
+    ckpt = CheckpointManager(spec["ckpt"], keep=3, rt=rt, async_save=False)
+    trainer = trainer_for(rt, {**spec, "resume": True}, (), ckpt)
+    before = checksum(trainer.module)
+    out = fit(rt, trainer)
+    out["unchanged"] = checksum(trainer.module) == before
+    return out
+
+
+CASES = {k[5:]: v for k, v in dict(globals()).items() if k.startswith("case_")}
+
+
+def main():
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    rt = labkit.setup("cpu")  # under torchrun: one gloo process per rank
+    report = {}
+    for spec in job["runs"]:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            try:
+                mine = CASES[spec["case"]](rt, spec)
+            except Exception as e:
+                mine = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        mine["warnings"] = [str(w.message) for w in said if "step-" in str(w.message)]
+        every = [None] * rt.world_size
+        dist.all_gather_object(every, mine)
+        report[spec["name"]] = every
+        if rt.is_master:
+            with open(job["out"], "w") as f:
+                json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

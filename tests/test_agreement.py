@@ -1,0 +1,84 @@
+"""No process decides, fails or stops alone: cases on 2 gloo processes under one torchrun launch
+(tests/children/agreement.py), FSDP2 on a tiny GPT, and what one process can check without a launch.
+
+The launch runs every case in order (one launch costs ~15 s of CPU here; each case 1-3 s):
+- plan: LABKIT_MEMORY_MB of 0.5 MB on process 0 and 1000 MB on process 1; "auto" plans from the smaller on both.
+- asks: a callback's on_log (process 0 only) asks for a checkpoint at step 2 and a stop at step 3: both processes
+  save step 2 and stop after step 3.
+- refuse_all / refuse_one: a resume whose dataset differs on every process / on process 1 only is refused on every
+  process, from the commit record, before DCP reads anything into the model.
+LABKIT_DIST_TIMEOUT_S=60: a case where one process went on alone fails within a minute instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_fsdp_trainer import _start, _wait
+
+heavy = pytest.mark.heavy
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = str(ROOT / "tests" / "children" / "agreement.py")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("agree")
+    ck, asks = str(tmp / "ck"), str(tmp / "asks")
+    runs = [
+        {"name": "plan", "case": "plan", "parallel": "auto", "budget_mb": [0.5, 1000], "accum_steps": 2, "steps": 2},
+        {"name": "asks", "case": "asks", "ckpt": asks, "steps": 6, "save_at": 2, "ask_stop_at": 3},
+        {"name": "save", "case": "train", "ckpt": ck, "steps": 6, "stop_at": 2, "checkpoint_every": 2},
+        {"name": "refuse_all", "case": "refuse", "ckpt": ck, "steps": 6, "more_data_on": [0, 1]},
+        {"name": "refuse_one", "case": "refuse", "ckpt": ck, "steps": 6, "more_data_on": [1]},
+    ]
+    job = {"out": str(tmp / "out.json"), "runs": runs}
+    (tmp / "job.json").write_text(json.dumps(job))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", CHILD]
+    t0 = time.perf_counter()
+    proc, log = _start(cmd + [str(tmp / "job.json")], tmp / "run.log", env={"LABKIT_DIST_TIMEOUT_S": "60"})
+    code, text = _wait(proc, log, 300)
+    print(f"[agreement] {time.perf_counter() - t0:.1f} s")
+    out = json.loads((tmp / "out.json").read_text()) if (tmp / "out.json").exists() else {}
+    return {"code": code, "text": text, "tmp": tmp, **out}
+
+
+def _case(report, name):
+    assert name in report, f"{name} did not finish (exit {report['code']}):\n{report['text'][-4000:]}"
+    return report[name]
+
+
+@heavy
+def test_the_plan_is_decided_from_the_smallest_memory(report):
+    every = _case(report, "plan")
+    assert all("error" not in r for r in every), every
+    plans = [r["plan"] for r in every]
+    assert plans[0] == plans[1] and plans[0].startswith("fsdp2 over 2"), plans  # 0.5 MB: a copy does not fit
+    assert "accumulation sharded" in plans[0], plans
+
+
+@heavy
+def test_a_callbacks_stop_and_save_on_process_0_are_every_process(report):
+    every = _case(report, "asks")
+    assert [r.get("error") for r in every] == [None, None], every
+    assert [r["step"] for r in every] == [3, 3], every
+    assert every[0]["saved"] == ["step-00000002"], every
+    marker = json.loads((report["tmp"] / "asks" / "step-00000002" / "COMMITTED").read_text())
+    assert marker["processes"] == 2 and marker["position"]["step"] == 2, marker
+
+
+@heavy
+def test_a_refused_resume_leaves_the_model_and_every_process_refuses(report):
+    assert all("error" not in r for r in _case(report, "save")), report["save"]
+    for name in ("refuse_all", "refuse_one"):
+        every = _case(report, name)
+        errors = [r.get("error", "") for r in every]
+        assert all(e.startswith("Refused: ") and "another dataset" in e for e in errors), (name, every)
+        assert [r["unchanged"] for r in every] == [True, True], (name, every)  # DCP read nothing into the model
+        assert [r["step"] for r in every] == [0, 0], (name, every)
+    assert "process 1 of 2" in report["refuse_one"][0]["error"], report["refuse_one"]
