@@ -257,8 +257,9 @@ class Trainer:
     def _after_step(self, batch) -> None:
         self._last_batch = batch
         self._dispatch("on_step_end", batch)  # host-side only (e.g. the dashboard notes batch shapes)
-        # torchrun: one vote a step makes SIGTERM, a NaN and a callback's stop or save on any process every process's
-        self.log.raise_problem(self.step, self._share_requests(self.log.take_problem()))  # before any save (NaN weights)
+        # torchrun: one vote a step makes SIGTERM, a NaN and a callback's stop or save on any process every process's;
+        # a NaN raises before any save (NaN weights)
+        self.log.raise_problem(self.step, self._share_requests(self.log.take_problem()))
         self._save_requested |= self.vote.agreed_on  # SIGTERM to any process -> all save this step
         periodic = self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0
         if self._save_requested or periodic:
