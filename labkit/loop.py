@@ -101,6 +101,7 @@ class Trainer:
         self._stop = self._stop_after_epoch = self._save_requested = False
         self._asked: set = set()  # torchrun: requests not yet shared by the step vote (_share_requests)
         self._step_offset = 0  # steps trained at another batch size before a resume (see total_steps)
+        self._master_only = False  # inside on_log (process 0 only)
         self.profiler, self.vote = StepProfiler(rt), StepVote(rt)  # idle until asked; torchrun: SIGTERM and NaN
 
     def _wrap(self, loader):
@@ -273,7 +274,11 @@ class Trainer:
 
     def _record(self, rec: dict) -> None:
         self.history.append(rec)
-        self._dispatch("on_log", rec)
+        self._master_only = True  # torchrun: on_log runs on process 0 alone (state_dict refuses to run there)
+        try:
+            self._dispatch("on_log", rec)
+        finally:
+            self._master_only = False
 
     # -- helpers -----------------------------------------------------------------------------
     def batch_size_of(self, batch) -> int:
@@ -374,6 +379,12 @@ class Trainer:
 
     # -- state (what a checkpoint holds: model, optimizer, step, data position, RNG; labkit.resume) ---------
     def state_dict(self) -> dict:
+        """What a checkpoint holds (labkit.resume.trainer_state). Under torchrun a collective: it makes BatchNorm's
+        statistics equal and gathers every process's RNG state, so every process calls it at the same point, as
+        `checkpoint.save(step, trainer.state_dict())` on every process does. `if rt.is_master:
+        torch.save(trainer.state_dict(), path)` would wait for the others for ever (under FSDP2 it would also hold
+        only process 0's shards: save through a CheckpointManager). Called from on_log, which runs on process 0
+        alone, it raises RuntimeError instead of hanging."""
         return resume.trainer_state(self)
 
     def load_state_dict(self, state: dict) -> None:

@@ -160,6 +160,12 @@ def batches_done(state: dict, global_batch: int | None) -> int:
 
 def trainer_state(self) -> dict:  # self: the Trainer
     """What a checkpoint of this Trainer holds (Trainer.state_dict)."""
+    if getattr(self, "_master_only", False) and self.rt.world_size > 1 and self.rt.uses_ddp:
+        raise RuntimeError(
+            "Trainer.state_dict() called in on_log, which runs on process 0 only: under torchrun it is a collective "
+            "(every process calls it at the same point), so process 0 would wait for the others for ever. Ask for a "
+            "save with trainer.request_checkpoint() instead (every process saves that step)"
+        )
     self.plan.sync_buffers(self.module)  # torchrun: process 0's BatchNorm statistics, whichever copy DCP keeps
     state = {
         "model": self.plan.model_state(self.module),  # the plain names; DTensors under fsdp2 (labkit.parallel)

@@ -7,6 +7,12 @@ The launch runs every case in order (one launch costs ~15 s of CPU here; each ca
   save step 2 and stop after step 3.
 - refuse_all / refuse_one: a resume whose dataset differs on every process / on process 1 only is refused on every
   process, from the commit record, before DCP reads anything into the model.
+- prune: process 0's prune fails after a good commit: a warning on both, the run goes on.
+- stage_fail: the CPU copy of a background save fails on process 1: both raise, naming it, nothing committed.
+- reads: process 1's own reads of the store would see a step 999: latest() and the older-step rule take process 0's.
+- eval_first: an evaluation before any step, process 1 without an evaluation batch: both raise, naming process 1.
+- state_dict: Trainer.state_dict() in on_log (process 0 alone) raises instead of hanging; every process after fit().
+- timeouts: the step vote's, the lockstep's and the checkpoint's groups wait LABKIT_DIST_TIMEOUT_S.
 LABKIT_DIST_TIMEOUT_S=60: a case where one process went on alone fails within a minute instead of hanging.
 """
 
@@ -36,6 +42,12 @@ def report(tmp_path_factory):
         {"name": "save", "case": "train", "ckpt": ck, "steps": 6, "stop_at": 2, "checkpoint_every": 2},
         {"name": "refuse_all", "case": "refuse", "ckpt": ck, "steps": 6, "more_data_on": [0, 1]},
         {"name": "refuse_one", "case": "refuse", "ckpt": ck, "steps": 6, "more_data_on": [1]},
+        {"name": "prune", "case": "prune", "ckpt": str(tmp / "prune"), "steps": 6, "checkpoint_every": 2},
+        {"name": "stage_fail", "case": "stage_fail", "ckpt": str(tmp / "stage"), "steps": 4, "checkpoint_every": 2},
+        {"name": "reads", "case": "reads", "ckpt": str(tmp / "reads"), "steps": 2, "checkpoint_every": 2},
+        {"name": "eval_first", "case": "eval_first", "steps": 2},
+        {"name": "state_dict", "case": "state_dict", "steps": 2},
+        {"name": "timeouts", "case": "timeouts", "ckpt": str(tmp / "timeouts"), "steps": 2, "checkpoint_every": 2},
     ]
     job = {"out": str(tmp / "out.json"), "runs": runs}
     (tmp / "job.json").write_text(json.dumps(job))
@@ -82,3 +94,51 @@ def test_a_refused_resume_leaves_the_model_and_every_process_refuses(report):
         assert [r["unchanged"] for r in every] == [True, True], (name, every)  # DCP read nothing into the model
         assert [r["step"] for r in every] == [0, 0], (name, every)
     assert "process 1 of 2" in report["refuse_one"][0]["error"], report["refuse_one"]
+
+
+@heavy
+def test_a_failed_prune_after_a_good_commit_is_a_warning_on_every_process(report):
+    every = _case(report, "prune")
+    assert [r.get("error") for r in every] == [None, None] and [r["step"] for r in every] == [6, 6], every
+    for r in every:
+        said = " ".join(r["warnings"])
+        assert "is committed, but removing the steps it replaces failed on process 0" in said, every
+        assert "cannot delete" in said, said
+    assert every[0]["saved"][-1] == "step-00000006", every  # the next saves and prunes went on
+
+
+@heavy
+def test_a_staging_failure_on_one_process_fails_the_save_on_all(report):
+    every = _case(report, "stage_fail")
+    errors = [r.get("error", "") for r in every]
+    assert "staging failed on this host" in errors[1], every  # its own error
+    assert "failed on process 1 of 2" in errors[0] and "staging failed" in errors[0], every  # named, not a timeout
+    assert [r["step"] for r in every] == [2, 2] and every[0]["saved"] == [], every
+
+
+@heavy
+def test_reads_of_the_store_are_process_0s(report):
+    every = _case(report, "reads")
+    assert [r.get("error") for r in every] == [None, None], every  # process 1 did not refuse alone
+    assert [r["latest"] for r in every] == [None, None], every  # an empty folder, as process 0 read it
+
+
+@heavy
+def test_an_evaluation_no_process_can_pad_raises_on_every_process(report):
+    errors = [r.get("error", "") for r in _case(report, "eval_first")]
+    assert all(e.startswith("RuntimeError: evaluation: process 1 of 2 has no evaluation batch") for e in errors), errors
+
+
+@heavy
+def test_state_dict_in_on_log_is_refused_and_every_process_may_call_it(report):
+    every = _case(report, "state_dict")
+    assert [r.get("error") for r in every] == [None, None] and [r["step"] for r in every] == [2, 2], every
+    assert "on_log, which runs on process 0 only" in (every[0]["said"] or ""), every
+    assert every[1]["said"] is None and every[0]["keys"] == every[1]["keys"] and "model" in every[0]["keys"], every
+
+
+@heavy
+def test_side_groups_wait_labkit_dist_timeout_s(report):
+    every = _case(report, "timeouts")
+    assert [r.get("error") for r in every] == [None, None], every
+    assert every[0]["timeouts"] == {"vote": 60.0, "checkpoint": 60.0, "lockstep": 60.0}, every

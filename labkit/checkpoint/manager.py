@@ -101,13 +101,13 @@ class CheckpointManager(Together):
         what = "sharded checkpoint" if format == "sharded" else "checkpoint"
         self.writer = BackgroundWriter(what, self.root, async_save)  # one pending save, its error surfaces
         self.restored: dict | None = None  # the pointer / commit record of what restore() last returned
-        rec = self.latest()  # every replica: the same best value -> the same save decisions
+        self._pg = None  # under torchrun: the checkpoint's own gloo group, made at its first agreement
+        rec = self.latest()  # every replica: process 0's best value -> the same save decisions (torchrun: collective)
         best = rec.get("best") if rec else None
         self.best = self._same_best(best if isinstance(best, dict) and "value" in best else None)
         self._mine: set[str] = set()  # steps this manager stored (names): its own to replace
         self._damaged: set[str] = set()  # steps restore found damaged and fell back past: a resumed run re-saves them
         self._continues = False  # restored, or saved above the folder's newest step (labkit.checkpoint.runs)
-        self._pg = None  # under torchrun: the checkpoint's own gloo group, made at the first save or restore
 
     def _same_best(self, best):
         """The stored best, if it was measured with this manager's metric and mode; else None, saying so
@@ -171,7 +171,7 @@ class CheckpointManager(Together):
         if not (force or periodic or improved):
             return False
         if not self._continues:  # a new run in an old run's folder: refused before it mixes the two
-            newest = max((s for s, _, committed in self._entries() if committed), default=None)
+            newest = self._agreed(lambda: max((s for s, _, committed in self._entries() if committed), default=None))
             runs.refuse_older_step(self.root, step, newest)
             self._continues = True
         fmt = self._format_of(state)
@@ -324,7 +324,11 @@ class CheckpointManager(Together):
 
     def latest(self) -> dict | None:
         """The record of the newest commit: the `latest` pointer (one file) or the COMMITTED record of the
-        newest sharded step, whichever is newer (both carry step and metrics)."""
+        newest sharded step, whichever is newer (both carry step and metrics). Under torchrun (rt given) a
+        collective: process 0 reads, every process gets its answer (a store listed twice can answer twice)."""
+        return self._agreed(self._latest_here)
+
+    def _latest_here(self) -> dict | None:
         ptr = self.formats["file"].record()
         rec = self.formats["sharded"].record()
         if rec is not None and (ptr is None or rec["step"] > ptr["step"]):

@@ -134,6 +134,15 @@ class Together:
         # newest first; an uncommitted step carries what restore says when it reaches it (a crash, a kill -9)
         return [(s, f.kind, None if c else f.unfinished(s) or "") for s, f, c in reversed(entries)]
 
+    def _agreed(self, work):
+        """work()'s answer, the same on every process: under torchrun process 0's (_from_master), else work()."""
+        import torch.distributed as dist
+
+        rt = self.rt
+        if rt is None or rt.world_size <= 1 or not rt.uses_ddp or not (dist.is_available() and dist.is_initialized()):
+            return work()
+        return self._from_master(work)
+
     def _from_master(self, work):
         """work() on process 0, its result (or its error, by class name and text) on every process: one
         broadcast_object_list on the checkpoint's group. Process 0 raises its own error."""
@@ -150,7 +159,7 @@ class Together:
             dist.broadcast_object_list(payload, src=dist.get_global_rank(self._group(), 0), group=self._group())
         except Exception as e:  # the group's timeout, or process 0 gone: say what was waited for
             raise RuntimeError(
-                f"restoring from {self.root}: waiting for process 0's plan failed ({type(e).__name__}: {e})"
+                f"reading {self.root}: waiting for process 0's answer failed ({type(e).__name__}: {e})"
             ) from e
         if payload[0][0] == "ok":
             return payload[0][1]

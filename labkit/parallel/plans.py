@@ -113,27 +113,33 @@ class Processes(Single):
         batch, or `spare`, False), a forward that keeps its collectives in step with the others and counts nothing.
         Evaluation shards rarely split evenly over the processes, and under FSDP2 each forward all-gathers: the
         process with one batch more would wait in an all-gather while the others wait in the metrics' all-reduce,
-        for ever. Before each batch the processes agree whether any still has one: one all-reduce (MAX) of a
-        4-byte flag over the CPU (gloo): the cost of the step vote (labkit.interrupts.StepVote) per evaluation batch."""
+        for ever. Before each batch the processes agree whether any still has one, and whether any has nothing to
+        run (no batch and no spare: then every process raises, naming it): one all-reduce (MAX) of two 4-byte flags
+        over the CPU (gloo), the cost of the step vote (labkit.interrupts.StepVote), per evaluation batch."""
         import torch.distributed as dist
 
         group = _cpu_group(self)
         it, last = iter(batches), spare
         while True:
             batch = next(it, None)
-            flag = torch.tensor([batch is not None], dtype=torch.int32)
+            stuck = batch is None and last is None  # nothing to run a forward with, real or padding
+            flag = torch.tensor([batch is not None, stuck], dtype=torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            if not flag.item():
+            if not flag[0].item():
                 return
+            if flag[1].item():  # on every process: one of them cannot keep in step, so none starts the forward
+                every = [None] * self.rt.world_size
+                dist.all_gather_object(every, stuck, group=group)
+                who = ", ".join(str(r) for r, s in enumerate(every) if s)
+                raise RuntimeError(
+                    f"evaluation: process {who} of {self.rt.world_size} has no evaluation batch left while others do, "
+                    "and no training batch to run the padding forwards with (an evaluation before the first training "
+                    "step): give every process at least one evaluation batch (fewer processes, or more evaluation "
+                    "shards), or evaluate after training a step"
+                )
             if batch is not None:
                 last = batch
                 yield batch, True
-            elif last is None:
-                raise RuntimeError(
-                    f"evaluation: process {self.rt.ordinal} of {self.rt.world_size} has no evaluation batch at all "
-                    "while others do, and no training batch to run the padding forwards with: give every process at "
-                    "least one evaluation batch (fewer processes, or more evaluation shards)"
-                )
             else:
                 yield last, False
 

@@ -125,6 +125,108 @@ def case_refuse(rt, spec):
     return out
 
 
+def case_prune(rt, spec):
+    """Process 0's first prune fails after a good commit (keep=1: the save of step 4 removes step 2)."""
+    ckpt = CheckpointManager(spec["ckpt"], keep=1, rt=rt, async_save=True)
+    if rt.is_master:
+        prune = ckpt._prune
+
+        def failing(*a, **k):
+            ckpt._prune = prune
+            raise OSError(f"cannot delete in {spec['ckpt']} (simulated)")
+
+        ckpt._prune = failing
+    out = fit(rt, trainer_for(rt, spec, (), ckpt))
+    out["saved"] = sorted(n for n in os.listdir(spec["ckpt"]) if n.startswith("step-"))
+    return out
+
+
+def case_stage_fail(rt, spec):
+    """The CPU copy of process 1's shards fails (an out-of-memory host, say) at the first background save."""
+    from labkit.checkpoint import together
+
+    copy = together.cpu_copy
+    if rt.ordinal == 1:
+
+        def failing(o):
+            raise MemoryError("staging failed on this host (simulated)")
+
+        together.cpu_copy = failing
+    try:
+        ckpt = CheckpointManager(spec["ckpt"], keep=3, rt=rt, async_save=True)
+        out = fit(rt, trainer_for(rt, spec, (), ckpt))
+    finally:
+        together.cpu_copy = copy
+    out["saved"] = (
+        sorted(n for n in os.listdir(spec["ckpt"]) if n.startswith("step-")) if os.path.isdir(spec["ckpt"]) else []
+    )
+    return out
+
+
+def case_reads(rt, spec):
+    """Process 1's view of the store is stale or ahead (an eventually consistent listing): its own reads would say a
+    newer step 999 exists. latest() and the older-step rule must take process 0's."""
+    ckpt = CheckpointManager(spec["ckpt"], keep=3, rt=rt, async_save=False)
+    if rt.ordinal == 1:
+        fmt = ckpt.formats["sharded"]
+        fmt.record = lambda: {"step": 999, "metrics": {}}
+        ckpt._entries = lambda: [(999, fmt, True)]
+    latest = ckpt.latest()
+    out = fit(rt, trainer_for(rt, spec, (), ckpt))
+    out["latest"] = latest
+    return out
+
+
+def case_eval_first(rt, spec):
+    """An evaluation before any training step (no spare batch) where process 1 has no evaluation batch."""
+    trainer = trainer_for(rt, spec)
+    g = torch.Generator().manual_seed(2)
+    text = torch.randint(0, 8, (1, 16, 17), generator=g)
+    trainer.eval_loader = trainer._wrap(Rows(text[: 1 - rt.ordinal], rt.ordinal, rt.world_size))
+    try:
+        trainer.evaluate()
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {}
+
+
+class StateInOnLog:
+    """A callback that calls trainer.state_dict() in on_log (process 0 only) and keeps what it raised."""
+
+    said = None
+
+    def on_log(self, trainer, rec):
+        if rec["step"] == 1:
+            try:
+                trainer.state_dict()
+            except RuntimeError as e:
+                self.said = str(e)
+
+
+def case_state_dict(rt, spec):
+    cb = StateInOnLog()
+    trainer = trainer_for(rt, spec, [cb])
+    out = fit(rt, trainer)
+    state = trainer.state_dict()  # the documented path: every process, at the same point
+    out.update(said=cb.said, keys=sorted(k for k in state if not k.startswith("rng")))
+    return out
+
+
+def case_timeouts(rt, spec):
+    """The timeouts of the side groups a run makes: the step vote's, the lockstep's, the checkpoint's."""
+    ckpt = CheckpointManager(spec["ckpt"], keep=3, rt=rt, async_save=False)
+    trainer = trainer_for(rt, spec, (), ckpt)
+    out = fit(rt, trainer)
+    groups = {"vote": trainer.vote._group, "checkpoint": ckpt._pg}
+    trainer.eval_loader = trainer._wrap(trainer.train_loader.loader)
+    trainer.evaluate()
+    groups["lockstep"] = trainer.plan._cpu
+    out["timeouts"] = {
+        k: g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for k, g in groups.items()
+    }
+    return out
+
+
 CASES = {k[5:]: v for k, v in dict(globals()).items() if k.startswith("case_")}
 
 
