@@ -50,6 +50,30 @@ def side_group(default_s: float = 600):
     return dist.new_group(backend="gloo", timeout=timeout(default_s))
 
 
+def wait_for_all(rt, tag: str, what: str, timeout_s: float = 3600) -> None:
+    """A barrier through the store torch.distributed's processes share (the TCP store of torchrun's rendezvous), not
+    a collective: while one process prepares data the others need (downloads, writes shards), an NCCL barrier would
+    end the job after its 600 s watchdog. Every process calls it with the same tag, in the same order; TimeoutError
+    naming `what` after timeout_s. One process, or XLA's replicas: rt.rendezvous(tag)."""
+    import torch.distributed as dist
+
+    if rt.world_size <= 1 or not rt.uses_ddp or not (dist.is_available() and dist.is_initialized()):
+        rt.rendezvous(tag)
+        return
+    store = dist.distributed_c10d._get_default_store()
+    key = f"labkit/{tag}/{int(store.add(f'labkit/{tag}/round/{rt.ordinal}', 1))}"  # a tag used again: a new key
+    if store.add(f"{key}/arrived", 1) == rt.world_size:
+        store.set(f"{key}/all", b"1")
+    try:
+        store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # the store's timeout (or its host gone)
+        arrived = int(store.add(f"{key}/arrived", 0))
+        raise TimeoutError(
+            f"{what}: process {rt.ordinal} of {rt.world_size} waited {timeout_s:g} s for the others ({arrived} of "
+            f"{rt.world_size} arrived at {tag!r}; {type(e).__name__}: {e})"
+        ) from e
+
+
 def setup_cpu() -> Runtime:
     """Plain PyTorch on the CPU; under torchrun one process per rank, joined over gloo (the CPU
     collective backend), over which DDP or FSDP2 (labkit.parallel) reduce gradients."""

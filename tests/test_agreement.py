@@ -13,6 +13,7 @@ The launch runs every case in order (one launch costs ~15 s of CPU here; each ca
 - eval_first: an evaluation before any step, process 1 without an evaluation batch: both raise, naming process 1.
 - state_dict: Trainer.state_dict() in on_log (process 0 alone) raises instead of hanging; every process after fit().
 - timeouts: the step vote's, the lockstep's and the checkpoint's groups wait LABKIT_DIST_TIMEOUT_S.
+- prep_wait: a wait for another process's data preparation goes through the store and names what it waited for.
 LABKIT_DIST_TIMEOUT_S=60: a case where one process went on alone fails within a minute instead of hanging.
 """
 
@@ -48,6 +49,7 @@ def report(tmp_path_factory):
         {"name": "eval_first", "case": "eval_first", "steps": 2},
         {"name": "state_dict", "case": "state_dict", "steps": 2},
         {"name": "timeouts", "case": "timeouts", "ckpt": str(tmp / "timeouts"), "steps": 2, "checkpoint_every": 2},
+        {"name": "prep_wait", "case": "prep_wait"},
     ]
     job = {"out": str(tmp / "out.json"), "runs": runs}
     (tmp / "job.json").write_text(json.dumps(job))
@@ -142,3 +144,41 @@ def test_side_groups_wait_labkit_dist_timeout_s(report):
     every = _case(report, "timeouts")
     assert [r.get("error") for r in every] == [None, None], every
     assert every[0]["timeouts"] == {"vote": 60.0, "checkpoint": 60.0, "lockstep": 60.0}, every
+
+
+@heavy
+def test_a_wait_for_data_preparation_goes_through_the_store_and_names_its_wait(report):
+    every = _case(report, "prep_wait")
+    assert [r.get("passed") for r in every] == [True, True], every  # the same tag again: a new wait, passed
+    said = every[1].get("error", "")
+    assert said.startswith("waiting for process 0's data: process 1 of 2 waited 1 s") and "'prep'" in said, every
+    assert "error" not in every[0], every
+
+
+def test_side_groups_under_nccl_get_labkit_dist_timeout_s(monkeypatch):
+    """Under NCCL the step vote and the lockstep make gloo groups of their own: each gets LABKIT_DIST_TIMEOUT_S,
+    the checkpoint's too (where set; else an hour), not gloo's 30 minutes."""
+    import torch
+    import torch.distributed as dist
+
+    from labkit.checkpoint.together import checkpoint_group
+    from labkit.interrupts import StepVote
+    from labkit.parallel.plans import Processes, _cpu_group
+    from labkit.runtime import Runtime
+
+    made = []
+    monkeypatch.setenv("LABKIT_DIST_TIMEOUT_S", "42")
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(dist, "new_group", lambda **k: made.append(k) or object())
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: None)
+    rt = Runtime("cuda", torch.device("cpu"), 2, 0, 0, 1, False, {})
+    _cpu_group(Processes(rt))
+    vote = StepVote(rt)
+    vote.active = True
+    vote.cast()
+    checkpoint_group()
+    assert [k.get("backend") for k in made] == ["gloo"] * 3, made
+    assert [k.get("timeout") and k["timeout"].total_seconds() for k in made] == [42.0] * 3, made
+    monkeypatch.delenv("LABKIT_DIST_TIMEOUT_S")
+    checkpoint_group()
+    assert made[-1]["timeout"].total_seconds() == 3600, made  # the checkpoint's own default: uploads take long

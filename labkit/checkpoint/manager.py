@@ -51,25 +51,13 @@ from labkit.checkpoint.dcp import Sharded, folder_name  # noqa: F401  (folder_na
 from labkit.checkpoint.formats import OneFile
 from labkit.checkpoint.pointer import object_name  # noqa: F401  (also public here: labkit.checkpoint.object_name)
 from labkit.checkpoint.shards import is_sharded
-from labkit.checkpoint.state import ReadFailed, check_compatible, refuse_nonfinite, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
+from labkit.checkpoint.state import ReadFailed, check_compatible, position, refuse_nonfinite, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
 from labkit.checkpoint.together_manager import Together
 from labkit.checkpoint.writer import BackgroundWriter
 from labkit.cloud import open_store
 
 # "auto": one file, or DCP shards (labkit.checkpoint.dcp) when any tensor of the state is split over devices
 FORMATS = ("auto", "file", "sharded")
-
-
-def position(state) -> dict:
-    """What a commit record keeps of the state for restore(check=...) to read before any tensor: its plain entries
-    (numbers, strings, flat dicts of them: the step, epoch, data position, optimizer class and dataset identity of
-    labkit.resume), a few hundred bytes. Under torchrun, process 0's."""
-    plain = (bool, int, float, str, type(None))
-    out = {}
-    for k, v in state.items() if isinstance(state, dict) else ():
-        if isinstance(v, plain) or isinstance(v, dict) and all(isinstance(x, plain) for x in v.values()):
-            out[k] = v
-    return out
 
 
 class CheckpointManager(Together):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import warnings
 
-from labkit.checkpoint.state import ReadFailed
+from labkit.checkpoint.state import ReadFailed, position
 
 
 class Refused(ValueError):
@@ -55,8 +55,6 @@ class Together:
         replace = lambda: self._may_replace(fmt, step)  # noqa: E731
         pending = fmt.begin_together(step, state, self.rt, group, replace, background=self.async_save)
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
-        from labkit.checkpoint.manager import position
-
         self.writer.submit(step, self._finish_together, fmt, pending, meta, best, group, position(state))
         return True
 

@@ -227,6 +227,27 @@ def case_timeouts(rt, spec):
     return out
 
 
+def case_prep_wait(rt, spec):
+    """labkit.torchrun.wait_for_all: process 1 waits 1 s for process 0, which arrives only once process 1 has timed
+    out (told through the store, so no clock decides the order); then both pass a second wait of the same tag."""
+    from labkit.torchrun import wait_for_all
+
+    store = dist.distributed_c10d._get_default_store()
+    out = {}
+    if rt.ordinal == 1:
+        try:
+            wait_for_all(rt, "prep", "waiting for process 0's data", timeout_s=1)
+        except TimeoutError as e:
+            out["error"] = str(e)
+        store.set("test/timed-out", b"1")
+    else:
+        store.wait(["test/timed-out"])
+        wait_for_all(rt, "prep", "waiting for process 0's data", timeout_s=60)
+    wait_for_all(rt, "prep", "the second wait", timeout_s=60)
+    out["passed"] = True
+    return out
+
+
 CASES = {k[5:]: v for k, v in dict(globals()).items() if k.startswith("case_")}
 
 
