@@ -52,12 +52,22 @@ from labkit.checkpoint.formats import OneFile
 from labkit.checkpoint.pointer import object_name  # noqa: F401  (also public here: labkit.checkpoint.object_name)
 from labkit.checkpoint.shards import is_sharded
 from labkit.checkpoint.state import ReadFailed, check_compatible, position, refuse_nonfinite, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
-from labkit.checkpoint.together_manager import Together
+from labkit.checkpoint.together_manager import Refused, Together
 from labkit.checkpoint.writer import BackgroundWriter
 from labkit.cloud import open_store
 
 # "auto": one file, or DCP shards (labkit.checkpoint.dcp) when any tensor of the state is split over devices
 FORMATS = ("auto", "file", "sharded")
+
+
+def _refuse(check, what) -> None:
+    """check(what); what it raises becomes Refused (a ValueError: never read as a damaged step to fall back past)."""
+    try:
+        check(what)
+    except Refused:
+        raise
+    except Exception as e:
+        raise Refused(str(e)) from e
 
 
 class CheckpointManager(Together):
@@ -282,8 +292,8 @@ class CheckpointManager(Together):
             tried.append(fmt.name(s))
             try:
                 state, record = self._read_checked(fmt, s, into, map_location, check)
-            except ReadFailed:
-                raise  # unreachable is not damaged: an older step would quietly undo progress
+            except (ReadFailed, Refused):
+                raise  # unreachable is not damaged: an older step would quietly undo progress; refused is refused
             except Exception as e:
                 if not fmt.damaged(e):
                     raise
@@ -304,10 +314,11 @@ class CheckpointManager(Together):
             rec = fmt.marker(step)
         saved = (rec or {}).get("position") if check is not None else None
         if saved is not None:
-            (precheck or check)(saved)  # before DCP fills `into` in place
+            _refuse(precheck or check, saved)  # before DCP fills `into` in place
         state, record = fmt.read(step, into, map_location, rec=rec) if rec else fmt.read(step, into, map_location)
         if check is not None and saved is None:
-            check(state)
+            # one process: refused here; under torchrun (precheck) the restore's verdict makes it every process's
+            _refuse(check, state) if precheck is None else check(state)
         return state, record
 
     def latest(self) -> dict | None:
