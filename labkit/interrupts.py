@@ -3,7 +3,7 @@
     with sigterm_raises():          # SIGTERM (a preempted TPU VM, a stopped container) -> Preempted
         ...train...
     finish_pending_save(manager, rt, step, interrupt=e)
-    vote = StepVote(rt)             # torchrun: SIGTERM or a NaN on one process stops them all at one step
+    vote = StepVote(rt)             # torchrun: SIGTERM, a NaN or a callback's stop on one process stops all at one step
     with sigterm_raises(vote): ...; problem = vote.cast(mine); if vote.agreed_on: save; vote.stop_if_agreed(step)
 
 A preempted TPU VM or a stopped Colab runtime gets SIGTERM, whose default action ends the process at
@@ -64,15 +64,17 @@ class StepVote:
     others would train on into the next collective and wait there until a timeout). At each step boundary `cast()`
     takes the MAX of both flags over all processes: every process then saves the same step and stops (SIGTERM), or
     raises the same FloatingPointError before any save (a problem, its text sent to all with one all_gather_object,
-    only when there is one).
+    only when there is one). share() carries a callback's requests the same way (a stop, a stop after the epoch, a
+    save: on_log runs on process 0 only), so every process stops or saves at the same step.
 
-    The cost: one all_reduce of two int32 per optimizer step, on a gloo group over the host's CPUs (a group of its
+    The cost: one all_reduce of five int32 per optimizer step, on a gloo group over the host's CPUs (a group of its
     own under NCCL), so it never waits for the accelerator: a round trip of a few bytes between the processes, 0.5-1.9
     ms a step measured on a 2-core host loaded with ~10 runnable processes (bench/bench_fsdp.py prints it: 0.1-1 % of
     a 190 ms step; on a quiet host expect loopback TCP's tens of microseconds, not measured here), about a network
     round trip between hosts; it is left out of labkit.parallel.collective_counter's counts, which are the model's traffic. One
     process (or XLA's replicas, whose collectives torch.distributed does not run): inactive, SIGTERM raises Preempted
-    at once and a problem raises where it was seen."""
+    at once and a problem raises where it was seen. Its group (under NCCL) waits LABKIT_DIST_TIMEOUT_S
+    (labkit.torchrun.side_group)."""
 
     def __init__(self, rt):
         self.rt = rt

@@ -5,6 +5,10 @@
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in every process it starts;
 torch.distributed reads them in init_process_group. How the Trainer then lays the model out over the processes
 (DDP, FSDP2) is the run's plan: labkit.parallel (TrainConfig.parallel).
+
+Every wait on another process has a timeout that names what it waited for: the default group's and every side gloo
+group's (side_group: the step vote, the evaluation's lockstep, a checkpoint's agreements) is LABKIT_DIST_TIMEOUT_S
+(timeout()); a wait for another process's data preparation goes through the store (wait_for_all), an hour at most.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from labkit.checkpoint.state import ReadFailed
 # slowest process to upload its shards while the others wait in agree(). Its own group, not the default one: a save
 # finishing in the background thread issues collectives while the training thread issues the model's, and two threads
 # must never interleave collectives on one group (each process would pair them differently). NCCL's default group
-# would also trip its 10-minute watchdog while a slow uploader is waited for.
+# would also trip its 10-minute watchdog while a slow uploader is waited for. LABKIT_DIST_TIMEOUT_S, where set, wins.
 GROUP_TIMEOUT_S = 3600
 
 
