@@ -290,9 +290,9 @@ print(inspect.getsource(parallel.Processes.lockstep).split('"""')[-1].strip())
 # ## 6. A preemption that arrives through torchrun
 # A preempted host's processes get SIGTERM, but not always all at the same step, and sometimes only one of them. A
 # process that stopped on its own would leave the others waiting in the next collective. `labkit.interrupts.StepVote`
-# makes SIGTERM only set a flag; at every step boundary one all-reduce (MAX) of two int32 flags, SIGTERM and a
-# NaN loss, tells every process the same thing, so all save the same step and stop together. The run of section 2 got
-# SIGTERM on process 1 alone:
+# makes SIGTERM only set a flag; at every step boundary one all-reduce (MAX) of five int32 flags (SIGTERM, a NaN
+# loss, and a callback's stop, stop after the epoch and save) tells every process the same thing, so all save the
+# same step and stop together. The run of section 2 got SIGTERM on process 1 alone:
 
 # %%
 ends = report["preempt"]["ends"]  # each process's [last step, stopped by SIGTERM]
