@@ -80,21 +80,30 @@ class StepVote:
         self.rt = rt
         self.active = bool(rt.uses_ddp and rt.world_size > 1 and dist.is_available() and dist.is_initialized())
         self.got, self.agreed_on, self._group = False, False, None
+        self.asked: set = set()  # requests kept for the next share(): "stop", "stop_after_epoch", "save_requested"
+
+    def ask(self, what: str) -> bool:
+        """Keep a callback's request (`what`: "stop", "stop_after_epoch" or "save_requested") for the next share(),
+        which makes it every process's; False with one process (inactive): the caller acts on it at once."""
+        if self.active:
+            self.asked.add(what)
+        return self.active
 
     def cast(self, problem: str | None = None) -> str | None:
         """Every process's vote (a collective: every process calls it at the same step). Sets agreed_on (SIGTERM
         anywhere) and returns the problem seen anywhere ("on process r: ..."), else None."""
         return self.share(problem).problem
 
-    def share(self, problem: str | None = None, asked: Asked | None = None) -> Asked:
-        """cast() that also carries what a callback asked for on any process (`asked`: its stop, stop after the
-        epoch, save): the returned Asked is every process's, with the problem seen anywhere. on_log runs on process 0
+    def share(self, problem: str | None = None) -> Asked:
+        """cast() that also carries what a callback asked for on any process since the last share() (ask()): the
+        returned Asked is every process's, with the problem seen anywhere. on_log runs on process 0
         alone, a dashboard's button is pressed on one: acted on by one process, a save would wait in its agreement
         and a stop would leave the others in the next step's collectives. Same cost: the flags ride in the one
         all_reduce (5 int32 instead of 2)."""
-        asked = asked or Asked()
+        mine, self.asked = self.asked, set()  # one swap: a request made meanwhile (another thread) waits for the next
+        asked = Asked("stop" in mine, "stop_after_epoch" in mine, "save_requested" in mine)
         if not self.active:
-            return Asked(asked.stop, asked.after_epoch, asked.save, problem)
+            return asked._replace(problem=problem)
         if self._group is None:  # the default group where it runs on the CPU, else a gloo one (made once, together)
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else side_group()
         # outside any dispatch mode: a step's collective count (labkit.parallel.collective_counter) is the model's

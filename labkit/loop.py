@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from labkit import meta_init, resume
 from labkit.accumulate import mean_of, read
 from labkit.config import TrainConfig
-from labkit.interrupts import Asked, Preempted, StepVote, finish_pending_save, sigterm_raises
+from labkit.interrupts import Preempted, StepVote, finish_pending_save, sigterm_raises
 from labkit.loader import DeviceLoader, epoch_leftovers
 from labkit.optim import check_lr, move_model, optimizer_step
 from labkit.parallel import choose as choose_plan
@@ -100,7 +100,6 @@ class Trainer:
         self.eval_history: list[dict] = []
         self.log = StepLog(rt, self.cfg, self.precision)  # losses summed on the device, read once per interval
         self._stop = self._stop_after_epoch = self._save_requested = False
-        self._asked: set = set()  # torchrun: requests not yet shared by the step vote (_share_requests)
         self._step_offset = 0  # steps trained at another batch size before a resume (see total_steps)
         self._master_only = False  # inside on_log (process 0 only)
         self.profiler, self.vote = StepProfiler(rt), StepVote(rt)  # idle until asked; torchrun: SIGTERM and NaN
@@ -182,7 +181,7 @@ class Trainer:
         self.model.train()
         self.log.begin_fit()
         self._stop = self._stop_after_epoch = self._save_requested = False
-        self._asked = set()
+        self.vote.asked.clear()
         self.profiler.install_signal()
         with sigterm_raises(self.vote):
             try:
@@ -332,16 +331,13 @@ class Trainer:
         self._ask("save_requested")
 
     def _ask(self, what: str) -> None:
-        if self.vote.active:  # torchrun: acted on at the next step boundary, by every process (_share_requests)
-            self._asked.add(what)
-        else:
+        if not self.vote.ask(what):  # one process: at once; torchrun: at the next vote, by every process alike
             setattr(self, f"_{what}", True)
 
     def _share_requests(self, problem: str | None = None) -> str | None:
         """The requests made on any process since the last vote, and `problem` (a NaN loss), made every process's by
         one StepVote (labkit.interrupts); returns the problem seen anywhere. One process: no collective."""
-        mine, self._asked = self._asked, set()  # one swap: a request made meanwhile waits for the next vote
-        asked = self.vote.share(problem, Asked("stop" in mine, "stop_after_epoch" in mine, "save_requested" in mine))
+        asked = self.vote.share(problem)
         self._stop |= asked.stop
         self._stop_after_epoch |= asked.after_epoch
         self._save_requested |= asked.save
