@@ -3,7 +3,7 @@
     with sigterm_raises():          # SIGTERM (a preempted TPU VM, a stopped container) -> Preempted
         ...train...
     finish_pending_save(manager, rt, step, interrupt=e)
-    vote = StepVote(rt)             # torchrun: SIGTERM or a NaN on one process stops them all at one step
+    vote = StepVote(rt)             # torchrun: SIGTERM, a NaN or a callback's stop on one process stops all at one step
     with sigterm_raises(vote): ...; problem = vote.cast(mine); if vote.agreed_on: save; vote.stop_if_agreed(step)
 
 A preempted TPU VM or a stopped Colab runtime gets SIGTERM, whose default action ends the process at
@@ -34,14 +34,27 @@ import contextlib
 import signal
 import threading
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from labkit.torchrun import side_group
 
 
 class Preempted(KeyboardInterrupt):
     """SIGTERM arrived during fit() (a preempted TPU VM, a stopped container). A KeyboardInterrupt,
     so `except Exception` in user code does not swallow it."""
+
+
+class Asked(NamedTuple):
+    """What a callback asked the Trainer for (request_stop, request_checkpoint), and a problem seen (a NaN loss):
+    under torchrun, what StepVote.share made every process's."""
+
+    stop: bool = False
+    after_epoch: bool = False
+    save: bool = False
+    problem: str | None = None
 
 
 class StepVote:
@@ -51,42 +64,64 @@ class StepVote:
     others would train on into the next collective and wait there until a timeout). At each step boundary `cast()`
     takes the MAX of both flags over all processes: every process then saves the same step and stops (SIGTERM), or
     raises the same FloatingPointError before any save (a problem, its text sent to all with one all_gather_object,
-    only when there is one).
+    only when there is one). share() carries a callback's requests the same way (a stop, a stop after the epoch, a
+    save: on_log runs on process 0 only), so every process stops or saves at the same step.
 
-    The cost: one all_reduce of two int32 per optimizer step, on a gloo group over the host's CPUs (a group of its
+    The cost: one all_reduce of five int32 per optimizer step, on a gloo group over the host's CPUs (a group of its
     own under NCCL), so it never waits for the accelerator: a round trip of a few bytes between the processes, 0.5-1.9
     ms a step measured on a 2-core host loaded with ~10 runnable processes (bench/bench_fsdp.py prints it: 0.1-1 % of
     a 190 ms step; on a quiet host expect loopback TCP's tens of microseconds, not measured here), about a network
     round trip between hosts; it is left out of labkit.parallel.collective_counter's counts, which are the model's traffic. One
     process (or XLA's replicas, whose collectives torch.distributed does not run): inactive, SIGTERM raises Preempted
-    at once and a problem raises where it was seen."""
+    at once and a problem raises where it was seen. Its group (under NCCL) waits LABKIT_DIST_TIMEOUT_S
+    (labkit.torchrun.side_group)."""
 
     def __init__(self, rt):
         self.rt = rt
         self.active = bool(rt.uses_ddp and rt.world_size > 1 and dist.is_available() and dist.is_initialized())
         self.got, self.agreed_on, self._group = False, False, None
+        self.asked: set = set()  # requests kept for the next share(): "stop", "stop_after_epoch", "save_requested"
+
+    def ask(self, what: str) -> bool:
+        """Keep a callback's request (`what`: "stop", "stop_after_epoch" or "save_requested") for the next share(),
+        which makes it every process's; False with one process (inactive): the caller acts on it at once."""
+        if self.active:
+            self.asked.add(what)
+        return self.active
 
     def cast(self, problem: str | None = None) -> str | None:
         """Every process's vote (a collective: every process calls it at the same step). Sets agreed_on (SIGTERM
         anywhere) and returns the problem seen anywhere ("on process r: ..."), else None."""
+        return self.share(problem).problem
+
+    def share(self, problem: str | None = None) -> Asked:
+        """cast() that also carries what a callback asked for on any process since the last share() (ask()): the
+        returned Asked is every process's, with the problem seen anywhere. on_log runs on process 0
+        alone, a dashboard's button is pressed on one: acted on by one process, a save would wait in its agreement
+        and a stop would leave the others in the next step's collectives. Same cost: the flags ride in the one
+        all_reduce (5 int32 instead of 2)."""
+        mine, self.asked = self.asked, set()  # one swap: a request made meanwhile (another thread) waits for the next
+        asked = Asked("stop" in mine, "stop_after_epoch" in mine, "save_requested" in mine)
         if not self.active:
-            return problem
+            return asked._replace(problem=problem)
         if self._group is None:  # the default group where it runs on the CPU, else a gloo one (made once, together)
-            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else side_group()
         # outside any dispatch mode: a step's collective count (labkit.parallel.collective_counter) is the model's
-        # traffic, which this 8-byte message is not part of
+        # traffic, which this message of a few bytes is not part of
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
-            flags = torch.tensor([int(self.got), int(problem is not None)], dtype=torch.int32)
+            mine = [self.got, problem is not None, asked.stop, asked.after_epoch, asked.save]
+            flags = torch.tensor([int(bool(v)) for v in mine], dtype=torch.int32)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-            self.agreed_on = bool(flags[0])
-            if not flags[1]:
-                return None
+            got, bad, stop, after_epoch, save = (bool(v) for v in flags.tolist())
+            self.agreed_on = got
+            if not bad:
+                return Asked(stop, after_epoch, save, None)
             seen = [None] * self.rt.world_size
             dist.all_gather_object(seen, problem, group=self._group)
         r, text = next((r, t) for r, t in enumerate(seen) if t is not None)
-        return f"{text} on process {r} of {self.rt.world_size}"
+        return Asked(stop, after_epoch, save, f"{text} on process {r} of {self.rt.world_size}")
 
     def agreed(self) -> bool:
         """Whether any process got SIGTERM (cast() without a problem)."""

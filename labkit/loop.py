@@ -30,7 +30,8 @@ evaluation and save), `request_checkpoint()` and `request_profile(steps)` (labki
 Nothing fails silently: a loader error stops fit() with its traceback; a NaN/inf loss, or fp16 steps the GradScaler
 keeps skipping, stop the run naming the step (cfg.continue_on_nonfinite to train on); a resume on another batch size,
 chip count or optimizer continues at the same sample or says why not (labkit.resume); Ctrl-C or SIGTERM lets the pending
-upload finish, then is re-raised; torchrun: SIGTERM or a NaN on one process stops all at one step (labkit.interrupts).
+upload finish, then is re-raised; torchrun: SIGTERM, a NaN or a callback's stop or save request on one process is
+every process's at one step (labkit.interrupts.StepVote).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class Trainer:
         self.log = StepLog(rt, self.cfg, self.precision)  # losses summed on the device, read once per interval
         self._stop = self._stop_after_epoch = self._save_requested = False
         self._step_offset = 0  # steps trained at another batch size before a resume (see total_steps)
+        self._master_only = False  # inside on_log (process 0 only)
         self.profiler, self.vote = StepProfiler(rt), StepVote(rt)  # idle until asked; torchrun: SIGTERM and NaN
 
     def _wrap(self, loader, train=False):  # images in the model's memory format; CUDA tunes cuDNN for train's shapes
@@ -179,6 +181,7 @@ class Trainer:
         self.model.train()
         self.log.begin_fit()
         self._stop = self._stop_after_epoch = self._save_requested = False
+        self.vote.asked.clear()
         self.profiler.install_signal()
         with sigterm_raises(self.vote):
             try:
@@ -192,6 +195,7 @@ class Trainer:
                     if c.eval_every and self.eval_loader is not None and (self.epoch + 1) % c.eval_every == 0:
                         self.evaluate()
                     self._dispatch("on_epoch_end")
+                    self._share_requests()  # torchrun: a stop asked for at the epoch's end, on every process
                     self.epoch, self.batch_in_epoch = self.epoch + 1, 0  # a save now resumes at the next epoch
                     if self.checkpoint is not None and not c.checkpoint_every:  # 0: "at each epoch end"
                         self.checkpoint.save(self.step, self.state_dict(), metrics=self._last_metrics())
@@ -252,9 +256,11 @@ class Trainer:
         return loader
 
     def _after_step(self, batch) -> None:
-        self._last_batch = batch  # torchrun: one vote a step carries SIGTERM and a NaN seen on any process to all
-        self.log.raise_problem(self.step, self.vote.cast(self.log.take_problem()))  # before any save (NaN weights)
+        self._last_batch = batch
         self._dispatch("on_step_end", batch)  # host-side only (e.g. the dashboard notes batch shapes)
+        # torchrun: one vote a step makes SIGTERM, a NaN and a callback's stop or save on any process every process's;
+        # a NaN raises before any save (NaN weights)
+        self.log.raise_problem(self.step, self._share_requests(self.log.take_problem()))
         self._save_requested |= self.vote.agreed_on  # SIGTERM to any process -> all save this step
         periodic = self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0
         if self._save_requested or periodic:
@@ -268,7 +274,11 @@ class Trainer:
 
     def _record(self, rec: dict) -> None:
         self.history.append(rec)
-        self._dispatch("on_log", rec)
+        self._master_only = True  # torchrun: on_log runs on process 0 alone (state_dict refuses to run there)
+        try:
+            self._dispatch("on_log", rec)
+        finally:
+            self._master_only = False
 
     # -- helpers -----------------------------------------------------------------------------
     def batch_size_of(self, batch) -> int:
@@ -307,18 +317,30 @@ class Trainer:
     def request_stop(self, after_epoch: bool = False) -> None:
         """Stop after the current step (callable from any callback; position kept for a resume).
         after_epoch=True: finish the current epoch (its evaluation, on_epoch_end and epoch-end
-        checkpoint included), then stop; a resume starts the next epoch."""
-        if after_epoch:
-            self._stop_after_epoch = True
-        else:
-            self._stop = True
+        checkpoint included), then stop; a resume starts the next epoch. Under torchrun a request made on any
+        process (on_log runs on process 0 only) stops every process at the same step: the step vote shares it."""
+        self._ask("stop_after_epoch" if after_epoch else "stop")
 
     stop = request_stop  # older name
 
     def request_checkpoint(self) -> None:
         """Save a checkpoint after the current step, whatever checkpoint_every says (needs a
-        CheckpointManager; without one the request warns and is dropped)."""
-        self._save_requested = True
+        CheckpointManager; without one the request warns and is dropped). Under torchrun every process saves
+        that step, whichever process asked."""
+        self._ask("save_requested")
+
+    def _ask(self, what: str) -> None:
+        if not self.vote.ask(what):  # one process: at once; torchrun: at the next vote, by every process alike
+            setattr(self, f"_{what}", True)
+
+    def _share_requests(self, problem: str | None = None) -> str | None:
+        """The requests made on any process since the last vote, and `problem` (a NaN loss), made every process's by
+        one StepVote (labkit.interrupts); returns the problem seen anywhere. One process: no collective."""
+        asked = self.vote.share(problem)
+        self._stop |= asked.stop
+        self._stop_after_epoch |= asked.after_epoch
+        self._save_requested |= asked.save
+        return asked.problem
 
     def request_profile(self, steps: int = 5, out_dir: str | None = None) -> None:
         """Profile the next `steps` training steps of the running (or next) fit(): a trace in its own
@@ -352,6 +374,12 @@ class Trainer:
 
     # -- state (what a checkpoint holds: model, optimizer, step, data position, RNG; labkit.resume) ---------
     def state_dict(self) -> dict:
+        """What a checkpoint holds (labkit.resume.trainer_state). Under torchrun a collective: it makes BatchNorm's
+        statistics equal and gathers every process's RNG state, so every process calls it at the same point, as
+        `checkpoint.save(step, trainer.state_dict())` on every process does. `if rt.is_master:
+        torch.save(trainer.state_dict(), path)` would wait for the others for ever (under FSDP2 it would also hold
+        only process 0's shards: save through a CheckpointManager). Called from on_log, which runs on process 0
+        alone, it raises RuntimeError instead of hanging."""
         return resume.trainer_state(self)
 
     def load_state_dict(self, state: dict) -> None:

@@ -22,6 +22,7 @@ the checkpoint's wins (optimizer and scheduler states hold it), as does another 
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
@@ -160,6 +161,12 @@ def batches_done(state: dict, global_batch: int | None) -> int:
 
 def trainer_state(self) -> dict:  # self: the Trainer
     """What a checkpoint of this Trainer holds (Trainer.state_dict)."""
+    if getattr(self, "_master_only", False) and self.rt.world_size > 1 and self.rt.uses_ddp:
+        raise RuntimeError(
+            "Trainer.state_dict() called in on_log, which runs on process 0 only: under torchrun it is a collective "
+            "(every process calls it at the same point), so process 0 would wait for the others for ever. Ask for a "
+            "save with trainer.request_checkpoint() instead (every process saves that step)"
+        )
     self.plan.sync_buffers(self.module)  # torchrun: process 0's BatchNorm statistics, whichever copy DCP keeps
     state = {
         "model": self.plan.model_state(self.module),  # the plain names; DTensors under fsdp2 (labkit.parallel)
@@ -187,9 +194,21 @@ def restore(self) -> None:  # self: the Trainer
     template = self.state_dict()
     for key in ("rng_by_process", "dataset"):  # read as saved: per process, or what another labkit recorded
         template.pop(key, None)
-    state = self.checkpoint.restore(into=template)  # None: nothing saved yet
+    # refused before anything is read into the model, from the step's commit record (every process: one outcome)
+    check = {"check": lambda saved: _refuse(self, saved)}
+    if "check" not in inspect.signature(self.checkpoint.restore).parameters:  # a checkpoint object of your own
+        check = {}
+    state = self.checkpoint.restore(into=template, **check)  # None: nothing saved yet
     if state is not None:
         self.load_state_dict(state)
+
+
+def _refuse(self, saved: dict) -> None:  # self: the Trainer
+    """check() on a step's recorded position (or its loaded state), raising only: its warnings are said once, by
+    load_trainer_state, when the state is loaded."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check(saved, self.optimizer, self.train_loader)
 
 
 def load_trainer_state(self, state: dict) -> None:  # self: the Trainer

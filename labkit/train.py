@@ -184,18 +184,20 @@ def _train_resnet(
 ) -> dict:
     import labkit
     from data_tools import load_manifest
+    from labkit import torchrun
     from labkit.checkpoint import CheckpointManager
     from labkit.lessons import recipes
 
     source = P.source if P.source != "auto" else ("cifar10" if labkit.envsetup.online() else "digits")
     # one writer at a time: process 0 first (a shared folder or bucket: the others find its shards), then the first
     # process of every other host (a host-local folder: written once per host, not by each of its processes)
+    # (the waits go through torchrun's store, an hour at most: not an NCCL barrier under its 600 s watchdog)
     if rt.is_master:
         recipes.image_shards(source, data, P.upsample, P.samples_per_shard)
-    rt.rendezvous("labkit-train-shards")
+    torchrun.wait_for_all(rt, "labkit-train-shards", f"waiting for process 0 to write the shards under {data}")
     if rt.local_ordinal == 0 and not rt.is_master:
         recipes.image_shards(source, data, P.upsample, P.samples_per_shard)
-    rt.rendezvous("labkit-train-shards-hosts")
+    torchrun.wait_for_all(rt, "labkit-train-shards-hosts", f"waiting for each host's shards under {data}")
     manifests = recipes.image_shards(source, data, P.upsample, P.samples_per_shard)
     classes = load_manifest(manifests["train"])["class_names"]
     train, val = recipes.image_loaders(manifests, plan, rt, num_workers=P.num_workers, seed=P.seed)

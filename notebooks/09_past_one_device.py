@@ -379,9 +379,9 @@ print(inspect.getsource(parallel.Processes.lockstep).split('"""')[-1].strip())
 # A preempted host's processes get SIGTERM, but not always at the same step, and sometimes only one of them does. A
 # process that stopped on its own would leave the others waiting in the next collective.
 #
-# `labkit.interrupts.StepVote` makes SIGTERM only set a flag. At the end of every step, one all-reduce (MAX) of two
-# int32 flags, SIGTERM and a NaN loss, tells every process the same thing. Then all of them save the same step and
-# stop together.
+# `labkit.interrupts.StepVote` makes SIGTERM only set a flag. At the end of every step, one all-reduce (MAX) of five
+# int32 flags tells every process the same thing: SIGTERM, a NaN loss, and a callback's stop, stop after the epoch
+# and save. Then all of them save the same step and stop together.
 #
 # The run of section 2 got SIGTERM on process 1 alone, after its step 2. Here is the order of events:
 #

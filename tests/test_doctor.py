@@ -93,3 +93,26 @@ def test_doctor_names_torch_tpu_and_what_labkit_does_with_it(monkeypatch):
     assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in w and "this one has torch_xla 2.9" in w
     monkeypatch.setattr(doc, "version_of", real)
     assert not [w for w in doc.doctor(quiet=True)["warnings"] if "torch_tpu" in w]  # not installed here
+
+
+def test_gloo_reach_names_gloo_socket_ifname_when_the_rendezvous_does_not_answer():
+    """torchrun over 2 simulated hosts (WORLD_SIZE 4, LOCAL_WORLD_SIZE 2) on the loopback: a rendezvous port that
+    listens is reached; one nobody listens on, or an interface that does not exist, is a warning naming
+    GLOO_SOCKET_IFNAME; one host alone is not checked."""
+    import socket
+
+    from labkit.doctor import gloo_reach_warnings
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+        env["MASTER_PORT"] = str(server.getsockname()[1])
+        assert gloo_reach_warnings(env) == []
+        assert gloo_reach_warnings({**env, "WORLD_SIZE": "2"}) == []  # one host: nothing to reach
+    said = gloo_reach_warnings(env)  # the port closed: nothing answers there now
+    assert len(said) == 1 and "does not answer" in said[0] and "GLOO_SOCKET_IFNAME" in said[0], said
+    said = gloo_reach_warnings({**env, "GLOO_SOCKET_IFNAME": "nosuch0"})
+    assert len(said) == 1 and "no IPv4 address from GLOO_SOCKET_IFNAME=nosuch0" in said[0], said
+    said = gloo_reach_warnings({**env, "MASTER_ADDR": "10.255.255.1"})  # another host's address, from the loopback
+    assert len(said) == 1 and "loopback address the other hosts cannot reach" in said[0], said

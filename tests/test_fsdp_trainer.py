@@ -475,37 +475,22 @@ def test_two_hosts_by_c10d_rendezvous(tmp_path):
 
 @heavy
 def test_sigterm_to_one_process_stops_all_at_one_step_saved_once(tmp_path):
-    """SIGTERM to process 1 alone (what a preempted host's process gets): both processes agree on it at the next step
-    boundary, save that step together (one DCP checkpoint) and stop there. A second run in the same launch (fresh
-    model, optimizer and Trainer: one launch instead of two, ~20 s less) resumes it and continues at the next step."""
-    ck, progress, steps = str(tmp_path / "ck"), str(tmp_path / "progress"), 40
-    run = {"name": "run", "parallel": "fsdp2", "steps": steps, "ckpt": ck, "progress": progress, "step_sleep": 0.1}
+    """SIGTERM to process 1 alone (what a preempted host's process gets; it signals itself after step 2, sigterm_at,
+    so no PID read from a file is signalled): both processes agree on it at that step boundary, save that step
+    together (one DCP checkpoint) and stop there. A second run in the same launch (fresh model, optimizer and
+    Trainer: one launch instead of two, ~20 s less) resumes it and continues at the next step."""
+    ck, progress, steps, at = str(tmp_path / "ck"), str(tmp_path / "progress"), 8, 2
+    run = {"name": "run", "parallel": "fsdp2", "steps": steps, "ckpt": ck, "progress": progress, "sigterm_at": [1, at]}
     # stop_at: it stops before the epoch's end, so that it saves nothing of its own
     resumed = {"name": "resumed", "parallel": "fsdp2", "steps": steps, "stop_at": steps - 1, "ckpt": ck, "resume": True}
-    job = {"out": str(tmp_path / "out.json"), "runs": [run, resumed]}
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", CHILD]
-    t0 = time.perf_counter()
-    proc, log = _start(cmd + [str(tmp_path / "job.json")], tmp_path / "run.log")
-    signalled, deadline = None, time.monotonic() + 120
-    while signalled is None and proc.poll() is None and time.monotonic() < deadline:
-        text = Path(f"{progress}.1").read_text() if Path(f"{progress}.1").exists() else ""
-        if text and int(text.split()[1]) >= 2:  # process 1 is training: signal it, and it alone
-            pid, signalled = (int(v) for v in text.split())
-            os.kill(pid, signal.SIGTERM)
-        time.sleep(0.02)
-    code, text = _wait(proc, log, 120)
-    TIMES["sigterm"] = round(time.perf_counter() - t0, 1)
-    assert signalled is not None and code == 0, f"signalled after step {signalled}, exit {code}:\n{text[-4000:]}"
-    report = json.loads(Path(job["out"]).read_text())
+    report = _torchrun(tmp_path, "sigterm", 2, [run, resumed], timeout=120)
     assert "error" not in report["run"] and "error" not in report["resumed"], report
     ends = report["run"]["ends"]
-    stop = ends[0][0]
-    assert ends == [[stop, True], [stop, True]] and signalled <= stop < steps, (signalled, ends)  # one step, both
+    assert ends == [[at, True], [at, True]], ends  # the step it came after, on both processes
     saved = sorted(name for name in os.listdir(ck) if name.startswith("step-"))
-    assert saved == [f"step-{stop:08d}"], saved  # exactly one checkpoint: the step they stopped at
+    assert saved == [f"step-{at:08d}"], saved  # exactly one checkpoint: the step they stopped at
     marker = json.loads((Path(ck) / saved[0] / "COMMITTED").read_text())
     assert marker["processes"] == 2 and len([f for f in marker["files"] if f.endswith(".distcp")]) == 2, marker
     res = report["resumed"]
-    assert res["first_step"] == stop + 1 and len(res["losses"]) == steps - 1 - stop, res  # on from the saved step
-    print(f"[sigterm] {TIMES['sigterm']} s: signalled after step {signalled}, both stopped at {stop}")
+    assert res["first_step"] == at + 1 and len(res["losses"]) == steps - 1 - at, res  # on from the saved step
+    print(f"[sigterm] {TIMES['sigterm']} s: signalled after step {at}, both stopped there")

@@ -8,12 +8,14 @@ labkit.checkpoint.formats; why the format is built this way is labkit.checkpoint
 
 Under torchrun (FSDP2: several processes, each holding its own shards; CheckpointManager(..., rt=rt)):
 
-- Save, without stopping the training. On the training thread: one agreement (the NaN check, process 0's lock and
-  removal of an old copy of the step), then DCP's async_save on a gloo group of the checkpoint's own
-  (labkit.checkpoint.together: a long timeout, and never the training's collectives), which copies this process's
-  shards to new CPU tensors and returns. In the manager's writer thread: DCP writes them into a local temp folder,
+- Save, without stopping the training. On the training thread: this process's shards copied to new CPU tensors,
+  then one agreement (the NaN check, the copy, process 0's lock and removal of an old copy of the step: a failure
+  on any process fails the save on all, at once), then DCP's async_save of the copy on a gloo group of the
+  checkpoint's own (labkit.checkpoint.together: a long timeout, and never the training's collectives), which
+  returns once its plan is sent. In the manager's writer thread: DCP writes them into a local temp folder,
   each process stores its files with their crc32c, every process lists the step's folder and says which files it
-  sees, process 0 commits once every part has landed. At most one save is in flight (the next save() waits for
+  sees, process 0 commits once every part has landed, then prunes (a prune that fails is a warning on every
+  process: the step is committed). At most one save is in flight (the next save() waits for
   it); wait() and close() finish it, and so does the SIGTERM path (labkit.interrupts.finish_pending_save).
   The training thread's stall per save, measured on this 2-core machine (2 gloo processes, tests/children/
   dcp_agreement.py, local folder, 3 saves 3 steps apart, load average 10-14 from other work: ranges, noisy): a tiny
@@ -174,6 +176,8 @@ class Sharded(ShardedTogether):
         rec["labkit"] = __version__  # a labkit too old to read it can then say so
         if record.get("best"):
             rec["best"] = record["best"]
+        if record.get("position"):  # what restore(check=...) refuses a resume by, before any tensor is read
+            rec["position"] = record["position"]
         data = json.dumps(rec).encode()
         try:  # create-only: a second writer committing the same step fails instead of overwriting
             self.store.put_if_absent(f"{folder_name(step)}/{MARKER}", data, gcs.crc32c_b64(data))

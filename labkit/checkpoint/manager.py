@@ -51,13 +51,23 @@ from labkit.checkpoint.dcp import Sharded, folder_name  # noqa: F401  (folder_na
 from labkit.checkpoint.formats import OneFile
 from labkit.checkpoint.pointer import object_name  # noqa: F401  (also public here: labkit.checkpoint.object_name)
 from labkit.checkpoint.shards import is_sharded
-from labkit.checkpoint.state import ReadFailed, check_compatible, refuse_nonfinite, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
-from labkit.checkpoint.together_manager import Together
+from labkit.checkpoint.state import ReadFailed, check_compatible, position, refuse_nonfinite, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
+from labkit.checkpoint.together_manager import Refused, Together
 from labkit.checkpoint.writer import BackgroundWriter
 from labkit.cloud import open_store
 
 # "auto": one file, or DCP shards (labkit.checkpoint.dcp) when any tensor of the state is split over devices
 FORMATS = ("auto", "file", "sharded")
+
+
+def _refuse(check, what) -> None:
+    """check(what); what it raises becomes Refused (a ValueError: never read as a damaged step to fall back past)."""
+    try:
+        check(what)
+    except Refused:
+        raise
+    except Exception as e:
+        raise Refused(str(e)) from e
 
 
 class CheckpointManager(Together):
@@ -89,13 +99,13 @@ class CheckpointManager(Together):
         what = "sharded checkpoint" if format == "sharded" else "checkpoint"
         self.writer = BackgroundWriter(what, self.root, async_save)  # one pending save, its error surfaces
         self.restored: dict | None = None  # the pointer / commit record of what restore() last returned
-        rec = self.latest()  # every replica: the same best value -> the same save decisions
+        self._pg = None  # under torchrun: the checkpoint's own gloo group, made at its first agreement
+        rec = self.latest()  # every replica: process 0's best value -> the same save decisions (torchrun: collective)
         best = rec.get("best") if rec else None
         self.best = self._same_best(best if isinstance(best, dict) and "value" in best else None)
         self._mine: set[str] = set()  # steps this manager stored (names): its own to replace
         self._damaged: set[str] = set()  # steps restore found damaged and fell back past: a resumed run re-saves them
         self._continues = False  # restored, or saved above the folder's newest step (labkit.checkpoint.runs)
-        self._pg = None  # under torchrun: the checkpoint's own gloo group, made at the first save or restore
 
     def _same_best(self, best):
         """The stored best, if it was measured with this manager's metric and mode; else None, saying so
@@ -159,7 +169,7 @@ class CheckpointManager(Together):
         if not (force or periodic or improved):
             return False
         if not self._continues:  # a new run in an old run's folder: refused before it mixes the two
-            newest = max((s for s, _, committed in self._entries() if committed), default=None)
+            newest = self._agreed(lambda: max((s for s, _, committed in self._entries() if committed), default=None))
             runs.refuse_older_step(self.root, step, newest)
             self._continues = True
         fmt = self._format_of(state)
@@ -175,10 +185,10 @@ class CheckpointManager(Together):
         if not self._master:
             return True
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
-        self.writer.submit(step, self._write, fmt, int(step), cpu, meta, dict(self.best or {}))
+        self.writer.submit(step, self._write, fmt, int(step), cpu, meta, dict(self.best or {}), position(state))
         return True
 
-    def _write(self, fmt, step, cpu_state, metrics, best):
+    def _write(self, fmt, step, cpu_state, metrics, best, position=None):
         """In the writer's thread: store the bytes, prove the lock, commit, prune."""
         name = fmt.name(step)
         try:
@@ -188,7 +198,7 @@ class CheckpointManager(Together):
             entries = self._entries()  # listed once: the lock keeps other writers out until the prune
             kept = self._retained(step, best, entries)
             self.store.check_writer()  # the commit point: only while the lock is still ours
-            fmt.commit(step, info, {"metrics": metrics, "best": best or None}, kept)
+            fmt.commit(step, info, {"metrics": metrics, "best": best or None, "position": position}, kept)
         except BaseException:
             fmt.abort(step)
             raise
@@ -242,7 +252,7 @@ class CheckpointManager(Together):
                 self.store.release_writer()
 
     # -- reading -----------------------------------------------------------------------------------
-    def restore(self, step: int | None = None, map_location="cpu", into: dict | None = None):
+    def restore(self, step: int | None = None, map_location="cpu", into: dict | None = None, check=None):
         """The verified state of the newest committed step (or of `step`), or None when nothing was saved;
         the pointer or commit record of what was loaded is then self.restored. A damaged newest step warns
         and falls back to the previous committed one, whichever format; a damaged explicit `step` raises.
@@ -250,11 +260,18 @@ class CheckpointManager(Together):
 
         A step in the sharded format is read through DCP into `into`, in place (its tensors keep their
         device and sharding: any mesh, or none), and `into` is returned; without `into`, into new full CPU
-        tensors. A one-file step returns the loaded CPU state."""
+        tensors. A one-file step returns the loaded CPU state.
+
+        check: a function that refuses a step by raising (labkit.resume's data and optimizer checks), given the
+        step's recorded position (its commit record's `position`: the state's plain entries, such as step, epoch,
+        the data position and the dataset's identity) before any tensor is read, so that a refused resume leaves
+        `into` (the live model) as it was; given the loaded state instead for a step recorded without one (an older
+        labkit's, a one-file step). Under torchrun every process runs it, and a refusal on any process is every
+        process's (ValueError naming the process)."""
         self.wait()
         self._continues = True  # a run that restored may save any step
         if self.formats["sharded"].together(self.rt):  # torchrun: one decision for every process
-            return self._restore_together(step, into, map_location)
+            return self._restore_together(step, into, map_location, check)
         entries = self._entries()
         if step is not None:
             found = [(s, f, c) for s, f, c in entries if s == step]
@@ -264,7 +281,7 @@ class CheckpointManager(Together):
             s, fmt, committed = max(found, key=lambda e: e[2])
             if not committed and fmt.unfinished(step):  # a one-file step verifies on its own; a DCP folder does not
                 raise FileNotFoundError(f"checkpoint {self.store.url(fmt.name(step))}: {fmt.unfinished(step)}")
-            state, self.restored = fmt.read(step, into, map_location)
+            state, self.restored = self._read_checked(fmt, step, into, map_location, check)
             return state
         tried = []
         for s, fmt, committed in reversed(entries):
@@ -274,9 +291,9 @@ class CheckpointManager(Together):
                 continue
             tried.append(fmt.name(s))
             try:
-                state, record = fmt.read(s, into, map_location)
-            except ReadFailed:
-                raise  # unreachable is not damaged: an older step would quietly undo progress
+                state, record = self._read_checked(fmt, s, into, map_location, check)
+            except (ReadFailed, Refused):
+                raise  # unreachable is not damaged: an older step would quietly undo progress; refused is refused
             except Exception as e:
                 if not fmt.damaged(e):
                     raise
@@ -289,9 +306,28 @@ class CheckpointManager(Together):
             raise RuntimeError(f"no readable checkpoint under {self.root} (tried {tried})")
         return None
 
+    def _read_checked(self, fmt, step, into, map_location, check, rec=None, precheck=None):
+        """fmt.read of `step`, refused by `check` first where its record holds the position (see restore); `rec`:
+        the sharded step's commit record, read already; precheck(position) runs `check` itself (under torchrun: as
+        one decision)."""
+        if check is not None and fmt.kind == "sharded" and rec is None:
+            rec = fmt.marker(step)
+        saved = (rec or {}).get("position") if check is not None else None
+        if saved is not None:
+            _refuse(precheck or check, saved)  # before DCP fills `into` in place
+        state, record = fmt.read(step, into, map_location, rec=rec) if rec else fmt.read(step, into, map_location)
+        if check is not None and saved is None:
+            # one process: refused here; under torchrun (precheck) the restore's verdict makes it every process's
+            _refuse(check, state) if precheck is None else check(state)
+        return state, record
+
     def latest(self) -> dict | None:
         """The record of the newest commit: the `latest` pointer (one file) or the COMMITTED record of the
-        newest sharded step, whichever is newer (both carry step and metrics)."""
+        newest sharded step, whichever is newer (both carry step and metrics). Under torchrun (rt given) a
+        collective: process 0 reads, every process gets its answer (a store listed twice can answer twice)."""
+        return self._agreed(self._latest_here)
+
+    def _latest_here(self) -> dict | None:
         ptr = self.formats["file"].record()
         rec = self.formats["sharded"].record()
         if rec is not None and (ptr is None or rec["step"] > ptr["step"]):

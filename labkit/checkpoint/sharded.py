@@ -72,7 +72,7 @@ class ShardedCheckpointManager(CheckpointManager):
             format="sharded",
         )
 
-    def restore(self, into: dict | None = None, step: int | None = None, map_location="cpu"):
+    def restore(self, into: dict | None = None, step: int | None = None, map_location="cpu", check=None):
         """Load the newest committed step (or `step`) into `into` in place and return it; without `into`, new
-        full CPU tensors; None when nothing is committed (CheckpointManager.restore)."""
-        return super().restore(step=step, map_location=map_location, into=into)
+        full CPU tensors; None when nothing is committed (CheckpointManager.restore, `check` too)."""
+        return super().restore(step=step, map_location=map_location, into=into, check=check)

@@ -161,3 +161,15 @@ def refuse_nonfinite(cpu_state, where: str, step: int) -> None:
                 "non-finite since the loss was last read); the last good checkpoint stays `latest`. Lower the "
                 "learning rate, add clip_norm, or check the data"
             )
+
+
+def position(state) -> dict:
+    """What a commit record keeps of the state for restore(check=...) to read before any tensor: its plain entries
+    (numbers, strings, flat dicts of them: the step, epoch, data position, optimizer class and dataset identity of
+    labkit.resume), a few hundred bytes. Under torchrun, process 0's."""
+    plain = (bool, int, float, str, type(None))
+    out = {}
+    for k, v in state.items() if isinstance(state, dict) else ():
+        if isinstance(v, plain) or isinstance(v, dict) and all(isinstance(x, plain) for x in v.values()):
+            out[k] = v
+    return out

@@ -18,18 +18,16 @@ from labkit.checkpoint.state import ReadFailed
 # slowest process to upload its shards while the others wait in agree(). Its own group, not the default one: a save
 # finishing in the background thread issues collectives while the training thread issues the model's, and two threads
 # must never interleave collectives on one group (each process would pair them differently). NCCL's default group
-# would also trip its 10-minute watchdog while a slow uploader is waited for.
+# would also trip its 10-minute watchdog while a slow uploader is waited for. LABKIT_DIST_TIMEOUT_S, where set, wins.
 GROUP_TIMEOUT_S = 3600
 
 
 def checkpoint_group():
     """A new gloo group over every process (a collective: every process calls it at the same point, once per
-    manager)."""
-    from datetime import timedelta
+    manager); its timeout LABKIT_DIST_TIMEOUT_S where set, else GROUP_TIMEOUT_S (labkit.torchrun.side_group)."""
+    from labkit.torchrun import side_group
 
-    import torch.distributed as dist
-
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    return side_group(GROUP_TIMEOUT_S)
 
 
 def cpu_copy(o):

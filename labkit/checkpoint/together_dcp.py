@@ -23,6 +23,25 @@ def _first_nonfinite(state) -> str | None:
     return first_nonfinite(state)
 
 
+def _as_staged():
+    """DCP's AsyncStager protocol for a state staged already (begin_together copies it before its agreement)."""
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    class Staged(AsyncStager):
+        _synchronize_after_execute = False
+
+        def stage(self, state_dict):
+            return state_dict
+
+        def synchronize_staging(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    return Staged()
+
+
 def folder_name(step: int) -> str:
     return f"step-{int(step):08d}"
 
@@ -41,10 +60,11 @@ class ShardedTogether:
     def begin_together(self, step, state, rt, group, replace, background: bool) -> dict:
         """Every process, on the training thread: the NaN check, the old step's removal (process 0, after the
         manager allowed it), one agreement; then DCP's save of this process's shards into a temp folder of its own
-        (process 0 adds `.metadata`, which names every file), on `group`. background=True: DCP's async_save, which
-        first copies the shards to the CPU here (into the format's CpuMirror, labkit.checkpoint.staging: once each,
-        into host tensors kept from the last save, DTensors kept DTensors)
-        and returns while a thread of DCP's writes them, so the training's next steps cannot change what is saved.
+        (process 0 adds `.metadata`, which names every file), on `group`. background=True: the shards first copied
+        to the CPU here (into the format's CpuMirror, labkit.checkpoint.staging: once each, into host tensors kept
+        from the last save, DTensors kept DTensors), on every process before the agreement, so that a copy failing on
+        one process fails the save on all at once; then DCP's async_save, which returns while a thread of DCP's
+        writes them: the training's next steps cannot change what is saved.
         The cost on this thread: that copy; in host memory, this process's shards again until the save ends.
         finish_together ends it."""
         import torch.distributed.checkpoint as dcp
@@ -65,17 +85,25 @@ class ShardedTogether:
                     self._remove(step, old)
             except BaseException as e:
                 err = e
+        staged = state
+        if background and err is None:  # the copy first, on every process, and agreed below: a copy that fails on
+            try:  # one process inside async_save would leave the others in DCP's plan gather until the timeout
+                stager = _stager(self.mirror)
+                staged = stager.stage(state)
+                stager.synchronize_staging()
+            except Exception as e:
+                err = no_space(e, self.store) or e
         agree(rt, err, f"saving {self._url(name)}", group=group)
         folder = self.store.temp_dir(f"{name}-p{rt.ordinal}")
         writer = dcp.FileSystemWriter(folder)
         try:
             if background:
                 future = dcp.async_save(
-                    state,
+                    staged,
                     storage_writer=writer,
                     planner=DefaultSavePlanner(),
                     process_group=group,
-                    async_stager=_stager(self.mirror),
+                    async_stager=_as_staged(),
                 )
             else:
                 future = None

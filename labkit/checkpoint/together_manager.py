@@ -11,7 +11,11 @@ from __future__ import annotations
 import functools
 import warnings
 
-from labkit.checkpoint.state import ReadFailed
+from labkit.checkpoint.state import ReadFailed, position
+
+
+class Refused(ValueError):
+    """A resume refused on every process together (CheckpointManager.restore's check, under torchrun)."""
 
 
 class Together:
@@ -51,11 +55,14 @@ class Together:
         replace = lambda: self._may_replace(fmt, step)  # noqa: E731
         pending = fmt.begin_together(step, state, self.rt, group, replace, background=self.async_save)
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
-        self.writer.submit(step, self._finish_together, fmt, pending, meta, best, group)
+        self.writer.submit(step, self._finish_together, fmt, pending, meta, best, group, position(state))
         return True
 
-    def _finish_together(self, fmt, pending, metrics, best, group) -> None:
-        """In the writer's thread (every process): the files stored and seen by all, then process 0 commits."""
+    def _finish_together(self, fmt, pending, metrics, best, group, position=None) -> None:
+        """In the writer's thread (every process): the files stored and seen by all, then process 0 commits and
+        prunes. A prune that fails after a good commit is a warning on every process (the step is saved; the old
+        steps stay until the next save's prune): raised on process 0 alone, it would fail its next save() while the
+        others went on into that save's agreement."""
         from labkit.checkpoint.together import agree
 
         step = pending["step"]
@@ -73,13 +80,41 @@ class Together:
                 kept = self._retained(step, best, entries)
                 self.writer.staged(step, fmt.name(step))  # every file stored, no marker yet: the commit point is next
                 self.store.check_writer()  # the commit point: only while the lock is still ours
-                fmt.commit(step, info, {"metrics": metrics, "best": best or None}, kept)
+                fmt.commit(step, info, {"metrics": metrics, "best": best or None, "position": position}, kept)
             except BaseException as e:
                 fmt.abort(step)
                 err = e
         agree(self.rt, err, f"committing {self.store.url(fmt.name(step))}", group=group)
+        said = None
         if self._master:
-            self._prune(step, kept, entries)
+            try:
+                self._prune(step, kept, entries)
+            except Exception as e:
+                said = f"{type(e).__name__}: {e}"
+        said = agree(self.rt, None, f"pruning after {self.store.url(fmt.name(step))}", said, group=group)[0]
+        if said:
+            warnings.warn(
+                f"{self.store.url(fmt.name(step))} is committed, but removing the steps it replaces failed on process "
+                f"0 ({said}); they stay until the next save prunes them",
+                stacklevel=2,
+            )
+
+    def _refused_together(self, check, where, group, position) -> None:
+        """check(position) on every process, made one outcome before any process reads a tensor: a refusal on any
+        process (its own data differs: a per-process dataset) is raised by all, as ValueError naming the process.
+        One all_gather_object on the checkpoint's group."""
+        from labkit.checkpoint.together import agree
+
+        err = None
+        try:
+            check(position)
+        except Exception as e:
+            err = e
+        why = agree(self.rt, None, f"resuming from {where}", None if err is None else str(err), group=group)
+        refused = [(r, w) for r, w in enumerate(why) if w is not None]
+        if refused:
+            r, w = refused[0]
+            raise Refused(f"{w} (process {r} of {self.rt.world_size}; every process refuses the resume)") from err
 
     def _candidates(self, step):
         """Process 0's plan for a restore under torchrun: [(step, format kind, None or why it is uncommitted)] in the
@@ -97,6 +132,15 @@ class Together:
         # newest first; an uncommitted step carries what restore says when it reaches it (a crash, a kill -9)
         return [(s, f.kind, None if c else f.unfinished(s) or "") for s, f, c in reversed(entries)]
 
+    def _agreed(self, work):
+        """work()'s answer, the same on every process: under torchrun process 0's (_from_master), else work()."""
+        import torch.distributed as dist
+
+        rt = self.rt
+        if rt is None or rt.world_size <= 1 or not rt.uses_ddp or not (dist.is_available() and dist.is_initialized()):
+            return work()
+        return self._from_master(work)
+
     def _from_master(self, work):
         """work() on process 0, its result (or its error, by class name and text) on every process: one
         broadcast_object_list on the checkpoint's group. Process 0 raises its own error."""
@@ -113,7 +157,7 @@ class Together:
             dist.broadcast_object_list(payload, src=dist.get_global_rank(self._group(), 0), group=self._group())
         except Exception as e:  # the group's timeout, or process 0 gone: say what was waited for
             raise RuntimeError(
-                f"restoring from {self.root}: waiting for process 0's plan failed ({type(e).__name__}: {e})"
+                f"reading {self.root}: waiting for process 0's answer failed ({type(e).__name__}: {e})"
             ) from e
         if payload[0][0] == "ok":
             return payload[0][1]
@@ -122,7 +166,7 @@ class Together:
         kind = {"FileNotFoundError": FileNotFoundError, "ReadFailed": ReadFailed}.get(payload[0][0], OSError)
         raise kind(f"on process 0: {payload[0][1]}")
 
-    def _restore_together(self, step, into, map_location):
+    def _restore_together(self, step, into, map_location, check=None):
         """restore() under torchrun, as one decision: process 0 lists the steps and reads each commit record, the
         plan is broadcast; each process loads its own shards, checking only the files they read (their crc32c), and
         the verdicts are all-gathered (labkit.checkpoint.together.verdict): a damaged file on any process makes every
@@ -151,8 +195,11 @@ class Together:
                 continue
             tried.append(fmt.name(s))
             err = state = record = None
+            precheck = functools.partial(self._refused_together, check, where, group)
             try:
-                state, record = fmt.read(s, into, map_location, rec=rec) if rec else fmt.read(s, into, map_location)
+                state, record = self._read_checked(fmt, s, into, map_location, check, rec, precheck)
+            except Refused:
+                raise  # on every process alike, before any tensor was read
             except Exception as e:
                 err = e
             bad = verdict(self.rt, err, f"restoring {where}", group)

@@ -15,6 +15,7 @@ import torch
 
 from labkit import meta_init
 from labkit.parallel.state import optimizer_by_id
+from labkit.torchrun import side_group
 
 STATE_BYTES_PER_WEIGHT = 16  # float32 weight 4 + gradient 4 + AdamW's two moments 8 (labkit.spmd.comm.fits)
 
@@ -114,27 +115,33 @@ class Processes(Single):
         batch, or `spare`, False), a forward that keeps its collectives in step with the others and counts nothing.
         Evaluation shards rarely split evenly over the processes, and under FSDP2 each forward all-gathers: the
         process with one batch more would wait in an all-gather while the others wait in the metrics' all-reduce,
-        for ever. Before each batch the processes agree whether any still has one: one all-reduce (MAX) of a
-        4-byte flag over the CPU (gloo): the cost of the step vote (labkit.interrupts.StepVote) per evaluation batch."""
+        for ever. Before each batch the processes agree whether any still has one, and whether any has nothing to
+        run (no batch and no spare: then every process raises, naming it): one all-reduce (MAX) of two 4-byte flags
+        over the CPU (gloo), the cost of the step vote (labkit.interrupts.StepVote), per evaluation batch."""
         import torch.distributed as dist
 
         group = _cpu_group(self)
         it, last = iter(batches), spare
         while True:
             batch = next(it, None)
-            flag = torch.tensor([batch is not None], dtype=torch.int32)
+            stuck = batch is None and last is None  # nothing to run a forward with, real or padding
+            flag = torch.tensor([batch is not None, stuck], dtype=torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            if not flag.item():
+            if not flag[0].item():
                 return
+            if flag[1].item():  # on every process: one of them cannot keep in step, so none starts the forward
+                every = [None] * self.rt.world_size
+                dist.all_gather_object(every, stuck, group=group)
+                who = ", ".join(str(r) for r, s in enumerate(every) if s)
+                raise RuntimeError(
+                    f"evaluation: process {who} of {self.rt.world_size} has no evaluation batch left while others do, "
+                    "and no training batch to run the padding forwards with (an evaluation before the first training "
+                    "step): give every process at least one evaluation batch (fewer processes, or more evaluation "
+                    "shards), or evaluate after training a step"
+                )
             if batch is not None:
                 last = batch
                 yield batch, True
-            elif last is None:
-                raise RuntimeError(
-                    f"evaluation: process {self.rt.ordinal} of {self.rt.world_size} has no evaluation batch at all "
-                    "while others do, and no training batch to run the padding forwards with: give every process at "
-                    "least one evaluation batch (fewer processes, or more evaluation shards)"
-                )
             else:
                 yield last, False
 
@@ -165,11 +172,12 @@ class Replicate(Processes):
 
 def _cpu_group(plan):
     """A gloo group over every process for the plan's small CPU votes: the default group where it is gloo, else
-    one made once per plan (dist.new_group is itself collective: every process makes it at the same call)."""
+    one made once per plan with LABKIT_DIST_TIMEOUT_S (labkit.torchrun.side_group; dist.new_group is itself
+    collective: every process makes it at the same call)."""
     import torch.distributed as dist
 
     if plan._cpu is None:
-        plan._cpu = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        plan._cpu = dist.group.WORLD if dist.get_backend() == "gloo" else side_group()
     return plan._cpu
 
 
@@ -193,9 +201,25 @@ def broadcast_buffers(module) -> None:
 
 
 def device_memory(rt) -> int | None:
-    """Bytes one process may use: LABKIT_MEMORY_MB where set (a budget of your own: what "auto" plans for, e.g. to
-    try on the CPU what a smaller device would force), else the accelerator's memory, or on the CPU the host's RAM
-    shared by its processes."""
+    """Bytes one process may plan for: LABKIT_MEMORY_MB where set (a budget of your own: what "auto" plans for, e.g.
+    to try on the CPU what a smaller device would force), else the accelerator's memory, or on the CPU the host's RAM
+    shared by its processes. Under torchrun, the smallest of every process's figure (None where none knows its own):
+    the plan and the accumulation mode are decisions every process must take alike, and two hosts can differ (their
+    RAM, their LABKIT_MEMORY_MB, another job on one GPU). Every process calls it at the same point: one
+    all_gather_object of an int on the default group, once per decision."""
+    mine = own_memory(rt)
+    import torch.distributed as dist
+
+    if rt is None or rt.world_size <= 1 or not rt.uses_ddp or not (dist.is_available() and dist.is_initialized()):
+        return mine
+    every = [None] * rt.world_size
+    dist.all_gather_object(every, mine)
+    known = [m for m in every if m is not None]
+    return min(known) if known else None
+
+
+def own_memory(rt) -> int | None:
+    """This process's own figure for device_memory, asked of no other process."""
     raw = os.environ.get("LABKIT_MEMORY_MB", "").strip()
     if raw:
         try:
