@@ -143,20 +143,20 @@ def case_prune(rt, spec):
 
 def case_stage_fail(rt, spec):
     """The CPU copy of process 1's shards fails (an out-of-memory host, say) at the first background save."""
-    from labkit.checkpoint import together
+    from labkit.checkpoint.staging import CpuMirror
 
-    copy = together.cpu_copy
+    copy = CpuMirror.stage
     if rt.ordinal == 1:
 
-        def failing(o):
+        def failing(self, state):
             raise MemoryError("staging failed on this host (simulated)")
 
-        together.cpu_copy = failing
+        CpuMirror.stage = failing
     try:
         ckpt = CheckpointManager(spec["ckpt"], keep=3, rt=rt, async_save=True)
         out = fit(rt, trainer_for(rt, spec, (), ckpt))
     finally:
-        together.cpu_copy = copy
+        CpuMirror.stage = copy
     out["saved"] = (
         sorted(n for n in os.listdir(spec["ckpt"]) if n.startswith("step-")) if os.path.isdir(spec["ckpt"]) else []
     )
