@@ -18,8 +18,8 @@ busy the whole time, 0.1 mostly waited. A test's CPU is this process's and its c
 CHILDREN) from its start to its teardown's end, less the background jobs reaped meanwhile; a child counts when it is
 reaped, so a session-wide server's CPU lands in the test whose teardown stops it. A background job's CPU is its
 process tree's (tests/background.py: os.wait4); its parts' CPU comes from its JSON ("cpu_s"), and what they leave
-goes to the job's "the rest" row. The CPU no row holds (collection, mostly) is said on the last line but one; the
-total, on the last line, counts from the session's start (pytest's own start-up before it, a few seconds, is left out).
+goes to the job's "the rest" row. The CPU no row holds (pytest's start-up and collection, mostly) is said on the last
+line but one; the totals on the last line count from the pytest process's start, as /usr/bin/time does.
 """
 
 from __future__ import annotations
@@ -46,7 +46,17 @@ def _cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-_cpu0 = _cpu_seconds()
+def _age() -> float:
+    """Seconds since this process started (Linux: /proc), else 0: the table's wall time then counts from the
+    session's start."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _fg_cpu() -> float:
@@ -58,8 +68,9 @@ def _fg_cpu() -> float:
 
 
 def session_started() -> None:
-    global _started, _cpu0
-    _started, _cpu0 = time.perf_counter(), _cpu_seconds()
+    """The totals count from the pytest process's start, as /usr/bin/time does (getrusage's are since then too)."""
+    global _started
+    _started = time.perf_counter() - _age()
 
 
 def waits_for_background(nodeid: str) -> None:
@@ -145,7 +156,7 @@ def _min(seconds: float | None) -> str:
 
 def table(limit: int = 30) -> list[str]:
     wall = time.perf_counter() - _started
-    cpu = _cpu_seconds() - _cpu0
+    cpu = _cpu_seconds()
     rows = sorted(_rows.items(), key=lambda kv: -kv[1][0])
     fg = sum(v[0] for v in _rows.values() if v[2] == "fg")
     bg = sum(v[0] for v in _rows.values() if v[2] == "bg")
@@ -169,8 +180,8 @@ def table(limit: int = 30) -> list[str]:
             line(sum(v[0] for _, v in rest), rest_cpu, sum(v[1] for _, v in rest), "..", f"{len(rest)} more rows")
         )
     lines.append(
-        f"CPU: {in_rows / 60:.2f} min in the rows above; {max(cpu - in_rows, 0.0) / 60:.2f} min in none (collection, "
-        "the background worker's own threads, jobs still running at the end)"
+        f"CPU: {in_rows / 60:.2f} min in the rows above; {max(cpu - in_rows, 0.0) / 60:.2f} min in none (pytest's "
+        "start-up and collection, jobs still running at the end)"
     )
     lines.append(
         f"session {wall / 60:.1f} min wall: tests {fg / 60:.1f} min in this process's order, background jobs "
