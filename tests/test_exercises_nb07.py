@@ -100,11 +100,11 @@ def test_fixed_step_reads_counted_by_torch_xla(rt):
         nb07.check_fixed_step(on_the_host, rt)
 
 
-# the verdicts on the wait, on any machine: 3 ms of sleep per sample (96-192 ms a batch) and a 100 ms step are far
-# above the loaders' CPU work, even on a loaded core. One loader then waits its whole batch each step, and four
-# workers keep ahead. (With the exercise's own figures, 0.6 ms and 20 ms, the hand-over's CPU work is the wait: on
-# one core beside three CPU hogs, a right fix waited 35 ms a step against the reference's 27 ms, over the tolerance.)
-SLEEPY = {"compute_s": 0.1, "delay_s": 0.003}
+# the verdicts on the wait, on any machine: 3 ms of sleep per sample (96-192 ms a batch) and a 100 ms step, the
+# exercise's own figures, are far above the loaders' CPU work, even on a loaded core. One loader then waits its whole
+# batch each step, and four workers keep ahead. (With 0.6 ms and 20 ms, the hand-over's CPU work is the wait: on one
+# core beside three CPU hogs, a right fix waited 35 ms a step against the reference's 27 ms, over the tolerance.)
+SLEEPY = {"compute_s": nb07.LOADER_STEP_S, "delay_s": nb07.LOADER_DELAY_S}
 
 
 @pytest.mark.timing
