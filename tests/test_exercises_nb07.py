@@ -105,6 +105,7 @@ def test_fixed_step_reads_counted_by_torch_xla(rt):
 # batch each step, and four workers keep ahead. (With 0.6 ms and 20 ms, the hand-over's CPU work is the wait: on one
 # core beside three CPU hogs, a right fix waited 35 ms a step against the reference's 27 ms, over the tolerance.)
 SLEEPY = {"compute_s": nb07.LOADER_STEP_S, "delay_s": nb07.LOADER_DELAY_S}
+QUICK = {"compute_s": 0.02, "delay_s": 0.0006}  # for loaders that fail on what they yield, before any timing
 
 
 @pytest.mark.timing
@@ -129,20 +130,20 @@ def test_fixed_loader():
         )
 
     with pytest.raises(Wrong, match="batches of .* shapes"):
-        nb07.check_fixed_loader(still_drops)
+        nb07.check_fixed_loader(still_drops, **QUICK)
 
     def with_replacement(dataset, batch_size):
         sampler = torch.utils.data.RandomSampler(dataset, replacement=True)
         return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=4)
 
     with pytest.raises(Wrong, match="a sample came twice in one epoch|batches of 2 shapes"):
-        nb07.check_fixed_loader(with_replacement)
+        nb07.check_fixed_loader(with_replacement, **QUICK)
 
     def keeps_the_short_batch(dataset, batch_size):  # no drop_last: the epoch's last batch is short
         return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=4)
 
     with pytest.raises(Wrong, match="batches of 2 shapes"):
-        nb07.check_fixed_loader(keeps_the_short_batch)
+        nb07.check_fixed_loader(keeps_the_short_batch, **QUICK)
 
     def decoded_up_front(dataset, batch_size):  # every sample decoded in the call, then served from memory
         items = [dataset[i] for i in range(len(dataset))]
@@ -158,7 +159,7 @@ def test_fixed_loader():
             yield dataset.x[j], dataset.y[j], j
 
     with pytest.raises(Wrong, match="the rows are not the dataset's items"):
-        nb07.check_fixed_loader(past_getitem)
+        nb07.check_fixed_loader(past_getitem, **QUICK)
 
 
 def test_predict_step():
