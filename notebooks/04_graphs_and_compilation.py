@@ -202,11 +202,16 @@ print(f"all modes: {time.perf_counter() - t_all:.1f} s")
 if XLA:
     by = {r["mode"]: r for r in rows}
     assert by["lazy tensors, XLA"]["graphs"] >= 1 and by["torch.compile(backend='openxla')"]["graphs"] == 1
-    assert by["lazy tensors, XLA"]["first_s"] > by["lazy tensors, XLA"]["steady_s"]  # compiling costs
+    lazy = by["lazy tensors, XLA"]  # its first call traced and compiled (graphs >= 1, asserted above)
+    # read, not asserted: a load spike during the steady calls, or a rerun of this cell that finds the graph already
+    # compiled, can narrow the gap; the graph count above is what the timing cannot change
+    print(f"lazy tensors: first call {lazy['first_s'] * 1e3:.1f} ms, steady call {lazy['steady_s'] * 1e3:.3f} ms")
 
 # %% [markdown]
 # **Reading the table.** Each row is one mode: the graphs it compiled, its first call, its steady-state call, and a
-# note. Compare the first call with the steady state: the gap is the price of tracing and compiling. The lazy row and
+# note. Compare the first call with the steady state: the gap is the price of tracing and compiling. The line under
+# the table gives that gap for the lazy row. It is printed, not asserted: run the cell again and the graph is found
+# compiled, so the gap shrinks. The lazy row and
 # `torch_xla.compile` share one graph, so the second finds it in torch_xla's cache. On this CPU a steady call of every
 # mode takes a fraction of a millisecond, because the MLP is tiny. So the table teaches the graph counts and the
 # first-call cost, not which mode is fastest.
