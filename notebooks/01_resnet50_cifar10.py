@@ -95,7 +95,7 @@ class Params:
     # AdamW: from scratch, ResNet-50 needs far more than 88 SGD steps to settle (measured: SGD at lr 0.005-0.1
     # stays near or above chance loss after 88 steps of 32 digits; AdamW at 1e-3 falls well below it, by how much
     # varies from run to run: "Did it learn" prints this run's figure)
-    FAST = {"source": "digits", "local_gcs": True, "samples_per_shard": 200, "batch_size": 32, "epochs": 2,
+    FAST = {"source": "digits", "local_gcs": True, "samples_per_shard": 200, "batch_size": 32, "epochs": 1,
             "optimizer": "adamw", "lr": 1e-3, "cifar_stem": False, "log_every": 4, "num_workers": 0, "checkpoint_every": 20,
             "resume_steps": 8}
 
@@ -536,7 +536,7 @@ assert max(one_big) < 2 * one_big[0], "the probe's learning rate overshoots: its
 # The next cell trains the ResNet. Its dashboard shows the warm-up's compiles first, and they take minutes on a
 # CPU: the section *Did it learn* below reads them.
 
-# %%
+# %% tags=["training"]
 import time
 from labkit.checkpoint import CheckpointManager, to_cpu
 
@@ -648,7 +648,8 @@ display(Image(dash.png_bytes(dpi=90)))   # the Figure is not pyplot's: drawn to 
 # each evaluation. Top middle, the accuracy against the dotted chance line. Top right, examples/s on the left axis.
 # The dotted purple line on the right axis is the share of each step spent waiting for data. Bottom left, XLA's
 # compiles and transfers per interval: the tall bars are the warm-up and the first evaluation. The dashed "since
-# epoch start" rate starts again with each epoch, so it dips where the second epoch begins.
+# epoch start" rate starts again with each epoch, so in a run of several epochs it dips where each one begins. Fast
+# mode trains one epoch, so it does not dip here.
 #
 # ## 6. Evaluate: accuracy per class
 # This section builds a confusion matrix the XLA way. The tempting `pred[y >= 0]` drops the padded tail of the last

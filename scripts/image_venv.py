@@ -73,6 +73,8 @@ class Image:
     notebooks: tuple[str, ...] = ("01", "02")  # the notebooks CI runs in this image (their number prefixes)
     # notebooks run on several virtual XLA:CPU devices, as the image's chips: {"01": 2} (`# devices: 01=2 02=4`)
     devices: dict[str, int] = dataclasses.field(default_factory=dict)
+    # notebooks run only up to the first code cell carrying a tag: {"01": "training"} (`# until: 01=training`)
+    until: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def venv(self) -> Path:
@@ -111,7 +113,7 @@ def load(name_or_path: str | Path) -> Image:
         path = IMAGES_DIR / f"{name_or_path}.txt"
     header: dict[str, str] = {}
     for line in path.read_text().splitlines():
-        m = re.match(r"#\s*(python|env|run-env|expect|colab|notebooks|devices):\s*(.*)$", line)
+        m = re.match(r"#\s*(python|env|run-env|expect|colab|notebooks|devices|until):\s*(.*)$", line)
         if m:
             header[m.group(1)] = m.group(2).strip()
     if "python" not in header:
@@ -127,9 +129,11 @@ def load(name_or_path: str | Path) -> Image:
         colab="colab" in header,
         notebooks=tuple(header.get("notebooks", "01 02").split("(")[0].split()),  # "(why)" is a comment
         devices=_devices(path, header.get("devices", "").split("(")[0]),
+        until=_pairs(header.get("until", "").split("(")[0]),
     )
-    if stray := sorted(set(img.devices) - set(img.notebooks)):
-        raise ValueError(f"{path}: '# devices:' names notebook(s) {stray}, which '# notebooks:' does not run")
+    for key in ("devices", "until"):
+        if stray := sorted(set(getattr(img, key)) - set(img.notebooks)):
+            raise ValueError(f"{path}: '# {key}:' names notebook(s) {stray}, which '# notebooks:' does not run")
     return img
 
 

@@ -56,6 +56,11 @@ def test_notebooks_in_image(name, capsys):
             print(
                 f"[images] {name} {stem}: {run['seconds']:.0f} s, {'FAILED' if run['error'] else 'passed'}, "
                 f"{unsolved} of {len(run.get('exercises', {}))} unsolved exercises said 'not yet'"
+                + (
+                    f"; its first {run['cells']} cells, up to the one tagged {run['until']!r}"
+                    if run.get("until")
+                    else ""
+                )
             )
             for ln in run["setup"]:
                 print(f"[images] {name} {stem}:   {ln}")

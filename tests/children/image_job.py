@@ -40,11 +40,9 @@ def notebooks_of(img) -> list[Path]:
     return found
 
 
-# Notebook 01's fast mode trains two epochs; the images run one. What an image run proves is its packages, its
-# set-up cell and the learner's Run all (exercises unsolved); one epoch already clears the notebook's asserts (the
-# loss falls ~0.7, validation accuracy ~45 %), and the two-epoch run is the main suite's nbval run of notebook 01.
-# Saves ~2 minutes of one core per TPU image.
-PER_NOTEBOOK_ENV = {"01_resnet50_cifar10": {"LABKIT_EPOCHS": "1"}}
+# What a run in an image adds to the kernel's environment for one notebook (none today: notebook 01's fast mode
+# trains the one epoch the images used to ask for).
+PER_NOTEBOOK_ENV: dict[str, dict[str, str]] = {}
 
 # An image whose header says `# devices: 01=2 02=4` (Kaggle's v5e-8: one process drives every chip) runs those
 # notebooks on that many virtual XLA:CPU devices, where their spmd="auto" switches SPMD on. The batch size is per
@@ -163,8 +161,19 @@ def cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def cut_at_tag(nb, tag: str, path: Path) -> int:
+    """Keep the cells before the first code cell tagged `tag` (an image's `# until: 01=training` line); their count."""
+    cut = next((i for i, c in enumerate(nb.cells) if tag in c.metadata.get("tags", [])), None)
+    if cut is None:
+        raise ValueError(f"{path.name}: no cell is tagged {tag!r}, which an image's '# until:' line names")
+    nb.cells = nb.cells[:cut]
+    return cut
+
+
 def run_notebook(path: Path, img, kernel: str, workdir: Path, out_dir: Path) -> dict:
     nb = nbformat.read(path, as_version=4)
+    until = img.until.get(path.stem[:2])
+    cells = cut_at_tag(nb, until, path) if until else len(nb.cells)
     env = kernel_env(img, workdir)
     env["LABKIT_ARTIFACTS"] = str(out_dir / path.stem)
     env.update(notebook_env(img, path.stem))
@@ -186,6 +195,8 @@ def run_notebook(path: Path, img, kernel: str, workdir: Path, out_dir: Path) -> 
         "setup": setup_lines(nb),
         "exercises": exercise_lines(nb),
         "devices": int(env.get("CPU_NUM_DEVICES", "1")),
+        "until": until,  # None: the whole notebook; else the tag of the first cell left out
+        "cells": cells,
         "printed": printed(nb),
     }
 
