@@ -207,3 +207,37 @@ def finish_pending_save(ck, rt, step: int, interrupt=None, raise_errors: bool = 
         if raise_errors:
             raise
         warnings.warn(f"the pending checkpoint save failed too: {type(e).__name__}: {e}", stacklevel=3)
+
+
+class Requests:
+    """What a callback may ask of the Trainer (stop, stop after the epoch, save this step), shared by the step vote:
+    under torchrun a request made on any process (on_log runs on process 0 only) is every process's at one step.
+    The Trainer holds `vote` (a StepVote) and the flags `_stop`, `_stop_after_epoch` and `_save_requested`."""
+
+    def request_stop(self, after_epoch: bool = False) -> None:
+        """Stop after the current step (callable from any callback; position kept for a resume).
+        after_epoch=True: finish the current epoch (its evaluation, on_epoch_end and epoch-end
+        checkpoint included), then stop; a resume starts the next epoch. Under torchrun a request made on any
+        process (on_log runs on process 0 only) stops every process at the same step: the step vote shares it."""
+        self._ask("stop_after_epoch" if after_epoch else "stop")
+
+    stop = request_stop  # older name
+
+    def request_checkpoint(self) -> None:
+        """Save a checkpoint after the current step, whatever checkpoint_every says (needs a
+        CheckpointManager; without one the request warns and is dropped). Under torchrun every process saves
+        that step, whichever process asked."""
+        self._ask("save_requested")
+
+    def _ask(self, what: str) -> None:
+        if not self.vote.ask(what):  # one process: at once; torchrun: at the next vote, by every process alike
+            setattr(self, f"_{what}", True)
+
+    def _share_requests(self, problem: str | None = None) -> str | None:
+        """The requests made on any process since the last vote, and `problem` (a NaN loss), made every process's by
+        one StepVote (labkit.interrupts); returns the problem seen anywhere. One process: no collective."""
+        asked = self.vote.share(problem)
+        self._stop |= asked.stop
+        self._stop_after_epoch |= asked.after_epoch
+        self._save_requested |= asked.save
+        return asked.problem

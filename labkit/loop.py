@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from labkit import meta_init, resume
 from labkit.accumulate import mean_of, read
 from labkit.config import TrainConfig
-from labkit.interrupts import Preempted, StepVote, finish_pending_save, sigterm_raises
+from labkit.interrupts import Preempted, Requests, StepVote, finish_pending_save, sigterm_raises
 from labkit.loader import DeviceLoader, batch_rows
 from labkit.optim import check_lr, move_model, optimizer_step
 from labkit.parallel import choose as choose_plan
@@ -57,7 +57,7 @@ from labkit.steplog import StepLog
 __all__ = ["Preempted", "Trainer"]
 
 
-class Trainer:
+class Trainer(Requests):
     def __init__(
         self,
         model,
@@ -313,34 +313,6 @@ class Trainer:
         another batch size: the optimizer step counter goes on, the epochs count samples."""
         total = self.cfg.epochs * self.steps_per_epoch() + self._step_offset
         return min(total, self.cfg.max_steps) if self.cfg.max_steps else total
-
-    def request_stop(self, after_epoch: bool = False) -> None:
-        """Stop after the current step (callable from any callback; position kept for a resume).
-        after_epoch=True: finish the current epoch (its evaluation, on_epoch_end and epoch-end
-        checkpoint included), then stop; a resume starts the next epoch. Under torchrun a request made on any
-        process (on_log runs on process 0 only) stops every process at the same step: the step vote shares it."""
-        self._ask("stop_after_epoch" if after_epoch else "stop")
-
-    stop = request_stop  # older name
-
-    def request_checkpoint(self) -> None:
-        """Save a checkpoint after the current step, whatever checkpoint_every says (needs a
-        CheckpointManager; without one the request warns and is dropped). Under torchrun every process saves
-        that step, whichever process asked."""
-        self._ask("save_requested")
-
-    def _ask(self, what: str) -> None:
-        if not self.vote.ask(what):  # one process: at once; torchrun: at the next vote, by every process alike
-            setattr(self, f"_{what}", True)
-
-    def _share_requests(self, problem: str | None = None) -> str | None:
-        """The requests made on any process since the last vote, and `problem` (a NaN loss), made every process's by
-        one StepVote (labkit.interrupts); returns the problem seen anywhere. One process: no collective."""
-        asked = self.vote.share(problem)
-        self._stop |= asked.stop
-        self._stop_after_epoch |= asked.after_epoch
-        self._save_requested |= asked.save
-        return asked.problem
 
     def request_profile(self, steps: int = 5, out_dir: str | None = None) -> None:
         """Profile the next `steps` training steps of the running (or next) fit(): a trace in its own
