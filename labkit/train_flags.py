@@ -45,7 +45,7 @@ class ResNetParams:
         "local_gcs": True,
         "samples_per_shard": 200,
         "batch_size": 32,
-        "epochs": 2,
+        "epochs": 1,
         "optimizer": "adamw",
         "lr": 1e-3,
         "cifar_stem": False,

@@ -383,15 +383,14 @@ print(inspect.getsource(parallel.Processes.lockstep).split('"""')[-1].strip())
 # int32 flags tells every process the same thing: SIGTERM, a NaN loss, and a callback's stop, stop after the epoch
 # and save. Then all of them save the same step and stop together.
 #
-# The run of section 2 got SIGTERM on process 1 alone, after its step 2. Here is the order of events:
+# The run of section 2 got SIGTERM on process 1 alone, at the end of its step 2. Here is the order of events:
 #
-# 1. Step 2 ends. Both processes vote: no flag is set. Process 1 then sends itself SIGTERM, and its handler sets the
-#    flag.
-# 2. Both processes train step 3. They must: process 0 knows nothing yet.
-# 3. Step 3 ends. Both vote again. The MAX carries process 1's flag to process 0.
-# 4. Both save step 3, and both stop with `Preempted`.
+# 1. Step 2's compute ends. Process 1's step-end callback sends it SIGTERM, and its handler sets the flag.
+# 2. Still at step 2's end, both processes vote. The MAX carries process 1's flag to process 0.
+# 3. Both save step 2, and both stop with `Preempted`.
 #
-# So the run stops one step after the signal, and every process stops at the same step.
+# A signal that arrives during a step's compute waits for that step's vote, at its end. So every process stops at
+# the same step: the one in which the signal arrived.
 
 # %%
 ends = report["preempt"]["ends"]  # each process's [last step, stopped by SIGTERM]
@@ -399,11 +398,11 @@ print(f"SIGTERM to process 1 after its step {signalled}; each process's [last st
 saved = sorted(os.listdir(os.path.join(tmp, "ck")))
 print("in the checkpoint folder:", saved)
 assert all(e == ends[0] for e in ends) and ends[0][1] is True  # every process stopped at one step, preempted
-assert ends[0][0] == signalled + 1  # noted after step 2's vote, agreed in step 3's: one step later
+assert ends[0][0] == signalled  # raised before step 2's vote, agreed in it: that step
 assert [n for n in saved if n.startswith("step-")] == [f"step-{ends[0][0]:08d}"]  # that step, saved once
 
 # %% [markdown]
-# Both processes stopped at step 3, both marked preempted. The folder holds one checkpoint, `step-00000003`. Both
+# Both processes stopped at step 2, both marked preempted. The folder holds one checkpoint, `step-00000002`. Both
 # processes wrote their shards into it; no process gathered the whole state.
 #
 # `.writer.lock` is not a checkpoint. It is the file process 0 locks while it writes to the folder, and it names the
@@ -613,7 +612,7 @@ if exercises.check("09.accumulate", lambda: nb09.check_accumulate(accumulate_cos
 # | meta-device build | shards + the largest tensor at the peak; the same values | values and losses equal |
 # | BatchNorm under bf16 | a float32 unit per block: 1 small all-gather and 1 reduce-scatter a step each | the dtype error, reproduced |
 # | uneven evaluation | one 4-byte all-reduce a batch (`lockstep`) | read; tested in `tests/test_fsdp_resnet.py` |
-# | preemption | one 8-byte all-reduce a step (`StepVote`); 30 s before SIGKILL | one SIGTERM, a stop one step later on every process, one checkpoint |
+# | preemption | one 20-byte all-reduce a step (`StepVote`: five int32 flags); 30 s before SIGKILL | one SIGTERM, a stop at that step on every process, one checkpoint |
 # | hsdp | the host's shard; L + 1 all-reduces of gradient shards across hosts a step | predicted; counted in `tests/test_fsdp_trainer.py` |
 
 # %%
