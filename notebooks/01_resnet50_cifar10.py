@@ -41,17 +41,18 @@
 # chip of the host with SPMD, and read the dashboard: loss, throughput, compiles, fallbacks and host syncs. You can
 # also checkpoint a run, and resume it after a preemption at the same sample.
 #
-# **Time**: on a 2-core CPU, fast mode takes 10 to 25 minutes of run time. XLA compiles the ResNet's graphs and
-# then runs them on the same two cores that everything else uses. So the time depends on what else the machine
-# runs: a busy machine can double it. On an NVIDIA H200 the whole notebook runs in about a minute. On a Colab TPU v5e-1,
-# full mode should take 10–20 minutes; that is an estimate, *not verified here*, since no TPU run was timed.
+# **Time**: on a 2-core CPU, fast mode takes from about 2.5 minutes on a quiet machine to over 10 on a busy one. XLA
+# compiles the ResNet's graphs and then runs them on the same two cores that everything else uses. So the time
+# depends on what else the machine runs. On an NVIDIA H200 the whole notebook runs in about a minute. On a Colab TPU
+# v5e-1, full mode should take 10–20 minutes; that is an estimate, *not verified here*, since no TPU run was timed.
 # Reading and the exercises take 45–60 minutes.
 #
-# *Measured on: 2-core x86_64 CPU, XLA:CPU, torch_xla 2.9, fast mode. Whole notebook: 12.3 min beside one other
-# job, 13 min under the test suite in a quiet stretch, 21.6 min beside another run of it, 23.2 min at a load of
-# 13–16. Compiling the run's five graphs: from 151 s to 523 s. Training alone: 132 s for its 88 steps on a quiet
-# machine, 1,063 s at a load of 13–16. NVIDIA H200 (141 GB), torch 2.11.0+cu130, exercises unsolved: 58 s,
-# 2026-11.*
+# *Measured on: 2-core x86_64 CPU, XLA:CPU, torch_xla 2.9, fast mode (one epoch, 44 steps), exercises unsolved:
+# 136 s for the whole notebook with `make notebook` on a quiet machine, of which 30 s compiling its five graphs and
+# 81 s training; 4.1 min under nbval beside the test suite's other jobs.*
+#
+# *Earlier measurements: two-epoch runs of an earlier fast mode took 12–23 min at loads of 13–16, with 151–523 s of
+# compiling. NVIDIA H200 (141 GB), torch 2.11.0+cu130, two epochs, exercises unsolved: 58 s, 2026-11.*
 #
 # **In the course**: after 04; next: 06.
 
