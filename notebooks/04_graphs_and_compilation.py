@@ -211,8 +211,9 @@ if XLA:
 # **Reading the table.** Each row is one mode: the graphs it compiled, its first call, its steady-state call, and a
 # note. Compare the first call with the steady state: the gap is the price of tracing and compiling. The line under
 # the table gives that gap for the lazy row. It is printed, not asserted: run the cell again and the graph is found
-# compiled, so the gap shrinks. The lazy row and
-# `torch_xla.compile` share one graph, so the second finds it in torch_xla's cache. On this CPU a steady call of every
+# compiled, so the gap shrinks.
+#
+# The lazy row and `torch_xla.compile` share one graph, so the second finds it in torch_xla's cache. On this CPU a steady call of every
 # mode takes a fraction of a millisecond, because the MLP is tiny. So the table teaches the graph counts and the
 # first-call cost, not which mode is fastest.
 #
