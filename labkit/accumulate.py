@@ -52,18 +52,27 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         from labkit import _xla
 
         return _xla.to_cpu(tensors)  # batched: one transfer for all
+    out, stacked = _copied(tensors, lambda t: t)
+    for where, host in stacked:
+        for i, v in zip(where, host):
+            out[i] = v.reshape(tensors[i].shape)
+    return out
+
+
+def _copied(tensors: list[torch.Tensor], whole):
+    """The CPU copies of the larger tensors, as whole(copy), at their positions (None elsewhere); and the one-element
+    tensors of each device and dtype stacked and copied once: [(their positions, the stacked CPU tensor)]."""
     out: list = [None] * len(tensors)
     scalars: dict = {}  # (device, dtype) -> positions of one-element tensors
     for i, t in enumerate(tensors):
         if t.numel() == 1:
             scalars.setdefault((t.device, t.dtype), []).append(i)
         else:
-            out[i] = t.detach().cpu()
-    for where in scalars.values():
-        host = torch.stack([tensors[i].detach().reshape(()) for i in where]).cpu()  # one copy
-        for i, v in zip(where, host):
-            out[i] = v.reshape(tensors[i].shape)
-    return out
+            out[i] = whole(t.detach().cpu())
+    stacked = [
+        (where, torch.stack([tensors[i].detach().reshape(()) for i in where]).cpu()) for where in scalars.values()
+    ]
+    return out, stacked
 
 
 def _numbers(tensors: list[torch.Tensor]) -> list:
@@ -72,15 +81,9 @@ def _numbers(tensors: list[torch.Tensor]) -> list:
     .item() each, without a host tensor and an .item() per step (the Trainer reads log_every losses at a time)."""
     if not tensors or tensors[0].device.type == "xla":
         return [t.item() if t.numel() == 1 else t.tolist() for t in to_host(tensors)]
-    out: list = [None] * len(tensors)
-    scalars: dict = {}  # (device, dtype) -> positions of one-element tensors
-    for i, t in enumerate(tensors):
-        if t.numel() == 1:
-            scalars.setdefault((t.device, t.dtype), []).append(i)
-        else:
-            out[i] = t.detach().cpu().tolist()
-    for where in scalars.values():
-        for i, v in zip(where, torch.stack([tensors[i].detach().reshape(()) for i in where]).cpu().tolist()):
+    out, stacked = _copied(tensors, lambda t: t.tolist())
+    for where, host in stacked:
+        for i, v in zip(where, host.tolist()):
             out[i] = v
     return out
 

@@ -32,7 +32,7 @@ import threading
 
 import torch
 
-from labkit.runtime.layout import CONTIGUOUS
+from labkit.runtime.layout import CONTIGUOUS, map_tensors
 
 
 def _leading_dim(batch):
@@ -219,7 +219,7 @@ class DeviceLoader:
 
         def copy(batch):
             with torch.cuda.stream(stream):
-                pinned = _map(batch, lambda t: t.pin_memory() if not t.is_pinned() else t)
+                pinned = map_tensors(batch, lambda t: t.pin_memory() if not t.is_pinned() else t)
                 return self.layout.batch(self.rt.to_device(pinned, non_blocking=True))
 
         it = iter(host)
@@ -231,7 +231,7 @@ class DeviceLoader:
             # the consumer's stream must wait for the copy; record_stream stops the allocator
             # from reusing the memory while the side stream still owns it
             torch.cuda.current_stream(self.rt.device).wait_stream(stream)
-            _map(nxt, lambda t: t.record_stream(torch.cuda.current_stream(self.rt.device)) or t)
+            map_tensors(nxt, lambda t: t.record_stream(torch.cuda.current_stream(self.rt.device)) or t)
             cur, nxt = nxt, None
             for batch in it:
                 nxt = copy(batch)  # one batch ahead, overlapping the consumer's compute
@@ -258,16 +258,6 @@ class BatchSharding:
         if spec is None:
             spec = self._specs[t.dim()] = xs.ShardingSpec(self.mesh, (self.axis,) + (None,) * (t.dim() - 1))
         return spec.xla_spec(t)
-
-
-def _map(obj, fn):
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map(v, fn) for v in obj)
-    return obj
 
 
 def batch_rows(loader) -> int | None:

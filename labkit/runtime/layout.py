@@ -72,7 +72,7 @@ class Layout:
         """4-D floating tensors of a batch (images) in this format; labels and other tensors as they are."""
         if not self.channels_last:
             return obj
-        return _map(obj, _to_channels_last)
+        return map_tensors(obj, _to_channels_last)
 
 
 CONTIGUOUS = Layout(False, "the default")  # a DeviceLoader built without a Trainer
@@ -84,13 +84,14 @@ def _to_channels_last(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _map(obj, fn):
+def map_tensors(obj, fn):
+    """fn applied to every tensor of a batch: tensors, dicts, lists, tuples and named tuples, nested."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        out = [_map(v, fn) for v in obj]
+        out = [map_tensors(v, fn) for v in obj]
         return type(obj)(*out) if hasattr(obj, "_fields") else type(obj)(out)
     return obj
 
