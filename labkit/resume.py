@@ -216,6 +216,8 @@ def load_trainer_state(self, state: dict) -> None:  # self: the Trainer
     data differ (names the first mismatch); the data position is counted in samples and turned into this run's batches."""
     check_compatible(state["model"], self.module)  # names the first mismatched key
     check(state, self.optimizer, self.train_loader)  # other optimizer class or data: refused, nothing loaded
+    # XLA: a buffer of its own for each step counter, or the first step after the resume compiles again
+    state = dict(state, model=self.rt.own_scalars(state["model"]), optimizer=self.rt.own_scalars(state["optimizer"]))
     self.plan.load_model_state(self.module, state["model"])
     self.plan.load_optimizer_state(self.module, self.optimizer, state["optimizer"])
     self.capture.prepare(self.optimizer)  # the checkpoint's param groups replaced the prepared ones

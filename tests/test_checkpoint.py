@@ -185,6 +185,46 @@ def test_xla_state_moves_in_one_transfer_and_loads_on_cpu(tmp_path):
     assert torch.equal(back["model"]["weight"], cpu["model"]["weight"])
 
 
+def test_a_resumed_xla_run_compiles_no_new_step(tmp_path):
+    """torch_xla shares one device buffer between host scalars of equal value: AdamW's per-parameter `step` and
+    BatchNorm's num_batches_tracked, loaded one by one, made the first step after a resume a new graph."""
+    import dataclasses
+
+    import labkit
+    from labkit.models.resnet import image_optimizer
+    from tests.helpers import xla_counts
+
+    rt = labkit.setup("xla-cpu")
+    data = torch.utils.data.TensorDataset(torch.randn(128, 3, 8, 8), torch.randint(0, 10, (128,)))
+
+    def trainer(seed, cfg, ckpt):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(8, 8, 3, padding=1),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8, 10),
+        )
+        opt = image_optimizer(model, "adamw", 1e-3, xla=rt.capturable_optimizers)  # capturable: `step` on the device
+        loader = torch.utils.data.DataLoader(data, batch_size=32, drop_last=True)
+        return labkit.Trainer(model, opt, rt, cfg, loader, checkpoint=CheckpointManager(ckpt, keep=1, rt=rt))
+
+    cfg = labkit.TrainConfig(epochs=1, log_every=2, checkpoint_every=4)
+    first = trainer(0, cfg, tmp_path)
+    first.fit()
+    before, _ = xla_counts()
+    resumed = trainer(1, dataclasses.replace(cfg, resume=True, epochs=2, max_steps=first.step + 3), tmp_path)
+    resumed.fit()
+    assert resumed.step == first.step + 3
+    steps = [st["step"] for st in resumed.optimizer.state.values()]
+    assert len(steps) == 10 and all(s.device.type == "xla" for s in steps)
+    assert xla_counts()[0] == before, "the first steps after the resume compiled graphs the first run had compiled"
+
+
 def test_numpy_values_are_stored_as_plain_numbers_and_other_objects_are_refused(tmp_path):
     import numpy as np
 

@@ -154,7 +154,7 @@ def _min(seconds: float | None) -> str:
     return f"{seconds / 60:8.2f}" if seconds is not None else f"{'-':>8}"
 
 
-def table(limit: int = 30) -> list[str]:
+def table(limit: int | None = 30) -> list[str]:
     wall = time.perf_counter() - _started
     cpu = _cpu_seconds()
     rows = sorted(_rows.items(), key=lambda kv: -kv[1][0])
@@ -173,7 +173,7 @@ def table(limit: int = 30) -> list[str]:
 
     for name, (seconds, count, where, cpu_s) in rows[:limit]:
         lines.append(line(seconds, cpu_s, count, where, name))
-    rest = rows[limit:]
+    rest = rows[limit:] if limit is not None else []
     if rest:
         rest_cpu = sum(v[3] or 0.0 for _, v in rest)
         lines.append(
@@ -212,3 +212,8 @@ class Plugin:
         terminalreporter.write_sep("=", "where the time went (tests/timing.py)")
         for line in table():
             terminalreporter.write_line(line)
+        # every row, for a look past the 30 longest (the file is rewritten by each run)
+        full = Path(str(terminalreporter.config.rootpath)) / "artifacts" / "test-times.txt"
+        full.parent.mkdir(exist_ok=True)
+        full.write_text("\n".join(table(limit=None)) + "\n")
+        terminalreporter.write_line(f"every row: {full.relative_to(terminalreporter.config.rootpath)}")

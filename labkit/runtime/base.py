@@ -87,6 +87,10 @@ class Runtime:
             return type(obj)(out) if not hasattr(obj, "_fields") else type(obj)(*out)
         return obj
 
+    def own_scalars(self, state):
+        """A restored state ready to load (labkit.resume). Eager backends copy each tensor as it loads: as it is."""
+        return state
+
     def add_step_closure(self, fn, args=()) -> None:
         """Run fn(*args) once the current step's values exist: eagerly, that is now."""
         fn(*args)
