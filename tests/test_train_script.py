@@ -115,6 +115,7 @@ def test_single_process_learns(single):
     assert single["loss"] < 4.0, f"val loss {single['loss']}: no better than the first steps (ln 256 = 5.55)"
 
 
+@pytest.mark.heavy  # two torchrun processes: the 3.13 run leaves them to the 3.11 run
 def test_torchrun_ddp_two_ranks_matches_one_process(single):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}"]
     cmd += ["-m", "labkit.train", *ARGS, "--batch-size", str(GLOBAL_BATCH // 2)]
@@ -132,6 +133,7 @@ def test_meta_init_flag_gives_the_plain_builds_losses(single):
     assert (meta["loss"], meta["train_loss"]) == (single["loss"], single["train_loss"]), (meta, single)
 
 
+@pytest.mark.heavy  # two torchrun processes: the 3.13 run leaves them to the 3.11 run
 def test_meta_init_flag_under_fsdp2_gives_the_plain_builds_losses(single):
     """2 gloo processes under --parallel fsdp2 (about 22 CPU-seconds): with --meta-init each process fills only its
     shards, and the losses are the plain build's under fsdp2, to every printed digit."""
