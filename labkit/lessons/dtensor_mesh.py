@@ -139,7 +139,10 @@ def _finish(child, deadline: float):
     except subprocess.TimeoutExpired:
         code = "timed out"
     log.seek(0)
-    tail = log.read().strip().splitlines()[-12:]
+    lines = log.read().strip().splitlines()
+    tail = lines[-12:]  # torchrun's summary; a process's own last words come before it:
+    said = [ln for ln in lines[:-12] if "terminate called" in ln or "Error" in ln or "error:" in ln][-6:]
+    tail = said + (["..."] if said else []) + tail
     log.close()
     if code != 0 or not os.path.exists(out):
         raise RuntimeError(f"the {kind} run failed (exit {code}):\n" + "\n".join(tail))
@@ -336,3 +339,10 @@ if __name__ == "__main__":
     if result is not None:
         with open(job["out"], "w") as f:
             json.dump(result, f)
+    if kind == "dtensor":
+        # Every result is written and the process group destroyed. torch 2.11's gloo then aborted one process in
+        # several at the interpreter's teardown ("terminate called without an active exception", SIGABRT; 1 run in
+        # 10 to 2 in 3 here, torch 2.9 never), and torchrun reported the whole run failed. Leave without that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
