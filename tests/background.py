@@ -1,17 +1,18 @@
 """Long child-process tests run in the background while the rest of the suite runs.
 
-The simulated images and the 3.13 unit suite are each one child process tree of several minutes that
-uses about one core, while most of the suite leaves the second core idle (waiting on servers, child
-processes, one XLA compile thread). A test module opts in with
+The simulated images, the 3.13 unit suite and the longest notebooks under nbval are each one child process tree
+of several minutes that uses about one core, while the suite's own order leaves part of a core idle (waiting on
+servers, child processes, sleeps). A test module opts in with
 
     def background_job(item) -> Job | None     # the child command for this collected test
 
 conftest.py submits the jobs of the selected tests when collection ends and moves those tests to the
-end of the run; each test then calls `wait(job_id)` and asserts on what the job wrote. One background
-worker runs the jobs one after another, longest first, so at most two heavy things share the cores. When the
-rest of the suite is done (the first of those tests calls `wait`), a second worker takes the jobs not yet
-started, so the second core is not left idle while the last jobs run one by one.
-Output goes to files (no pipe to fill up); jobs still running when the session ends are killed.
+end of the run; each test then calls `wait(job_id)` and asserts on what the job wrote. WORKERS workers run the
+jobs, longest first, from the start. Every process of a job runs at a lower priority (NICE, and on Linux its
+autogroup's too, which is what decides between sessions: a Jupyter kernel or torchrun starts a session of its
+own): the suite's own order runs at full speed, and the jobs take the CPU it leaves, the second core and the
+idle moments of the first. Output goes to files (no pipe to fill up); jobs still running when the session ends
+are killed.
 
 Each job's CPU time is its whole process tree's, as /usr/bin/time counts it: os.wait4's resource usage of the child,
 which holds every descendant it waited for (a kernel, pip, a pytest). tests/timing.py shows it per row.
@@ -25,6 +26,10 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+WORKERS = 2  # at most this many jobs at once, beside the suite's own order
+NICE = 10  # the jobs' priority: below the suite's own tests, which hold the session's wall time
 
 
 @dataclass
@@ -33,7 +38,8 @@ class Job:
     argv: list[str]
     env: dict[str, str] | None = None
     cwd: str | None = None
-    expected_s: float = 0.0  # rough duration: the worker starts the longest first
+    expected_s: float = 0.0  # rough duration: the workers start the longest first
+    name: str = ""  # its row in the closing table (tests/timing.py), when the job writes no parts of its own
     # filled in by the worker
     returncode: int | None = None
     seconds: float = 0.0
@@ -48,6 +54,7 @@ _queue: list[Job] = []  # submitted, not yet started (longest first)
 _procs: list[subprocess.Popen] = []
 _lock = threading.Lock()
 _running = 0  # workers running (a worker stops when it finds the queue empty)
+_check_s = 1.0  # how often a running job's new processes are put at the jobs' priority
 _dir = None
 _queued_cpu = 0.0  # CPU seconds of the queued jobs reaped so far (run_here's count in the calling test)
 
@@ -61,16 +68,75 @@ def _next() -> Job | None:
         return None
 
 
-def _execute(job: Job) -> None:
+def _autogroup(pid: int | str) -> tuple[str, int] | None:
+    """Linux's autogroup of a process (the scheduler shares the CPU between these first) and its nice, or None."""
+    try:
+        with open(f"/proc/{pid}/autogroup") as f:
+            group, _, nice = f.read().split()
+        return group, int(nice)
+    except (OSError, ValueError):
+        return None
+
+
+def _tree(root: int) -> list[int]:
+    """root's living descendants (root included), from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after the name: state, then the parent
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [root], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        tree += kids
+        todo += kids
+    return tree
+
+
+def _lower(pid: int, ended: threading.Event) -> None:
+    """Keep the job's processes at NICE while it runs: the nice value is inherited, but a process that starts a
+    session (a Jupyter kernel, torchrun's workers) gets an autogroup of its own at nice 0, which would share the
+    CPU equally with the suite's own order; this sets those groups to NICE too. Our own group is left alone."""
+    own = _autogroup("self")
+    if own is None:  # no autogroups here (not Linux, or turned off): the inherited nice value is enough
+        return
+    done: set[str] = {own[0]}
+    while not ended.wait(_check_s):
+        for p in _tree(pid):
+            group = _autogroup(p)
+            if group is not None and group[0] not in done:
+                try:
+                    with open(f"/proc/{p}/autogroup", "w") as f:
+                        f.write(str(NICE))
+                    done.add(group[0])
+                except OSError:
+                    pass
+
+
+def _execute(job: Job, nice: bool = True) -> None:
     job.started = time.perf_counter()
     try:
         with open(job.log, "w") as out:
+            # its own process group (killed whole at the end), not its own session: the session's autogroup would
+            # make its nice value count for nothing against the suite's own tests
             proc = subprocess.Popen(
-                job.argv, env=job.env, cwd=job.cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                job.argv, env=job.env, cwd=job.cwd, stdout=out, stderr=subprocess.STDOUT, process_group=0
             )
             with _lock:
                 _procs.append(proc)
-            _, status, usage = os.wait4(proc.pid, 0)  # proc.wait() with the tree's rusage (what /usr/bin/time reads)
+            ended = threading.Event()
+            if nice:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, proc.pid, NICE)  # before it starts children: they inherit it
+                except OSError:
+                    pass
+                threading.Thread(target=_lower, args=(proc.pid, ended), name=f"lower-{job.id}", daemon=True).start()
+            try:  # proc.wait() with the tree's rusage (what /usr/bin/time reads)
+                _, status, usage = os.wait4(proc.pid, 0)
+            finally:
+                ended.set()
             proc.returncode = job.returncode = os.waitstatus_to_exitcode(status)
             job.cpu_s = usage.ru_utime + usage.ru_stime
     except OSError as e:
@@ -100,7 +166,7 @@ def run_here(job: Job) -> Job:
     """Run `job` now, in the calling test, not in the queue: a child short enough to sit in the suite's own order
     (its minutes then count there, in the test's own row of the closing table)."""
     job.log = os.path.join(job_dir(), f"{job.id}.log")
-    _execute(job)
+    _execute(job, nice=False)
     return job
 
 
@@ -120,7 +186,7 @@ def _start_worker() -> None:
 
 
 def submit(jobs: list[Job]) -> None:
-    """Queue `jobs`, longest first, and start a worker if none runs (call once, when collection ends)."""
+    """Queue `jobs`, longest first, and start workers up to WORKERS (call once, when collection ends)."""
     if not jobs:
         return
     for job in jobs:
@@ -129,14 +195,7 @@ def submit(jobs: list[Job]) -> None:
     with _lock:
         _queue.extend(jobs)
         _queue.sort(key=lambda j: -j.expected_s)
-        if _running == 0:
-            _start_worker()
-
-
-def second_worker() -> None:
-    """The suite's own tests are done: a second worker takes the jobs not yet started."""
-    with _lock:
-        if _running == 1 and _queue:
+        while _running < min(WORKERS, len(_queue)):
             _start_worker()
 
 
@@ -148,7 +207,6 @@ def wait(job_id: str, fallback: Job | None = None) -> Job:
             raise KeyError(f"no background job {job_id!r} was submitted")
         submit([fallback])
         job = _jobs[job_id]
-    second_worker()
     job.done.wait()
     return job
 

@@ -59,13 +59,15 @@ def pytest_configure(config):
 @pytest.hookimpl(trylast=True)  # after -m / -k deselection: only the selected tests start a job
 def pytest_collection_modifyitems(config, items):
     """Tests whose module defines background_job(item) start their child process now (tests/background.py)
-    and run last, by which time most of their work is done."""
-    from tests import background, timing
+    and run last, by which time most of their work is done; so do the cells of the notebooks in
+    tests/apart.py's APART, which a child pytest runs."""
+    from tests import apart, background, timing
 
+    apart_jobs = apart.plan(config, items)  # the longest notebooks' cells: run in a child pytest (tests/apart.py)
     jobs, later, first = [], [], []
     for item in items:
         make = getattr(getattr(item, "module", None), "background_job", None)
-        job = make(item) if make is not None else None
+        job = apart_jobs.get(item.nodeid) or (make(item) if make is not None else None)
         if job is None:
             first.append(item)
         else:

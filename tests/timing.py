@@ -123,7 +123,9 @@ def add_background(jobs) -> None:
         except (OSError, ValueError, IndexError):
             r = None
         if not isinstance(r, dict) or not ({"built", "runs", "seconds"} & set(r)):
-            add(job.id, job.seconds, cpu=job.cpu_s)  # a job whose result has no parts this table knows: its whole time
+            add(
+                getattr(job, "name", "") or job.id, job.seconds, cpu=job.cpu_s
+            )  # a job whose result has no parts this table knows: its whole time
             continue
         name = job.id.removeprefix("image-")
         parts, parts_cpu = 0.0, 0.0
