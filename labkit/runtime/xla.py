@@ -9,7 +9,7 @@ import torch
 from labkit import precision as _precision
 from labkit.runtime import step as _step
 from labkit.runtime.base import Runtime
-from labkit.runtime.layout import SETTINGS, Layout, has_conv2d
+from labkit.runtime.layout import SETTINGS, Layout, has_conv2d, map_tensors
 
 
 class XlaRuntime(Runtime):
@@ -53,34 +53,16 @@ class XlaRuntime(Runtime):
 
         found: list[torch.Tensor] = []
 
-        def collect(o):
-            if torch.is_tensor(o):
-                if o.dim() == 0 and o.device.type == "cpu":
-                    found.append(o)
-            elif isinstance(o, dict):
-                for v in o.values():
-                    collect(v)
-            elif isinstance(o, (list, tuple)):
-                for v in o:
-                    collect(v)
+        def collect(t):
+            if t.dim() == 0 and t.device.type == "cpu":
+                found.append(t)
+            return t
 
-        collect(state)
+        map_tensors(state, collect)
         if not found:
             return state
         moved = {id(t): d for t, d in zip(found, xm.send_cpu_data_to_device(found, self.device))}
-
-        def rebuild(o):
-            if torch.is_tensor(o):
-                return moved.get(id(o), o)
-            if isinstance(o, dict):
-                return {k: rebuild(v) for k, v in o.items()}
-            if isinstance(o, list):
-                return [rebuild(v) for v in o]
-            if isinstance(o, tuple) and not hasattr(o, "_fields"):
-                return tuple(rebuild(v) for v in o)
-            return o
-
-        return rebuild(state)
+        return map_tensors(state, lambda t: moved.get(id(t), t))
 
     def wait(self) -> None:
         import torch_xla.core.xla_model as xm
