@@ -25,9 +25,9 @@ import pytest
 
 from tests import background
 
-APART = {  # notebook -> its rough minutes under nbval in the fast mode (the workers start the longest first)
-    "01_resnet50_cifar10": 3.3,
-    "06_bring_your_own_webdataset": 1.2,
+APART = {  # notebook -> its CPU-minutes under nbval in the fast mode, measured (the workers start the longest first)
+    "01_resnet50_cifar10": 3.1,
+    "06_bring_your_own_webdataset": 0.7,
 }
 REPORT_ENV = "LABKIT_APART_REPORT"
 

@@ -21,6 +21,7 @@ which holds every descendant it waited for (a kernel, pip, a pytest). tests/timi
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -38,7 +39,7 @@ class Job:
     argv: list[str]
     env: dict[str, str] | None = None
     cwd: str | None = None
-    expected_s: float = 0.0  # rough duration: the workers start the longest first
+    expected_s: float = 0.0  # its CPU-seconds, measured: the workers start the longest first
     name: str = ""  # its row in the closing table (tests/timing.py), when the job writes no parts of its own
     # filled in by the worker
     returncode: int | None = None
@@ -121,17 +122,15 @@ def _execute(job: Job, nice: bool = True) -> None:
         with open(job.log, "w") as out:
             # its own process group (killed whole at the end), not its own session: the session's autogroup would
             # make its nice value count for nothing against the suite's own tests
+            lower = nice and shutil.which("nice") is not None
+            argv = ["nice", "-n", str(NICE), *job.argv] if lower else job.argv  # nice execs it: the same process
             proc = subprocess.Popen(
-                job.argv, env=job.env, cwd=job.cwd, stdout=out, stderr=subprocess.STDOUT, process_group=0
+                argv, env=job.env, cwd=job.cwd, stdout=out, stderr=subprocess.STDOUT, process_group=0
             )
             with _lock:
                 _procs.append(proc)
             ended = threading.Event()
-            if nice:
-                try:
-                    os.setpriority(os.PRIO_PROCESS, proc.pid, NICE)  # before it starts children: they inherit it
-                except OSError:
-                    pass
+            if lower:
                 threading.Thread(target=_lower, args=(proc.pid, ended), name=f"lower-{job.id}", daemon=True).start()
             try:  # proc.wait() with the tree's rusage (what /usr/bin/time reads)
                 _, status, usage = os.wait4(proc.pid, 0)
