@@ -87,7 +87,26 @@ def load_image_venv():
 _DROP = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "MPLBACKEND", "PJRT_DEVICE", "JUPYTER_PATH", "IPYTHONDIR")
 
 
-def kernel_env(img, workdir: Path) -> dict[str, str]:
+def source_copy(dest: Path) -> Path:
+    """The checkout's files (git's tracked and untracked ones, not the ignored: no venvs, no artifacts) copied to
+    `dest`, for the set-up cell to install labkit from. pip builds a local folder in place, in its build/ folder:
+    two image jobs installing from the checkout itself at once collided there ("File exists:
+    build/bdist.linux-x86_64/wheel/labkit_xla-0.1.0.dist-info"). A git URL, a learner's way, is built in a fresh
+    folder too."""
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+    )
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        src = ROOT / name
+        if src.is_file():  # (tracked, but deleted in the work tree)
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def kernel_env(img, workdir: Path, source: Path = ROOT) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
@@ -99,7 +118,7 @@ def kernel_env(img, workdir: Path) -> dict[str, str]:
         LABKIT_FAST="1",
         # the learner's path: Run all with every exercise unsolved (the main suite runs the solutions)
         LABKIT_SOLUTIONS="0",
-        LABKIT_PIP_SPEC=str(ROOT),  # the set-up cell installs labkit from this checkout
+        LABKIT_PIP_SPEC=str(source),  # the set-up cell installs labkit from this checkout (a copy: source_copy)
         IPYTHONDIR=str(workdir / "ipython"),  # no profile of this machine's user
         LABKIT_SCRATCH=str(workdir / "scratch"),  # labkit.scratch() folders: removed with workdir, not left in /tmp
         # the suite's one Inductor cache (conftest.py puts it in the session's scratch folder): graphs a notebook
@@ -170,11 +189,11 @@ def cut_at_tag(nb, tag: str, path: Path) -> int:
     return cut
 
 
-def run_notebook(path: Path, img, kernel: str, workdir: Path, out_dir: Path) -> dict:
+def run_notebook(path: Path, img, kernel: str, workdir: Path, out_dir: Path, source: Path = ROOT) -> dict:
     nb = nbformat.read(path, as_version=4)
     until = img.until.get(path.stem[:2])
     cells = cut_at_tag(nb, until, path) if until else len(nb.cells)
-    env = kernel_env(img, workdir)
+    env = kernel_env(img, workdir, source)
     env["LABKIT_ARTIFACTS"] = str(out_dir / path.stem)
     env.update(notebook_env(img, path.stem))
     client = NotebookClient(
@@ -226,10 +245,11 @@ def image_run(name: str) -> dict:
     out_dir.mkdir(parents=True)
     runs = {}
     if pristine:
+        source = source_copy(tmp / "labkit")
         for path in notebooks_of(img):
             workdir = tmp / path.stem  # data/ and checkpoints/ land here, not next to the committed notebook
             workdir.mkdir()
-            runs[path.stem] = run_notebook(path, img, kernel, workdir, out_dir)
+            runs[path.stem] = run_notebook(path, img, kernel, workdir, out_dir, source)
     after = image_venv.freeze(img.python_bin)
     shutil.rmtree(tmp, ignore_errors=True)
     return {
