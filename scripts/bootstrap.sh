@@ -25,23 +25,30 @@ venv=$(readlink -f .venv 2>/dev/null || echo .venv)
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
 stamp=.venv/.labkit-installed
 want=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+# uv installs the pins, from one cache shared with the simulated images' venvs (scripts/image_venv.py) and with
+# every other clone on this machine: a file is downloaded and unpacked there once, and a venv hardlinks to it.
+export UV_CACHE_DIR="${LABKIT_UV_CACHE:-$HOME/.cache/labkit-uv}" UV_LINK_MODE=hardlink UV_NO_PROGRESS=1
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  # The venv takes ~8.5 GB (torch 2.9's CUDA wheels, which torch_xla on PyPI needs): refuse early, by name,
-  # where pip would stop half-way with "No space left on device".
-  need_gb=${LABKIT_VENV_GB:-9}
+  # The venv takes ~8 GB (torch 2.9's CUDA wheels, which torch_xla on PyPI needs), or next to nothing when uv's
+  # cache already holds torch's wheel for this Python: refuse early, by name, where uv would stop half-way with
+  # "No space left on device".
+  tag=$("$venv/bin/python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+  torch_pin=$(sed -n 's/^torch==//p' requirements.txt)
+  if compgen -G "$UV_CACHE_DIR/wheels-v*/pypi/torch/$torch_pin-$tag-*" > /dev/null; then need_gb=1; else need_gb=9; fi
+  need_gb=${LABKIT_VENV_GB:-$need_gb}
   free_gb=$(df -Pk .venv | awk 'NR == 2 { printf "%d", $4 / 1048576 }')
   if ! compgen -G ".venv/lib/python3*/site-packages/torch" > /dev/null && [ "$free_gb" -lt "$need_gb" ]; then
     echo "[bootstrap] not enough disk for .venv: $free_gb GB free on $(df -P .venv | awk 'NR == 2 {print $6}')," \
-      "the pinned venv needs about $need_gb GB (make test builds the simulated images in .venvs/ too: ~17 GB more)." \
-      "Free some space, or set LABKIT_VENV_GB to try anyway." >&2
+      "the pinned venv needs about $need_gb GB (make test builds the simulated images in .venvs/ too: up to ~17 GB" \
+      "more, less what uv's cache $UV_CACHE_DIR already holds). Free some space, or set LABKIT_VENV_GB to try anyway." >&2
     exit 1
   fi
-  echo "[bootstrap] installing pinned requirements into .venv (first time: ~2 min, ~8.5 GB)" >&2
+  echo "[bootstrap] installing pinned requirements into .venv (first time on a machine: ~2 min, ~8 GB)" >&2
   start=$(date +%s)
-  # --no-cache-dir: pip would also keep a second copy of every wheel (~3.5 GB) in ~/.cache/pip
-  "$venv/bin/python" -m pip install --quiet --no-cache-dir --upgrade pip
-  "$venv/bin/python" -m pip install --quiet --no-cache-dir -r requirements.txt
-  "$venv/bin/python" -m pip install --quiet --no-deps -e . > .venv/labkit-editable.log 2>&1 || { cat .venv/labkit-editable.log >&2; exit 1; }
+  "$venv/bin/python" -m pip install --quiet --no-cache-dir "$(grep -E '^uv==' requirements.txt)"
+  "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" -r requirements.txt
+  "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --no-deps -e . > .venv/labkit-editable.log 2>&1 ||
+    { cat .venv/labkit-editable.log >&2; exit 1; }
   "$venv/bin/python" -c "import labkit, data_tools" || { echo "[bootstrap] editable install of labkit failed" >&2; exit 1; }
   echo "$want" > "$stamp"
   echo "[bootstrap] done in $(( $(date +%s) - start )) s" >&2

@@ -286,18 +286,41 @@ def _lock():
         yield
 
 
-# GB a new venv takes (torch's wheels and what they pin), measured here with `make images --du`; a build is refused
-# below it, by name, rather than failing half-way in uv with "No space left on device"
+# GB a new venv takes when uv's cache holds none of its wheels (torch's wheels and what they pin), measured with
+# `scripts/image_venv.py NAME --du` on an empty cache; a build is refused below it, by name, rather than failing
+# half-way in uv with "No space left on device". With every wheel already in the cache the venv is hardlinks (its
+# folders and metadata only): WARM_GB.
 NEEDS_GB = {"colab-tpu": 7.5, "colab-gpu": 5.0, "kaggle-tpu": 4.0}
+WARM_GB = 0.5
 
 
-def check_disk(name: str, gb: float) -> None:
-    """Raise, naming the folder and the figures, when the disk holding .venvs/ has less than `gb` free."""
+def uncached(python: str, pins: dict[str, str]) -> list[str]:
+    """The pins whose wheel for this Python is not in uv's cache (what a build would download and unpack)."""
+    ours = f"-cp{python.replace('.', '')}-"
+
+    def fits(entry: str) -> bool:  # "2.9.0-cp313-cp313-manylinux_2_28_x86_64"; a hash for a wheel of several tags
+        base = os.path.basename(entry)
+        return os.path.isdir(entry) and (ours in base or "-abi3-" in base or not re.search(r"-cp3\d+-", base))
+
+    missing = []
+    for name, version in pins.items():
+        entries = glob.glob(str(CACHE / "wheels-v*" / "pypi" / glob.escape(name) / f"{glob.escape(version)}-*"))
+        if not any(fits(e) for e in entries):
+            missing.append(f"{name}=={version}")
+    return missing
+
+
+def check_disk(img: Image) -> None:
+    """Raise, naming the folder and the figures, when the disk holding .venvs/ has less free than the build needs:
+    the image's whole size when a wheel has to be downloaded, WARM_GB when uv's cache holds them all."""
+    missing = uncached(img.python, img.pins)
+    gb = NEEDS_GB.get(img.name, 5.0) if missing else WARM_GB
     free = shutil.disk_usage(VENVS).free / 1e9
     if free < gb:
+        what = f"{len(missing)} wheels to download ({', '.join(missing[:3])}, ...)" if missing else "all wheels cached"
         raise RuntimeError(
-            f"not enough disk to build the {name} venv in {VENVS}: {free:.1f} GB free, it needs about "
-            f"{gb:.1f} GB (uv's cache {CACHE} shares files with it by hardlinks). Free some space."
+            f"not enough disk to build the {img.name} venv in {VENVS}: {free:.1f} GB free, it needs about "
+            f"{gb:.1f} GB ({what}; uv's cache {CACHE} shares files with it by hardlinks). Free some space."
         )
 
 
@@ -313,7 +336,7 @@ def build(img: Image, *, log=print) -> dict:
             log(f"[image_venv] {img.name}: building {img.venv} with Python {img.python} from {img.pin_file.name}")
             if img.venv.exists():
                 shutil.rmtree(img.venv)
-            check_disk(img.name, NEEDS_GB.get(img.name, 5.0))
+            check_disk(img)
             _run([*uv(), "venv", "--quiet", "--python", find_python(img.python), str(img.venv)])
             _run([*uv(), "pip", "install", "--quiet", "--python", str(img.python_bin), "-r", str(img.pin_file)])
             if img.colab:

@@ -69,12 +69,14 @@ def _next() -> Job | None:
         return None
 
 
-def _autogroup(pid: int | str) -> tuple[str, int] | None:
-    """Linux's autogroup of a process (the scheduler shares the CPU between these first) and its nice, or None."""
+def _autogroup(pid: int | str) -> str | None:
+    """The name of a process's Linux autogroup (the scheduler shares the CPU between these first), or None: not
+    Linux, autogroups turned off, or the process is scheduled by a cgroup's CPU controller instead (a container:
+    the file is then empty, and the inherited nice value is all that counts)."""
     try:
         with open(f"/proc/{pid}/autogroup") as f:
-            group, _, nice = f.read().split()
-        return group, int(nice)
+            group, _, _nice = f.read().split()
+        return group
     except (OSError, ValueError):
         return None
 
@@ -101,17 +103,17 @@ def _lower(pid: int, ended: threading.Event) -> None:
     session (a Jupyter kernel, torchrun's workers) gets an autogroup of its own at nice 0, which would share the
     CPU equally with the suite's own order; this sets those groups to NICE too. Our own group is left alone."""
     own = _autogroup("self")
-    if own is None:  # no autogroups here (not Linux, or turned off): the inherited nice value is enough
+    if own is None:  # no autogroups here: the inherited nice value is enough
         return
-    done: set[str] = {own[0]}
+    done: set[str] = {own}
     while not ended.wait(_check_s):
         for p in _tree(pid):
             group = _autogroup(p)
-            if group is not None and group[0] not in done:
+            if group is not None and group not in done:
                 try:
                     with open(f"/proc/{p}/autogroup", "w") as f:
                         f.write(str(NICE))
-                    done.add(group[0])
+                    done.add(group)
                 except OSError:
                     pass
 

@@ -37,3 +37,42 @@ def test_an_image_header_says_which_notebooks_run_on_several_devices(tmp_path):
         with pytest.raises(ValueError, match="bad.txt") as err:
             image_venv.load(bad)
         assert said in str(err.value)
+
+
+def test_a_build_is_refused_for_disk_only_when_its_wheels_must_be_downloaded(monkeypatch, tmp_path):
+    """With every wheel in uv's cache a venv is hardlinks, so a build needs WARM_GB free, not the image's whole size;
+    a wheel for another Python does not count as cached. The refusal names the venv, the figures and a missing wheel."""
+    image_venv = load_image_venv()
+    pypi = tmp_path / "uv" / "wheels-v7" / "pypi"
+    for entry in (
+        "torch/2.9.0-cp312-cp312-manylinux_2_28_x86_64",
+        "numpy/2.3.4-cp313-cp313-manylinux_2_28_x86_64",
+        "protobuf/5.29.6-cp38-abi3-manylinux2014_x86_64",
+        "six/1.17.0-6a4c2b1e0f9d8c7b",
+    ):
+        (pypi / entry).mkdir(parents=True)
+    (pypi / "torch" / "2.9.0-cp313-cp313-manylinux_2_28_x86_64.http").write_text("")  # a download's record only
+    monkeypatch.setattr(image_venv, "CACHE", tmp_path / "uv")
+    pins = {"torch": "2.9.0", "numpy": "2.3.4", "protobuf": "5.29.6", "six": "1.17.0"}
+    assert image_venv.uncached("3.13", pins) == ["torch==2.9.0"]
+    assert image_venv.uncached("3.12", pins) == ["numpy==2.3.4"]
+    img = image_venv.Image(
+        name="colab-tpu",
+        pin_file=tmp_path / "x.txt",
+        python="3.13",
+        pins=pins,
+        env={},
+        run_env={},
+        expect={},
+        colab=True,
+    )
+    monkeypatch.setattr(image_venv, "VENVS", tmp_path)
+    free = {"gb": 2.0}
+    monkeypatch.setattr(image_venv.shutil, "disk_usage", lambda p: type("U", (), {"free": free["gb"] * 1e9})())
+    with pytest.raises(RuntimeError, match=r"colab-tpu venv .*2\.0 GB free, it needs about 7\.5 GB .*torch==2\.9\.0"):
+        image_venv.check_disk(img)
+    img.pins.pop("torch")
+    image_venv.check_disk(img)  # all cached: 2 GB is plenty
+    free["gb"] = 0.1
+    with pytest.raises(RuntimeError, match=r"0\.1 GB free, it needs about 0\.5 GB \(all wheels cached"):
+        image_venv.check_disk(img)
