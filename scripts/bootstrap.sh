@@ -27,7 +27,9 @@ stamp=.venv/.labkit-installed
 want=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 # uv installs the pins, from one cache shared with the simulated images' venvs (scripts/image_venv.py) and with
 # every other clone on this machine: a file is downloaded and unpacked there once, and a venv hardlinks to it.
-export UV_CACHE_DIR="${LABKIT_UV_CACHE:-$HOME/.cache/labkit-uv}" UV_LINK_MODE=hardlink UV_NO_PROGRESS=1
+# UV_COMPILE_BYTECODE: the .pyc files at install, as pip writes them; without them, where PYTHONDONTWRITEBYTECODE is
+# set, every process compiles torch's sources again on import (17 CPU-s against 4 for `import torch, torch_xla`).
+export UV_CACHE_DIR="${LABKIT_UV_CACHE:-$HOME/.cache/labkit-uv}" UV_LINK_MODE=hardlink UV_NO_PROGRESS=1 UV_COMPILE_BYTECODE=1
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The venv takes ~8 GB (torch 2.9's CUDA wheels, which torch_xla on PyPI needs), or next to nothing when uv's
   # cache already holds torch's wheel for this Python: refuse early, by name, where uv would stop half-way with

@@ -53,7 +53,7 @@ VENVS = venvs_dir(ROOT)
 # on the same filesystem as the venvs, uv hardlinks files from it instead of copying
 CACHE = Path(os.environ.get("LABKIT_UV_CACHE") or Path.home() / ".cache" / "labkit-uv")
 # bump when what the builder puts in a venv changes (the stand-in, the config files)
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 
 
 def norm(name: str) -> str:
@@ -179,6 +179,10 @@ def find_python(version: str) -> str:
 def _uv_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(UV_CACHE_DIR=str(CACHE), UV_LINK_MODE="hardlink", UV_PYTHON_DOWNLOADS="never", UV_NO_PROGRESS="1")
+    # .pyc files written at install, as pip and the real images have them: without them, and with
+    # PYTHONDONTWRITEBYTECODE set (as on CI machines), every kernel compiled torch's and torch_xla's sources again on
+    # import (17 CPU-s against 4 for `import torch, torch_xla`); about 40 CPU-s and 0.3 GB once per venv
+    env["UV_COMPILE_BYTECODE"] = "1"
     env.pop("VIRTUAL_ENV", None)
     return env
 
@@ -288,10 +292,10 @@ def _lock():
 
 # GB a new venv takes when uv's cache holds none of its wheels (torch's wheels and what they pin), measured with
 # `scripts/image_venv.py NAME --du` on an empty cache; a build is refused below it, by name, rather than failing
-# half-way in uv with "No space left on device". With every wheel already in the cache the venv is hardlinks (its
-# folders and metadata only): WARM_GB.
-NEEDS_GB = {"colab-tpu": 7.5, "colab-gpu": 5.0, "kaggle-tpu": 4.0}
-WARM_GB = 0.5
+# half-way in uv with "No space left on device". With every wheel already in the cache the venv is hardlinks, and
+# what it takes is its own: folders, metadata and the .pyc files compiled at install (0.3 GB): WARM_GB.
+NEEDS_GB = {"colab-tpu": 8.0, "colab-gpu": 5.5, "kaggle-tpu": 4.5}
+WARM_GB = 1.0
 
 
 def uncached(python: str, pins: dict[str, str]) -> list[str]:

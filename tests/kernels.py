@@ -38,13 +38,14 @@ def colab_kernel() -> Path:
     if uv is None:
         pytest.skip("uv is not installed (it is in requirements.txt): run `make venv`")
     pins = (ROOT / "images" / "colab-tpu.txt").read_text()
-    what = pins + repr(COLAB_KERNEL_PACKAGES) + WIDGETS7_FRONT_END + repr(site_dirs())
+    what = pins + repr(COLAB_KERNEL_PACKAGES) + WIDGETS7_FRONT_END + repr(site_dirs()) + "pyc"
     stamp_want = hashlib.sha256(what.encode()).hexdigest()
     stamp = COLAB_KERNEL / ".labkit-stamp"
     py = COLAB_KERNEL / "bin" / "python"
     if stamp.exists() and stamp.read_text() == stamp_want and py.exists():
         return py
     env = dict(os.environ, UV_CACHE_DIR=os.environ.get("LABKIT_UV_CACHE") or str(Path.home() / ".cache" / "labkit-uv"))
+    env["UV_COMPILE_BYTECODE"] = "1"  # .pyc at install, as pip writes them (scripts/image_venv.py says why)
     shutil.rmtree(COLAB_KERNEL, ignore_errors=True)
     base = os.path.realpath(sys.executable)
     subprocess.run([uv, "venv", "-q", "--python", base, str(COLAB_KERNEL)], check=True, env=env)

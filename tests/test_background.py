@@ -127,4 +127,6 @@ def test_the_closing_table_gives_each_part_of_a_job_its_cpu(tmp_path):
     }, rows
     lines = timing.table()
     assert lines[0].split()[:3] == ["wall", "min", "CPU"]
+    ended = 201.0 - timing._started  # started=1.0 + 200 s: when the background side ended, after the session began
+    assert f"the last ending {ended / 60:.1f} min in;" in lines[-1], lines[-1]
     assert "    2.00     2.50  1.25  " in lines[1] and lines[1].endswith("image img: 01_x (solutions off)"), lines

@@ -69,10 +69,10 @@ def test_a_build_is_refused_for_disk_only_when_its_wheels_must_be_downloaded(mon
     monkeypatch.setattr(image_venv, "VENVS", tmp_path)
     free = {"gb": 2.0}
     monkeypatch.setattr(image_venv.shutil, "disk_usage", lambda p: type("U", (), {"free": free["gb"] * 1e9})())
-    with pytest.raises(RuntimeError, match=r"colab-tpu venv .*2\.0 GB free, it needs about 7\.5 GB .*torch==2\.9\.0"):
+    with pytest.raises(RuntimeError, match=r"colab-tpu venv .*2\.0 GB free, it needs about 8\.0 GB .*torch==2\.9\.0"):
         image_venv.check_disk(img)
     img.pins.pop("torch")
     image_venv.check_disk(img)  # all cached: 2 GB is plenty
     free["gb"] = 0.1
-    with pytest.raises(RuntimeError, match=r"0\.1 GB free, it needs about 0\.5 GB \(all wheels cached"):
+    with pytest.raises(RuntimeError, match=r"0\.1 GB free, it needs about 1\.0 GB \(all wheels cached"):
         image_venv.check_disk(img)

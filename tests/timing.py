@@ -38,6 +38,7 @@ _rows: dict[str, list] = defaultdict(lambda: [0.0, 0, "fg", None])  # name -> [s
 _phases: dict[str, float] = defaultdict(float)  # node id -> seconds so far (setup, call)
 _cpu_at: dict[str, float] = {}  # node id -> the test's own CPU clock (_fg_cpu) at its start
 _started = time.perf_counter()
+_bg_end: float | None = None  # when the last background job ended (perf_counter), set by add_background
 _waiting: set[str] = set()  # node ids of tests that wait for a background job
 
 
@@ -114,7 +115,11 @@ def add(name: str, seconds: float, where: str = "bg", cpu: float | None = None) 
 def add_background(jobs) -> None:
     """The background jobs' parts: each image's venv build and notebooks, the 3.13 suite (from the JSON each job
     wrote), or the job's whole time where it wrote none (it failed or was killed)."""
+    global _bg_end
     for job in jobs:
+        if job.started:
+            end = job.started + job.seconds if job.done.is_set() else time.perf_counter()
+            _bg_end = max(_bg_end or end, end)
         if not job.done.is_set():
             add(f"{job.id} (still running at the end: killed)", time.perf_counter() - job.started if job.started else 0)
             continue
@@ -165,7 +170,7 @@ def table(limit: int | None = 30) -> list[str]:
     in_rows = sum(v[3] or 0.0 for v in _rows.values())
     lines = [
         f"{'wall min':>8} {'CPU min':>8} {'cores':>5} {'share':>6} {'tests':>5}  where   "
-        "what (fg: in pytest's own order; bg: the background worker)"
+        "what (fg: in pytest's own order; bg: a background worker)"
     ]
 
     def line(seconds, cpu_s, count, where, name):
@@ -185,10 +190,12 @@ def table(limit: int | None = 30) -> list[str]:
         f"CPU: {in_rows / 60:.2f} min in the rows above; {max(cpu - in_rows, 0.0) / 60:.2f} min in none (pytest's "
         "start-up and collection, jobs still running at the end)"
     )
+    side = f"{bg / 60:.1f} min of background jobs beside them"
+    if _bg_end is not None:
+        side += f", the last ending {(_bg_end - _started) / 60:.1f} min in"
     lines.append(
-        f"session {wall / 60:.1f} min wall: tests {fg / 60:.1f} min in this process's order, background jobs "
-        f"{bg / 60:.1f} min beside them; {cpu / 60:.1f} CPU-min, {cpu / wall if wall else 0:.2f} of "
-        f"{os.cpu_count()} cores busy on average"
+        f"session {wall / 60:.1f} min wall: tests {fg / 60:.1f} min in this process's order, {side}; "
+        f"{cpu / 60:.1f} CPU-min, {cpu / wall if wall else 0:.2f} of {os.cpu_count()} cores busy on average"
     )
     return lines
 
