@@ -26,7 +26,7 @@ import pytest
 from tests import background
 
 APART = {  # notebook -> its CPU-minutes under nbval in the fast mode, measured (the workers start the longest first)
-    "01_resnet50_cifar10": 3.1,
+    "01_resnet50_cifar10": 3.0,
     "06_bring_your_own_webdataset": 0.7,
 }
 REPORT_ENV = "LABKIT_APART_REPORT"

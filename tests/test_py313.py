@@ -56,7 +56,7 @@ def _job() -> background.Job:
     out = Path(background.job_dir()) / "py3.13.json"
     modules = [f"tests/{m}" for m in sorted(PY_SENSITIVE)]
     argv = [sys.executable, str(ROOT / "tests" / "children" / "image_job.py"), "py3.13", *modules, str(out)]
-    return background.Job(id="py3.13", argv=argv, cwd=str(ROOT), expected_s=125)
+    return background.Job(id="py3.13", argv=argv, cwd=str(ROOT), expected_s=113)
 
 
 def test_every_python_sensitive_module_exists():
