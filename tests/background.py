@@ -222,6 +222,16 @@ def output(job: Job) -> str:
         return f.read()
 
 
+def remove_dir() -> None:
+    """Remove this session's folder of job logs and results (the GPU check's dry run alone leaves 145 MB of installed
+    packages there). Called once the session passed and its closing table was printed; a failed session keeps it,
+    since its failure messages name the logs inside."""
+    global _dir
+    if _dir is not None:
+        shutil.rmtree(_dir, ignore_errors=True)
+        _dir = None
+
+
 def stop_all() -> None:
     """Kill what is still running (the session ended early: -x, Ctrl-C, a failure elsewhere)."""
     with _lock:

@@ -25,6 +25,8 @@ import uuid
 
 import pytest
 
+_PASSED = pytest.StashKey[bool]()  # the session's verdict, for pytest_unconfigure
+
 
 @pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory):
@@ -85,3 +87,12 @@ def pytest_sessionfinish(session, exitstatus):
     from tests import background
 
     background.stop_all()
+    session.config.stash[_PASSED] = exitstatus == 0
+
+
+def pytest_unconfigure(config):
+    """After the closing table (it reads the jobs' results): a session that passed leaves no job folder behind."""
+    from tests import background
+
+    if config.stash.get(_PASSED, False):
+        background.remove_dir()
