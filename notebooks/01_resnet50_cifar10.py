@@ -772,8 +772,8 @@ assert hist2[0]["loss"] < first - 0.3, "the resumed run did not start from the t
 # continues at the same sample. The steps the child trained after that checkpoint are lost with it and trained
 # again. No sample is skipped.
 #
-# The child's first line, `compile='auto' -> eager step: ... <= the cpu payback of never`, is labkit choosing how to
-# run the step. The child trains on the plain CPU, not on XLA. There `torch.compile` must repay its compile time
+# The child's first line, `compile='auto' -> eager step: on cpu a compiled step never repays ...`, is labkit
+# choosing how to run the step. The child trains on the plain CPU, not on XLA. There `torch.compile` must repay its compile time
 # with faster steps, and labkit's table says it never does on a CPU. That verdict rests on one measurement on a
 # loaded 2-core machine: the compiled step ran at 1.11× the eager step's time, after a 390 s compile. An earlier,
 # quieter reading found the compiled step faster, at 0.85×, after a 97 s compile. So on a quiet CPU compiling could

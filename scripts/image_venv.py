@@ -290,11 +290,40 @@ def _lock():
         yield
 
 
-# GB a new venv takes when uv's cache holds none of its wheels (torch's wheels and what they pin), measured with
-# `scripts/image_venv.py NAME --du` on an empty cache; a build is refused below it, by name, rather than failing
-# half-way in uv with "No space left on device". With every wheel already in the cache the venv is hardlinks, and
-# what it takes is its own: folders, metadata and the .pyc files compiled at install (0.3 GB): WARM_GB.
-NEEDS_GB = {"colab-tpu": 8.0, "colab-gpu": 5.5, "kaggle-tpu": 4.5}
+# GB a wheel takes unpacked in uv's cache, for the wheels over 0.1 GB (measured there with `du`, rounded up; torch 2.8
+# to 2.11 on Linux x86-64, whose CUDA libraries come as nvidia-* wheels); any other wheel counts SMALL_GB, twice their
+# average. On an empty cache that sums to 10.7 GB for colab-tpu, where the build took 9.0. A build needs what it must download and unpack, plus WARM_GB for what the venv holds of its own (folders, metadata and the
+# .pyc files compiled at install, 0.3 GB): the files it shares with the cache are hardlinks and take no more disk.
+# It is refused below that, by name, rather than failing half-way in uv with "No space left on device".
+WHEEL_GB = {
+    "torch": 1.8,
+    "nvidia-cudnn-cu12": 1.1,
+    "nvidia-cublas-cu12": 0.9,
+    "triton": 0.7,
+    "nvidia-cublas": 0.6,
+    "nvidia-cudnn-cu13": 0.5,
+    "nvidia-cusparselt-cu12": 0.45,
+    "torch-xla": 0.45,
+    "nvidia-nccl-cu12": 0.45,
+    "nvidia-cusolver-cu12": 0.4,
+    "nvidia-cusparse-cu12": 0.4,
+    "libtpu": 0.4,
+    "nvidia-cufft": 0.3,
+    "nvidia-cufft-cu12": 0.3,
+    "nvidia-cusolver": 0.25,
+    "nvidia-cusparselt-cu13": 0.25,
+    "nvidia-cuda-nvrtc-cu12": 0.25,
+    "nvidia-cuda-nvrtc": 0.25,
+    "nvidia-nccl-cu13": 0.25,
+    "nvidia-nvshmem-cu12": 0.2,
+    "nvidia-cusparse": 0.2,
+    "nvidia-curand-cu12": 0.15,
+    "nvidia-curand": 0.15,
+    "nvidia-nvjitlink": 0.1,
+    "nvidia-nvjitlink-cu12": 0.1,
+}
+NVIDIA_GB = 0.1  # an nvidia-* wheel not listed (cupti, cuda-runtime, nvtx, cufile: 0.04 GB or less)
+SMALL_GB = 0.01  # 0.005 on average, 120-odd of them per image
 WARM_GB = 1.0
 
 
@@ -314,14 +343,21 @@ def uncached(python: str, pins: dict[str, str]) -> list[str]:
     return missing
 
 
+def needs_gb(missing: list[str]) -> float:
+    """GB free a build needs when these pins ("name==version") are not in uv's cache."""
+    names = [m.split("==")[0] for m in missing]
+    return WARM_GB + sum(WHEEL_GB.get(n, NVIDIA_GB if n.startswith("nvidia-") else SMALL_GB) for n in names)
+
+
 def check_disk(img: Image) -> None:
     """Raise, naming the folder and the figures, when the disk holding .venvs/ has less free than the build needs:
-    the image's whole size when a wheel has to be downloaded, WARM_GB when uv's cache holds them all."""
+    the wheels it must download and unpack into uv's cache, and WARM_GB for the venv's own files."""
     missing = uncached(img.python, img.pins)
-    gb = NEEDS_GB.get(img.name, 5.0) if missing else WARM_GB
+    gb = needs_gb(missing)
     free = shutil.disk_usage(VENVS).free / 1e9
     if free < gb:
-        what = f"{len(missing)} wheels to download ({', '.join(missing[:3])}, ...)" if missing else "all wheels cached"
+        big = sorted(missing, key=lambda m: -needs_gb([m]))
+        what = f"{len(missing)} wheels to download ({', '.join(big[:3])}, ...)" if missing else "all wheels cached"
         raise RuntimeError(
             f"not enough disk to build the {img.name} venv in {VENVS}: {free:.1f} GB free, it needs about "
             f"{gb:.1f} GB ({what}; uv's cache {CACHE} shares files with it by hardlinks). Free some space."

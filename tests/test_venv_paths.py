@@ -40,8 +40,9 @@ def test_an_image_header_says_which_notebooks_run_on_several_devices(tmp_path):
 
 
 def test_a_build_is_refused_for_disk_only_when_its_wheels_must_be_downloaded(monkeypatch, tmp_path):
-    """With every wheel in uv's cache a venv is hardlinks, so a build needs WARM_GB free, not the image's whole size;
-    a wheel for another Python does not count as cached. The refusal names the venv, the figures and a missing wheel."""
+    """With every wheel in uv's cache a venv is hardlinks, so a build needs WARM_GB free plus what it must download,
+    not the image's whole size; a wheel for another Python does not count as cached. The refusal names the venv, the
+    figures and the largest missing wheel."""
     image_venv = load_image_venv()
     pypi = tmp_path / "uv" / "wheels-v7" / "pypi"
     for entry in (
@@ -69,8 +70,12 @@ def test_a_build_is_refused_for_disk_only_when_its_wheels_must_be_downloaded(mon
     monkeypatch.setattr(image_venv, "VENVS", tmp_path)
     free = {"gb": 2.0}
     monkeypatch.setattr(image_venv.shutil, "disk_usage", lambda p: type("U", (), {"free": free["gb"] * 1e9})())
-    with pytest.raises(RuntimeError, match=r"colab-tpu venv .*2\.0 GB free, it needs about 8\.0 GB .*torch==2\.9\.0"):
+    with pytest.raises(RuntimeError, match=r"colab-tpu venv .*2\.0 GB free, it needs about 2\.8 GB .*torch==2\.9\.0"):
         image_venv.check_disk(img)
+    assert image_venv.needs_gb(["torch==2.9.0", "nvidia-cudnn-cu12==9.10.2.21", "six==1.17.0"]) == pytest.approx(3.91)
+    img.python = "3.12"  # only numpy is missing: a small wheel
+    image_venv.check_disk(img)
+    img.python = "3.13"
     img.pins.pop("torch")
     image_venv.check_disk(img)  # all cached: 2 GB is plenty
     free["gb"] = 0.1

@@ -201,11 +201,14 @@ def choose(setting: str, backend: str, kind: str = "cpu", steps: int | None = No
     if row is None:
         compile, why = False, f"no payback figure for {kind!r} in labkit.runtime.step.PAYBACK_STEPS"
     else:
-        figure = "never" if math.isinf(row.steps) else f"{row.steps:,.0f} steps"
         estimate = " (an estimate, not measured)" if row.source.startswith("not measured") else ""
         plan = f"{steps:,} planned steps" if steps is not None else "a run of unknown length"
         compile = steps > row.steps if steps is not None else math.isfinite(row.steps)
-        why = f"{plan} {'>' if compile else '<='} the {kind} payback of {figure}{estimate}"
+        if math.isinf(row.steps):
+            why = f"on {kind} a compiled step never repays its compile time{estimate}, whatever the length ({plan})"
+        else:
+            why = f"{plan} {'>' if compile else '<='} {row.steps:,.0f}, the steps a compiled step takes to repay its "
+            why += f"compile time on {kind}{estimate}"
     if log is not None:
         log(f"labkit: compile='auto' -> {'torch.compile' if compile else 'eager'} step: {why}")
     return CompiledStep(backend) if compile else EagerStep()
