@@ -48,8 +48,8 @@
 # Reading and the exercises take 45–60 minutes.
 #
 # *Measured on: 2-core x86_64 CPU, XLA:CPU, torch_xla 2.9, fast mode (one epoch, 44 steps), exercises unsolved:
-# 136 s for the whole notebook with `make notebook` on a quiet machine, of which 30 s compiling its five graphs and
-# 81 s training; 4.1 min under nbval beside the test suite's other jobs.*
+# 89 s for the whole notebook with `make notebook` on a quiet machine, of which 20 s compiling its five graphs and
+# 58 s training (2026-11-28); 5.7 min under nbval beside the test suite's other jobs.*
 #
 # *Earlier measurements: two-epoch runs of an earlier fast mode took 12–23 min at loads of 13–16, with 151–523 s of
 # compiling. NVIDIA H200 (141 GB), torch 2.11.0+cu130, two epochs, exercises unsolved: 58 s, 2026-11.*
