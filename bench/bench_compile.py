@@ -26,15 +26,19 @@ in steps: the run length above which TrainConfig(compile="auto") compiles on tha
 from __future__ import annotations
 
 import argparse
+import atexit
 import cProfile
 import os
 import pstats
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_compile_inductor_"))
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold compile each run, in a folder removed at exit
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_compile_inductor_")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 import torch

@@ -217,8 +217,9 @@ def main(argv=None):
     p.add_argument("--gpu-decode", choices=("cuda", "cpu"), help="only the batched decode_jpeg on this device (5.)")
     a = p.parse_args(argv)
     if a.gpu_decode:
-        _, jpegs = write_photos(tempfile.mkdtemp(prefix="bench-feed-"), a.photos)
-        rate = gpu_decode(jpegs, a.gpu_decode, min(a.batch, len(jpegs)), a.trials)
+        with tempfile.TemporaryDirectory(prefix="bench-feed-") as d:
+            _, jpegs = write_photos(d, a.photos)
+            rate = gpu_decode(jpegs, a.gpu_decode, min(a.batch, len(jpegs)), a.trials)
         print(f"decode_jpeg on {a.gpu_decode}, batches of {min(a.batch, len(jpegs))}, crop + resize to 224 there")
         print(
             f"FEED gpu decode {rate:.0f} images/s on {a.gpu_decode} ({rate / GPU_DEMAND[224]:.2f}x one H200's demand)"

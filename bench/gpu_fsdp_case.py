@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -82,7 +83,9 @@ def main(argv=None):
         fut.result()
         done = time.perf_counter() - t
         print(f"STALL fsdp2 async_save blocked the loop {stall * 1e3:.1f} ms, written after {done:.2f} s", flush=True)
-        return f"{len(os.listdir(folder))} files"
+        files = len(os.listdir(folder))
+        shutil.rmtree(folder, ignore_errors=True)
+        return f"{files} files"
 
     case("fsdp2 bf16 with float32 BatchNorm units, forward + backward", sharded_bf16)
     case("materialize a meta-built model on the device", materialize)
