@@ -292,9 +292,10 @@ def _lock():
 
 # GB a wheel takes unpacked in uv's cache, for the wheels over 0.1 GB (measured there with `du`, rounded up; torch 2.8
 # to 2.11 on Linux x86-64, whose CUDA libraries come as nvidia-* wheels); any other wheel counts SMALL_GB, twice their
-# average. On an empty cache that sums to 10.7 GB for colab-tpu, where the build took 9.0. A build needs what it must download and unpack, plus WARM_GB for what the venv holds of its own (folders, metadata and the
-# .pyc files compiled at install, 0.3 GB): the files it shares with the cache are hardlinks and take no more disk.
-# It is refused below that, by name, rather than failing half-way in uv with "No space left on device".
+# average. On an empty cache that sums to 10.7 GB for colab-tpu, where the build took 9.0. A build needs what it must
+# download and unpack, plus WARM_GB for what the venv holds of its own (folders, metadata and the .pyc files compiled
+# at install, 0.3 GB): the files it shares with the cache are hardlinks and take no more disk. It is refused below
+# that, by name, rather than failing half-way in uv with "No space left on device".
 WHEEL_GB = {
     "torch": 1.8,
     "nvidia-cudnn-cu12": 1.1,
