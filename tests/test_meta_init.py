@@ -187,3 +187,68 @@ def test_values_never_seen_are_usable_once_overwritten_and_refused_when_read():
     with pytest.raises(ValueError, match=r"\bseen was made where labkit.meta_init could not see it"):
         meta_init.materialize(model, "cpu")
     _assert_same(lambda: nn.BatchNorm1d(3))
+
+
+class _Tied(nn.Module):  # nanoGPT's and Hugging Face's tying: one matrix, two names
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.mid(self.emb(idx))))
+
+
+def _one_step(model, opt):
+    idx = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def test_a_tied_weight_stays_one_tensor_and_steps_as_the_cpu_build():
+    from types import SimpleNamespace
+
+    from labkit.parallel.plans import Single
+
+    torch.manual_seed(0)
+    ref = _Tied()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    model = meta_init.build(_Tied, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)  # built on the meta model, as a Trainer's user does
+    model = Single(SimpleNamespace(device=torch.device("cpu"))).wrap(model, opt)
+    assert model.head.weight is model.emb.weight
+    assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
+    assert _one_step(ref, ref_opt) == _one_step(model, opt)
+    for name, t in ref.state_dict().items():
+        assert torch.equal(t, model.state_dict()[name]), name
+
+
+def test_a_replaced_parameter_or_storage_is_refused_and_a_tie_after_build_is_kept():
+    model = meta_init.build(_Eye, seed=0)
+    model.lin.weight = nn.Parameter(torch.empty(5, 5, device="meta"))
+    with pytest.raises(ValueError, match=r"lin\.weight was replaced after build"):
+        meta_init.materialize(model, "cpu")
+    model = meta_init.build(_Eye, seed=0)
+    model.lin.bias.data = torch.empty(5, device="meta")  # the same Parameter, a storage no recorder saw
+    with pytest.raises(ValueError, match=r"lin\.bias's storage was replaced after build"):
+        meta_init.materialize(model, "cpu")
+
+    def tie_after(m):
+        m.head.weight = m.emb.weight
+
+    class _Untied(_Tied):
+        def __init__(self):
+            super().__init__()
+            self.head.weight = nn.Parameter(torch.randn(7, 4))
+
+    torch.manual_seed(0)
+    ref = _Untied()
+    tie_after(ref)
+    model = meta_init.build(_Untied, seed=0)
+    tie_after(model)
+    meta_init.materialize(model, "cpu")
+    assert model.head.weight is model.emb.weight and torch.equal(model.emb.weight, ref.emb.weight)

@@ -32,8 +32,14 @@ Refused by name:
   the CPU generator could not advance as in a CPU build;
 - in materialize, before any memory is given: a tensor built from values the recorder never saw (`torch.tensor`
   of a literal, a tensor made before build()), a tensor nothing initialised (`torch.empty` never written), a
-  tensor written together with others by one op, and a tensor written in place after build() outside the
-  recorder (its version counter moved).
+  tensor written together with others by one op, a tensor written in place after build() outside the recorder
+  (its version counter moved), a Parameter replaced after build() (`module.weight = nn.Parameter(...)`) and a
+  storage replaced (`w.data = t`). A weight tied after build() to another built one (`head.weight = emb.weight`)
+  is not refused: it takes that one's values, as after a CPU build.
+
+Not seen, so not refused: a write through `.data` (`w.data.normal_()`, `nn.init.ones_(w.data)`, Hugging Face's
+`_init_weights` idiom). `.data` is a tensor with a version counter of its own, so nothing records that it was
+written, and materialize puts the constructor's values back. Run such an initialisation as `record(model, fn)`.
 
 An initialisation after build() either runs under the recorder, `record(model, fn)`, with the same parity, or is
 given as `build(..., init_fn=fn)`. fn(model) then runs on the materialized shards, after the replay (torchtitan's
@@ -48,7 +54,7 @@ import torch
 
 from labkit.meta_init.recorder import Unreplayable, _arg, _Recorder, _Ref, _why
 
-__all__ = ["Unreplayable", "build", "is_meta", "materialize", "record"]
+__all__ = ["Unreplayable", "build", "check", "is_meta", "materialize", "record"]
 
 
 class _Init:
@@ -63,6 +69,8 @@ class _Init:
         for name, t in _named(model):
             rec = self.recorder.rec_of(t)
             self.entries[name] = (t, _Ref(t, rec), t._version, _why(rec, len(rec.ops), seen))
+        # each recorded tensor's storage, to tell a `w.data = t` after build() (the same Parameter, new storage)
+        self.storages = {id(t): t.untyped_storage()._cdata for t, *_ in self.entries.values()}
 
 
 def _named(model) -> list:
@@ -125,17 +133,33 @@ def _local_part(full: torch.Tensor, mesh, placements) -> torch.Tensor:
     return part
 
 
-@torch.no_grad()
-def materialize(model, device) -> None:
-    """Real memory for every tensor of a meta-built model (after sharding: only this process's shards), filled with
-    the values the one-process build would have given them, then init_fn if build() was given one. What cannot be
-    replayed is refused by name before any memory is given."""
+def check(model) -> dict:
+    """Refuse by name, before any memory is given, what materialize could not fill as a CPU build would; returns
+    {name: the name its tensor was recorded under} (a weight tied after build() is filled from the one it is tied
+    to). materialize calls it; a plan that replaces the Parameters (fully_shard) calls it first, while the model's
+    tensors are still the ones build() recorded."""
     init = _init_of(model)
-    named = _named(model)
-    for name, _ in named:
+    owner: dict = {}
+    for name, (t0, *_) in init.entries.items():
+        owner.setdefault(id(t0), name)
+    sources = {}
+    for name, t in _named(model):
         if name not in init.entries:
             raise ValueError(f"meta-device build: {name} was added to the model after build()")
-        t0, _, version, why = init.entries[name]
+        sharded = hasattr(t, "device_mesh")  # fully_shard's DTensor in the recorded one's slot (checked before it)
+        src = name if sharded else owner.get(id(t))
+        if src is None:
+            raise ValueError(
+                f"meta-device build: {name} was replaced after build() by a tensor no recorder saw (`module.<name> = "
+                "nn.Parameter(...)`): make it inside the function given to build(), or write the one there with "
+                "meta_init.record(model, fn)"
+            )
+        t0, _, version, why = init.entries[src]
+        if not sharded and t0.untyped_storage()._cdata != init.storages[id(t0)]:
+            raise ValueError(
+                f"meta-device build: {name}'s storage was replaced after build() (`{name}.data = t`), where no "
+                "recorder saw it: write its values in place under meta_init.record(model, fn) instead"
+            )
         if t0._version != version:
             raise ValueError(
                 f"meta-device build: {name} was written in place after build(), where no recorder saw it: run that "
@@ -143,16 +167,38 @@ def materialize(model, device) -> None:
             )
         if why is not None and init.init_fn is None:
             raise _refusal(name, why)
-    model.to_empty(device=device)
+        sources[name] = src
+    return sources
+
+
+@torch.no_grad()
+def materialize(model, device) -> None:
+    """Real memory for every tensor of a meta-built model (after sharding: only this process's shards), filled with
+    the values the one-process build would have given them, then init_fn if build() was given one. What cannot be
+    replayed is refused by name before any memory is given (check).
+
+    `to_empty` runs with torch.__future__.set_swap_module_params_on_conversion(True): each Parameter object keeps
+    its identity and takes the new memory (torch.utils.swap_tensors). Without it, to_empty makes a new Parameter per
+    module slot, so a tied weight (`head.weight = emb.weight`) became two matrices, and an optimizer built before
+    held neither the head's nor, after the plan's re-pointing by name, more than one of them."""
+    init = _init_of(model)
+    sources = check(model)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
     keep, done, left = torch.get_rng_state(), set(), {}
     try:
         for name, t in _named(model):
-            _, ref, _, why = init.entries[name]
+            src = sources[name]
+            _, ref, _, why = init.entries[src]
             if id(t) in done:  # a tied weight: filled once
                 continue
             done.add(id(t))
             if why is not None:  # init_fn's to fill
-                left[name] = (t, t._version)
+                left[name] = (t, t._version, why)
                 continue
             try:
                 full = _arg(ref, None, None, {})
@@ -174,7 +220,7 @@ def materialize(model, device) -> None:
         torch.set_rng_state(keep)  # the replay leaves the generator as the build left it
     if init.init_fn is not None:
         init.init_fn(model)
-    for name, (t, version) in left.items():
+    for name, (t, version, why) in left.items():
         if t._version == version:
-            raise _refusal(name, f"{init.entries[name][3]}, and init_fn did not write it either")
+            raise _refusal(name, f"{why}, and init_fn did not write it either")
     del model._labkit_init

@@ -113,6 +113,8 @@ class FullyShard(Processes):
                 "replaces the parameters with sharded ones, so build the optimizer fresh and let the Trainer (or "
                 "labkit.checkpoint) restore its state"
             )
+        if meta_init.is_meta(model):  # refused now, while its tensors are still the ones build() recorded
+            meta_init.check(model)
         self.mesh = self.make_mesh()
         kw = {"mesh": self.mesh}
         if self.mixed_precision() is not None:
