@@ -46,6 +46,16 @@ def _leading_dim(batch):
     return None
 
 
+def _samples(loader) -> int:
+    """Samples the loader's epoch holds on this process: its sampler's length, so a DistributedSampler's share (the
+    whole dataset over world_size, padded), not the whole dataset's; the dataset's where there is no sampler with a
+    length. TypeError where neither is known (an iterable dataset)."""
+    try:
+        return len(loader.sampler)
+    except (AttributeError, TypeError):  # no sampler (a DataLoader-like), or an iterable dataset's endless one
+        return len(getattr(loader, "dataset", None))  # None: TypeError, as an unknown length
+
+
 FEEDS = ("auto", "thread", "main")  # who copies batches to an XLA device: the runtime's choice, a thread, the loop
 
 
@@ -96,11 +106,12 @@ class DeviceLoader:
         self._error: BaseException | None = None  # raised by the host loader, re-raised by __iter__
 
     def __len__(self) -> int:
+        """Batches this process's loader yields in an epoch, the short last one dropped (drop_partial)."""
         n = len(self.loader)
-        ds, bs = getattr(self.loader, "dataset", None), getattr(self.loader, "batch_size", None)
+        bs = getattr(self.loader, "batch_size", None)
         if self.drop_partial and bs and not getattr(self.loader, "drop_last", True):
             try:
-                n = len(ds) // bs  # the partial batch will be dropped
+                n = _samples(self.loader) // bs  # the partial batch will be dropped
             except TypeError:
                 pass
         return n
@@ -108,11 +119,11 @@ class DeviceLoader:
     def partial_rows(self) -> int | None:
         """Rows of the short last batch each epoch drops (drop_partial): 0 when the data divides into batches or the
         host loader drops it itself (drop_last), None when its length or batch size is not known up front."""
-        ds, bs = getattr(self.loader, "dataset", None), getattr(self.loader, "batch_size", None)
+        bs = getattr(self.loader, "batch_size", None)
         if not self.drop_partial or getattr(self.loader, "drop_last", False):
             return 0
         try:
-            return len(ds) % bs if bs else None
+            return _samples(self.loader) % bs if bs else None
         except TypeError:  # an iterable dataset: its length is not known before it ends
             return None
 

@@ -78,6 +78,8 @@ class Trainer(Requests):
         self.precision = (precision or choose(rt, "fp32")).fresh()
         self.optimizer, self.scheduler = optimizer, scheduler
         # on the device (a meta-built model gets its memory from the plan, sharded), laid out by the run's plan
+        if train_loader is not None and not isinstance(train_loader, DeviceLoader):  # its length: this process's
+            train_loader = DeviceLoader(train_loader, rt)  # batches, the short last one dropped
         cfg, steps = self.cfg, planned_steps(self.cfg, train_loader)  # "auto" compiles where the steps repay it
         self.plan = choose_plan(rt, cfg.parallel, self.precision, model, cfg.fsdp_accumulate, cfg.accum_steps)
         model = model if meta_init.is_meta(model) else move_model(model, optimizer, rt.device)
@@ -201,6 +203,9 @@ class Trainer(Requests):
                         self.checkpoint.save(self.step, self.state_dict(), metrics=self._last_metrics())
                     if self._stop_after_epoch:
                         break
+                if self.log.open_steps:  # the steps since the last record (a stop, or a run shorter than planned)
+                    self.log.close(self.step, self.epoch, self.optimizer, self._record)
+                    self.rt.sync()  # its closure runs: the record is in history before on_train_end
                 self._dispatch("on_train_end")
             except KeyboardInterrupt as e:
                 finish_pending_save(self.checkpoint, self.rt, self.step, interrupt=e)

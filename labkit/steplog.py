@@ -94,6 +94,11 @@ class StepLog:
         self.epoch_examples += rows
         self._interval_examples += rows
 
+    @property
+    def open_steps(self) -> int:
+        """Steps added since the last close(): a Trainer closes them when fit() ends, so no step goes unrecorded."""
+        return self._interval_steps
+
     def due(self, step: int, total: int) -> bool:
         c = self.cfg
         if (c.log_every and step % c.log_every == 0) or step >= total:

@@ -170,3 +170,32 @@ def test_only_a_short_last_batch_is_dropped():
     assert len(list(last)) == 2 and last.dropped == 1
     free = DeviceLoader(torch.utils.data.DataLoader(ds, batch_sampler=shrink), rt, drop_partial=False)
     assert [b[0].shape[0] for b in free] == [16, 8, 16]
+
+
+def test_length_under_a_distributed_sampler_is_this_process_share_and_the_last_interval_is_recorded():
+    """DDP's canonical loader: a DistributedSampler gives process 0 of 4 13 of 50 samples, 3 whole batches of 4 (the
+    short one dropped), not the whole dataset's 12. The Trainer plans 3 steps, and the run's last interval (step 3,
+    log_every=2) is recorded."""
+    rt = labkit.setup("cpu")
+    data = blobs(n=50)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=4, rank=0, shuffle=False)
+    dl = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+    loader = DeviceLoader(dl, rt)
+    assert len(loader) == 3 == len(list(loader)) and loader.partial_rows() == 1
+    model = mlp()
+    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt, TrainConfig(epochs=1, log_every=2), dl)
+    assert tr.total_steps() == 3
+    assert [r["step"] for r in tr.fit()] == [2, 3]
+
+
+def test_fit_records_the_steps_after_the_last_log_when_a_callback_stops_it():
+    rt = labkit.setup("cpu")
+
+    class StopAt6:
+        def on_step_end(self, trainer, batch):
+            if trainer.step == 6:
+                trainer.request_stop()
+
+    tr = small_trainer(rt, blobs(n=320), epochs=1, log_every=4, eval_every=0, callbacks=[StopAt6()])
+    history = tr.fit()
+    assert [r["step"] for r in history] == [4, 6] and history[-1]["examples"] == 2 * 32
