@@ -41,7 +41,7 @@
 # chip of the host with SPMD, and read the dashboard: loss, throughput, compiles, fallbacks and host syncs. You can
 # also checkpoint a run, and resume it after a preemption at the same sample.
 #
-# **Time**: on a 2-core CPU, fast mode takes from about 2.5 minutes on a quiet machine to over 10 on a busy one. XLA
+# **Time**: on a 2-core CPU, fast mode takes from 1.5 minutes (89 s) on a quiet machine to over 10 on a busy one. XLA
 # compiles the ResNet's graphs and then runs them on the same two cores that everything else uses. So the time
 # depends on what else the machine runs. On an NVIDIA H200 the whole notebook runs in about a minute. On a Colab TPU
 # v5e-1, full mode should take 10–20 minutes; that is an estimate, *not verified here*, since no TPU run was timed.
@@ -62,7 +62,8 @@
 # `LABKIT_EPOCHS=5`. `LABKIT_FAST=1` gives the CI-sized run: digits, and a few dozen steps.
 #
 # Fast mode also changes the optimizer. Full mode trains with SGD and Nesterov momentum, the classic CIFAR recipe.
-# Fast mode trains with AdamW at lr 1e-3, because from scratch SGD needs far more than 88 steps to leave chance.
+# Fast mode trains with AdamW at lr 1e-3, because from scratch SGD needs far more than fast mode's 44 steps to leave
+# chance.
 
 # %% tags=["parameters"]
 import dataclasses, os, sys
@@ -93,9 +94,9 @@ class Params:
     seed: int = 0
     # CI-sized run: digits, small batches, torchvision's own stem (16x fewer FLOPs on 32x32 images),
     # data and checkpoints on a local GCS-API server so the gs:// path runs too
-    # AdamW: from scratch, ResNet-50 needs far more than 88 SGD steps to settle (measured: SGD at lr 0.005-0.1
-    # stays near or above chance loss after 88 steps of 32 digits; AdamW at 1e-3 falls well below it, by how much
-    # varies from run to run: "Did it learn" prints this run's figure)
+    # AdamW: from scratch, ResNet-50 needs far more than fast mode's 44 SGD steps to settle (measured: SGD at lr
+    # 0.005-0.1 stays near or above chance loss even after 88 steps of 32 digits, an earlier two-epoch fast mode;
+    # AdamW at 1e-3 falls well below it, by how much varies from run to run: "Did it learn" prints this run's figure)
     FAST = {"source": "digits", "local_gcs": True, "samples_per_shard": 200, "batch_size": 32, "epochs": 1,
             "optimizer": "adamw", "lr": 1e-3, "cifar_stem": False, "log_every": 4, "num_workers": 0, "checkpoint_every": 20,
             "resume_steps": 8}
@@ -343,8 +344,9 @@ del probe
 # - `xfers`: device-to-host copies in the last interval.
 #
 # **The first ETA counts the compiles.** The dashboard's ETA divides the steps left by a smoothed rate of steps per
-# second. The first intervals include the warm-up's compiles, which can take minutes on a CPU, so the first ETA is far too long. On a
-# 2-core CPU one fit showed `ETA 1:15:30` early on, and it finished in 9 minutes. That is expected: do not stop the run.
+# second. The first intervals include the warm-up's compiles, 20 s on a quiet 2-core CPU and minutes on a busy one,
+# so the first ETA is far too long. On a busy 2-core CPU one fit showed `ETA 1:15:30` early on, and it finished in 9
+# minutes. That is expected: do not stop the run.
 # Once the compiles are done, the smoothed rate catches up with the real one, and the ETA falls.
 #
 # A checkpoint is written every `checkpoint_every` steps, in a background thread; training does not wait for it.
@@ -534,8 +536,8 @@ assert max(one_big) < 2 * one_big[0], "the probe's learning rate overshoots: its
 # it comes from `bench/bench_peers.py`, the repository's benchmark that times labkit's loop against hand-written
 # loops and other frameworks. There an MLP step took 1.7× longer with copies made in the loop's thread.
 #
-# The next cell trains the ResNet. Its dashboard shows the warm-up's compiles first, and they take minutes on a
-# CPU: the section *Did it learn* below reads them.
+# The next cell trains the ResNet. Its dashboard shows the warm-up's compiles first. They took 20 s on a quiet 2-core
+# CPU and minutes on a busy one: the section *Did it learn* below reads them.
 
 # %% tags=["training"]
 import time
@@ -598,9 +600,9 @@ print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f
 # forward-only graphs the first time it runs. The dashboard does not count them as recompilations.
 #
 # **How long the warm-up takes.** XLA compiles on the same cores that the rest of the machine uses, so the seconds
-# vary with the load. On a 2-core CPU the warm-up has taken 203 s in one run and 363 s in another. All five
-# graphs of a run, the evaluation's included, took from 151 s to 523 s in the runs measured. Read your own figure
-# in the first line's `(T s)`.
+# vary with the load. On a quiet 2-core CPU all five graphs of a run, the evaluation's included, took 20 s
+# (2026-11-28). On a busy one the warm-up alone has taken 203 s in one run and 363 s in another, and all five graphs
+# up to 523 s. Read your own figure in the first line's `(T s)`.
 #
 # **"Very slow compile?"** During a long compile XLA may print a block of asterisks around the line
 # `Very slow compile?  If you want to file a bug, run with envvar XLA_FLAGS=--xla_dump_to=/tmp/foo and attach the
@@ -610,14 +612,18 @@ print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f
 # XLA's `xla/service/slow_operation_alarm.cc`.
 #
 # **On a GPU.** labkit trains with torch's own CUDA there, not XLA, so there is no XLA warm-up. The whole
-# notebook ran in 58 s on an NVIDIA H200. At full size, with 224-pixel images, batch 64 and bf16 autocast, eager, a
-# ResNet-50 step took 28.7 ms under labkit. A hand-written loop took 29.1 ms, Lightning Fabric 29.1 ms and
-# Accelerate 29.5 ms. So labkit's loop costs nothing over a hand-written one.
+# notebook ran in 58 s on an NVIDIA H200. At full size, with 224-pixel images, batch 64, bf16 autocast and NCHW
+# layout, eager, a ResNet-50 step took 28.7 ms under labkit. A hand-written loop took 29.1 ms, Lightning Fabric
+# 29.1 ms and Accelerate 29.5 ms. There the GPU's work hides the loop's own cost.
+#
+# That holds only while the device is the bottleneck. On a small MLP at batch 64, labkit took 1.75 ms a step against
+# the hand loop's 1.50. Compiled, a ResNet-50 step under labkit took 1.21× the hand loop's. A faster step leaves
+# more of the loop's host work exposed. Each figure is one run, so no spread.
 #
 # **Memory format.** A GPU's tensor cores want images in channels_last layout (NHWC), not PyTorch's default NCHW. A
 # hand-written loop at batch 128 went from 2,343 images/s in NCHW to 4,343 in channels_last, and to 5,578 with
-# `torch.compile` on top. labkit's CUDA runtime trains convolutional models in channels_last. XLA chooses its own
-# layouts, so on a TPU you do nothing.
+# `torch.compile` on top. labkit's CUDA runtime trains convolutional models in channels_last. No GPU has run that
+# code yet: the figures above are the hand loop's. XLA chooses its own layouts, so on a TPU you do nothing.
 #
 # *Measured on: NVIDIA H200 (141 GB), Python 3.12, torch 2.11.0+cu130, 2026-11.*
 
@@ -774,11 +780,13 @@ assert hist2[0]["loss"] < first - 0.3, "the resumed run did not start from the t
 #
 # The child's first line, `compile='auto' -> eager step: on cpu a compiled step never repays ...`, is labkit
 # choosing how to run the step. The child trains on the plain CPU, not on XLA. There `torch.compile` must repay its compile time
-# with faster steps, and labkit's table says it never does on a CPU. That verdict rests on one measurement on a
-# loaded 2-core machine: the compiled step ran at 1.11× the eager step's time, after a 390 s compile. An earlier,
-# quieter reading found the compiled step faster, at 0.85×, after a 97 s compile. So on a quiet CPU compiling could
-# pay over a long run; labkit chooses eager, the safe side. `labkit.runtime.step.PAYBACK_STEPS` records both
-# readings.
+# with faster steps, and labkit's table says it never does on a CPU. That verdict rests on one small GPT measured on
+# a loaded 2-core machine: the compiled step ran at 1.11× the eager step's time, after a 390 s compile.
+#
+# A quiet machine gave the other answer. The same GPT, measured at load 0.15, ran compiled at 0.896× the eager step,
+# after a 41 s compile. That repays the compile after about 7,400 steps. A different, larger GPT once ran at 0.85×.
+# So on a quiet CPU compiling could pay over a long run. labkit chooses eager, the safe side, since a busy machine
+# never repays it. `labkit.runtime.step.PAYBACK_STEPS` and the README record these readings.
 #
 # The cell prints the child's `labkit` lines, including `SIGTERM at step` and the line that says it is finishing the
 # upload. Then it prints where SIGTERM came, and where the resumed run started: at the sample right after the

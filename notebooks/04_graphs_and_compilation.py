@@ -383,6 +383,12 @@ for k, v in findings.items():
 # The output names each step that recompiled, the input that changed shape, and the line. Padding every batch to 16
 # leaves no recompile after the warm-up: the last line counts both runs.
 
+#
+# The line it names is `rt.sync()`, not the line that made the new shape, `ids = torch.randn(4, n, 8)`. That is how
+# XLA works. Each op only records itself into the lazy graph, so a new shape costs nothing where it is made. The
+# graph is compiled where the trace is cut, at `rt.sync()`, and that is where the time goes. So the line says where
+# the compile happened, and the changed input, `ids`, says what caused it: follow that name back to where it was
+# built.
 # %%
 from labkit.dashboard import HealthMonitor, SyncFinder
 
@@ -471,9 +477,9 @@ if XLA:
 # The checks run your code, or the code you reasoned about, on the XLA device. They count what it did with torch_xla's
 # own metrics. Off XLA there is nothing to count: the checks then compare with what XLA would do, and say so.
 #
-# **1. Graphs, predicted before they are counted.** Batches arrive with varying lengths. Each is padded up to a multiple
-# of `multiple`, where 1 means not padded, and run on XLA. Write `predict_graphs(lengths, multiple)`: how many graphs
-# XLA compiles for the whole sequence.
+# **Exercise 1 (04.graphs): graphs, predicted before they are counted.** Batches arrive with varying lengths. Each is
+# padded up to a multiple of `multiple`, where 1 means not padded, and run on XLA. Write `predict_graphs(lengths,
+# multiple)`: how many graphs XLA compiles for the whole sequence.
 #
 # Work it out from the lengths. Your function must not run anything on the device: the check watches torch_xla's counts
 # while it runs. Then the check runs real batches and counts torch_xla's compiles.
@@ -497,13 +503,28 @@ if ex.solutions_on():
 ex.check("04.graphs", lambda: nb04.check_predict_graphs(predict_graphs, rt))
 
 # %% [markdown]
-# **2. Reads, predicted before they are counted.** Below is a loop as many are written. It has a NaN guard every step, a
-# log every `log_every` steps, and the mean at the end. Write `predict_reads(steps, log_every)`: how many times it
-# copies a value from the device to the host. Look for every line that needs a number in Python.
+# **Exercise 2 (04.reads): reads, predicted before they are counted.** Below is a loop as many are written. It has a NaN
+# guard every step, a log every `log_every` steps, and the mean at the end. Write `predict_reads(steps, log_every)`: how
+# many times it copies a value from the device to the host. Look for every line that needs a number in Python.
 #
 # The check runs the loop for step counts you have not seen. It counts torch_xla's own transfers
 # (`TransferFromDeviceTime`). A count is exact, so there is no tolerance. Read the loop, do not run it: while your
-# function runs, `guarded_loop` refuses, and the device must do nothing.
+# function runs, `guarded_loop` refuses, and the device must do nothing. Here is its source, from
+# `labkit/lessons/exercises/nb04.py`; the next cell prints the same text:
+#
+#     def guarded_loop(w, steps: int, log_every: int, sync) -> float:
+#         """A loop as many are written: a NaN guard every step, a loss printed every `log_every` steps (from step 0),
+#         the mean loss returned at the end. `w` lives on the device; `sync` cuts the graph (torch_xla.sync)."""
+#         total = torch.zeros((), device=w.device)
+#         for step in range(steps):
+#             loss = (w @ w).tanh().mean()
+#             total = total + loss
+#             sync()
+#             if loss.isnan():  # the guard
+#                 raise FloatingPointError(f"loss is NaN at step {step}")
+#             if step % log_every == 0:  # the log
+#                 print(f"step {step}: loss {loss.item():.4f}")
+#         return total.item() / steps  # the mean loss
 #
 # One fact you need: a value that `sync()` has already computed still lives on the device. So reading it is still a
 # transfer. Each `.item()`, `bool(t)` or `if t:` copies one value, whether or not the graph behind it has run.
@@ -530,9 +551,10 @@ if ex.solutions_on():
 ex.check("04.reads", lambda: nb04.check_predict_reads(predict_reads, rt))
 
 # %% [markdown]
-# **3. A branch without a branch.** Section 2's `if h.sum() > 0: h * 2 else h - 1` reads the device at every call,
-# because Python must know which way to go. XLA keeps a graph per branch. Write `branch_free(h)`: the same values for
-# any `h`, computed on the device with no read and one graph. Hint: `torch.where` computes both sides and picks.
+# **Exercise 3 (04.branch): a branch without a branch.** Section 2's `if h.sum() > 0: h * 2 else h - 1` reads the device
+# at every call, because Python must know which way to go. XLA keeps a graph per branch. Write `branch_free(h)`: the
+# same values for any `h`, computed on the device with no read and one graph. Hint: `torch.where` computes both sides
+# and picks.
 
 # %%
 def branch_free(h):
@@ -648,8 +670,8 @@ print(f"{len(prof.op_events)} op executions; the first three:", prof.op_events[:
 assert abs(sum(cats.values()) - total) < 1e-6 * max(total, 1), "the categories split each step exactly"
 
 # %% [markdown]
-# **Reading the split.** Here *host* takes most of each step: from 89 % to all of it in the runs kept with this
-# notebook. Read your own figure in the first line above. Host time means that the loop's Python took longer than
+# **Reading the split.** Here *host* takes most of each step. Read your own figure in the first line above. On a
+# 2-core CPU, runs have measured from 87 % to all of it. Host time means that the loop's Python took longer than
 # running the graph. That Python traces the step's ops into a lazy graph, looks the graph up in the cache, and cuts it.
 # Running the graph, for an MLP of this width on a batch of this size, is a few hundred microseconds of matmuls. On a
 # busy machine one captured step may last far longer than the others, and the total then follows that step.
@@ -745,11 +767,17 @@ if rt.kind == "xla-cpu" and HLO_DIR:
     assert any(f[-2:] == ["multiply", "add"] or f[-2:] == ["multiply", "subtract"] for f in fusions.values()), fusions
 
 # %% [markdown]
-# Each line above gives an instruction's total milliseconds, how many times it ran, its name, and the ops it fused. Look
-# for `erf` in one fusion, and `multiply` then `add` or `subtract` in another: GELU and SGD's update.
+# Each line above gives an instruction's total milliseconds, how many times it ran, its name, and the ops it fused.
+# Then comes the line `N fusions in the step; one with erf (GELU): [...]`: the names in its brackets are the fusions
+# that hold GELU. The indented lines under it give each of those fusions' ops, and each fusion that ends in `multiply`
+# then `add` or `subtract`.
 #
-# **4. The slowest op, from the trace.** Write `slowest_op(events)`: the name of the instruction that took the most
-# time, given `prof.op_events`. An instruction runs many times, once per step.
+# That ending is not SGD's alone. The backward of the loss's softmax also multiplies and then subtracts, so a line
+# can look like either. This printout lists ops, not the tensors they read. Which fusion is the update shows in
+# TensorBoard's *Op profile*, or in the dumped HLO: its inputs are a weight and its gradient.
+#
+# **Exercise 4 (04.slowest): the slowest op, from the trace.** Write `slowest_op(events)`: the name of the instruction
+# that took the most time, given `prof.op_events`. An instruction runs many times, once per step.
 #
 # XLA numbers the instructions of a graph, such as `fusion.3` and `fusion.7`. Each number is an instruction of its own,
 # calling its own fused computation. So `fusion.3` and `fusion.7` are two ops, not one `fusion`.

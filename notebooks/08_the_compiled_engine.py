@@ -35,10 +35,11 @@
 # - place tensors and a model on a device mesh with DTensor and FSDP2, and say how FSDP2's layout differs from
 #   torch_xla's FSDPv2.
 #
-# **Time**: 3-4 minutes of run time in fast mode on a busy 2-core CPU. Two parts take most of it. The 4-process
-# DTensor run at the end of section 5 takes 1-1.5 minutes. One Inductor compile of the step in section 2 takes 20-60 s.
-# Cold, with an empty Inductor cache, on a busy machine, it took 59 s; a warm cache or a quiet machine is nearer 20 s. The
-# other compiles use `backend="aot_eager"` or `"eager"` and are quick. Full mode takes about 3 minutes plus the same
+# **Time**: 2.5–4 minutes of run time in fast mode on a busy 2-core CPU. Three parts take most of it, and each
+# varies with the machine's load. One Inductor compile of the step in section 2 took 14 s on a quiet machine and 59 s
+# cold on a busy one. The DTensor run of section 5 took 10 s quiet and 1–3 minutes busy. The Trainer's torchrun
+# launches at the end took 19 s quiet and about a minute busy. The other compiles use `backend="aot_eager"` or
+# `"eager"` and are quick. Full mode takes about 3 minutes plus the same
 # DTensor run. On an NVIDIA H200 the notebook ran in 75 s. Reading and the four exercises take 35-50 minutes.
 #
 # *Measured on: 2-core CPU at load 12-18, torch 2.9, nbval: 2 min 51 s and 3 min 59 s, solutions off and on.
@@ -780,8 +781,10 @@ exercises.check("08.guard", lambda: nb08.check_failing_guard(failing_guard))
 #
 # The fix is an `lr` that is a **tensor**: the scheduler writes each new value into it with `fill_`. With
 # `capturable=True` the optimizer also keeps its `step` counter as a tensor on the parameters' device. It computes the
-# bias corrections there too, so the whole update can stay one device graph. Without it, on a GPU, Adam's `step` is a
-# CPU tensor. The bias corrections are then Python numbers, worked out on the host every update.
+# bias corrections there too, so the whole update can stay one device graph. Without it, on a GPU, eager Adam's `step`
+# is a CPU tensor, unless `fused=True` is set: the fused kernel keeps `step` on the device too, and labkit's CUDA
+# runtime sets it (`rt.adamw_options()`). With neither, the bias corrections are Python numbers, worked out on the host
+# every update.
 #
 # The name comes from CUDA graph capture. `torch.compile(mode="reduce-overhead")` records a compiled graph's GPU
 # kernels once, as a CUDA graph. It then replays them with one launch per call. The kernels read fixed GPU addresses.
@@ -968,9 +971,13 @@ exercises.check("08.overhead", lambda: nb08.check_overhead(step_time_us))
 # This section's lessons decide a GPU's speed. Two figures from one GPU run show what they give.
 #
 # GPT-2 small (T = 1024, batch 16, bf16), compiled, reached 41.3 % MFU. MFU is the share of the GPU's peak bf16 FLOP/s
-# that the model's own arithmetic used. On ResNet-50 (224 px, batch 64, bf16 autocast, eager), a step took 28.7 ms
-# under labkit's Trainer. It took 29.1 ms in a hand-written loop, 29.1 ms under Lightning Fabric and 29.5 ms under
-# Accelerate: the engine, not the library, sets the pace.
+# that the model's own arithmetic used. On ResNet-50 (224 px, batch 64, bf16 autocast, eager, NCHW), a step took
+# 28.7 ms under labkit's Trainer. It took 29.1 ms in a hand-written loop, 29.1 ms under Lightning Fabric and 29.5 ms
+# under Accelerate. There the GPU's work hides each loop's own cost.
+#
+# Where the step is short, the loop's host work shows. A small MLP at batch 64 took 1.75 ms a step under labkit and
+# 1.50 ms in the hand loop. Compiled, a ResNet-50 step under labkit took 1.21× the hand loop's. Each figure is one
+# run, so no spread: they say where to look, not how large the gap is.
 #
 # **Memory format.** A GPU's tensor cores want a convolution's activations in channels_last order (NHWC). PyTorch's
 # default for a 4-D tensor is NCHW. A hand-written loop on ResNet-50 at batch 128 measured:
@@ -983,7 +990,8 @@ exercises.check("08.overhead", lambda: nb08.check_overhead(step_time_us))
 #
 # channels_last alone nearly doubles the images a second. Compiling adds another 28 %. You ask for it with
 # `model.to(memory_format=torch.channels_last)`, and the same for each batch. labkit's CUDA runtime trains
-# convolutional models in channels_last. On a TPU you do nothing: XLA chooses its own layout for every tensor.
+# convolutional models in channels_last; no GPU has run that code yet, so the table is the hand loop's. On a TPU you
+# do nothing: XLA chooses its own layout for every tensor.
 
 # %% [markdown]
 # ## 5. Placing a model with DTensor
@@ -1110,9 +1118,10 @@ if exercises.check("08.fsdp2_bytes", lambda: nb08.check_fsdp2_bytes(fsdp2_bytes)
 # - **tensor**: Megatron's pairs with `parallelize_module`, on a 2 × 2 (data, model) mesh.
 #
 # It launches a child `torchrun` of 4 CPU processes over gloo, one per device. Each process holds its own shards and
-# issues its own collectives, counted over the last step with `CommDebugMode`. `run(gspmd=False)` runs this DTensor
-# side alone, in 1–3 minutes here. With the default `gspmd`, where torch_xla is installed, it also runs notebook 03's
-# GSPMD strategies on 4 virtual XLA devices. `compare(report)` then puts the engines side by side.
+# issues its own collectives, counted over the last step with `CommDebugMode`. `run(gspmd=False)` runs this DTensor side
+# alone: in 10 s on a quiet 2-core machine, 1–3 minutes on a busy one. With the default `gspmd`, where torch_xla is
+# installed, it also runs notebook 03's GSPMD strategies on 4 virtual XLA devices. `compare(report)` then puts the
+# engines side by side.
 #
 # `tests/test_dtensor_plans.py` checks that full comparison. Per device it measured 85,888 parameter bytes for data,
 # 21,472 for fsdp and 60,864 for tensor. The losses were [5.4985, 4.5570, 3.1474] for every plan on both engines.
@@ -1192,7 +1201,8 @@ assert report["dtensor"]["fsdp"]["collectives"]["all-gather"]["count"] == 2 * cf
 #
 # Below, `labkit.lessons.fsdp_trainer` starts a `torchrun` of 4 gloo processes. They train the tiny GPT, 2 blocks of
 # 32, count bytes and collectives over its steps, and save a checkpoint at step 2. Then a `torchrun` of 2 resumes from
-# it and, for comparison, trains the same 4 steps uninterrupted. Both take about a minute in all here.
+# it and, for comparison, trains the same 4 steps uninterrupted. Both took 19 s in all on a quiet 2-core machine, and
+# about a minute on a busy one.
 
 # %%
 import tempfile
@@ -1253,7 +1263,7 @@ assert max(abs(a - b) for a, b in zip(four["saved"]["global_losses"] + resumed, 
 # | a recompile | a Python number that changes (a smoothing, a float lr), a new shape | the failed guard: `TORCH_LOGS=recompiles`, `guard_failures` | tensors for changing numbers, fixed shapes (`drop_last`, padding); `set_stance("fail_on_recompile")` proves it |
 # | optimizer state on the host | `capturable=False` on a GPU, a float lr | the guard on `param_groups[0]['lr']` | `lr=torch.tensor(...)`, `capturable=True` |
 # | a host-bound step | many small kernels, each launched by the host | ops per step × host time per op (`roofline.count_kernels`, `dispatch_s`) against the kernels' time | one launch for the whole step: a CUDA graph (`mode="reduce-overhead"`); fewer, larger kernels (Inductor's fusion, a larger batch) |
-# | a slow convolution on a GPU | NCHW activations | images/s, NCHW against channels_last (H200: 2,343 against 4,343) | `channels_last`; labkit's CUDA runtime sets it; XLA picks layouts itself |
+# | a slow convolution on a GPU | NCHW activations | images/s, NCHW against channels_last (H200: 2,343 against 4,343) | `channels_last`; labkit's CUDA runtime sets it (not yet run on a GPU); XLA picks layouts itself |
 # | a layout | `Shard(0)` / FSDP2 (dim 0, padded) vs FSDPv2 (largest dimension) | `.to_local()`, `.placements`, the padded buffers | choose the plan per weight |
 #
 # On TorchTPU (not verified here) the same code runs with `backend="tpu"` and a `"tpu"` process group, one process per

@@ -264,9 +264,10 @@ print("bytes and collectives as predicted for", ", ".join(predicted_comm), "and 
 print("replicate's other traffic per step:", {op: b for op, b in meas["replicate"]["comm_bytes"].items() if op != "all-reduce"})
 
 # %% [markdown]
-# Every fsdp2 process kept half the weights and half of AdamW's state. Each plan issued exactly the predicted
-# collectives. For 2 blocks that is 4 all-gathers and 3 reduce-scatters, the same with gathered accumulation, and twice
-# as many with sharded accumulation over 2 micro-batches.
+# Every fsdp2 process kept its 1/`P.processes` share of the weights and of AdamW's state: half, with the default 2
+# processes. Each plan issued exactly the predicted collectives. For 2 blocks that is 4 all-gathers and 3
+# reduce-scatters, the same with gathered accumulation, and twice as many with sharded accumulation over 2
+# micro-batches.
 #
 # Replicate all-reduced the whole gradients once a step. It also issued a small broadcast, whose bytes a step are
 # printed above. That broadcast is not the gradients; its source is not traced here.
@@ -461,12 +462,16 @@ assert hsdp_sent == cross < flat_sent
 # %% [markdown]
 # HSDP sends each unit's gradient shard once a step, and every one of those bytes crosses hosts. Flat fsdp2 sends
 # the multiple printed above, all over collectives that span both hosts. In a ring of 4 processes on 2 hosts, 2 of
-# the 4 links cross hosts. Flat fsdp2's all-gathers carry every unit's whole weights, most of them twice a step.
+# the 4 links cross hosts. Flat fsdp2's all-gathers carry every unit's whole weights. The root's and the last block's
+# travel once a step, since they stay gathered from the forward to the backward. Every other block's travel twice: in
+# the forward, and again in the backward. With L blocks that is 2L all-gathers for L + 1 units. So with the 2 blocks
+# here one unit of three travels twice; with many blocks, nearly all of them do.
 
 # %% [markdown]
 # Two hosts need two torchrun launches joined by a rendezvous. That would double this notebook's run time, so it is
 # *not run here*. `tests/test_fsdp_trainer.py` runs it on 127.0.0.1 and counts the collectives per mesh dimension.
-# There the cross-host all-reduces carry each process's gradient shard, within 2 % of half the weights' bytes. The
+# There the cross-host all-reduces carry each process's gradient shard, within 2 % of its expected size: half the
+# weights' bytes, since each host holds 2 processes. The
 # losses equal the flat run's.
 #
 # ### The same ideas on a TPU pod

@@ -162,7 +162,8 @@ class GPT(nn.Module):
         for the weight), hence 6 per parameter; attention's QK^T and AV products have no weights,
         2*T*d FLOPs each per layer per token forward, times 3 for backward. Causal masking would
         halve them; the usual convention (PaLM's) counts the full T x T scores, as plain attention computes them.
-        LayerNorms, GELU, softmax and biases are ignored: a few % of the total at these sizes."""
+        Biases and LayerNorm weights are in N, so they count 6 FLOPs each like any weight; the elementwise work of
+        LayerNorms, GELU, softmax and the bias adds is not counted: a few % of the total at these sizes."""
         T = seq_len or self.cfg.block_size
         return 6 * self.num_params() + 12 * self.cfg.n_layer * T * self.cfg.n_embd
 
