@@ -17,6 +17,11 @@ first use (PEP 562), so `import labkit` costs milliseconds, and `labkit.setup()`
 import importlib
 
 from labkit.envsetup import VERSION as __version__  # the one home of the version (kept equal to pyproject by tests)
+from labkit.envsetup import no_chip_settings as _no_chip_settings
+
+# Where torch-tpu is installed and no TPU chip is, libtpu would wait on the cloud metadata server before a CPU backward:
+# the setting that stops it must be in the environment before torch starts (labkit.envsetup.NO_CHIP_ENV).
+_no_chip_settings()
 
 # public name -> the module that defines it (imported the first time the name is used)
 _HOMES = {

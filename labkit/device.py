@@ -4,8 +4,11 @@
     rt = labkit.setup()                 # or setup("xla-cpu"), or LABKIT_BACKEND=cpu
     x = rt.to_device(batch); ...; rt.sync()
 
-Detection order: TPU (PJRT, needs torch_xla + libtpu or PJRT_DEVICE=TPU), CUDA (torch's own
-backend: torch_xla 2.9 has no CUDA backend), XLA:CPU (torch_xla importable), plain CPU.
+Detection order: TPU through torch_xla (PJRT, needs torch_xla + libtpu or PJRT_DEVICE=TPU), TPU through TorchTPU
+(torch-tpu's `tpu` device, when torch.accelerator sees its chips; where both could drive the chips, torch_xla, said in
+one line, and LABKIT_BACKEND=torch-tpu picks TorchTPU), CUDA (torch's own backend: torch_xla 2.9 has no CUDA
+backend), XLA:CPU (torch_xla importable), plain CPU. torch-tpu installed without chips: one line says so, then the
+CPU (labkit.envsetup.no_chip_settings keeps libtpu from waiting on the metadata server there).
 `setup()` is idempotent: a notebook may run the cell twice and gets the same Runtime.
 On TPU it also turns on torch_xla's persistent compile cache (labkit.compile_cache; `compile_cache=`).
 """
@@ -21,9 +24,10 @@ from labkit import _xla, envsetup, torchrun
 from labkit import compile_cache as _cc
 from labkit.config import parse_bool
 from labkit.runtime import BackendError, Runtime  # noqa: F401  (labkit.device.Runtime, as before)
+from labkit.runtime import torch_tpu as _torch_tpu
 from labkit.torchrun import torchrun_world
 
-BACKENDS = ("tpu", "cuda", "xla-cpu", "cpu")
+BACKENDS = ("tpu", "torch-tpu", "cuda", "xla-cpu", "cpu")
 _runtimes: dict[str, Runtime] = {}
 _xla_kind: str | None = None  # the PJRT device this process committed to (cannot change later)
 
@@ -85,9 +89,28 @@ def detect() -> dict:
         "torch_xla": _has_torch_xla(),
         "tpu": tpu_evidence(),
         "libtpu": envsetup.version_of("libtpu") is not None,
+        "torch_tpu": envsetup.version_of("torch-tpu"),
+        "torch_tpu_chips": _torch_tpu.chips(),
         "cuda": torch.cuda.is_available(),
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
     }
+
+
+def torch_tpu_note(found: dict, kind: str) -> str | None:
+    """One line on TorchTPU where it is installed and labkit does not use it (no chips; torch_xla chosen), else
+    None."""
+    if not found["torch_tpu"] or kind == "torch-tpu":
+        return None
+    if not found["torch_tpu_chips"]:
+        claim = f" ({found['tpu']}, but torch_tpu's own scan of the PCI bus found none)" if found["tpu"] else ""
+        return (
+            f"[labkit] found TorchTPU (torch_tpu {found['torch_tpu']}, torch {torch.__version__}) and no TPU chips"
+            f"{claim}: running on {kind}"
+        )
+    return (
+        f"[labkit] TorchTPU (torch_tpu {found['torch_tpu']}) sees {found['torch_tpu_chips']} chip(s); running on "
+        f"{kind} as asked or detected (LABKIT_BACKEND=torch-tpu picks TorchTPU)"
+    )
 
 
 def _describe(found: dict) -> str:
@@ -115,6 +138,8 @@ def resolve_backend(backend: str | None = None) -> str:
             return "xla-cpu"  # an explicit request for XLA:CPU, even on a TPU host
         if found["torch_xla"] and found["tpu"]:
             return "tpu"
+        if found["torch_tpu_chips"]:
+            return "torch-tpu"
         if found["cuda"]:
             return "cuda"
         return "xla-cpu" if found["torch_xla"] else "cpu"
@@ -136,6 +161,13 @@ def resolve_backend(backend: str | None = None) -> str:
             "On Colab pick Runtime > Change runtime type > TPU; or use one of: "
             + ", ".join(b for b in BACKENDS if b != "tpu")
         )
+    if name == "torch-tpu" and not found["torch_tpu_chips"]:
+        have = f"torch_tpu {found['torch_tpu']} but no chip it can see" if found["torch_tpu"] else "no torch_tpu"
+        raise BackendError(
+            f"backend 'torch-tpu' was asked for ({source}) but this machine has {have} ({_describe(found)}). "
+            "TorchTPU needs a TPU VM (pip install torch_tpu); or use one of: "
+            + ", ".join(b for b in BACKENDS if b != "torch-tpu")
+        )
     if name == "cuda" and not found["cuda"]:
         raise BackendError(f"backend 'cuda' was asked for ({source}) but this machine has {_describe(found)}")
     if name == "xla-cpu" and not found["torch_xla"]:
@@ -144,6 +176,31 @@ def resolve_backend(backend: str | None = None) -> str:
             f"pip install torch=={envsetup.TORCH} torch_xla=={envsetup.TORCH_XLA}"
         )
     return name
+
+
+def setup_torch_tpu() -> Runtime:
+    """TorchTPU's `tpu` device; under torchrun one process per chip, joined over the "tpu" process group.
+
+    Names and order read from torch-tpu 0.2.0's sources (labkit.runtime.torch_tpu), not run here: no chip."""
+    import torch.distributed as dist
+
+    world = torchrun.torchrun_world()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1:
+        unset = [k for k in _torch_tpu.LAUNCH_ENV if not os.environ.get(k)]
+        if unset:
+            raise BackendError(
+                f"TorchTPU under torchrun needs {', '.join(unset)} decided before torchrun starts the processes (every "
+                'rank must see the same values): run `set -a; eval "$(python -m torch.tpu.distributed)"; set +a` '
+                "in the shell that then starts torchrun"
+            )
+    torch.accelerator.set_device_index(local)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(_torch_tpu.PROCESS_GROUP, timeout=torchrun.timeout())
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    device = torch.device("tpu", local)
+    info = {"name": torch.tpu.get_device_name(local), "dist": _torch_tpu.PROCESS_GROUP if world > 1 else None}
+    return Runtime("torch-tpu", device, world, rank, local, torch.accelerator.device_count(), False, info)
 
 
 def _autograd_knows_xla(device) -> None:
@@ -245,11 +302,16 @@ def setup(
             rt = _setup_xla(kind, spmd, cache)
         elif kind == "cuda":
             rt = torchrun.setup_cuda()
+        elif kind == "torch-tpu":
+            rt = setup_torch_tpu()
         else:
             if spmd:
                 raise BackendError("spmd=True needs an XLA backend (tpu or xla-cpu)")
             rt = torchrun.setup_cpu()
         _runtimes[kind] = rt
+        note = torch_tpu_note(detect(), kind)
+        if note:
+            rt.master_print(note)
     elif cache and rt.compile_cache != cache:  # asked for again (or for another folder): possible until XLA ran
         _turn_on_cache(rt, cache)
     rt.info.setdefault("compile_cache", cache_note if cache is None else "on")

@@ -55,8 +55,12 @@ DEPENDENCIES = [  # pyproject's [project].dependencies (ranges), in the same ord
 # which has no wheel for Python 3.13; 0.0.21.1 (what Colab's TPU image ships) has one.
 LIBTPU_FOR = {"2.9": "0.0.21.1", "2.8": "0.0.17"}
 # never moved by an install: the image's own builds of these are what its other packages were built against
-PROTECTED = ("torch", "torch-xla", "torchvision", "torchaudio", "numpy", "libtpu", "jax", "jaxlib")
-TORCH_FAMILY = ("torch", "torch-xla", "torchvision", "libtpu")
+PROTECTED = ("torch", "torch-xla", "torch-tpu", "torchvision", "torchaudio", "numpy", "libtpu", "jax", "jaxlib")
+TORCH_FAMILY = ("torch", "torch-xla", "torch-tpu", "torchvision", "libtpu")
+# TorchTPU (`torch-tpu` on PyPI, the `tpu` device): an image that has it keeps it. torch_xla is installed beside it only
+# when this setting asks for it by name, since the pair replaces the image's torch, torch_tpu and libtpu (the two
+# stacks need different torch releases: torch_xla 2.9 needs torch 2.9, torch-tpu 0.2.0 torch >= 2.11).
+INSTALL_TORCH_XLA = "LABKIT_INSTALL_TORCH_XLA"
 
 PLATFORMS = ("colab-tpu", "colab-gpu", "kaggle-tpu", "kaggle-gpu", "tpu-vm", "jupyter")
 TPU_PLATFORMS = ("colab-tpu", "kaggle-tpu", "tpu-vm")
@@ -147,6 +151,29 @@ def detect_tpu(root: str | None = None, env=None) -> Tpu:
         out.chips = _chips_from_type(out.accelerator_type)
         out.evidence.append(f"TPU_ACCELERATOR_TYPE={out.accelerator_type}")
     return out
+
+
+def tpu_hardware(root: str | None = None) -> int:
+    """TPU chips this host's files show (PCI, VFIO, /dev/accel*), not counting what TPU_ACCELERATOR_TYPE claims."""
+    return detect_tpu(root, env={}).chips
+
+
+# libtpu, loaded by torch_tpu, asks the cloud metadata server for this VM's TPU settings when it finds no chip: 30
+# tries for each key. A CPU backward with torch-tpu 0.2.0 installed and no chip waited past 200 s for it; with this
+# variable set, 0.15 s (torch 2.12.1, libtpu 0.0.52). Only where no chip is found: a TPU VM's libtpu needs the server.
+NO_CHIP_ENV = {"TPU_SKIP_MDS_QUERY": "1"}
+
+
+def no_chip_settings(env=None, root: str | None = None) -> dict:
+    """Set what keeps TorchTPU from waiting on the metadata server where it is installed and no chip is: NO_CHIP_ENV,
+    each only where unset. Must run before torch starts (torch imports torch_tpu through its backend autoload): the
+    set-up cell and `import labkit` call it. Returns what it set."""
+    env = os.environ if env is None else env
+    if not version_of("torch-tpu") or tpu_hardware(root):
+        return {}
+    new = {k: v for k, v in NO_CHIP_ENV.items() if k not in env}
+    env.update(new)
+    return new
 
 
 def tpu_holders(root: str | None = None) -> list[tuple[int, str]]:
@@ -267,6 +294,8 @@ class Facts:
     versions: dict  # distribution -> version or None (torch, torch-xla, torchvision, libtpu, deps)
     labkit: str = "ours"  # ours | impostor | missing
     imported: frozenset = frozenset()  # distributions whose modules this process has already imported
+    asked_torch_xla: bool = False  # LABKIT_INSTALL_TORCH_XLA: torch_xla in place of an image's TorchTPU
+    torch_tpu_needs: str | None = None  # torch-tpu's requirement on torch, from its metadata ("torch>=2.11.0,<=2.15.0")
 
 
 def _imported_distributions() -> frozenset:
@@ -286,6 +315,44 @@ def _req_name(req: str) -> str:
     return _norm(re.split(r"[\s\[<>=!~;@]", req, maxsplit=1)[0])
 
 
+def flag(name: str, env=None) -> bool:
+    """A yes/no setting from the environment: 1/true/yes/on or 0/false/no/off (blank: no); anything else is refused,
+    naming the setting (labkit.config.parse_bool's rule, here without importing labkit)."""
+    raw = (os.environ if env is None else env).get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+def torch_tpu_needs() -> str | None:
+    """torch-tpu's requirement on torch, read from its metadata ("torch>=2.11.0,<=2.15.0"), or None."""
+    try:
+        reqs = md.requires("torch-tpu") or []
+    except md.PackageNotFoundError:
+        return None
+    return next((r.split(";")[0].replace(" ", "") for r in reqs if _req_name(r) == "torch"), None)
+
+
+def _release(v: str) -> tuple:
+    return tuple(int(x) for x in re.findall(r"\d+", re.split(r"[+a-z]", v, maxsplit=1)[0])[:3])
+
+
+def satisfies(version: str, requirement: str) -> bool:
+    """Whether `version` meets a requirement's comparisons ("torch>=2.11.0,<=2.15.0"; >=, <=, >, <, ==, != on release
+    numbers; a local tag such as +cu130 ignored). The standard library has no version parser, and this is all the
+    set-up needs to read."""
+    have = _release(version)
+    for op, want in re.findall(r"(>=|<=|==|!=|>|<)\s*([\d.]+)", requirement):
+        w = _release(want)
+        n = max(len(have), len(w))
+        a, b = have + (0,) * (n - len(have)), w + (0,) * (n - len(w))
+        if not {">=": a >= b, "<=": a <= b, "==": a == b, "!=": a != b, ">": a > b, "<": a < b}[op]:
+            return False
+    return True
+
+
 def gather() -> Facts:
     tpu = detect_tpu()
     names = set(TORCH_FAMILY) | {"libtpu-nightly"} | {_req_name(r) for r in DEPENDENCIES}
@@ -296,6 +363,8 @@ def gather() -> Facts:
         versions={n: version_of(n) for n in sorted(names)},
         labkit=labkit_status()[0],
         imported=_imported_distributions(),
+        asked_torch_xla=flag(INSTALL_TORCH_XLA),
+        torch_tpu_needs=torch_tpu_needs(),
     )
 
 
@@ -330,6 +399,10 @@ def plan(f: Facts, labkit_spec: str | None = None) -> Decision:
     spec = labkit_spec or pip_spec()
     lab = None if f.labkit == "ours" else spec
     uninstall = ["labkit"] if f.labkit == "impostor" else []
+    if f.asked_torch_xla and (not xla or pair_problem(torch, xla)):
+        return _plan_asked_xla(f, extra + missing, lab, uninstall)
+    if f.platform in TPU_PLATFORMS and v.get("torch-tpu") and (not xla or pair_problem(torch, xla)):
+        return _plan_torch_tpu(f, extra + missing, lab, uninstall)
     if f.platform in TPU_PLATFORMS:
         problem = None
         if not torch or not xla:
@@ -358,6 +431,78 @@ def plan(f: Facts, labkit_spec: str | None = None) -> Decision:
         lab,
         uninstall,
         bool({"torch", "torchvision"} & f.imported),
+    )
+
+
+def _plan_asked_xla(f: Facts, install: list, lab: str | None, uninstall: list) -> Decision:
+    """INSTALL_TORCH_XLA=1 where torch_xla is missing: the pair labkit pins, saying first what it replaces."""
+    v = f.versions
+    torch, tpu, libtpu = v.get("torch"), v.get("torch-tpu"), v.get("libtpu") or v.get("libtpu-nightly")
+    pair = f"torch {TORCH} + torch_xla {TORCH_XLA}" + (f" + libtpu {LIBTPU_FOR[minor(TORCH_XLA)]}" if f.tpu else "")
+    replaced = [f"torch {torch}"] if torch else []
+    replaced += [f"libtpu {libtpu}"] if libtpu and f.tpu else []
+    why = f"{INSTALL_TORCH_XLA}=1 asks for torch_xla: installing {pair}" + (
+        f", which replaces {' and '.join(replaced)}" if replaced else ""
+    )
+    if tpu:
+        why += (
+            f", and removing torch_tpu {tpu} (TorchTPU needs {f.torch_tpu_needs or 'torch >= 2.11'}; reinstall it to "
+            "go back)"
+        )
+    reqs = (
+        _pair_reqs(f.python) if f.tpu else [f"torch=={TORCH}", f"torch_xla=={TORCH_XLA}", f"torchvision=={TORCHVISION}"]
+    )
+    restart = bool(torch) or bool(set(TORCH_FAMILY) & f.imported)
+    install = [r for r in install if _req_name(r) != "torchvision"]  # the pair brings the torchvision of its torch
+    return Decision(
+        f.platform, "install-pair", why, reqs + install, lab, uninstall + (["torch-tpu"] if tpu else []), restart
+    )
+
+
+def _plan_torch_tpu(f: Facts, install: list, lab: str | None, uninstall: list) -> Decision:
+    """A TPU host whose image has TorchTPU: keep torch, torch_tpu and libtpu; torch_xla comes only when asked by name
+    (INSTALL_TORCH_XLA: _plan_asked_xla)."""
+    v = f.versions
+    torch, tpu, libtpu = v.get("torch"), v.get("torch-tpu"), v.get("libtpu") or v.get("libtpu-nightly")
+    why = f"TorchTPU's image: keeping torch {torch}, torch_tpu {tpu} and libtpu {libtpu or '-'}; no torch_xla here"
+    if torch and f.torch_tpu_needs and not satisfies(torch, f.torch_tpu_needs):
+        why += (
+            f". torch {torch} is outside torch_tpu {tpu}'s range ({f.torch_tpu_needs}): "
+            f"{shell_words('pip', 'install', f.torch_tpu_needs)} fixes it"
+        )
+    else:
+        why += f" ({INSTALL_TORCH_XLA}=1 would install it in TorchTPU's place)"
+    return Decision(f.platform, "keep", why, install, lab, uninstall)
+
+
+class NeedsTorchXla(RuntimeError):
+    """A notebook that teaches torch_xla was opened where torch_xla is not installed. Jupyter shows only the message
+    (`_render_traceback_`): the notebook ends at its set-up cell with what it needs and the ways to get it."""
+
+    def _render_traceback_(self):
+        return [str(self)]
+
+
+def needs_message(needs, f: Facts, d: Decision) -> str | None:
+    """Why this notebook cannot run here, with the two ways to run it, or None. `needs`: what the notebook's
+    `Params.NEEDS` names ("torch_xla")."""
+    if "torch_xla" not in needs or f.versions.get("torch-xla") or d.choice == "install-pair":
+        return None
+    v = f.versions
+    here = f"torch {v.get('torch') or '-'}" + (
+        f" with TorchTPU (torch_tpu {v['torch-tpu']})" if v.get("torch-tpu") else ""
+    )
+    return (
+        f"This notebook teaches torch_xla (lazy tensors, torch_xla.sync(), its graphs and metrics), and this runtime "
+        f"has no torch_xla: it has {here}. Nothing was installed or changed. Two ways to run it:\n"
+        "  1. Where torch_xla is installed: Colab's TPU runtime (Runtime > Change runtime type > TPU), Kaggle's TPU, "
+        f"or a venv of your own with {shell_words('pip', 'install', f'torch=={TORCH}', f'torch_xla=={TORCH_XLA}')} "
+        "(on a machine without a TPU it runs on the CPU as XLA:CPU, PJRT_DEVICE=CPU).\n"
+        f"  2. Here: run `%env {INSTALL_TORCH_XLA}=1` in a cell, then this cell again. It installs torch {TORCH} + "
+        f"torch_xla {TORCH_XLA} in place of this runtime's torch"
+        + (", removes torch_tpu (TorchTPU)" if v.get("torch-tpu") else "")
+        + ", and asks for a restart.\n"
+        "Notebook 10 maps each torch_xla lesson to TorchTPU; notebooks 08 and 09 run here as they are."
     )
 
 
@@ -451,12 +596,25 @@ def act(f: Facts, d: Decision, python: str | None = None, quiet: bool = True) ->
         )
 
 
-def main(labkit_spec: str | None = None) -> Decision:
-    """Detect, decide, print and act (what the set-up cell calls). Returns the decision."""
+def main(labkit_spec: str | None = None, needs=()) -> Decision:
+    """Detect, decide, print and act (what the set-up cell calls). Returns the decision. `needs`: what the notebook
+    cannot run without ("torch_xla"); where it is missing and not being installed, NeedsTorchXla stops the notebook
+    here, before anything is installed."""
+    quieted = no_chip_settings()  # before torch starts: torch_tpu loads with torch
     f = gather()
     d = plan(f, labkit_spec)
     print(describe(f), flush=True)
     print(decision_line(d), flush=True)
+    if quieted:
+        print(
+            "labkit setup: torch_tpu is installed and this host shows no TPU chip: "
+            + " ".join(f"{k}={v}" for k, v in quieted.items())
+            + " (else libtpu asks the cloud metadata server for TPU settings, 30 tries a key, before a CPU backward)",
+            flush=True,
+        )
+    message = needs_message(needs, f, d)
+    if message:
+        raise NeedsTorchXla(message)
     act(f, d)
     return d
 
@@ -486,7 +644,7 @@ if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours 
 _spec = importlib.util.spec_from_file_location("labkit_envsetup", os.path.join(_labkit_dir(), "envsetup.py"))
 envsetup = sys.modules["labkit_envsetup"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(envsetup)
-envsetup.main()  # prints "labkit setup: platform=... / choice=..."; asks for a restart if one is needed
+envsetup.main(needs=getattr(Params, "NEEDS", ()))  # prints "labkit setup: ..."; a restart or a missing stack stops here
 import labkit
 P = labkit.from_env(Params)
 print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))"""

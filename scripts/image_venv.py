@@ -75,6 +75,9 @@ class Image:
     devices: dict[str, int] = dataclasses.field(default_factory=dict)
     # notebooks run only up to the first code cell carrying a tag: {"01": "training"} (`# until: 01=training`)
     until: dict[str, str] = dataclasses.field(default_factory=dict)
+    # notebooks that must end at their set-up cell, with its message and no traceback (`# stops: 00 03`): what they
+    # need is not in the image (torch_xla in TorchTPU's image)
+    stops: tuple[str, ...] = ()
 
     @property
     def venv(self) -> Path:
@@ -113,7 +116,7 @@ def load(name_or_path: str | Path) -> Image:
         path = IMAGES_DIR / f"{name_or_path}.txt"
     header: dict[str, str] = {}
     for line in path.read_text().splitlines():
-        m = re.match(r"#\s*(python|env|run-env|expect|colab|notebooks|devices|until):\s*(.*)$", line)
+        m = re.match(r"#\s*(python|env|run-env|expect|colab|notebooks|devices|until|stops):\s*(.*)$", line)
         if m:
             header[m.group(1)] = m.group(2).strip()
     if "python" not in header:
@@ -130,8 +133,9 @@ def load(name_or_path: str | Path) -> Image:
         notebooks=tuple(header.get("notebooks", "01 02").split("(")[0].split()),  # "(why)" is a comment
         devices=_devices(path, header.get("devices", "").split("(")[0]),
         until=_pairs(header.get("until", "").split("(")[0]),
+        stops=tuple(header.get("stops", "").split("(")[0].split()),
     )
-    for key in ("devices", "until"):
+    for key in ("devices", "until", "stops"):
         if stray := sorted(set(getattr(img, key)) - set(img.notebooks)):
             raise ValueError(f"{path}: '# {key}:' names notebook(s) {stray}, which '# notebooks:' does not run")
     return img

@@ -234,7 +234,7 @@ def test_describe_line():
     f = _facts("colab-tpu", chips=1, torch="2.9.0+cpu", torch_xla="2.9.0", libtpu="0.0.21.1")
     line = es.describe(f)
     assert line.startswith("labkit setup: platform=colab-tpu python=3.13 chips=1 ")
-    assert "torch=2.9.0+cpu torch_xla=2.9.0 torchvision=- libtpu=0.0.21.1" in line
+    assert "torch=2.9.0+cpu torch_xla=2.9.0 torch_tpu=- torchvision=- libtpu=0.0.21.1" in line
 
 
 def test_pair_problem():

@@ -26,7 +26,7 @@ from tests.children.image_job import ROOT, field_of, load_image_venv
 image_venv = load_image_venv()
 pytestmark = pytest.mark.images
 # CPU-seconds of each image's job, measured in a full run (closing table): the workers start the longest first
-EXPECTED_S = {"kaggle-tpu": 556, "colab-gpu": 244, "colab-tpu": 142}
+EXPECTED_S = {"kaggle-tpu": 556, "colab-gpu": 244, "torchtpu-vm": 240, "colab-tpu": 142}
 
 
 def job(name: str) -> background.Job:
@@ -74,7 +74,13 @@ def test_notebooks_in_image(name, capsys):
             problems.append(f"{stem} failed in {name} (executed copy in {r['out_dir']}):\n{run['error'][-4000:]}")
     if changed:  # (b) the image's packages are untouched
         problems.append(f"the notebooks changed packages of {name}: {changed} (added: {added})")
+    stops = set(r.get("stops", []))
+    for stem, run in runs.items():  # (e) a notebook whose stack the image lacks ends at its set-up cell, and says why
+        if stem[:2] in stops:
+            problems += stop_problems(stem, name, run.get("stop"))
     for stem, run in runs.items():  # (d) Run all with the exercises unsolved: each one says "not yet", none passes
+        if stem[:2] in stops:
+            continue
         exercises = run.get("exercises", {})
         if not exercises and not run["error"]:
             problems.append(f"{stem} in {name}: no exercise check found in the executed notebook")
@@ -96,3 +102,50 @@ def test_notebooks_in_image(name, capsys):
     assert sorted(runs) == sorted(r["notebooks"]) and not problems, (
         "\n\n".join(problems) or f"notebooks run: {sorted(runs)}"
     )
+
+
+def stop_problems(stem: str, image: str, stop: dict | None) -> list[str]:
+    """A notebook that needs torch_xla, in an image without it: it ended at its set-up cell with labkit's message (no
+    traceback frames), no later cell ran, and the message names what it needs and both ways to get it."""
+    if not stop or stop.get("cell") is None:
+        return [f"{stem} in {image}: expected to end at its set-up cell, but no cell stopped it"]
+    out = []
+    if not stop["setup_cell"] or stop["ename"] != "NeedsTorchXla":
+        out.append(f"{stem} in {image}: ended at cell {stop['cell']} with {stop['ename']}, not at its set-up cell")
+    if stop["later_cells_run"]:
+        out.append(f"{stem} in {image}: {stop['later_cells_run']} cell(s) ran after the set-up cell stopped it")
+    shown = "\n".join(stop["traceback"])
+    if "Traceback" in shown or 'File "' in shown or stop["traceback"] != [stop["message"]]:
+        out.append(f"{stem} in {image}: the stop showed a traceback, not only its message:\n{shown[-2000:]}")
+    for needed in ("torch_xla", "Colab's TPU runtime", "LABKIT_INSTALL_TORCH_XLA=1", "Nothing was installed"):
+        if needed not in stop["message"]:
+            out.append(f"{stem} in {image}: the stop's message does not say {needed!r}: {stop['message']!r}")
+    return out
+
+
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("name", [n for n in image_venv.image_names() if "torch-tpu" in image_venv.load(n).pins])
+def test_torch_tpu_contract(name, capsys):
+    """The real torch-tpu package, imported in its image (no chip): every name labkit calls exists and takes what
+    labkit passes; "tpu" is a torch.compile backend and the process-group backend torch_tpu's loader registers;
+    labkit keeps libtpu off the metadata server, says in one line that it found TorchTPU and no chips, and trains on
+    the CPU, where a backward returns (the child's timeout, 180 s, would call a metadata-server wait a hang)."""
+    done = background.wait(f"image-{name}", job(name))
+    result_file = Path(done.argv[-1])
+    assert done.returncode == 0 and result_file.exists(), f"the image job failed:\n{background.output(done)[-6000:]}"
+    c = json.loads(result_file.read_text())["contract"]
+    assert c is not None, f"{name}: the image job ran no contract"
+    with capsys.disabled():
+        print(
+            f"\n[images] {name} TorchTPU contract: {len(c.get('calls', {}))} names checked, import torch "
+            f"{c.get('import_s', float('nan')):.1f} s, a CPU backward {c.get('backward_s', float('nan')):.2f} s, "
+            f"the whole child {c['seconds']:.0f} s"
+        )
+    assert not c["problems"], "\n".join(c["problems"]) + f"\n{c.get('stderr', '')}"
+    assert c["torch_tpu_loaded"], "torch_tpu did not load with torch (its backend autoload)"
+    assert c["env_set_by_labkit"] == "1", f"TPU_SKIP_MDS_QUERY after import labkit: {c['env_set_by_labkit']!r}"
+    assert c["compile_backends_has_tpu"] and c["process_group_backend"]
+    assert c["loader_registers"] == ["tpu_dist", "tpu"] and not c["registered_without_chips"]
+    assert c["chips"] == 0 and c["runtime"] == {"kind": "cpu", "device": "cpu"}, c["runtime"]
+    lines = [ln for ln in c["setup_printed"].splitlines() if "TorchTPU" in ln]
+    assert len(lines) == 1 and "no TPU chips" in lines[0] and "running on cpu" in lines[0], c["setup_printed"]

@@ -23,6 +23,10 @@
 | choose_layout(model)       | contiguous ("probe": measured) | channels_last (2-D convs) | contiguous (XLA lays out) | same |
 | adamw_options / autotune   | torch's / nothing | fused=True / cuDNN autotuner | capturable=True / nothing | same |
 
+TorchTpuRuntime (torch_tpu.py, kind "torch-tpu": TorchTPU's `tpu` device) is CUDA's column with TorchTPU's names:
+eager, the step compiled with backend="tpu", torch.accelerator's synchronize, torch.tpu's generators, bf16 autocast on
+"tpu", batches copied as they come, torchrun over the "tpu" process group (docs/backends.md, its column).
+
 layout.py holds the memory-format decision (labkit.runtime.layout). step.py holds the two captures that step_capture() returns (EagerStep, CompiledStep) and says which graphs a
 compiled step is made of. One module per family: base.py (Runtime, the CPU), cuda.py (CudaRuntime), xla.py (XlaRuntime on XLA:CPU,
 TpuRuntime, and SpmdRuntime / TpuSpmdRuntime; the TPU classes differ from XLA:CPU by precision and chip name
@@ -34,6 +38,16 @@ docs/backends.md lists each seam on every backend, TorchTPU's included (not run 
 
 from labkit.runtime.base import BackendError, Runtime
 from labkit.runtime.cuda import CudaRuntime
+from labkit.runtime.torch_tpu import TorchTpuRuntime
 from labkit.runtime.xla import SpmdRuntime, TpuRuntime, TpuSpmdRuntime, XlaRuntime
 
-__all__ = ["BackendError", "CudaRuntime", "Runtime", "SpmdRuntime", "TpuRuntime", "TpuSpmdRuntime", "XlaRuntime"]
+__all__ = [
+    "BackendError",
+    "CudaRuntime",
+    "Runtime",
+    "SpmdRuntime",
+    "TorchTpuRuntime",
+    "TpuRuntime",
+    "TpuSpmdRuntime",
+    "XlaRuntime",
+]

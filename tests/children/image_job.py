@@ -207,10 +207,14 @@ def run_notebook(path: Path, img, kernel: str, workdir: Path, out_dir: Path, sou
         error = str(e)
     finally:
         nbformat.write(nb, out_dir / path.name)
+    stop = stop_of(nb) if path.stem[:2] in img.stops else None
+    if stop is not None and stop["ename"] == "NeedsTorchXla" and error:
+        error = None  # the notebook ended where it must: test_images checks how (stop_problems)
     return {
         "seconds": time.perf_counter() - t0,
         "cpu_s": cpu_s() - c0,  # the kernel's too: nbclient reaps it before execute() returns
         "error": error,
+        "stop": stop,
         "setup": setup_lines(nb),
         "exercises": exercise_lines(nb),
         "devices": int(env.get("CPU_NUM_DEVICES", "1")),
@@ -218,6 +222,54 @@ def run_notebook(path: Path, img, kernel: str, workdir: Path, out_dir: Path, sou
         "cells": cells,
         "printed": printed(nb),
     }
+
+
+def stop_of(nb) -> dict:
+    """Where and how a notebook that must end at its set-up cell (an image's `# stops:` line) ended: the first cell
+    with an error output, that error's name, message and traceback lines, and whether any later cell ran."""
+    for i, cell in enumerate(nb.cells):
+        errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+        if errors:
+            later = [c for c in nb.cells[i + 1 :] if c.cell_type == "code" and c.get("execution_count") is not None]
+            return {
+                "cell": i,
+                "setup_cell": "setup" in cell.metadata.get("tags", []),
+                "ename": errors[0].get("ename"),
+                "message": errors[0].get("evalue", ""),
+                "traceback": errors[0].get("traceback", []),
+                "later_cells_run": len(later),
+            }
+    return {"cell": None, "setup_cell": False, "ename": None, "message": "", "traceback": [], "later_cells_run": 0}
+
+
+def contract_run(img, python: Path) -> dict | None:
+    """The TorchTPU contract (tests/children/torch_tpu_contract.py) in an image that has torch-tpu, else None. The
+    timeout is the hang guard: a CPU backward that waits on the cloud metadata server never ends in time."""
+    if "torch-tpu" not in img.pins:
+        return None
+    env = {k: v for k, v in os.environ.items() if k not in _DROP and not k.startswith(("LABKIT_", "TPU_"))}
+    env.update(img.env, PYTHONPATH=str(ROOT), PYTHONNOUSERSITE="1")
+    out = Path(tempfile.mkdtemp(prefix="torch-tpu-contract-")) / "contract.json"
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [str(python), str(ROOT / "tests" / "children" / "torch_tpu_contract.py"), str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CONTRACT_TIMEOUT,
+        )
+        result = json.loads(out.read_text()) if out.exists() else {"problems": ["it wrote no result"]}
+        result.update(returncode=proc.returncode, stderr=proc.stderr[-3000:])
+    except subprocess.TimeoutExpired as e:
+        result = {"problems": [f"no result after {CONTRACT_TIMEOUT} s: a hang"], "stderr": str(e.stderr)[-3000:]}
+    result["seconds"] = time.perf_counter() - t0
+    shutil.rmtree(out.parent, ignore_errors=True)
+    return result
+
+
+# import torch with torch_tpu's autoload takes ~8-12 s; a backward that waits on the metadata server took > 200 s
+CONTRACT_TIMEOUT = 180
 
 
 def printed(nb, limit: int = 200_000) -> str:
@@ -244,6 +296,7 @@ def image_run(name: str) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     runs = {}
+    contract = contract_run(img, img.python_bin) if pristine else None
     if pristine:
         source = source_copy(tmp / "labkit")
         for path in notebooks_of(img):
@@ -259,6 +312,8 @@ def image_run(name: str) -> dict:
         "built": built,
         "pristine": pristine,
         "runs": runs,
+        "contract": contract,
+        "stops": list(img.stops),
         "changed": {k: f"{v} -> {after.get(k, 'removed')}" for k, v in before.items() if after.get(k) != v},
         "added": {k: after[k] for k in sorted(set(after) - set(before))},
         "out_dir": str(out_dir),
