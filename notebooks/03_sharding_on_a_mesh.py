@@ -108,6 +108,7 @@ class Params:
     # CI-sized: tiny model, few steps, a high learning rate so the loss visibly falls in 4 steps
     # T = 24, not 16: B·T (384 tokens) then differs from the vocabulary (256 bytes), so the HLO's shapes tell an
     # activation's rows from the embedding table's
+    NEEDS = ("torch_xla",)  # where torch_xla is missing, the set-up cell ends the notebook and says how to get it
     FAST = {"n_layer": 1, "n_head": 4, "n_embd": 32, "block_size": 24, "batch_size": 16, "steps": 4, "lr": 3e-2,
             "loss_tol": 1e-3}
 
@@ -155,7 +156,7 @@ if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours 
 _spec = importlib.util.spec_from_file_location("labkit_envsetup", os.path.join(_labkit_dir(), "envsetup.py"))
 envsetup = sys.modules["labkit_envsetup"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(envsetup)
-envsetup.main()  # prints "labkit setup: platform=... / choice=..."; asks for a restart if one is needed
+envsetup.main(needs=getattr(Params, "NEEDS", ()))  # prints "labkit setup: ..."; a restart or a missing stack stops here
 import labkit
 P = labkit.from_env(Params)
 print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))

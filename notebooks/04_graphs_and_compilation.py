@@ -64,6 +64,7 @@ class Params:
     steps: int = 12               # steps of the recompile and sync demonstrations
     # CI on 2 cores: inductor's C++ compile of even this tiny MLP took ~85 s there (measured on a loaded
     # machine), more than the notebook's whole budget, so fast mode leaves it out and says so
+    NEEDS = ("torch_xla",)  # where torch_xla is missing, the set-up cell ends the notebook and says how to get it
     FAST = {"steady": 5, "inductor": False, "steps": 8}
 
 
@@ -113,7 +114,7 @@ if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours 
 _spec = importlib.util.spec_from_file_location("labkit_envsetup", os.path.join(_labkit_dir(), "envsetup.py"))
 envsetup = sys.modules["labkit_envsetup"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(envsetup)
-envsetup.main()  # prints "labkit setup: platform=... / choice=..."; asks for a restart if one is needed
+envsetup.main(needs=getattr(Params, "NEEDS", ()))  # prints "labkit setup: ..."; a restart or a missing stack stops here
 import labkit
 P = labkit.from_env(Params)
 print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))

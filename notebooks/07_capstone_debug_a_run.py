@@ -63,6 +63,7 @@ class Params:
     steps: int = 14  # steps per measured run (the first two are warm-up)
     mesh_width: int = 512  # the MLP's width in the sharded run of section 5
     mesh_devices: int = 4  # virtual XLA:CPU devices it runs on
+    NEEDS = ("torch_xla",)  # where torch_xla is missing, the set-up cell ends the notebook and says how to get it
     FAST = {}  # the run is already CI-sized
 
 
@@ -106,7 +107,7 @@ if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours 
 _spec = importlib.util.spec_from_file_location("labkit_envsetup", os.path.join(_labkit_dir(), "envsetup.py"))
 envsetup = sys.modules["labkit_envsetup"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(envsetup)
-envsetup.main()  # prints "labkit setup: platform=... / choice=..."; asks for a restart if one is needed
+envsetup.main(needs=getattr(Params, "NEEDS", ()))  # prints "labkit setup: ..."; a restart or a missing stack stops here
 import labkit
 P = labkit.from_env(Params)
 print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))

@@ -110,7 +110,7 @@ if _labkit_dir() is None:  # absent, or PyPI's unrelated "labkit": install ours 
 _spec = importlib.util.spec_from_file_location("labkit_envsetup", os.path.join(_labkit_dir(), "envsetup.py"))
 envsetup = sys.modules["labkit_envsetup"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(envsetup)
-envsetup.main()  # prints "labkit setup: platform=... / choice=..."; asks for a restart if one is needed
+envsetup.main(needs=getattr(Params, "NEEDS", ()))  # prints "labkit setup: ..."; a restart or a missing stack stops here
 import labkit
 P = labkit.from_env(Params)
 print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
