@@ -77,17 +77,36 @@ def tpu_warnings(tpu: envsetup.Tpu, backend: str | None, versions: dict, root: s
     ]
 
 
-def torch_tpu_warnings(versions: dict) -> list[str]:
-    """TorchTPU (`torch-tpu`, torch_xla's successor) installed: say what labkit can and cannot do with it."""
+def torch_tpu_warnings(versions: dict, chips: int | None = None) -> list[str]:
+    """TorchTPU (`torch-tpu`, torch_xla's successor) installed: what labkit does with it here. `chips`: the TPU chips
+    TorchTPU drives in this process (labkit.runtime.torch_tpu.chips); None where torch is not imported yet."""
     if not versions.get("torch_tpu"):
         return []
+    if chips:
+        use = (
+            f"labkit trains on its {chips} chip(s) as backend 'torch-tpu' (labkit.runtime.torch_tpu: the step "
+            "compiled with backend='tpu', torchrun over the 'tpu' process group, DCP checkpoints)"
+        )
+        if versions.get("torch_xla"):
+            use += "; torch_xla is installed too and is chosen first: LABKIT_BACKEND=torch-tpu picks TorchTPU"
+    else:
+        use = (
+            "TorchTPU sees no chip here, so labkit runs on the CPU (or CUDA) and keeps libtpu off the cloud metadata "
+            "server (TPU_SKIP_MDS_QUERY=1)"
+        )
     return [
-        f"torch_tpu {versions['torch_tpu']} is installed. labkit has no TorchTPU backend: it trains through "
-        "torch_xla (TPU), CUDA or the CPU, and docs/backends.md says what a TorchTPU backend would be, method by "
-        "method. torch_tpu loads with every `import torch` (TORCH_DEVICE_BACKEND_AUTOLOAD=0 keeps it out) and "
-        "needs torch >= 2.11, so it cannot share an environment with torch_xla 2.9 (torch 2.9)"
+        f"torch_tpu {versions['torch_tpu']} is installed: {use}. The set-up cell keeps torch, torch_tpu and libtpu; "
+        "notebooks 00, 03, 04 and 07 teach torch_xla and end at their set-up cell without it (notebook 10 maps "
+        "their lessons to TorchTPU). torch_tpu loads with every `import torch` (TORCH_DEVICE_BACKEND_AUTOLOAD=0 keeps "
+        "it out) and needs torch >= 2.11, so it cannot share an environment with torch_xla 2.9"
         + (f"; this one has torch_xla {versions['torch_xla']} too" if versions.get("torch_xla") else "")
     ]
+
+
+def _torch_tpu_chips() -> int:
+    from labkit.runtime import torch_tpu
+
+    return torch_tpu.chips()
 
 
 def _interface_address(name: str) -> str | None:
@@ -182,7 +201,7 @@ def doctor(rt=None, *, quiet: bool = False) -> dict:  # rt optional: the doctor 
         except _device.BackendError as e:
             warnings.append(str(e))
     warnings += tpu_warnings(envsetup.detect_tpu(), backend, versions)
-    warnings += torch_tpu_warnings(versions)
+    warnings += torch_tpu_warnings(versions, _torch_tpu_chips())
     warnings += gloo_reach_warnings()
     if envsetup.labkit_status()[0] != "ours":
         warnings.append(

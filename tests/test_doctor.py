@@ -89,8 +89,10 @@ def test_doctor_names_torch_tpu_and_what_labkit_does_with_it(monkeypatch):
     r = doc.doctor(quiet=True)
     (w,) = [w for w in r["warnings"] if "torch_tpu" in w]
     assert r["versions"]["torch_tpu"] == "0.2.0"
-    assert "torch_tpu 0.2.0 is installed" in w and "no TorchTPU backend" in w and "docs/backends.md" in w
+    assert "torch_tpu 0.2.0 is installed" in w and "sees no chip here" in w and "TPU_SKIP_MDS_QUERY=1" in w
     assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in w and "this one has torch_xla 2.9" in w
+    (w,) = doc.torch_tpu_warnings({"torch_tpu": "0.2.0", "torch_xla": "2.9.0"}, chips=4)
+    assert "trains on its 4 chip(s) as backend 'torch-tpu'" in w and "LABKIT_BACKEND=torch-tpu picks TorchTPU" in w
     monkeypatch.setattr(doc, "version_of", real)
     assert not [w for w in doc.doctor(quiet=True)["warnings"] if "torch_tpu" in w]  # not installed here
 
