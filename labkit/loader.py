@@ -271,6 +271,11 @@ class BatchSharding:
         return spec.xla_spec(t)
 
 
+def as_device_loader(loader, rt):
+    """`loader` as a DeviceLoader on rt (None stays None, a DeviceLoader stays itself)."""
+    return loader if loader is None or isinstance(loader, DeviceLoader) else DeviceLoader(loader, rt)
+
+
 def batch_rows(loader) -> int | None:
     """Samples in one of the loader's batches, known before the first one: its batch_size, or its dataset's (a
     shard stream batches itself: its DataLoader's batch_size is None); None when neither says."""

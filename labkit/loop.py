@@ -46,7 +46,8 @@ from labkit import meta_init, resume
 from labkit.accumulate import mean_of, read
 from labkit.config import TrainConfig
 from labkit.interrupts import Preempted, Requests, StepVote, finish_pending_save, sigterm_raises
-from labkit.loader import DeviceLoader, batch_rows
+from labkit.interrupts.vote import same_everywhere, trainer_settings
+from labkit.loader import DeviceLoader, as_device_loader, batch_rows
 from labkit.optim import check_lr, move_model, optimizer_step
 from labkit.parallel import choose as choose_plan
 from labkit.precision import Precision, choose
@@ -78,8 +79,7 @@ class Trainer(Requests):
         self.precision = (precision or choose(rt, "fp32")).fresh()
         self.optimizer, self.scheduler = optimizer, scheduler
         # on the device (a meta-built model gets its memory from the plan, sharded), laid out by the run's plan
-        if train_loader is not None and not isinstance(train_loader, DeviceLoader):  # its length: this process's
-            train_loader = DeviceLoader(train_loader, rt)  # batches, the short last one dropped
+        train_loader = as_device_loader(train_loader, rt)  # its len(): this process's batches, a short one dropped
         cfg, steps = self.cfg, planned_steps(self.cfg, train_loader)  # "auto" compiles where the steps repay it
         self.plan = choose_plan(rt, cfg.parallel, self.precision, model, cfg.fsdp_accumulate, cfg.accum_steps)
         model = model if meta_init.is_meta(model) else move_model(model, optimizer, rt.device)
@@ -103,10 +103,10 @@ class Trainer(Requests):
         self._step_offset = 0  # steps trained at another batch size before a resume (see total_steps)
         self._master_only = False  # inside on_log (process 0 only)
         self.profiler, self.vote = StepProfiler(rt), StepVote(rt)  # idle until asked; torchrun: SIGTERM and NaN
+        same_everywhere(rt, trainer_settings(self), "the Trainer's settings")  # torchrun: alike, or all raise now
 
     def _wrap(self, loader, train=False):  # images in the model's memory format; CUDA tunes cuDNN for train's shapes
-        if loader is not None:
-            loader = loader if isinstance(loader, DeviceLoader) else DeviceLoader(loader, self.rt)
+        if (loader := as_device_loader(loader, self.rt)) is not None:
             loader.layout = self.layout
             if train:
                 self.rt.autotune(loader.drop_partial)
@@ -197,10 +197,7 @@ class Trainer(Requests):
                     if c.eval_every and self.eval_loader is not None and (self.epoch + 1) % c.eval_every == 0:
                         self.evaluate()
                     self._dispatch("on_epoch_end")
-                    self._share_requests()  # torchrun: a stop asked for at the epoch's end, on every process
-                    self.epoch, self.batch_in_epoch = self.epoch + 1, 0  # a save now resumes at the next epoch
-                    if self.checkpoint is not None and not c.checkpoint_every:  # 0: "at each epoch end"
-                        self.checkpoint.save(self.step, self.state_dict(), metrics=self._last_metrics())
+                    self._epoch_end()  # the next epoch's position; a save or stop asked meanwhile acts here
                     if self._stop_after_epoch:
                         break
                 if self.log.open_steps:  # the steps since the last record (a stop, or a run shorter than planned)

@@ -6,9 +6,14 @@ torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in every
 torch.distributed reads them in init_process_group. How the Trainer then lays the model out over the processes
 (DDP, FSDP2) is the run's plan: labkit.parallel (TrainConfig.parallel).
 
-Every wait on another process has a timeout that names what it waited for: the default group's and every side gloo
-group's (side_group: the step vote, the evaluation's lockstep, a checkpoint's agreements) is LABKIT_DIST_TIMEOUT_S
-(timeout()); a wait for another process's data preparation goes through the store (wait_for_all), an hour at most.
+Every wait on another process has a timeout that names what it waited for, each by its purpose: the default group's
+and the small side groups' (side_group: the step vote, the evaluation's lockstep) is LABKIT_DIST_TIMEOUT_S (timeout(),
+600 s: short, to catch a hang); the checkpoint group's is LABKIT_CKPT_TIMEOUT_S (an hour: a slow process's upload is
+waited for there, so shortening the first does not fail every slow save); a wait for another process's data
+preparation goes through the store (wait_for_all), an hour at most.
+
+`active(rt)` is the one test of "several torch.distributed processes run together" that every collective labkit
+issues first asks.
 """
 
 from __future__ import annotations
@@ -30,28 +35,47 @@ def torchrun_world() -> int:
         raise BackendError(f"environment variable WORLD_SIZE={raw!r} is not an integer (torchrun sets it)") from None
 
 
-def timeout(default_s: float = 600) -> datetime.timedelta:
+def active(rt) -> bool:
+    """Whether this process is one of several torch.distributed processes that run together (torchrun's, joined by
+    labkit.setup()): what every collective labkit issues asks first. False with one process, and for XLA's replicas
+    (their collectives are XLA's, not torch.distributed's)."""
+    import torch.distributed as dist
+
+    return bool(rt is not None and rt.world_size > 1 and rt.uses_ddp and dist.is_available() and dist.is_initialized())
+
+
+def timeout(default_s: float = 600, env: str = "LABKIT_DIST_TIMEOUT_S") -> datetime.timedelta:
     """How long a collective may wait for the other processes before it fails (naming itself) instead of hanging:
-    LABKIT_DIST_TIMEOUT_S seconds, else `default_s` (600: NCCL's own default; gloo's is 30 minutes). The default group
-    and every side group (side_group) get it; the checkpoint's group defaults to an hour (a slow upload is waited
-    for there), and LABKIT_DIST_TIMEOUT_S, where set, is its timeout too."""
-    raw = os.environ.get("LABKIT_DIST_TIMEOUT_S", "").strip() or str(default_s)
+    the variable `env` in seconds, else `default_s`. LABKIT_DIST_TIMEOUT_S (600: NCCL's own default; gloo's is 30
+    minutes) for the default group and the small side groups; LABKIT_CKPT_TIMEOUT_S for the checkpoint's group
+    (checkpoint_timeout)."""
+    raw = os.environ.get(env, "").strip() or str(default_s)
     try:
         seconds = float(raw)
         if seconds <= 0:
             raise ValueError
     except ValueError:
-        raise BackendError(f"LABKIT_DIST_TIMEOUT_S={raw!r}: expected a number of seconds > 0") from None
+        raise BackendError(f"{env}={raw!r}: expected a number of seconds > 0") from None
     return datetime.timedelta(seconds=seconds)
 
 
-def side_group(default_s: float = 600):
+CHECKPOINT_TIMEOUT_S = 3600  # an hour: the slowest process's upload of its shards is waited for
+
+
+def checkpoint_timeout() -> datetime.timedelta:
+    """The checkpoint group's timeout: LABKIT_CKPT_TIMEOUT_S, else an hour. Its own setting, so that a short
+    LABKIT_DIST_TIMEOUT_S (to catch a hang in training within a minute) does not fail every save slower than that."""
+    return timeout(CHECKPOINT_TIMEOUT_S, "LABKIT_CKPT_TIMEOUT_S")
+
+
+def side_group(default_s: float = 600, wait: datetime.timedelta | None = None):
     """A new gloo group over every process, for small CPU agreements beside the training's collectives (the step
-    vote, the evaluation's lockstep, a checkpoint's agreements), with timeout(default_s): without it gloo waits 30
-    minutes. A collective itself: every process makes it at the same point."""
+    vote, the evaluation's lockstep, a checkpoint's agreements), with timeout(default_s), or `wait` where given
+    (checkpoint_timeout()): without it gloo waits 30 minutes. A collective itself: every process makes it at the
+    same point."""
     import torch.distributed as dist
 
-    return dist.new_group(backend="gloo", timeout=timeout(default_s))
+    return dist.new_group(backend="gloo", timeout=wait if wait is not None else timeout(default_s))
 
 
 def wait_for_all(rt, tag: str, what: str, timeout_s: float = 3600) -> None:
@@ -61,7 +85,7 @@ def wait_for_all(rt, tag: str, what: str, timeout_s: float = 3600) -> None:
     naming `what` after timeout_s. One process, or XLA's replicas: rt.rendezvous(tag)."""
     import torch.distributed as dist
 
-    if rt.world_size <= 1 or not rt.uses_ddp or not (dist.is_available() and dist.is_initialized()):
+    if not active(rt):
         rt.rendezvous(tag)
         return
     store = dist.distributed_c10d._get_default_store()

@@ -55,7 +55,8 @@ def report(tmp_path_factory):
     (tmp / "job.json").write_text(json.dumps(job))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", CHILD]
     t0 = time.perf_counter()
-    proc, log = _start(cmd + [str(tmp / "job.json")], tmp / "run.log", env={"LABKIT_DIST_TIMEOUT_S": "60"})
+    env = {"LABKIT_DIST_TIMEOUT_S": "60", "LABKIT_CKPT_TIMEOUT_S": "90"}
+    proc, log = _start(cmd + [str(tmp / "job.json")], tmp / "run.log", env=env)
     code, text = _wait(proc, log, 300)
     print(f"[agreement] {time.perf_counter() - t0:.1f} s")
     out = json.loads((tmp / "out.json").read_text()) if (tmp / "out.json").exists() else {}
@@ -143,7 +144,7 @@ def test_state_dict_in_on_log_is_refused_and_every_process_may_call_it(report):
 def test_side_groups_wait_labkit_dist_timeout_s(report):
     every = _case(report, "timeouts")
     assert [r.get("error") for r in every] == [None, None], every
-    assert every[0]["timeouts"] == {"vote": 60.0, "checkpoint": 60.0, "lockstep": 60.0}, every
+    assert every[0]["timeouts"] == {"vote": 60.0, "checkpoint": 90.0, "lockstep": 60.0}, every  # each its own
 
 
 @heavy
@@ -156,8 +157,8 @@ def test_a_wait_for_data_preparation_goes_through_the_store_and_names_its_wait(r
 
 
 def test_side_groups_under_nccl_get_labkit_dist_timeout_s(monkeypatch):
-    """Under NCCL the step vote and the lockstep make gloo groups of their own: each gets LABKIT_DIST_TIMEOUT_S,
-    the checkpoint's too (where set; else an hour), not gloo's 30 minutes."""
+    """Under NCCL the step vote and the lockstep make gloo groups of their own: each gets LABKIT_DIST_TIMEOUT_S, not
+    gloo's 30 minutes. The checkpoint's group waits LABKIT_CKPT_TIMEOUT_S (else an hour), whatever the first says."""
     import torch
     import torch.distributed as dist
 
@@ -178,7 +179,11 @@ def test_side_groups_under_nccl_get_labkit_dist_timeout_s(monkeypatch):
     vote.cast()
     checkpoint_group()
     assert [k.get("backend") for k in made] == ["gloo"] * 3, made
-    assert [k.get("timeout") and k["timeout"].total_seconds() for k in made] == [42.0] * 3, made
-    monkeypatch.delenv("LABKIT_DIST_TIMEOUT_S")
+    # a short LABKIT_DIST_TIMEOUT_S, to catch hangs, leaves the checkpoint's own default: uploads take long
+    assert [k.get("timeout") and k["timeout"].total_seconds() for k in made] == [42.0, 42.0, 3600.0], made
+    monkeypatch.setenv("LABKIT_CKPT_TIMEOUT_S", "7200")
     checkpoint_group()
-    assert made[-1]["timeout"].total_seconds() == 3600, made  # the checkpoint's own default: uploads take long
+    assert made[-1]["timeout"].total_seconds() == 7200, made
+    monkeypatch.setenv("LABKIT_CKPT_TIMEOUT_S", "soon")
+    with pytest.raises(RuntimeError, match="LABKIT_CKPT_TIMEOUT_S=.soon."):
+        checkpoint_group()

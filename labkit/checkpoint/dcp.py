@@ -21,7 +21,7 @@ Under torchrun (FSDP2: several processes, each holding its own shards; Checkpoin
   dcp_agreement.py, local folder, 3 saves 3 steps apart, load average 10-14 from other work: ranges, noisy): a tiny
   GPT (~0.2 MB of state) 0.11-0.53 s before (the whole save on the training thread), 0.05-0.09 s after; a 2-block
   GPT of width 1024 (292 MB per checkpoint with AdamW) 0.66-1.85 s before, 0.29-0.56 s after: the NaN check and the
-  copy to the CPU (together.cpu_copy; 0.47-0.91 s with torch's own stager, which copies each shard twice). A local
+  copy to the CPU (into the format's CpuMirror, labkit.checkpoint.staging; 0.47-0.91 s with torch's own stager, which copies each shard twice). A local
   root only renames the files; to gs:// the upload, which "before" also waited for, runs in the background too. The
   cost: host memory for a second copy of this process's shards until its save ends.
 - A root some process cannot see (a local folder on each host) fails the save by name before the commit: a file
@@ -119,9 +119,9 @@ class Sharded(ShardedTogether):
         """Several torch.distributed processes, each holding its own shards (FSDP2 under torchrun): every process
         writes its files (begin_together, finish_together), not one host, and restore is one decision
         (CheckpointManager's _restore_together)."""
-        import torch.distributed as dist
+        from labkit.torchrun import active
 
-        return rt is not None and rt.world_size > 1 and rt.uses_ddp and dist.is_available() and dist.is_initialized()
+        return active(rt)
 
     def stage(self, state, rt):
         import torch.distributed as dist

@@ -3,7 +3,8 @@
     group = checkpoint_group()                    # every process, at the same point: gloo, a long timeout
     agree(rt, err, "saving gs://b/run/step-00000100", value, group)   # raises on every process if any failed
     bad = verdict(rt, err, "restoring ...", group)                  # one restore outcome for every process
-    staged = cpu_copy(state)                      # what async_save writes: later steps cannot change it
+    staged = _stager(mirror).stage(state)         # into a labkit.checkpoint.staging.CpuMirror: what async_save
+                                                  # writes, which later steps cannot change
 
 Used by labkit.checkpoint.dcp (the sharded format's save under torchrun) and CheckpointManager (its restore). Each
 agreement is one all_gather_object of a few hundred bytes on a gloo group: a loopback round trip on one host, a
@@ -14,55 +15,30 @@ from __future__ import annotations
 
 from labkit.checkpoint.state import ReadFailed
 
-# The checkpoint's own process group: gloo (the CPU, whatever the training's backend) and a timeout long enough for the
-# slowest process to upload its shards while the others wait in agree(). Its own group, not the default one: a save
-# finishing in the background thread issues collectives while the training thread issues the model's, and two threads
-# must never interleave collectives on one group (each process would pair them differently). NCCL's default group
-# would also trip its 10-minute watchdog while a slow uploader is waited for. LABKIT_DIST_TIMEOUT_S, where set, wins.
-GROUP_TIMEOUT_S = 3600
-
 
 def checkpoint_group():
-    """A new gloo group over every process (a collective: every process calls it at the same point, once per
-    manager); its timeout LABKIT_DIST_TIMEOUT_S where set, else GROUP_TIMEOUT_S (labkit.torchrun.side_group)."""
-    from labkit.torchrun import side_group
+    """The checkpoint's own process group: gloo (the CPU, whatever the training's backend), a new group over every
+    process (a collective: every process calls it at the same point, once per manager). Its own group, not the
+    default one: a save finishing in the background thread issues collectives while the training thread issues the
+    model's, and two threads must never interleave collectives on one group (each process would pair them
+    differently). Its timeout is its own too, LABKIT_CKPT_TIMEOUT_S (an hour unless set:
+    labkit.torchrun.checkpoint_timeout), long enough for the slowest process to upload its shards while the others
+    wait in agree(); NCCL's default group would trip its 10-minute watchdog there."""
+    from labkit.torchrun import checkpoint_timeout, side_group
 
-    return side_group(GROUP_TIMEOUT_S)
-
-
-def cpu_copy(o):
-    """A copy of a state that later training steps cannot change: every tensor copied once to the CPU (a DTensor
-    stays a DTensor: its local shard copied, its mesh and placements kept), dicts, lists and tuples rebuilt, ints,
-    floats, strings and bytes shared (immutable), anything else deep-copied. torch 2.9's own stager (DCP's default
-    for async_save: BlockingAsyncStager through _create_cpu_state_dict + _copy_state_dict in
-    torch/distributed/_state_dict_utils.py) copies each CPU DTensor shard twice (copy.deepcopy, then a fresh tensor
-    filled by copy_; from an accelerator .to("cpu"), then a second device-to-host copy) and returns a 0-dim DTensor
-    uncopied: one 64 MB CPU shard took 0.61-0.76 s there against 0.18-0.19 s here (this 2-core machine, loaded)."""
-    import copy
-
-    import torch
-
-    if isinstance(o, torch.Tensor):
-        return o.detach().to("cpu", copy=True)
-    if isinstance(o, dict):
-        return {k: cpu_copy(v) for k, v in o.items()}
-    if type(o) in (list, tuple):
-        return type(o)(cpu_copy(v) for v in o)
-    if o is None or isinstance(o, (bool, int, float, str, bytes)):
-        return o
-    return copy.deepcopy(o)
+    return side_group(wait=checkpoint_timeout())
 
 
-def _stager(mirror=None):
-    """DCP's AsyncStager protocol around cpu_copy, or around `mirror` (labkit.checkpoint.staging.CpuMirror: the
-    manager's host tensors, refilled at each save): the copy is done before async_save returns."""
+def _stager(mirror):
+    """DCP's AsyncStager protocol around `mirror` (labkit.checkpoint.staging.CpuMirror: the manager's host tensors,
+    refilled at each save): the copy is done before async_save returns."""
     from torch.distributed.checkpoint.staging import AsyncStager
 
     class CopyToCPU(AsyncStager):
         _synchronize_after_execute = False
 
         def stage(self, state_dict):
-            return cpu_copy(state_dict) if mirror is None else mirror.stage(state_dict)
+            return mirror.stage(state_dict)
 
         def synchronize_staging(self) -> None:
             pass

@@ -134,10 +134,9 @@ class Together:
 
     def _agreed(self, work):
         """work()'s answer, the same on every process: under torchrun process 0's (_from_master), else work()."""
-        import torch.distributed as dist
+        from labkit.torchrun import active
 
-        rt = self.rt
-        if rt is None or rt.world_size <= 1 or not rt.uses_ddp or not (dist.is_available() and dist.is_initialized()):
+        if not active(self.rt):
             return work()
         return self._from_master(work)
 

@@ -15,7 +15,7 @@ import torch
 
 from labkit import meta_init
 from labkit.parallel.state import optimizer_by_id
-from labkit.torchrun import side_group
+from labkit.torchrun import active, side_group
 
 STATE_BYTES_PER_WEIGHT = 16  # float32 weight 4 + gradient 4 + AdamW's two moments 8 (labkit.spmd.comm.fits)
 
@@ -210,7 +210,7 @@ def device_memory(rt) -> int | None:
     mine = own_memory(rt)
     import torch.distributed as dist
 
-    if rt is None or rt.world_size <= 1 or not rt.uses_ddp or not (dist.is_available() and dist.is_initialized()):
+    if not active(rt):
         return mine
     every = [None] * rt.world_size
     dist.all_gather_object(every, mine)

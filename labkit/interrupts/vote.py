@@ -1,50 +1,25 @@
-"""Ctrl-C and SIGTERM during fit(): let the pending checkpoint upload finish, then stop.
+"""What torchrun's processes agree on, so that no process decides, stops or drifts alone: the step vote (SIGTERM,
+a NaN, a callback's stop or save, made every process's at one optimizer step) and the run's settings, compared once.
 
-    with sigterm_raises():          # SIGTERM (a preempted TPU VM, a stopped container) -> Preempted
-        ...train...
-    finish_pending_save(manager, rt, step, interrupt=e)
     vote = StepVote(rt)             # torchrun: SIGTERM, a NaN or a callback's stop on one process stops all at one step
     with sigterm_raises(vote): ...; problem = vote.cast(mine); if vote.agreed_on: save; vote.stop_if_agreed(step)
+    same_everywhere(rt, {"lr": 0.1, "steps_per_epoch()": 30})   # at Trainer construction: raises on every process
 
-A preempted TPU VM or a stopped Colab runtime gets SIGTERM, whose default action ends the process at
-once: an upload still in flight would be lost. Turned into an exception (Preempted, a
-KeyboardInterrupt), it unwinds like Ctrl-C, and the Trainer waits for the upload before re-raising.
-A second interrupt during that wait abandons the upload cleanly (no pointer move, temp file removed).
-
-The window (Google Compute Engine's preemption documentation, read 2026-11; not verified here): a preempted VM
-gets an ACPI soft-off, and its guest OS turns that into SIGTERM for its processes; a Spot VM is powered off 30 s
-later whatever is running (a standard VM's shutdown gets 120 s). So the wait above only saves what fits: the step in
-flight, plus the pending upload, plus the time to close the file, within 30 s on a Spot VM. Bytes that fit are
-about (30 s - the step time) x your upload rate to the bucket: measure that rate.
-
-What fits: notebook 01's 10-class ResNet-50 with SGD momentum is 188 MB (23.5 M weights x 8 bytes; the 1,000-class
-one of bench/bench_sharded_checkpoint.py is 205 MB), small at any rate a TPU VM reaches. A 1.2 B-weight model's
-checkpoint of fp32 weights and AdamW's two moments is about 14 GB (12 bytes a weight; its training state, with the
-gradients, is 16 bytes a weight, 19 GB). That does not fit, so save on a schedule and treat SIGTERM as the chance to
-finish what was already going up.
-
-The metadata server's key `http://metadata.google.internal/computeMetadata/v1/instance/preempted` (header
-`Metadata-Flavor: Google`; add `?wait_for_change=true` to block until it changes) turns TRUE when the preemption
-begins, with the soft-off. It tells a shutdown script that this is a preemption; it gives no warning before the 30 s.
+One process (or XLA's replicas, whose collectives torch.distributed does not run): nothing is sent.
 """
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
+import dataclasses
+import hashlib
 import warnings
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from labkit.torchrun import side_group
-
-
-class Preempted(KeyboardInterrupt):
-    """SIGTERM arrived during fit() (a preempted TPU VM, a stopped container). A KeyboardInterrupt,
-    so `except Exception` in user code does not swallow it."""
+from labkit.interrupts.signals import Preempted
+from labkit.torchrun import active, side_group
 
 
 class Asked(NamedTuple):
@@ -78,7 +53,7 @@ class StepVote:
 
     def __init__(self, rt):
         self.rt = rt
-        self.active = bool(rt.uses_ddp and rt.world_size > 1 and dist.is_available() and dist.is_initialized())
+        self.active = active(rt)
         self.got, self.agreed_on, self._group = False, False, None
         self.asked: set = set()  # requests kept for the next share(): "stop", "stop_after_epoch", "save_requested"
 
@@ -139,79 +114,10 @@ class StepVote:
 SigtermVote = StepVote  # its older name
 
 
-@contextlib.contextmanager
-def sigterm_raises(vote: StepVote | None = None):
-    """During fit, SIGTERM raises Preempted in the main thread (its default action kills the
-    process on the spot, losing the pending upload). Elsewhere (a worker thread) nothing changes.
-    With an active StepVote (torchrun's processes) it only sets vote.got: the step boundary acts on it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        if vote is not None and vote.active:
-            vote.got = True
-            return
-        raise Preempted(f"SIGTERM (signal {signum}) during training")
-
-    try:
-        old = signal.signal(signal.SIGTERM, handler)
-        # Python's own Ctrl-C handler, re-installed: a native library may have replaced it at the C level
-        old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
-    except (ValueError, OSError):  # not allowed here (embedded interpreters): leave it alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-        signal.signal(signal.SIGINT, old_int)
-
-
-@contextlib.contextmanager
-def sigterm_deferred():
-    """SIGTERM only noted while the block runs (a final evaluation and save whose collectives every process must
-    finish); yields a list that holds True afterwards if one came, for the caller to stop then. Outside the main
-    thread, nothing changes."""
-    got: list = []
-    if threading.current_thread() is not threading.main_thread():
-        yield got
-        return
-    try:
-        old = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(True))
-    except (ValueError, OSError):
-        yield got
-        return
-    try:
-        yield got
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-def finish_pending_save(ck, rt, step: int, interrupt=None, raise_errors: bool = False) -> None:
-    """The last upload finishes (or raises) before fit returns. Interrupted: say so, wait for it
-    (a second interrupt abandons it cleanly: no pointer move, temp file removed)."""
-    if ck is None:
-        return
-    if interrupt is not None and getattr(ck, "pending", None):
-        what = "SIGTERM" if isinstance(interrupt, Preempted) else "interrupt"
-        rt.master_print(
-            f"[labkit] {what} at step {step}: finishing the pending checkpoint upload (interrupt again to abandon it)"
-        )
-    try:
-        if hasattr(ck, "close"):
-            ck.close()
-        elif hasattr(ck, "wait"):
-            ck.wait()
-    except Exception as e:
-        if raise_errors:
-            raise
-        warnings.warn(f"the pending checkpoint save failed too: {type(e).__name__}: {e}", stacklevel=3)
-
-
 class Requests:
     """What a callback may ask of the Trainer (stop, stop after the epoch, save this step), shared by the step vote:
-    under torchrun a request made on any process (on_log runs on process 0 only) is every process's at one step.
+    under torchrun a request made on any process (on_log runs on process 0 only) is every process's at one step, or
+    at the epoch's end (_epoch_end).
     The Trainer holds `vote` (a StepVote) and the flags `_stop`, `_stop_after_epoch` and `_save_requested`."""
 
     def request_stop(self, after_epoch: bool = False) -> None:
@@ -233,6 +139,21 @@ class Requests:
         if not self.vote.ask(what):  # one process: at once; torchrun: at the next vote, by every process alike
             setattr(self, f"_{what}", True)
 
+    def _epoch_end(self) -> None:
+        """The epoch's end, after its evaluation and on_epoch_end: the position moves to the next epoch's first batch,
+        then what was asked since the last step acts here, every process alike (one vote): a save asked from on_eval,
+        or SIGTERM during the evaluation, saves this position and, for SIGTERM, stops (Preempted). Left to the next
+        step, it cost a loader restart and one more step out of torchrun's and a Spot VM's 30 s. cfg.checkpoint_every
+        = 0 saves here anyway ("at each epoch end")."""
+        self._share_requests()
+        self.epoch, self.batch_in_epoch = self.epoch + 1, 0  # a save now resumes at the next epoch
+        asked, self._save_requested = self._save_requested or self.vote.agreed_on, False
+        if self.checkpoint is not None and (asked or not self.cfg.checkpoint_every):
+            self.checkpoint.save(self.step, self.state_dict(), metrics=self._last_metrics(), force=asked)
+        elif asked and not self.vote.agreed_on:
+            warnings.warn("request_checkpoint() ignored: this Trainer has no CheckpointManager", stacklevel=3)
+        self.vote.stop_if_agreed(self.step)
+
     def _share_requests(self, problem: str | None = None) -> str | None:
         """The requests made on any process since the last vote, and `problem` (a NaN loss), made every process's by
         one StepVote (labkit.interrupts); returns the problem seen anywhere. One process: no collective."""
@@ -241,3 +162,59 @@ class Requests:
         self._stop_after_epoch |= asked.after_epoch
         self._save_requested |= asked.save
         return asked.problem
+
+
+class SettingsDiffer(ValueError):
+    """The processes of one torchrun job resolved a setting differently: raised on every process, naming each
+    setting that differs and which process holds which value."""
+
+
+def same_everywhere(rt, settings: dict, what: str = "this run's settings") -> None:
+    """Raise SettingsDiffer on every process when any process resolved `settings` ({name: a plain value}) otherwise.
+    Each process decides for itself what its environment says (LABKIT_* variables, precision "auto", the memory
+    format's probe, the compile decision, its dataset's length): a different learning rate on one host lets DDP's
+    replicas drift apart silently, and a different number of steps per epoch leaves one process evaluating while
+    the others train, until the timeout. The cost: one all_gather_object of a 16-character digest on the default
+    group; the whole settings only when the digests differ. A collective: every process calls it at the same point."""
+    if not active(rt):
+        return
+    digest = hashlib.sha256(repr(sorted((k, repr(v)) for k, v in settings.items())).encode()).hexdigest()[:16]
+    every = [None] * rt.world_size
+    dist.all_gather_object(every, digest)
+    if len(set(every)) == 1:
+        return
+    full = [None] * rt.world_size
+    dist.all_gather_object(full, {k: repr(v) for k, v in settings.items()})
+    lines = []
+    for key in sorted(set().union(*full)):
+        held: dict = {}
+        for r, s in enumerate(full):
+            held.setdefault(s.get(key, "(not set)"), []).append(str(r))
+        if len(held) > 1:
+            lines.append(f"{key}: " + "; ".join(f"{v} on process {', '.join(rs)}" for v, rs in held.items()))
+    raise SettingsDiffer(
+        f"the {rt.world_size} processes resolved {what} differently (each process reads its own environment and "
+        "data; every one must train alike): " + " | ".join(lines) + ". Give every process the same settings "
+        "(LABKIT_* variables, flags) and the same data"
+    )
+
+
+def trainer_settings(trainer) -> dict:
+    """What this process decided for the run, each from its own environment and data: TrainConfig's fields
+    (after the LABKIT_* overlay), the precision, the memory format, the step capture (the compile decision), the
+    plan, each optimizer group's hyperparameters and steps_per_epoch(). Under torchrun every process must hold
+    the same: the Trainer compares them once, at construction (same_everywhere)."""
+    out = {f"TrainConfig.{k}": v for k, v in dataclasses.asdict(trainer.cfg).items()}
+    out.update(precision=trainer.precision.name, memory_format=str(trainer.layout.memory_format))
+    out.update(step_capture=repr(trainer.capture), plan=trainer.plan.describe())
+    for i, group in enumerate(trainer.optimizer.param_groups if trainer.optimizer is not None else ()):
+        for k, v in group.items():
+            if torch.is_tensor(v) and v.numel() == 1:  # a captured step's lr: a 0-dim CPU tensor
+                v = v.item()
+            if k != "params" and (v is None or isinstance(v, (bool, int, float, str, tuple))):
+                out[f"optimizer group {i} {k}"] = v
+    try:
+        out["steps_per_epoch()"] = trainer.steps_per_epoch() if trainer.train_loader is not None else None
+    except TypeError:  # a stream: no length
+        out["steps_per_epoch()"] = None
+    return out
