@@ -50,7 +50,13 @@ def report(tmp_path_factory):
         {"name": "state_dict", "case": "state_dict", "steps": 2},
         {"name": "timeouts", "case": "timeouts", "ckpt": str(tmp / "timeouts"), "steps": 2, "checkpoint_every": 2},
         {"name": "prep_wait", "case": "prep_wait"},
-    ]
+        {"name": "settings", "case": "settings", "steps": 2, "lr": [0.01, 0.02], "a_step_more_on": [1]},
+        {"name": "settings_alike", "case": "settings", "steps": 2},
+        {"name": "eval_save", "case": "boundary", "ckpt": str(tmp / "eval_save"), "steps": 2, "stop_at": 4,
+         "epochs": 2, "eval_every": 1, "checkpoint_every": 1000, "save_on": [0]},
+        {"name": "eval_term", "case": "boundary", "ckpt": str(tmp / "eval_term"), "steps": 2, "stop_at": 4,
+         "epochs": 2, "eval_every": 1, "checkpoint_every": 1000, "term_on": [1]},
+    ]  # fmt: skip
     job = {"out": str(tmp / "out.json"), "runs": runs}
     (tmp / "job.json").write_text(json.dumps(job))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", CHILD]
@@ -154,6 +160,37 @@ def test_a_wait_for_data_preparation_goes_through_the_store_and_names_its_wait(r
     said = every[1].get("error", "")
     assert said.startswith("waiting for process 0's data: process 1 of 2 waited 1 s") and "'prep'" in said, every
     assert "error" not in every[0], every
+
+
+@heavy
+def test_settings_that_differ_between_processes_are_refused_on_every_process_by_name(report):
+    """A learning rate of 0.02 on process 1 (its LABKIT_LR, say) and a batch more of data there: the Trainer's
+    construction raises on both processes, naming each setting, its values and the processes holding them."""
+    errors = [r.get("error", "") for r in _case(report, "settings")]
+    for e in errors:
+        assert e.startswith("SettingsDiffer: the 2 processes resolved the Trainer's settings differently"), errors
+        assert "optimizer group 0 lr: 0.01 on process 0; 0.02 on process 1" in e, errors
+        assert "steps_per_epoch(): 2 on process 0; 3 on process 1" in e, errors
+    assert [r.get("error") for r in _case(report, "settings_alike")] == [None, None], report["settings_alike"]
+
+
+@heavy
+def test_a_save_or_sigterm_asked_during_evaluation_acts_at_the_epochs_end(report):
+    """Epochs of 2 steps, evaluated after each. A save asked from on_eval (process 0) saves step 2 at the position
+    "epoch 1, batch 0", not after step 3; SIGTERM to process 1 during the evaluation saves step 2 there and stops
+    every process (Preempted) before the second epoch's first step."""
+    every = _case(report, "eval_save")
+    assert [r.get("error") for r in every] == [None, None] and [r["step"] for r in every] == [4, 4], every
+    assert every[0]["saved"] == ["step-00000002"], every
+    marker = json.loads((report["tmp"] / "eval_save" / "step-00000002" / "COMMITTED").read_text())
+    assert marker["position"]["epoch"] == 1 and marker["position"]["batch_in_epoch"] == 0, marker
+    every = _case(report, "eval_term")
+    assert [r["step"] for r in every] == [2, 2] and [r["position"] for r in every] == [[1, 0], [1, 0]], every
+    assert all(r.get("error", "").startswith("Preempted: SIGTERM to") for r in every), every
+    assert "another process" in every[0]["error"] and "this process" in every[1]["error"], every
+    assert every[0]["saved"] == ["step-00000002"], every
+    marker = json.loads((report["tmp"] / "eval_term" / "step-00000002" / "COMMITTED").read_text())
+    assert marker["position"]["epoch"] == 1 and marker["position"]["batch_in_epoch"] == 0, marker
 
 
 def test_side_groups_under_nccl_get_labkit_dist_timeout_s(monkeypatch):

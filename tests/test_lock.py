@@ -199,3 +199,28 @@ def test_a_local_lock_planted_as_a_link_is_not_written_through(tmp_path):
     with pytest.raises(RuntimeError, match="not a plain lock file"):
         CheckpointManager(root, **_opts()).save(1, _state(1, 1))
     assert victim.read_text() == "keep me"
+
+
+def test_a_forked_child_does_not_keep_the_local_writer_lock(tmp_path):
+    """A DataLoader worker forked while a manager holds the folder's flock (persistent_workers=True) gets a copy of
+    its descriptor. After close(), a new manager on the folder in the same process must take the lock, the child
+    still alive."""
+    root = str(tmp_path / "ck")
+    first = CheckpointManager(root, **_opts())
+    first.save(1, _state(1, 1))
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: waits until the parent has tried, as a persistent worker would
+        os.close(write_end)
+        os.read(read_end, 1)
+        os._exit(0)
+    os.close(read_end)
+    try:
+        first.close()
+        second = CheckpointManager(root, **_opts())
+        second.save(2, _state(2, 2))  # takes the writer lock: refused while the child held a copy
+        second.close()
+    finally:
+        os.write(write_end, b"x")
+        os.close(write_end)
+        os.waitpid(pid, 0)

@@ -139,6 +139,26 @@ class _Staging:
         return self._tmp, shutil.disk_usage(self._tmp).free >> 20
 
 
+_HELD_LOCKS: set = set()  # this process's writer-lock descriptors, closed in a forked child (_drop_inherited_locks)
+
+
+def _drop_inherited_locks() -> None:
+    """In a child made by fork (a DataLoader worker, persistent_workers=True): close the writer-lock descriptors it
+    inherited. An flock belongs to the open file, which every copy of the descriptor shares: kept open by a worker,
+    the lock outlived the manager's close() in the parent, and a new manager on the folder in the same notebook was
+    refused as "another checkpoint writer", naming the parent itself."""
+    for fd in list(_HELD_LOCKS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 class LocalStore(_Staging):
     """A folder: a rename makes an object or the pointer appear atomically; os.link makes a
     create-only one (it fails if the name exists)."""
@@ -174,6 +194,7 @@ class LocalStore(_Staging):
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}".encode(), 0)
         self._lock_fd = fd
+        _HELD_LOCKS.add(fd)
         _sweep(self.root)  # the lock is ours: temp files of dead writers can go (of a live one: never)
 
     def check_writer(self) -> None:
@@ -183,7 +204,8 @@ class LocalStore(_Staging):
     def release_writer(self) -> None:
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
-            os.close(fd)  # closing the descriptor drops the flock
+            _HELD_LOCKS.discard(fd)
+            os.close(fd)  # closing the descriptor drops the flock (no forked child holds a copy: _HELD_LOCKS)
 
     def _staged(self, name, src) -> str:
         if isinstance(src, bytes):  # small (a marker, the pointer): a temp file first, the same atomic move

@@ -10,6 +10,7 @@ written after each case, so a launch stopped by a hang still shows what finished
 
 import json
 import os
+import signal
 import sys
 import traceback
 import warnings
@@ -26,14 +27,15 @@ from labkit.models.gpt import GPT, adamw
 
 def trainer_for(rt, spec, callbacks=(), ckpt=None):
     g = torch.Generator().manual_seed(1)
-    text = torch.randint(0, 8, (spec.get("steps", 6) * spec.get("accum_steps", 1), 16, 17), generator=g)
+    steps = spec.get("steps", 6) + (rt.ordinal in spec.get("a_step_more_on", []))  # one more batch here
+    text = torch.randint(0, 8, (steps * spec.get("accum_steps", 1), 16, 17), generator=g)
     torch.manual_seed(0)
     model = GPT(gpt_config())
     cfg = labkit.TrainConfig(
-        epochs=1,
+        epochs=spec.get("epochs", 1),
         max_steps=spec.get("stop_at", spec.get("steps", 6)),
         log_every=1,
-        eval_every=0,
+        eval_every=spec.get("eval_every", 0),
         clip_norm=1.0,
         parallel=spec.get("parallel", "fsdp2"),
         accum_steps=spec.get("accum_steps", 1),
@@ -43,7 +45,11 @@ def trainer_for(rt, spec, callbacks=(), ckpt=None):
     loader = Rows(text, rt.ordinal, rt.world_size)
     if rt.ordinal in spec.get("more_data_on", []):  # another dataset on this process: 16 samples more
         loader.dataset = loader.dataset + list(range(16))
-    trainer = GlobalLoss(model, adamw(model, 1e-2, rt=rt), rt, cfg, loader, callbacks=list(callbacks), checkpoint=ckpt)
+    lr = spec.get("lr", [1e-2] * rt.world_size)[rt.ordinal]  # one per process
+    evals = Rows(text[:2], rt.ordinal, rt.world_size) if cfg.eval_every else None
+    trainer = GlobalLoss(
+        model, adamw(model, lr, rt=rt), rt, cfg, loader, evals, callbacks=list(callbacks), checkpoint=ckpt
+    )
     trainer.global_losses = None
     return trainer
 
@@ -174,6 +180,44 @@ def case_reads(rt, spec):
     latest = ckpt.latest()
     out = fit(rt, trainer_for(rt, spec, (), ckpt))
     out["latest"] = latest
+    return out
+
+
+def case_settings(rt, spec):
+    """The learning rate (lr: one per process) and the data (a_step_more_on: a batch more there) differ: the
+    Trainer's construction raises on every process."""
+    try:
+        trainer_for(rt, spec)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {}
+
+
+class AtEval:
+    """on_eval of the first epoch, on the processes named: a save asked (save_on), or SIGTERM sent to itself
+    (term_on)."""
+
+    def __init__(self, rt, spec):
+        self.rt, self.save_on, self.term_on = rt, spec.get("save_on", []), spec.get("term_on", [])
+
+    def on_eval(self, trainer, out):
+        if trainer.epoch == 0 and self.rt.ordinal in self.save_on:
+            trainer.request_checkpoint()
+        if trainer.epoch == 0 and self.rt.ordinal in self.term_on:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def case_boundary(rt, spec):
+    """Two epochs of `steps`, evaluated after each; at the first evaluation a save asked or SIGTERM on one process."""
+    ckpt = CheckpointManager(spec["ckpt"], keep=3, rt=rt, async_save=False)
+    trainer = trainer_for(rt, spec, [AtEval(rt, spec)], ckpt)
+    try:
+        out = fit(rt, trainer)
+    except KeyboardInterrupt as e:  # Preempted: fit() waited for the save, then raised it
+        ckpt.close()
+        out = {"error": f"{type(e).__name__}: {e}", "step": trainer.step}
+    out["saved"] = sorted(n for n in os.listdir(spec["ckpt"]) if n.startswith("step-"))
+    out["position"] = [trainer.epoch, trainer.batch_in_epoch]
     return out
 
 
