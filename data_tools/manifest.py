@@ -78,9 +78,16 @@ def _check_fields(url: str, i: int, s: dict) -> None:
 
 
 def _check_stats(url: str, m: dict) -> None:
-    """mean/std: one finite number per channel, std > 0 (a std of 0 divides every pixel by zero)."""
+    """The image fields a reader relies on, each refused naming the manifest and the field (a hand-edited one
+    otherwise fails later with an unrelated error: a reshape, a decode): channels a positive integer; mean/std one
+    finite number, or one per channel (std > 0: a std of 0 divides every pixel by zero); image_size [height, width]
+    of positive integers."""
     import math
 
+    where = f"manifest {redact(url)}"
+    channels = m.get("channels", 3)
+    if not (_is_count(channels) and channels > 0):
+        raise ValueError(f"{where}: channels={channels!r:.80} must be a positive integer")
     for key in ("mean", "std"):
         if key not in m:
             continue
@@ -88,11 +95,20 @@ def _check_stats(url: str, m: dict) -> None:
         ok = isinstance(v, list) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
         if not ok or not all(math.isfinite(x) for x in v) or (key == "std" and min(v) <= 0):
             raise ValueError(
-                f"manifest {redact(url)}: {key}={v!r:.80} must be a list of finite numbers per channel"
+                f"{where}: {key}={v!r:.80} must be a list of finite numbers per channel"
                 + (", each > 0" if key == "std" else "")
             )
+        if len(v) not in (1, channels):
+            raise ValueError(
+                f"{where}: {key}={v!r:.80} has {len(v)} values for images of {channels} channels: give one per "
+                "channel (or one for all)"
+            )
+    if "image_size" in m:
+        size = m["image_size"]
+        if not (isinstance(size, list) and len(size) == 2 and all(_is_count(x) and x > 0 for x in size)):
+            raise ValueError(f"{where}: image_size={size!r:.80} must be [height, width], two positive integers")
     if "num_classes" in m and not (_is_count(m["num_classes"]) and m["num_classes"] > 0):
-        raise ValueError(f"manifest {redact(url)}: num_classes={m['num_classes']!r} must be a positive integer")
+        raise ValueError(f"{where}: num_classes={m['num_classes']!r} must be a positive integer")
 
 
 def load_manifest(url: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
