@@ -68,7 +68,9 @@ class StepLog:
         copy of a finished batch to the device queued behind the step running there (XLA:CPU: with data in memory,
         every 4th batch waited a whole step this way, 40 % of the time), not the input pipeline's."""
         ahead = (lambda: loader.fetched - loader.yielded) if hasattr(loader, "fetched") else (lambda: 0)
-        self.feed_workers = getattr(getattr(loader, "loader", loader), "num_workers", None)  # the feed's processes
+        source = getattr(loader, "loader", loader)
+        self.feed_workers = getattr(source, "num_workers", None)  # the feed's processes
+        self.feed_in_memory = isinstance(source, (list, tuple))  # batches made before the run: no decoding to speed up
         it = iter(batches)
         while True:
             starving, t = ahead() <= 1, self.clock()
@@ -157,6 +159,8 @@ class StepLog:
         rec.update(data_wait_s=wait / n, step_s=wall / n, data_wait_frac=wait / wall if wall > 0 else 0.0)
         if isinstance(getattr(self, "feed_workers", None), int):  # the host loader's num_workers (0: this process)
             rec["data_workers"] = self.feed_workers
+        if getattr(self, "feed_in_memory", False):
+            rec["data_in_memory"] = True
         rec.update({k: v / steps for k, v in vals.items()})
         first_step = meta["step"] - len(losses) + 1
         if not math.isfinite(rec["loss"]) and self._problem is None:  # which step: read them one by one

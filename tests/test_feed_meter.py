@@ -212,3 +212,34 @@ def test_the_log_records_the_loaders_workers():
 def _text_of(dash) -> str:
     fig = dash.figure()
     return "\n".join(t.get_text() for ax in fig.axes for t in ax.texts)
+
+
+def test_data_already_in_memory_never_gets_add_workers():
+    """A run fed from a list of batches made before it decodes nothing: a wait there is the device copy or a busy
+    host, so the verdict names those and never advises workers or smaller images (injected figures, no timing)."""
+    (f,) = feed_finding(0.62, 0.124, 0.2, None, 100.0, in_memory=True)
+    assert "already in memory" in f.short and "cannot help" in f.advice
+    for wrong in ("add workers", "pre-resize", "num_workers", "host cores"):
+        assert wrong not in f.short and wrong not in f.advice, wrong
+    assert feed_finding(0.1, 0.01, 0.1, in_memory=True) == []  # below the threshold: quiet, as a loader's
+
+    class Rows:
+        history = [
+            {"step": 5, "data_wait_frac": 0.5, "data_wait_s": 0.1, "step_s": 0.2, "data_in_memory": True},
+            {"step": 10, "data_wait_frac": 0.5, "data_wait_s": 0.1, "step_s": 0.2, "data_in_memory": True},
+        ]
+
+    assert feed_of(Rows())["in_memory"] is True
+    info = labkit.explain(Rows(), rt=labkit.setup("cpu"))
+    assert "add workers" not in info["text"] and "already in memory" in info["text"], info["text"]
+
+
+def test_the_log_records_a_list_of_batches_as_in_memory():
+    rt = labkit.setup("cpu")
+    batches = [(torch.randn(4, 4), torch.arange(4) % 2) for _ in range(2)]
+    model = torch.nn.Linear(4, 2)
+    cfg = labkit.TrainConfig(max_steps=2, log_every=1, eval_every=0, compile="off")
+    tr = labkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), rt, cfg, batches)
+    tr.fit()
+    assert [r.get("data_in_memory") for r in tr.history] == [True, True]
+    assert all("data_workers" not in r for r in tr.history)

@@ -164,6 +164,7 @@ class Dashboard:
             record.get("step_s"),
             record.get("data_workers"),
             record.get("examples_per_s"),
+            in_memory=bool(record.get("data_in_memory")),
         )
         h = dict(h, warnings=list(h["warnings"]) + [f.short for f in feed])
         self._last_health = h

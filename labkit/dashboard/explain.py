@@ -106,6 +106,7 @@ def feed_of(source) -> dict | None:
         "step_s": wall / sum(steps),
         "workers": pairs[-1][1].get("data_workers"),  # the host loader's num_workers (None: not a DataLoader)
         "images_per_s": sum(rates) / len(rates) if rates else None,
+        "in_memory": bool(pairs[-1][1].get("data_in_memory")),  # a list of batches: no loader to speed up
     }
 
 
@@ -199,7 +200,7 @@ def explain(source=None, verbose: bool = True, report: str | None = None, rt=Non
     events, syncs = _events_of(source)
     feed = feed_of(source)
     keys = ("data_wait_frac", "data_wait_s", "step_s", "workers", "images_per_s")
-    fed = feed_finding(*(feed[k] for k in keys)) if feed else []
+    fed = feed_finding(*(feed[k] for k in keys), in_memory=feed.get("in_memory", False)) if feed else []
     if report is not None:
         d = _from_report(report)
     else:

@@ -253,14 +253,29 @@ def cores_needed(wait_s: float, step_s: float, workers: int) -> float:
     return max(workers, 1) * step_s / busy if busy > 0 else math.inf
 
 
-def feed_finding(wait_frac, wait_s=None, step_s=None, workers=None, images_per_s=None) -> list[Finding]:
+def feed_finding(
+    wait_frac, wait_s=None, step_s=None, workers=None, images_per_s=None, in_memory=False
+) -> list[Finding]:
     """The feed meter's verdict (labkit.steplog): input-bound when the loop waited for data for at least
     INPUT_BOUND of its time and MIN_WAIT_S per step; nothing otherwise (or when the share is unknown). Knowing the
     loader's `workers` (0: the loop's own process), it says how many host cores one chip needs at this step's pace
-    (cores_needed), and with the run's `images_per_s` what each core gives now."""
+    (cores_needed), and with the run's `images_per_s` what each core gives now. `in_memory`: the batches were made
+    before the run (a list), so nothing decodes: the wait is the copy to the device or a host too busy to make it,
+    and workers, smaller or pre-resized images cannot shorten it; the advice says that instead."""
     if wait_frac is None or wait_frac < INPUT_BOUND or (wait_s is not None and wait_s < MIN_WAIT_S):
         return []
     per = f" ({wait_s:.3g} s of {step_s:.3g} s per step)" if wait_s is not None and step_s else ""
+    if in_memory:
+        short = (
+            f"waiting for data: {100 * wait_frac:.0f} % of step time{per}, with the batches already in memory: "
+            "the copy to the device, or a busy host"
+        )
+        advice = (
+            f"{short}. Nothing decodes here, so more workers or smaller images cannot help. The wait is the batch's "
+            "copy to the device, or the loader's thread waiting for a host core that other work holds: check the "
+            "machine's load, and that the device copy runs ahead (DeviceLoader)."
+        )
+        return [Finding("input_bound", short, advice)]
     cores = ""
     if workers is not None and wait_s is not None and step_s:
         need = cores_needed(wait_s, step_s, workers)
