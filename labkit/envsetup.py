@@ -159,18 +159,31 @@ def tpu_hardware(root: str | None = None) -> int:
 
 
 # libtpu, loaded by torch_tpu, asks the cloud metadata server for this VM's TPU settings when it finds no chip: 30
-# tries for each key. A CPU backward with torch-tpu 0.2.0 installed and no chip waited past 200 s for it; with this
-# variable set, 0.15 s (torch 2.12.1, libtpu 0.0.52). Only where no chip is found: a TPU VM's libtpu needs the server.
-NO_CHIP_ENV = {"TPU_SKIP_MDS_QUERY": "1"}
+# tries for each key. A CPU backward with torch-tpu 0.2.0 installed and no chip waited past 200 s for it; with
+# TPU_SKIP_MDS_QUERY set, 0.15 s (torch 2.12.1, libtpu 0.0.52). It then still logs a dozen lines of failed TPU start-up
+# at the first backward (worker hostnames, "PjRt backend unavailable"), which TF_CPP_MIN_LOG_LEVEL=3 (absl's level,
+# libtpu's logs) keeps out of the notebook, and torch_tpu warns at import that tcmalloc is not the allocator, a speed
+# hint for a chip. Only where no chip is found: a TPU VM's libtpu needs the server, and its logs are worth reading.
+NO_CHIP_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+NO_CHIP_WARNING = r".*tcmalloc is not loaded"  # torch_tpu/_tcmalloc_check.py's UserWarning
+
+
+def no_chip_host(root: str | None = None) -> bool:
+    """torch-tpu is installed and this host shows no TPU chip: where NO_CHIP_ENV applies."""
+    return bool(version_of("torch-tpu")) and not tpu_hardware(root)
 
 
 def no_chip_settings(env=None, root: str | None = None) -> dict:
-    """Set what keeps TorchTPU from waiting on the metadata server where it is installed and no chip is: NO_CHIP_ENV,
-    each only where unset. Must run before torch starts (torch imports torch_tpu through its backend autoload): the
-    set-up cell and `import labkit` call it. Returns what it set."""
+    """Set what keeps TorchTPU from waiting on the metadata server, and its failed start-up quiet, where it is installed
+    and no chip is: NO_CHIP_ENV, each only where unset, and a filter for NO_CHIP_WARNING. Must run before torch starts
+    (torch imports torch_tpu through its backend autoload): the set-up cell and `import labkit` call it. Returns what
+    it set in the environment."""
     env = os.environ if env is None else env
-    if not version_of("torch-tpu") or tpu_hardware(root):
+    if not no_chip_host(root):
         return {}
+    import warnings
+
+    warnings.filterwarnings("ignore", message=NO_CHIP_WARNING, category=UserWarning)
     new = {k: v for k, v in NO_CHIP_ENV.items() if k not in env}
     env.update(new)
     return new
@@ -600,16 +613,18 @@ def main(labkit_spec: str | None = None, needs=()) -> Decision:
     """Detect, decide, print and act (what the set-up cell calls). Returns the decision. `needs`: what the notebook
     cannot run without ("torch_xla"); where it is missing and not being installed, NeedsTorchXla stops the notebook
     here, before anything is installed."""
-    quieted = no_chip_settings()  # before torch starts: torch_tpu loads with torch
+    no_chip_settings()  # before torch starts: torch_tpu loads with torch (`import labkit` may have run it already)
+    quieted = {k: os.environ[k] for k in NO_CHIP_ENV if k in os.environ} if no_chip_host() else {}
     f = gather()
     d = plan(f, labkit_spec)
     print(describe(f), flush=True)
     print(decision_line(d), flush=True)
     if quieted:
         print(
-            "labkit setup: torch_tpu is installed and this host shows no TPU chip: "
+            "labkit setup: torch_tpu is installed and this host shows no TPU chip, so: "
             + " ".join(f"{k}={v}" for k, v in quieted.items())
-            + " (else libtpu asks the cloud metadata server for TPU settings, 30 tries a key, before a CPU backward)",
+            + " (else libtpu asks the cloud metadata server for TPU settings, 30 tries a key, at the first backward, "
+            "and logs its failed start)",
             flush=True,
         )
     message = needs_message(needs, f, d)

@@ -1,6 +1,6 @@
-"""Build (or reuse) a venv that stands in for a learner's image: Colab TPU/GPU, Kaggle TPU.
+"""Build (or reuse) a venv that stands in for a learner's image: Colab TPU/GPU, Kaggle TPU, a TorchTPU VM.
 
-    python scripts/image_venv.py colab-tpu colab-gpu kaggle-tpu   # or --all; py3.13 = the lock on 3.13
+    python scripts/image_venv.py colab-tpu colab-gpu kaggle-tpu torchtpu-vm   # or --all; py3.13 = the lock on 3.13
 
 Each image is a pin list in images/<name>.txt whose header names the source, the Python version,
 the environment markers the image sets (`# env:`), what CI adds to run it on a CPU (`# run-env:`)
@@ -312,7 +312,8 @@ WHEEL_GB = {
     "nvidia-nccl-cu12": 0.45,
     "nvidia-cusolver-cu12": 0.4,
     "nvidia-cusparse-cu12": 0.4,
-    "libtpu": 0.4,
+    "libtpu": 0.5,  # 0.0.52 (torch-tpu's): 0.48 GB; 0.0.21.1 and 0.0.17 (torch_xla's) less
+    "torch-tpu": 0.35,
     "nvidia-cufft": 0.3,
     "nvidia-cufft-cu12": 0.3,
     "nvidia-cusolver": 0.25,

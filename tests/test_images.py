@@ -15,6 +15,7 @@ does, with LABKIT_SOLUTIONS=0: every exercise, unsolved, prints "✗ ...: not ye
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -147,5 +148,8 @@ def test_torch_tpu_contract(name, capsys):
     assert c["compile_backends_has_tpu"] and c["process_group_backend"]
     assert c["loader_registers"] == ["tpu_dist", "tpu"] and not c["registered_without_chips"]
     assert c["chips"] == 0 and c["runtime"] == {"kind": "cpu", "device": "cpu"}, c["runtime"]
+    libtpu_logs = [ln for ln in c["stderr"].splitlines() if re.match(r"[IWEF]\d{4} ", ln)]
+    assert not libtpu_logs, f"libtpu's start-up logs reached the output without a chip: {libtpu_logs[:5]}"
+    assert "tcmalloc" not in c["stderr"], c["stderr"][-2000:]
     lines = [ln for ln in c["setup_printed"].splitlines() if "TorchTPU" in ln]
     assert len(lines) == 1 and "no TPU chips" in lines[0] and "running on cpu" in lines[0], c["setup_printed"]

@@ -108,4 +108,4 @@ def test_every_image_satisfies_the_ranges(path):
 
 
 def test_images_cover_the_learner_platforms():
-    assert {p.stem for p in IMAGES} >= {"colab-tpu", "colab-gpu", "kaggle-tpu"}
+    assert {p.stem for p in IMAGES} >= {"colab-tpu", "colab-gpu", "kaggle-tpu", "torchtpu-vm"}

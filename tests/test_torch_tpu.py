@@ -80,8 +80,10 @@ def test_no_chip_settings_only_with_torch_tpu_and_no_chip(tmp_path, monkeypatch)
     versions = {"torch-tpu": "0.2.0"}
     monkeypatch.setattr(es, "version_of", lambda d: versions.get(d))
     env = {}
-    assert es.no_chip_settings(env, str(tmp_path)) == {"TPU_SKIP_MDS_QUERY": "1"} == env
-    assert es.no_chip_settings({"TPU_SKIP_MDS_QUERY": "0"}, str(tmp_path)) == {}  # the user's own value stays
+    assert es.no_chip_settings(env, str(tmp_path)) == es.NO_CHIP_ENV == env
+    assert env["TPU_SKIP_MDS_QUERY"] == "1"
+    mine = {"TPU_SKIP_MDS_QUERY": "0", "TF_CPP_MIN_LOG_LEVEL": "1"}
+    assert es.no_chip_settings(dict(mine), str(tmp_path)) == {}  # the user's own values stay
     chip = tmp_path / "sys/bus/pci/devices/0000:00:04.0"
     chip.mkdir(parents=True)
     (chip / "vendor").write_text(es.TPU_VENDOR + "\n")
@@ -164,3 +166,51 @@ def test_import_labkit_sets_nothing_without_torch_tpu():
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "None"
+
+
+def _found(**kw):
+    base = dict(torch_xla=False, tpu=None, libtpu=False, torch_tpu=None, torch_tpu_chips=0, cuda=False, cuda_devices=0)
+    return {**base, **kw}
+
+
+@pytest.mark.parametrize(
+    "found, want",
+    [
+        (_found(torch_tpu="0.2.0", torch_tpu_chips=4, tpu="4 chip(s)", libtpu=True), "torch-tpu"),
+        (_found(torch_tpu="0.2.0", torch_tpu_chips=4, tpu="4 chip(s)", libtpu=True, torch_xla=True), "tpu"),
+        (_found(torch_tpu="0.2.0", tpu="4 chip(s): TPU_ACCELERATOR_TYPE=v6e-4"), "cpu"),
+        (_found(torch_tpu="0.2.0", cuda=True, cuda_devices=1), "cuda"),
+    ],
+    ids=["torch-tpu-chips", "both-stacks", "no-chips", "gpu-box"],
+)
+def test_detection_picks_torch_tpu_where_it_sees_chips(monkeypatch, found, want):
+    """A TPU host with torch_tpu and chips: the TorchTPU runtime; with torch_xla too, torch_xla, said in one line that
+    names the setting; without chips, the CPU, said in one line."""
+    from labkit import device
+
+    monkeypatch.delenv("LABKIT_BACKEND", raising=False)
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    monkeypatch.setattr(device, "detect", lambda: found)
+    assert device.resolve_backend() == want
+    note = device.torch_tpu_note(found, want)
+    if want == "torch-tpu":
+        assert note is None
+    elif want == "tpu":
+        assert "sees 4 chip(s)" in note and "LABKIT_BACKEND=torch-tpu" in note
+    else:
+        assert "found TorchTPU (torch_tpu 0.2.0" in note and "no TPU chips" in note and f"running on {want}" in note
+    if found["torch_tpu_chips"]:
+        monkeypatch.setenv("LABKIT_BACKEND", "torch-tpu")
+        assert device.resolve_backend() == "torch-tpu"
+
+
+def test_torchrun_on_torch_tpu_without_its_launch_env_is_refused_by_name(monkeypatch):
+    from labkit import device
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for k in ("TORCH_TPU_SLICEBUILDER_ADDRESSES", "TORCH_TPU_TOPOLOGY"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(
+        device.BackendError, match="TORCH_TPU_SLICEBUILDER_ADDRESSES, TORCH_TPU_TOPOLOGY.*torch.tpu.distributed"
+    ):
+        device.setup_torch_tpu()
