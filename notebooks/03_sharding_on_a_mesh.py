@@ -1205,7 +1205,7 @@ assert tiles == {(0, 0): []}, "the target keeps its own layout"
 # shards with DTensor and one process per chip, instead of GSPMD's one process per host. It is not run here, since it
 # needs TPU chips.
 #
-# *Source: github.com/pytorch/xla, README, read 2026-04-22.*
+# *Source: github.com/pytorch/xla, README, its note dated 2026-04-22; read 2026-11.*
 #
 # * Ends with torch_xla: `xs.Mesh`, `xs.mark_sharding`, `SpmdFullyShardedDataParallel`, the SPMD planners of the sharded
 #   checkpoint, and reading the partitioned HLO dump.

@@ -383,13 +383,13 @@ for k, v in findings.items():
 #
 # The output names each step that recompiled, the input that changed shape, and the line. Padding every batch to 16
 # leaves no recompile after the warm-up: the last line counts both runs.
-
 #
 # The line it names is `rt.sync()`, not the line that made the new shape, `ids = torch.randn(4, n, 8)`. That is how
 # XLA works. Each op only records itself into the lazy graph, so a new shape costs nothing where it is made. The
 # graph is compiled where the trace is cut, at `rt.sync()`, and that is where the time goes. So the line says where
 # the compile happened, and the changed input, `ids`, says what caused it: follow that name back to where it was
 # built.
+
 # %%
 from labkit.dashboard import HealthMonitor, SyncFinder
 
@@ -809,7 +809,7 @@ if ex.check("04.slowest", lambda: nb04.check_slowest_op(slowest_op, rt)):
 # **Where this goes next.** PyTorch/XLA's README says that TorchTPU will replace torch_xla once it is public. TorchTPU
 # is eager by default and builds graphs with `torch.compile`. It is not run here.
 #
-# *Source: github.com/pytorch/xla, README, read 2026-04-22.*
+# *Source: github.com/pytorch/xla, README, its note dated 2026-04-22; read 2026-11.*
 #
 # * Ends with torch_xla: lazy tensors and `torch_xla.sync()`, `torch_xla.compile`, the `CompileTime` and transfer
 #   counters behind the detective and the checks, and `torch_xla.debug.profiler`'s trace.

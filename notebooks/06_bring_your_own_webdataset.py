@@ -61,7 +61,7 @@ class Params:
     per_shard: int = 40           # photos per shard: 12 shards, so that up to 12 workers each read their own
     size: int = 224               # the fixed size batches come out at (ImageNet's; CI runs 32 to keep the CPU quick)
     batch: int = 16               # photos per step
-    steps: int = 20               # steps per run of the feed-meter experiment (5 log intervals)
+    steps: int = 20               # steps per feed-meter run, at most one epoch (photos // batch); a log every 4
     slowness: float = 4.0         # the slow link makes one worker this many times slower than a step
     seed: int = 0
     FAST = {"photos": 240, "per_shard": 20, "size": 32}  # CI-sized
@@ -263,8 +263,10 @@ ex.check("06.eval_loader", lambda: nb06.check_eval_loader(eval_loader))
 # - `step_s`: how long the whole step took;
 # - `data_wait_frac`: the share of the step spent waiting.
 #
-# The dashboard shows it: "data wait 62%" in the console line, and a purple curve in the figure. It says
-# **input-bound** when the share passes 25 %. `labkit.explain(dash)` says it for the whole run.
+# The dashboard shows it: "data wait 62%" in the console line. Where the dashboard draws its figure, the share is also
+# a dotted purple curve on the examples/s panel, read on that panel's right-hand axis. In console mode
+# (`LABKIT_CONSOLE=1`, as in CI) there is no figure, only the line. The dashboard says **input-bound** when the share
+# passes 25 %. `labkit.explain(dash)` says it for the whole run.
 #
 # First the model on its own: a small ResNet, torchvision's with one block per stage, fed from batches already in
 # memory. Data then costs nothing. Its step time is what the loader has to keep up with.
@@ -305,10 +307,12 @@ assert feed_of(free) is not None, "the feed meter measured the wait"
 print(f"a step takes {step_s * 1e3:.0f} ms with data in memory; waiting: {feed_of(free)['data_wait_frac']:.0%}")
 
 # %% [markdown]
-# The first line says where the model runs, and how many host threads its ops get. On XLA a `[labkit]` line follows.
-# It says that a background thread copies batches to the device a few steps ahead, so that a copy never holds up the
-# loop. The last line is the step time with data in memory, and its small wait. That step time is the pace the loader
-# must keep. On a busy machine the wait can be larger: the step then waits for the host's cores, not for data.
+# The first line says where the model runs, and how many host threads its ops get. On XLA two `[labkit]` lines follow.
+# The first gives the memory format the runtime chose for the model. The second says that a background thread copies
+# batches to the device a few steps ahead, so that a copy never holds up the loop. The last line is the step time with
+# data in memory, and its small wait. That step time is the pace the loader must keep. On a busy machine the wait can
+# be larger: the step then waits for the host's cores, not for data. The dashboard knows the batches were in memory,
+# so it never advises more workers for this run.
 
 # %% [markdown]
 # Now stream from a **slow link**. Every photo takes `slow.delay_s` seconds to arrive before it is decoded. That is a
@@ -367,8 +371,9 @@ else:
 # gets a line that says so instead.
 #
 # Two workers may look almost fine here. In a short run the loader's queues fill while the first step compiles: two
-# batches per worker, and DeviceLoader's own. 20 steps barely drain them. A longer run shows the deficit. In a 40-step
-# run on this machine, 2 workers waited 50–80 % of every interval after the first, 4 about half, and 8 almost never.
+# batches per worker, and DeviceLoader's own. A run of `P.steps` steps, capped at one epoch, barely drains them: in fast
+# mode's 15 steps, 4 log intervals. A longer run shows the deficit. In a 40-step run on this machine, 2 workers waited
+# 50–80 % of every interval after the first, 4 about half, and 8 almost never.
 #
 # The exception was each epoch's start. The DataLoader starts its worker processes anew, since
 # `persistent_workers=False` is PyTorch's default, and the chip waited about half a second.
@@ -440,6 +445,11 @@ else:
 info = labkit.explain(dash)
 
 # %% [markdown]
+# While the runs with many workers start, torch may print a `UserWarning`: "This DataLoader will create 8 worker
+# processes in total. Our suggested max number of worker in current system is 2". torch compares the workers with the
+# host's cores and warns above them. Here that is on purpose. The workers mostly sleep on the slow link, so they use
+# little CPU, and each reads its own shard. With real decoding, workers beyond the cores would only take turns on them.
+#
 # The table lists every run so far: the workers, the share of the step spent waiting, and the ms per step. The run with
 # the most workers waits least, and its steps are the fastest. The last lines are `labkit.explain`'s verdict on that
 # run. Its "0 graphs compiled" is no fault: the earlier runs in this kernel had compiled the step already, and this

@@ -468,11 +468,10 @@ assert hsdp_sent == cross < flat_sent
 # here one unit of three travels twice; with many blocks, nearly all of them do.
 
 # %% [markdown]
-# Two hosts need two torchrun launches joined by a rendezvous. That would double this notebook's run time, so it is
-# *not run here*. `tests/test_fsdp_trainer.py` runs it on 127.0.0.1 and counts the collectives per mesh dimension.
-# There the cross-host all-reduces carry each process's gradient shard, within 2 % of its expected size: half the
-# weights' bytes, since each host holds 2 processes. The
-# losses equal the flat run's.
+# Two hosts need two torchrun launches joined by a rendezvous. That would double this notebook's run time, so it is *not
+# run here*. `tests/test_fsdp_trainer.py` runs it on 127.0.0.1 and counts the collectives per mesh dimension. There the
+# cross-host all-reduces carry each process's gradient shard, within 2 % of its expected size: half the weights' bytes,
+# since each host holds 2 processes. The losses equal the flat run's.
 #
 # ### The same ideas on a TPU pod
 # On a TPU pod under torch_xla, the names change but the ideas do not. The mesh is GSPMD's `xs.Mesh` over every chip
