@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import json
 import re
 import shutil
 import sys
@@ -136,7 +137,10 @@ def index_page(entries: list[dict], readme: Path) -> str:
 
 
 def mkdocs_yml(entries: list[dict], docs: Path, site: Path) -> str:
-    nav = "\n".join(f'  - "{e["title"].replace(chr(34), chr(39))}": {e["src"].name}' for e in entries)
+    """The book's mkdocs.yml. Each title is written as a JSON string, which YAML reads as a double-quoted scalar: a
+    backslash (a Windows path, LaTeX's `\\alpha`) or a quote in a notebook's title stays text, where it broke the
+    file with a YAML error that named no notebook."""
+    nav = "\n".join(f"  - {json.dumps(e['title'])}: {json.dumps(e['src'].name)}" for e in entries)
     return f"""site_name: labkit
 docs_dir: {docs}
 site_dir: {site}
