@@ -168,7 +168,8 @@ PAYBACK_STEPS = {
         math.inf,
         "measured 2026-11-26, bench/bench_compile.py --device cpu (GPT 2x128, T=128, batch 8, fp32, inductor) on a "
         "shared 2-core x86 machine at load ~10: compiled 1.11x the eager step after a 390 s compile, so it never pays "
-        "(an earlier, less loaded reading of a 3.3 M GPT step: 0.85x after 97 s)",
+        "(quiet, 2026-11-27, load 0.15, 5 trials of 20 steps: 0.896x after a 41 s compile, payback 7,440 steps; an "
+        "earlier reading of a 3.3 M GPT step: 0.85x after 97 s). It stays never: a busy machine never repays it",
     ),
     "cuda": Payback(
         5_639,
@@ -177,6 +178,11 @@ PAYBACK_STEPS = {
         "ResNet-50 (224 px, batch 128) its ~56 s compile in 5,639; the row keeps the larger, so that auto "
         "compiles only runs that repay it for both (a GPT-2 run between the two stays eager and forgoes less than one "
         "compile's time)",
+    ),
+    "torch-tpu": Payback(
+        0,
+        "not measured: no TPU chip here. TorchTPU runs eagerly op by op, each op a launch of its own on the chip, and "
+        "its guide trains with torch.compile(backend='tpu', dynamic=False); auto compiles every run there",
     ),
 }
 
