@@ -41,7 +41,7 @@
 #
 # *Measured on: 2-core CPU, XLA:CPU, torch 2.9, exercises unsolved: 61 s quiet, 260 s busy.*
 #
-# **In the course**: after 09; next: the appendix, 05. The capstone uses 00's counters, 04's detective and sync finder,
+# **In the course**: after 09; next: 10. The capstone uses 00's counters, 04's detective and sync finder,
 # 06's feed meter and 03's bytes per device.
 #
 # Which lessons carry over? A starving input pipeline, a host read per step and a roofline prediction are the same on

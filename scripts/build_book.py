@@ -30,9 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 REPO_URL = "https://github.com/labkit/labkit"
 # The course order, by notebook number. 04's tools (recompile detective, sync finder, profiler) are used by 01,
 # 02, 03 and 07, so it comes right after 00; 06 (data someone else wrote) follows 01 (shards labkit wrote);
-# 08 (torch.compile + DTensor, the compiled engine) builds on 00, 03 and 04; 07 is the capstone; 05 (serving
-# on a CPU) is an appendix.
-COURSE = ("00", "04", "01", "06", "02", "03", "08", "09", "07", "05")
+# 08 (torch.compile + DTensor, the compiled engine) builds on 00, 03 and 04; 07 is the capstone; 10 (from torch_xla
+# to TorchTPU) comes after it, because its map points back to every notebook before it, the capstone's tools
+# included; 05 (serving on a CPU) is an appendix.
+COURSE = ("00", "04", "01", "06", "02", "03", "08", "09", "07", "10", "05")
 APPENDIX = ("05",)
 
 
