@@ -43,23 +43,27 @@
 # padding to buckets. Use masks instead of boolean indexing. Never read the device inside the loop. Most of these
 # help on an eager GPU too.
 #
-# > **Status: torch_xla 2.9.0 is the last release on PyPI so far.** PyTorch/XLA's README, in its note of
-# > 2026-04-22, says that TorchTPU will replace PyTorch/XLA *once TorchTPU is public*. That is a plan with a
-# > condition. The README names no last version; an r2.10 branch exists, untagged.
+# > **Status: TorchTPU replaces PyTorch/XLA; Colab still ships torch_xla.** Facts, each with its source and the
+# > date it was read:
 # >
-# > TorchTPU has been public since 2026: `pip install torch_tpu`. Its package, `torch-tpu` 0.2.0, requires
-# > torch ≥ 2.11, while its `torch.compile` guide says 2.10 (not verified here). It uses `torch.device("tpu")`,
-# > runs **eager by default**, and compiles with `torch.compile(backend="tpu")`.
+# > - Google's "PyTorch on Cloud TPU" page (cloud.google.com/tpu/docs, read 2026-11-29) puts TorchTPU
+# >   (github.com/google-pytorch/torch_tpu, `pip install torch_tpu`) at the foundation of PyTorch on TPUs.
+# > - Its PyTorch/XLA pages carry a banner (read 2026-11-29): PyTorch/XLA "is deprecated and replaced by TorchTPU.
+# >   The PyTorch/XLA repo will be archived on November 15, 2026." torch_xla 2.9.0 is its last release on PyPI.
+# > - `torch-tpu` 0.2.0 is on PyPI (read 2026-11-29). Its wheel requires torch ≥ 2.11, ≤ 2.15 and libtpu ≥ 0.0.50,
+# >   on Python 3.11 to 3.13. So it cannot share an environment with torch_xla 2.9, which needs torch 2.9.
+# > - Colab's TPU image, as last checked (googlecolab/backend-info, snapshot of 2026-08-19, read 2026-11-29), ships
+# >   torch 2.9 and torch_xla 2.9. This notebook runs there as it is.
 # >
-# > In its default eager mode each op runs as Python reaches it, so there is no graph to cut. Its documentation
-# > also names deferred and fused eager modes, which queue ops before running them. In every mode, `.item()`,
-# > `print(t)` and `if t:` still wait for the chip to finish what is queued. So the host-sync lessons hold as
-# > they are.
+# > TorchTPU uses `torch.device("tpu")`, runs **eager by default**, and compiles with `torch.compile(backend="tpu")`.
+# > Eager, each op runs as Python reaches it, so there is no graph to cut. Its documentation also names deferred and
+# > fused eager modes, which queue ops before they run. In every mode, `.item()`, `print(t)` and `if t:` still wait
+# > for the chip to finish what it has queued. So the host-sync lessons hold as they are.
 # >
 # > What carries over from this notebook: a compiled graph per input shape, so bucketing and masking; host syncs
 # > that stall the chip, so one read per log interval; and checking a wrapper against a hand-written loop. What
-# > does not: `torch_xla.sync()`, the lazy IR, and torch_xla's metrics and debug variables. TorchTPU was **not
-# > run here**: it needs a TPU VM and has no CPU mode.
+# > does not: `torch_xla.sync()`, the lazy IR, and torch_xla's metrics and debug variables. Notebook 10 maps each of
+# > them to its TorchTPU counterpart. TorchTPU was **not run here**: it needs TPU chips.
 #
 # Every claim below is checked by an `assert`. The exercises print ✓ or ✗ and never stop *Run all*. Their
 # solutions sit in collapsed cells that run only with `LABKIT_SOLUTIONS=1`, which the test suite sets.
@@ -528,10 +532,11 @@ assert len(trained) == len(hand) and worst < 1e-5
 # notebooks use: the recompile detective, the sync finder and a profile. Notebook 01 then trains a ResNet-50 with
 # the Trainer, whose dashboard watches all three problems for you.
 #
-# **Where this goes next.** torch_xla 2.9.0 is the last release on PyPI so far. PyTorch/XLA's README says that
-# TorchTPU will replace torch_xla once TorchTPU is public. TorchTPU (`torch-tpu` on PyPI) is eager by default and
-# builds graphs with `torch.compile`. It was not run here: it needs a TPU, its package requires torch ≥ 2.11, and it
-# has no CPU mode.
+# **Where this goes next.** PyTorch/XLA is deprecated and replaced by TorchTPU. The banner on Google's PyTorch/XLA
+# pages (read 2026-11-29) says its repository "will be archived on November 15, 2026". torch_xla 2.9.0 is its last
+# release, and Colab's TPU image still ships it. TorchTPU (`torch-tpu` 0.2.0 on PyPI, torch ≥ 2.11) is eager by
+# default and builds graphs with `torch.compile`. It was not run here: it needs TPU chips. Notebook 10 maps what this
+# notebook taught onto it.
 #
 # * Ends with torch_xla: the lazy tensor, `torch_xla.sync()`, the IR and HLO dumps, and the metrics report's
 #   counters (`CompileTime`, `aten::*`, `TransferFromDeviceTime`).
@@ -539,7 +544,8 @@ assert len(trained) == len(hand) and worst < 1e-5
 #   data-dependent shape breaks the graph. A host read per step stalls the chip. The fixes are the same: pad to
 #   buckets, use masks instead of indexing, and read once per log interval.
 #
-# *Sources read: PyTorch/XLA's README (its note of 2026-04-22) and TorchTPU's package page, 2026-11.*
+# *Sources read 2026-11-29: Google's "PyTorch on Cloud TPU" page and its PyTorch/XLA pages, `torch-tpu` 0.2.0's
+# package metadata on PyPI, and googlecolab/backend-info's snapshot of 2026-08-19.*
 
 # %%
 print({k: v for k, v in exercises.results.items() if k.startswith("00.")})

@@ -117,19 +117,21 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 
 # %% [markdown]
 # ## 1. Why a second engine
-# torch_xla 2.9 is the last torch_xla release on PyPI so far (checked 2026-11). PyTorch/XLA's README, in its note of
-# 2026-04-22, says that *once TorchTPU is public* it will replace PyTorch/XLA. That is a plan with a condition, not yet
-# a fact. `torch-tpu` 0.2.0 reached the registry in October 2026 (read 2026-11); its Beta label is not verified here.
+# Google now ships a second PyTorch stack for TPUs. Its "PyTorch on Cloud TPU" page (cloud.google.com/tpu/docs, read
+# 2026-11-29) puts TorchTPU at the foundation. Its PyTorch/XLA pages carry a banner (read 2026-11-29): PyTorch/XLA "is
+# deprecated and replaced by TorchTPU. The PyTorch/XLA repo will be archived on November 15, 2026." torch_xla 2.9.0
+# is its last release. Colab's TPU image, as last checked (googlecolab/backend-info, snapshot of 2026-08-19), still
+# ships torch 2.9 and torch_xla 2.9.
 #
 # TorchTPU (`pip install torch_tpu`, github.com/google-pytorch/torch_tpu) does not trace lazily. It runs **eager by
 # default** on `torch.device("tpu")`. It compiles what you wrap with `torch.compile(backend="tpu", dynamic=False)`. It
 # shards with DTensor on a `DeviceMesh`, one process per chip. That is the engine a GPU already runs, with
 # `torch.compile` (Inductor) and DTensor/FSDP2.
 #
-# TorchTPU **cannot run here**: it needs a TPU VM and has no CPU mode. So every claim about it below is *not verified
-# here*. Its source is its own documentation. Its `torch.compile` guide says PyTorch 2.10 or later; its package,
-# 0.2.0, requires torch ≥ 2.11 (both read 2026-11). This notebook relies on the package's requirement, torch ≥ 2.11,
-# for anything TorchTPU.
+# TorchTPU **cannot run here**: it needs TPU chips. So every claim about it below is *not verified here*. Its package,
+# `torch-tpu` 0.2.0 on PyPI (read 2026-11-29), requires torch ≥ 2.11, ≤ 2.15 and libtpu ≥ 0.0.50, on Python 3.11 to
+# 3.13; its `torch.compile` guide says PyTorch 2.10 or later. This notebook relies on the package's requirement. Notebook
+# 10 maps each torch_xla idea of the course to TorchTPU, with the names read from that package's sources.
 #
 # What carries over from the earlier notebooks, and what was torch_xla's:
 #
@@ -1267,7 +1269,8 @@ assert max(abs(a - b) for a, b in zip(four["saved"]["global_losses"] + resumed, 
 # | a layout | `Shard(0)` / FSDP2 (dim 0, padded) vs FSDPv2 (largest dimension) | `.to_local()`, `.placements`, the padded buffers | choose the plan per weight |
 #
 # On TorchTPU (not verified here) the same code runs with `backend="tpu"` and a `"tpu"` process group, one process per
-# chip. On a GPU it runs with Inductor and NCCL.
+# chip; both names are registered by `torch_tpu/_loader.py` in `torch-tpu` 0.2.0. On a GPU it runs with Inductor and
+# NCCL. Notebook 10 maps the rest of the course onto TorchTPU.
 
 # %%
 passed = sum(exercises.results.get(n, False) for n in ("08.guard", "08.graphs", "08.overhead", "08.fsdp2_bytes"))
