@@ -233,11 +233,16 @@ assert ops[0] < ops[1], "the first graph is the forward and the loss; the second
 torch._dynamo.reset()
 
 # %% [markdown]
-# Two graphs and one break: the forward with its loss, then, after the break, AdamW's update. `loss.backward()`
-# inside a compiled function is a graph break. Dynamo does not trace `Tensor.backward()`, so the backward ran eagerly,
-# outside any graph. In torch 2.9 it stays a break with *compiled autograd* on too
-# (`torch._dynamo.config.compiled_autograd = True`, left off here). Compiled autograd does not let Dynamo trace
-# through `backward()`. It records the backward when it runs, into a graph of its own.
+# Two graphs and one break: the forward with its loss, then, after the break, AdamW's update. Above them the cell
+# printed a warning from Dynamo, `[3/0] Profiler function <class 'torch.autograd.profiler.record_function'> will be
+# ignored`. It came while `explain` traced `opt.step`. `Optimizer.step` wraps itself in a profiler span, and Dynamo
+# leaves profiler spans out of what it compiles. It is harmless here. It means a profile of the compiled update has no
+# span named after the optimizer. Dynamo prints it once per process, so the compiled step below does not repeat it.
+#
+# `loss.backward()` inside a compiled function is a graph break. Dynamo does not trace `Tensor.backward()`, so the
+# backward ran eagerly, outside any graph. In torch 2.9 it stays a break with *compiled autograd* on too
+# (`torch._dynamo.config.compiled_autograd = True`, left off here). Compiled autograd does not let Dynamo trace through
+# `backward()`. It records the backward when it runs, into a graph of its own.
 #
 # The way that works is to compile **the function that computes the loss**. AOTAutograd then traces its backward
 # ahead of time and compiles forward and backward together. A plain `loss.backward()` then runs the compiled backward.
@@ -256,10 +261,6 @@ torch._dynamo.reset()
 # graphs, all in the first step: the forward in `loss_of`, the backward in `loss.backward()`, the update in
 # `opt_step`. Later steps compile nothing.
 #
-# Running it prints a warning from Dynamo: `Profiler function <class 'torch.autograd.profiler.record_function'> will
-# be ignored`. `Optimizer.step` wraps itself in a profiler span, and Dynamo leaves profiler spans out of what it
-# compiles. It is harmless here. It means a profile of the compiled update has no span named after the optimizer.
-#
 # `dynamic=False` makes every shape a constant, as on XLA. A new shape compiles a new graph instead of a graph with
 # symbolic sizes. TorchTPU's `torch.compile` guide asks for it (read 2026-11; not verified here). It also makes the
 # step's graphs predictable. The backend is one argument, `P.compile_backend`: Inductor here, `"tpu"` on TorchTPU.
@@ -267,8 +268,13 @@ torch._dynamo.reset()
 # The cell times the first step, which compiles, and then every later step alone. Eager and compiled run side by
 # side on the same batches. Read the **minimum** of each: the fastest step is the one the rest of the machine disturbed
 # least. On a busy machine, a step of about a millisecond can have a median far above its minimum. An average over a
-# few steps can then make either engine look many times slower than the other. The cell says which way the minima
-# point, and by how much.
+# few steps can then make either engine look many times slower than the other. So each line gives the minimum, the
+# median and the maximum: the spread says how far the machine moved the steps. The cell says which way the minima
+# point, and by how much. Where the two ranges overlap widely, the run cannot order the engines.
+#
+# With Inductor on a machine without a GPU, the cell may also print `No CUDA runtime is found, using CUDA_HOME=...`.
+# This torch build was made for CUDA, and Inductor's C++ compiler set-up looks for the CUDA toolkit. The CPU code it
+# compiles does not need it.
 
 # %%
 torch._dynamo.reset()
@@ -327,8 +333,8 @@ eager_s = sorted(timed(eager_step, x, y)[0] for x, y in batches[1:])
 med = lambda v: v[len(v) // 2]  # noqa: E731
 ratio = comp_s[0] / eager_s[0]
 print(f"{P.compile_backend}: first step {first_s:.1f} s (three compiles); {len(comp_s)} later steps, each timed alone:")
-print(f"  eager    min {eager_s[0] * 1e3:7.2f} ms, median {med(eager_s) * 1e3:7.2f} ms")
-print(f"  compiled min {comp_s[0] * 1e3:7.2f} ms, median {med(comp_s) * 1e3:7.2f} ms")
+print(f"  eager    min {eager_s[0] * 1e3:7.2f} ms, median {med(eager_s) * 1e3:7.2f} ms, max {eager_s[-1] * 1e3:7.2f} ms")
+print(f"  compiled min {comp_s[0] * 1e3:7.2f} ms, median {med(comp_s) * 1e3:7.2f} ms, max {comp_s[-1] * 1e3:7.2f} ms")
 print(f"at the minimum the compiled step takes {ratio:.2f}x the eager one's time"
       + ("" if 0.5 < ratio < 2 else "; a gap this large on a 1 ms step is worth timing again on a quiet machine"))
 print(f"{graphs} graphs; graph breaks: {[k.splitlines()[0] for k in breaks]} x {list(breaks.values())}")
@@ -645,8 +651,10 @@ torch._dynamo.reset()
 # The watched `forward` counts twice: the part before the break, and the rest after it, which Dynamo compiles as a frame
 # of its own. `smoothed_loss` counts six times: its first compile and five recompiles. The time is Dynamo's and
 # AOTAutograd's work with the `aot_eager` backend. One break is yours, the `.item()`. None is torch's own, because no
-# optimizer ran in this cell; section 2's two were `Optimizer.step`'s. The five recompiles are four smoothing values,
-# then the short batch: two lines, one per cause.
+# optimizer ran in this cell; section 2's two were `Optimizer.step`'s. The five recompiles come in two lines. The
+# first counts four new smoothing values. The second is the last step, which brought a short batch *and* a new
+# smoothing value. Dynamo reports the first guard that fails, and it checks the tensor's size before the number, so
+# that line names only the batch. The graph it compiled then took in the new value too.
 #
 # **Every kind of guard, once.** Section 3 showed a size guard and a value guard. Dynamo checks more about each tensor
 # argument: its size, its stride, its dtype, its device and `requires_grad`. The stride says how the elements are laid
@@ -855,6 +863,17 @@ if device.type == "cuda":  # what capturable changes: without it, eager Adam kee
     _, _, _, eager_opt = run_schedule(P.lr, compiled=False)
     assert next(iter(eager_opt.state.values()))["step"].device.type == "cpu"
 torch._dynamo.reset()
+
+# %% [markdown]
+# The first line counts a float lr under a warm-up: one graph for the loss, and one for the optimizer per lr value.
+# The guard that failed first is printed with its compile id, `3/0`. Frames are numbered in the order Dynamo started
+# them since the reset. Frame 0 is the loss. `opt.step` runs through two wrappers first, the profiler hook and
+# `_use_grad`, and each hands over to a new frame at its graph break: frames 1 and 2. Frame 3 is AdamW's `step`
+# itself, the code that reads `param_groups[0]['lr']`. Its first graph, `3/0`, was compiled with the first step's lr
+# baked in, the value the line prints. The next step's warm-up wrote a new float, so that guard failed.
+#
+# The third line is the fix: the lr is a tensor, so its value is data, and no guard reads it. AdamW's step counter
+# lives on the parameters' device, as the last line says.
 
 # %% [markdown]
 # ### Exercise 2 (08.graphs): how many graphs will this step compile?
