@@ -214,3 +214,26 @@ def test_torchrun_on_torch_tpu_without_its_launch_env_is_refused_by_name(monkeyp
         device.BackendError, match="TORCH_TPU_SLICEBUILDER_ADDRESSES, TORCH_TPU_TOPOLOGY.*torch.tpu.distributed"
     ):
         device.setup_torch_tpu()
+
+
+def test_every_data_moving_c10d_op_is_counted_and_nothing_else():
+    """labkit.parallel.count counts by op kind: each of torch's c10d collectives maps to one of COLLECTIVES, and the
+    other ops of those namespaces (waits, barriers, torch 2.11's helpers) to none of them."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the c10d and functional ops)
+
+    from labkit.parallel.count import COLLECTIVES
+    from labkit.spmd.dtensor_plans import op_name
+
+    ops = {
+        o.split("::")[1].split(".")[0]
+        for o in torch._C._dispatch_get_all_op_names()
+        if o.startswith(("c10d::", "_c10d_functional::"))
+    }
+    assert {"allreduce_", "_allgather_base_", "reduce_scatter_tensor", "wait_tensor", "barrier"} <= ops
+    for raw in sorted(ops):
+        bare = raw.strip("_")
+        if bare.startswith(("barrier", "monitored_barrier", "wait")):
+            assert op_name(f"c10d.{raw}") not in COLLECTIVES, raw
+        else:
+            assert op_name(f"c10d.{raw}") in COLLECTIVES, raw
+    assert op_name("_c10d_functional.wrap_autograd_tensor") not in COLLECTIVES

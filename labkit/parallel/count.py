@@ -9,6 +9,23 @@ import torch
 
 from labkit.spmd.dtensor_plans import collective_bytes, op_name
 
+# What counts as a collective: the data-moving kinds, by op_name. The c10d namespaces hold other ops too (wait, barrier,
+# and, under torch 2.11 with torch-tpu loaded, one that op_name calls "wrap_autograd", which moves no data).
+COLLECTIVES = frozenset(
+    (
+        "all-reduce",
+        "all-gather",
+        "reduce-scatter",
+        "all-to-all",
+        "broadcast",
+        "reduce",
+        "scatter",
+        "gather",
+        "send",
+        "recv",
+    )
+)
+
 
 def collective_counter():
     """comm_mode() without CommDebugMode's module tracker (its hooks fail on a module entered before the mode, e.g.
@@ -24,8 +41,8 @@ def collective_counter():
             if any(issubclass(t, DTensor) for t in types):
                 return NotImplemented  # DTensor runs first and turns the op into plain ones and collectives, seen here
             out = func(*args, **(kwargs or {}))
-            if func.namespace in ("c10d", "_c10d_functional") and not func.__name__.startswith(("wait", "barrier")):
-                name = op_name(func._overloadpacket)
+            name = op_name(func._overloadpacket) if func.namespace in ("c10d", "_c10d_functional") else None
+            if name in COLLECTIVES:
                 n = collective_bytes(args, out)
                 self.counts[name] = self.counts.get(name, 0) + 1
                 self.bytes_by_op[name] = self.bytes_by_op.get(name, 0) + n

@@ -162,6 +162,8 @@ def op_name(op) -> str:
         "all_reduce": "all-reduce",
         "allgather": "all-gather",
         "all_gather": "all-gather",
+        "all_gather_out": "all-gather",  # _c10d_functional.all_gather_into_tensor_out
+        "recv_any_source": "recv",
         "reduce_scatter": "reduce-scatter",
         "alltoall": "all-to-all",
         "all_to_all": "all-to-all",
