@@ -41,7 +41,7 @@ def optimizer_class(optimizer) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def position(trainer) -> dict:
+def data_position(trainer) -> dict:
     """What a checkpoint records beside step/epoch/batch_in_epoch (0 where unknown)."""
     gb = trainer.global_batch() or 0
     return {
@@ -178,7 +178,7 @@ def trainer_state(self) -> dict:  # self: the Trainer
         "rng": rng_state(self.rt),
         **self.plan.per_process("rng", rng_state(self.rt)),  # torchrun: every process's generators, each its own
         "versions": versions(),
-        **position(self),  # the data position in samples, the global batch, world size, optimizer class
+        **data_position(self),  # the data position in samples, the global batch, world size, optimizer class
     }
     if self.scheduler is not None:
         state["scheduler"] = self.scheduler.state_dict()
@@ -195,7 +195,7 @@ def restore(self) -> None:  # self: the Trainer
     for key in ("rng_by_process", "dataset"):  # read as saved: per process, or what another labkit recorded
         template.pop(key, None)
     # refused before anything is read into the model, from the step's commit record (every process: one outcome)
-    check = {"check": lambda saved: _refuse(self, saved)}
+    check = {"check": lambda saved: _check_quietly(self, saved)}
     if "check" not in inspect.signature(self.checkpoint.restore).parameters:  # a checkpoint object of your own
         check = {}
     state = self.checkpoint.restore(into=template, **check)  # None: nothing saved yet
@@ -203,7 +203,7 @@ def restore(self) -> None:  # self: the Trainer
         self.load_state_dict(state)
 
 
-def _refuse(self, saved: dict) -> None:  # self: the Trainer
+def _check_quietly(self, saved: dict) -> None:  # self: the Trainer
     """check() on a step's recorded position (or its loaded state), raising only: its warnings are said once, by
     load_trainer_state, when the state is loaded."""
     with warnings.catch_warnings():

@@ -51,7 +51,7 @@ from labkit.checkpoint.dcp import Sharded, folder_name  # noqa: F401  (folder_na
 from labkit.checkpoint.formats import OneFile
 from labkit.checkpoint.pointer import object_name  # noqa: F401  (also public here: labkit.checkpoint.object_name)
 from labkit.checkpoint.shards import is_sharded
-from labkit.checkpoint.state import ReadFailed, check_compatible, position, refuse_nonfinite, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
+from labkit.checkpoint.state import ReadFailed, check_compatible, recorded_entries, refuse_nonfinite, to_cpu, verify  # noqa: F401  (also public here: labkit.checkpoint.to_cpu)
 from labkit.checkpoint.together_manager import Refused, Together
 from labkit.checkpoint.writer import BackgroundWriter
 from labkit.cloud import open_store
@@ -60,7 +60,7 @@ from labkit.cloud import open_store
 FORMATS = ("auto", "file", "sharded")
 
 
-def _refuse(check, what) -> None:
+def _as_refusal(check, what) -> None:
     """check(what); what it raises becomes Refused (a ValueError: never read as a damaged step to fall back past)."""
     try:
         check(what)
@@ -185,7 +185,7 @@ class CheckpointManager(Together):
         if not self._master:
             return True
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
-        self.writer.submit(step, self._write, fmt, int(step), cpu, meta, dict(self.best or {}), position(state))
+        self.writer.submit(step, self._write, fmt, int(step), cpu, meta, dict(self.best or {}), recorded_entries(state))
         return True
 
     def _write(self, fmt, step, cpu_state, metrics, best, position=None):
@@ -272,23 +272,16 @@ class CheckpointManager(Together):
         self._continues = True  # a run that restored may save any step
         if self.formats["sharded"].together(self.rt):  # torchrun: one decision for every process
             return self._restore_together(step, into, map_location, check)
-        entries = self._entries()
-        if step is not None:
-            found = [(s, f, c) for s, f, c in entries if s == step]
-            if not found:
-                fmt = self.formats["sharded" if self.format == "sharded" else "file"]
-                raise FileNotFoundError(f"checkpoint {self.store.url(fmt.name(step))} does not exist")
-            s, fmt, committed = max(found, key=lambda e: e[2])
-            if not committed and fmt.unfinished(step):  # a one-file step verifies on its own; a DCP folder does not
-                raise FileNotFoundError(f"checkpoint {self.store.url(fmt.name(step))}: {fmt.unfinished(step)}")
-            state, self.restored = self._read_checked(fmt, step, into, map_location, check)
-            return state
         tried = []
-        for s, fmt, committed in reversed(entries):
-            if not committed:  # a save that did not finish (a crash, a kill -9)
-                if fmt.unfinished(s):
-                    warnings.warn(f"ignoring {self.store.url(fmt.name(s))}: {fmt.unfinished(s)}", stacklevel=2)
+        for s, kind, unfinished in self._candidates(step):  # the one listing a restore tries, either way
+            fmt = self.formats[kind]
+            if unfinished is not None:  # a save that did not finish (a crash, a kill -9)
+                if unfinished:
+                    warnings.warn(f"ignoring {self.store.url(fmt.name(s))}: {unfinished}", stacklevel=2)
                 continue
+            if step is not None:  # the step asked for: damaged raises, no fallback
+                state, self.restored = self._read_checked(fmt, s, into, map_location, check)
+                return state
             tried.append(fmt.name(s))
             try:
                 state, record = self._read_checked(fmt, s, into, map_location, check)
@@ -314,11 +307,11 @@ class CheckpointManager(Together):
             rec = fmt.marker(step)
         saved = (rec or {}).get("position") if check is not None else None
         if saved is not None:
-            _refuse(precheck or check, saved)  # before DCP fills `into` in place
+            _as_refusal(precheck or check, saved)  # before DCP fills `into` in place
         state, record = fmt.read(step, into, map_location, rec=rec) if rec else fmt.read(step, into, map_location)
         if check is not None and saved is None:
             # one process: refused here; under torchrun (precheck) the restore's verdict makes it every process's
-            _refuse(check, state) if precheck is None else check(state)
+            _as_refusal(check, state) if precheck is None else check(state)
         return state, record
 
     def latest(self) -> dict | None:

@@ -163,7 +163,7 @@ def refuse_nonfinite(cpu_state, where: str, step: int) -> None:
             )
 
 
-def position(state) -> dict:
+def recorded_entries(state) -> dict:
     """What a commit record keeps of the state for restore(check=...) to read before any tensor: its plain entries
     (numbers, strings, flat dicts of them: the step, epoch, data position, optimizer class and dataset identity of
     labkit.resume), a few hundred bytes. Under torchrun, process 0's."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import warnings
 
-from labkit.checkpoint.state import ReadFailed, position
+from labkit.checkpoint.state import ReadFailed, recorded_entries
 
 
 class Refused(ValueError):
@@ -55,7 +55,7 @@ class Together:
         replace = lambda: self._may_replace(fmt, step)  # noqa: E731
         pending = fmt.begin_together(step, state, self.rt, group, replace, background=self.async_save)
         meta = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
-        self.writer.submit(step, self._finish_together, fmt, pending, meta, best, group, position(state))
+        self.writer.submit(step, self._finish_together, fmt, pending, meta, best, group, recorded_entries(state))
         return True
 
     def _finish_together(self, fmt, pending, metrics, best, group, position=None) -> None:
@@ -117,8 +117,9 @@ class Together:
             raise Refused(f"{w} (process {r} of {self.rt.world_size}; every process refuses the resume)") from err
 
     def _candidates(self, step):
-        """Process 0's plan for a restore under torchrun: [(step, format kind, None or why it is uncommitted)] in the
-        order to try them. One listing of the store, on one process (not one per process)."""
+        """The steps a restore tries, in order: [(step, format kind, None or why it is uncommitted)], newest first, or
+        only `step` (FileNotFoundError where it does not exist or did not finish). One listing of the store; under
+        torchrun process 0's, broadcast (not one per process)."""
         entries = self._entries()
         if step is not None:
             found = [(s, f, c) for s, f, c in entries if s == step]

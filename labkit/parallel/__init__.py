@@ -60,15 +60,8 @@ files, the commit marker), and a run on another number of processes reads them b
 from labkit.parallel.choice import auto_plan, check_setting, choose
 from labkit.parallel.count import collective_counter, comm_by_dim
 from labkit.parallel.fsdp import FullyShard, accumulation, accumulation_bytes, batchnorm_groups, hosts, units
-from labkit.parallel.plans import (
-    STATE_BYTES_PER_WEIGHT,
-    PlanError,
-    Processes,
-    Replicate,
-    Single,
-    broadcast_buffers,
-    device_memory,
-)
+from labkit.parallel.memory import STATE_BYTES_PER_WEIGHT, device_memory
+from labkit.parallel.plans import PlanError, Processes, Replicate, Single, broadcast_buffers
 from labkit.parallel.state import optimizer_by_id, optimizer_by_name
 
 __all__ = [

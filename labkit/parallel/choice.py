@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from labkit.config import PARALLEL as PLANS
 from labkit.parallel.fsdp import FullyShard, hosts
-from labkit.parallel.plans import STATE_BYTES_PER_WEIGHT, PlanError, Replicate, Single, device_memory
+from labkit.parallel.memory import STATE_BYTES_PER_WEIGHT, device_memory
+from labkit.parallel.plans import PlanError, Replicate, Single
 from labkit.spmd.comm import fits
 
 

@@ -14,7 +14,8 @@ import os
 import torch
 
 from labkit import meta_init
-from labkit.parallel.plans import STATE_BYTES_PER_WEIGHT, PlanError, Processes, _materialize, _repoint, device_memory
+from labkit.parallel.memory import STATE_BYTES_PER_WEIGHT, device_memory
+from labkit.parallel.plans import PlanError, Processes
 from labkit.parallel.state import _plain, optimizer_by_name
 
 
@@ -130,7 +131,7 @@ class FullyShard(Processes):
         self.root = fully_shard(model, **kw)
         _repoint(optimizer, before, model)  # an optimizer built on the plain model now steps the shards
         if meta_init.is_meta(model):  # built on the meta device: only now, sharded, does each process get memory
-            _materialize(model, optimizer, self.rt.device)
+            meta_init.materialize(model, self.rt.device)  # in place: the optimizer keeps the shards it was given
         return self.root
 
     def gradient_sync(self, enabled: bool):
@@ -247,3 +248,13 @@ def accumulation_bytes(params: int, shard: int, gather: int = 4) -> tuple[int, i
     under bf16) and its whole unreduced float32 gradients (4 B)."""
     sharded = params * STATE_BYTES_PER_WEIGHT // shard
     return params * (gather + 4) + sharded, sharded
+
+
+def _repoint(optimizer, before: dict, model) -> None:
+    """The optimizer's parameters swapped, by name, for the model's current ones: fully_shard replaces each
+    Parameter an optimizer built earlier holds with a sharded one."""
+    after = dict(model.named_parameters())
+    swap = {id(before[n]): after[n] for n in before if n in after}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]

@@ -1,6 +1,6 @@
 """The plans every process count shares: one process as it is (Single), and what any plan over several torchrun
 processes needs (Processes: buffers made equal, evaluation in lockstep, per-process state), with DDP (Replicate)
-on top; the memory a process may plan for (device_memory).
+on top. The memory a process may plan for is labkit.parallel.memory's.
 
     plan = Replicate(rt); model = plan.wrap(model, optimizer)
     for batch, real in plan.lockstep(eval_batches, spare=last_train_batch): ...
@@ -9,36 +9,17 @@ on top; the memory a process may plan for (device_memory).
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
 from labkit import meta_init
 from labkit.parallel.state import optimizer_by_id
-from labkit.torchrun import active, side_group
-
-STATE_BYTES_PER_WEIGHT = 16  # float32 weight 4 + gradient 4 + AdamW's two moments 8 (labkit.spmd.comm.fits)
+from labkit.torchrun import side_group
 
 
 class PlanError(ValueError):
     """A parallel setting this run cannot use (a flag, LABKIT_PARALLEL or TrainConfig.parallel): `python -m
     labkit.train` prints it as one line naming the setting, exit 2, no traceback."""
-
-
-def _repoint(optimizer, before: dict, model) -> None:
-    """The optimizer's parameters swapped, by name, for the model's current ones (fully_shard and to_empty may
-    replace the Parameter objects an optimizer built earlier holds)."""
-    after = dict(model.named_parameters())
-    swap = {id(before[n]): after[n] for n in before if n in after}
-    if optimizer is not None:
-        for group in optimizer.param_groups:
-            group["params"] = [swap.get(id(p), p) for p in group["params"]]
-
-
-def _materialize(model, optimizer, device) -> None:
-    before = dict(model.named_parameters())
-    meta_init.materialize(model, device)
-    _repoint(optimizer, before, model)
 
 
 class Single:
@@ -53,8 +34,8 @@ class Single:
 
     def wrap(self, model, optimizer):
         """The model laid out for this plan; one built on the meta device (labkit.meta_init) given memory first."""
-        if meta_init.is_meta(model):
-            _materialize(model, optimizer, self.rt.device)
+        if meta_init.is_meta(model):  # the optimizer built on it keeps its Parameters (materialize swaps in place)
+            meta_init.materialize(model, self.rt.device)
         return model
 
     def gradient_sync(self, enabled: bool):
@@ -198,45 +179,3 @@ def broadcast_buffers(module) -> None:
         dist.broadcast(flat, src=0)
         for b, part in zip(bufs, flat.split([b.numel() for b in bufs])):
             b.data.copy_(part.view_as(b))
-
-
-def device_memory(rt) -> int | None:
-    """Bytes one process may plan for: LABKIT_MEMORY_MB where set (a budget of your own: what "auto" plans for, e.g.
-    to try on the CPU what a smaller device would force), else the accelerator's memory, or on the CPU the host's RAM
-    shared by its processes. Under torchrun, the smallest of every process's figure (None where none knows its own):
-    the plan and the accumulation mode are decisions every process must take alike, and two hosts can differ (their
-    RAM, their LABKIT_MEMORY_MB, another job on one GPU). Every process calls it at the same point: one
-    all_gather_object of an int on the default group, once per decision."""
-    mine = own_memory(rt)
-    import torch.distributed as dist
-
-    if not active(rt):
-        return mine
-    every = [None] * rt.world_size
-    dist.all_gather_object(every, mine)
-    known = [m for m in every if m is not None]
-    return min(known) if known else None
-
-
-def own_memory(rt) -> int | None:
-    """This process's own figure for device_memory, asked of no other process."""
-    raw = os.environ.get("LABKIT_MEMORY_MB", "").strip()
-    if raw:
-        try:
-            mb = float(raw)
-            if not mb > 0:
-                raise ValueError
-        except ValueError:
-            raise PlanError(f"LABKIT_MEMORY_MB={raw!r}: expected a number of megabytes > 0") from None
-        return int(mb * 2**20)
-    mem = rt.memory() or {}
-    if mem.get("limit"):
-        return int(mem["limit"])
-    if rt.device.type == "cuda":
-        return int(torch.cuda.get_device_properties(rt.device).total_memory)
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return ram // max(1, local)
