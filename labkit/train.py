@@ -161,27 +161,18 @@ def run_resnet(
     else:
         gcs.sign_in(P.data_dir, P.checkpoint_dir, project=P.gcp_project or None)
     try:  # whatever fails from here on, the server ends with the run
-        return _train_resnet(
-            P, rt, plan, prec, data, ckpt_root, parallel, resume, save_every, fsdp_accumulate, meta_init
-        )
+        flags = dict(parallel=parallel, resume=resume, save_every=save_every, fsdp_accumulate=fsdp_accumulate)
+        return _train_resnet(P, rt, plan, prec, data=data, ckpt_root=ckpt_root, meta_init=meta_init, **flags)
     finally:
         if server is not None:
             server.close()
 
 
 def _train_resnet(
-    P,
-    rt,
-    plan,
-    prec,
-    data: str,
-    ckpt_root: str,
-    parallel=None,
-    resume=None,
-    save_every=None,
-    fsdp_accumulate=None,
-    meta_init=False,
+    P, rt, plan, prec, *, data: str, ckpt_root: str, parallel, resume, save_every, fsdp_accumulate, meta_init
 ) -> dict:
+    """run_resnet's run, once its data and checkpoint roots are known: the params, the runtime's three decisions,
+    then by name where the data and checkpoints go and the command line's overrides."""
     import labkit
     from data_tools import load_manifest
     from labkit import torchrun
