@@ -34,12 +34,14 @@
 # - say which compile cache each stack keeps, and what carries over unchanged: static shapes, no host reads in the
 #   loop, checkpoints and the FLOP arithmetic.
 #
-# **Time**: about a minute of run time in fast mode on a 2-core CPU. Most of it is importing torch_xla and one small
-# Inductor compile in section 6, whose time depends on the machine's load and on Inductor's cache. Full mode runs a few
-# more steps and takes about the same. Reading and the three exercises take 30-40 minutes.
+# **Time**: 35-65 s of run time in fast mode on a 2-core CPU, quiet to busy. Most of it is importing torch_xla and
+# Inductor's first compile in section 7, whose time depends on the machine's load. Full mode trains 6 steps instead of
+# 4 and compiles section 2's step with Inductor instead of `aot_eager`. With Inductor's cache warm that added little;
+# with an empty cache, one compile of that step took 34 s here. Reading and the three exercises take 30-40 minutes.
 #
-# *Measured on: 2-core CPU shared with other jobs, torch 2.9 and torch_xla 2.9 on XLA:CPU, fast mode: 36 s under nbval with
-# the solutions on, 64 s unsolved on a busier machine; the Inductor compile of section 7 took 13 s of it.*
+# *Measured on: 2-core CPU shared with other jobs, torch 2.9 and torch_xla 2.9 on XLA:CPU. Fast mode: 36 s under nbval
+# with the solutions on, 64 s unsolved on a busier machine. Full mode: 44 s unsolved, Inductor's cache warm. With
+# torch_xla hidden, as on an image without it, its cells are skipped: 17 s.*
 #
 # **In the course**: after 07; next: the appendix, 05. It comes after the capstone because every row of its map
 # points back to something the course taught: 00's lazy step, 03's meshes, 04's and 07's detectives, 08's and 09's
@@ -359,8 +361,10 @@ assert ex.graph_count == 1 and ex.graph_break_count == 0
 
 # %% [markdown]
 # One graph, no breaks: the whole forward and loss were captured. The printed code is the FX graph's Python form,
-# what the backend compiles. On TorchTPU the backend lowers this graph to StableHLO for XLA (*read from
-# `torch_tpu/_internal/compile/_backend.py`; not verified here*).
+# what the backend compiles. On TorchTPU the backend turns this graph into MLIR (`fx_to_mlir` in
+# `torch_tpu/_internal/compile/compiler.py`). With `TORCH_TRACE` set, it writes that program into the trace as an
+# artifact named `torchtpu_stablehlo_graph`: the counterpart of torch_xla's HLO (*read from the sources; not verified
+# here*).
 #
 # ### A recompile, seen from both sides
 # A new batch shape is a new graph on both stacks. The cell below feeds one batch of 24 rows after the batches of
@@ -711,8 +715,9 @@ else:
 #
 # **No host reads in the loop.** Under torch_xla, `.item()` inside the step cuts the trace and waits for the device
 # (notebook 04's sync finder). Under `torch.compile` it is a graph break: the graph ends there, the host reads the
-# value, and a second graph starts. On TorchTPU the read also waits for the chip to finish its queue. The cell
-# counts the break with `explain` and the transfer with torch_xla's metrics.
+# value, and a second graph starts. On TorchTPU the read also waits for the chip to finish its queue (its
+# documentation; *not verified here*). The cell counts the break with `explain` and the transfer with torch_xla's
+# metrics.
 
 # %%
 def step_with_read(model, x, y):
