@@ -448,3 +448,24 @@ def test_full_disk_says_so_and_the_next_save_works(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == [".writer.lock", "ckpt-00000001.pt", "latest"]  # no partial file
     m.save(2, _state(2))
     assert m.restore()["step"] == 2
+
+
+def test_a_failed_prune_after_a_one_file_commit_is_a_warning_not_the_next_saves_error(tmp_path):
+    """Under torchrun only process 0 writes a one-file checkpoint: a prune failure raised at its next save() would
+    stop it alone while the others train on. The step is committed, so it warns and the next save prunes."""
+    m = CheckpointManager(tmp_path, keep=1, best_metric=None)
+    m.save(1, _state(1))
+    m.wait()
+    prune = m._prune
+
+    def failing(*a, **k):
+        m._prune = prune
+        raise OSError(13, "Permission denied (simulated)")
+
+    m._prune = failing
+    with pytest.warns(UserWarning, match=r"ckpt-00000002.pt is committed, but removing .* Permission denied"):
+        m.save(2, _state(2))
+        m.wait()
+    m.save(3, _state(3))  # no error; it prunes what the failed prune left
+    m.close()
+    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".pt")) == ["ckpt-00000003.pt"]

@@ -86,3 +86,24 @@ def test_a_dtensor_stays_a_dtensor_through_the_stager(one_process_group):
     again = stager.stage({"w": w, "step": 2})
     assert again["w"].to_local().data_ptr() == ptr and torch.equal(again["w"].to_local(), w.to_local())
     assert mirror.allocations == 1 and first_nonfinite({"w": w}) is None
+
+
+def test_the_mirror_holds_one_copy_of_the_state_and_close_frees_it(monkeypatch, tmp_path):
+    """nbytes is the state's tensor bytes, once; a tensor whose shape changed gives its old host tensor up before
+    the new one is made (never two copies of it at once); the manager's close() frees the mirror."""
+    from labkit.checkpoint import CheckpointManager
+
+    state, mirror = _state(), CpuMirror()
+    size = 4 * (12 + 3 + 1 + 12) + 8 * 5  # float32 w, b, step, exp_avg; int64 rows
+    mirror.stage(state)
+    assert mirror.nbytes == size
+    held_at_alloc, empty_like = [], torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: held_at_alloc.append(mirror.nbytes) or empty_like(*a, **k))
+    state["model"]["w"] = torch.randn(8, 3)  # 96 bytes where there were 48
+    mirror.stage(state)
+    assert held_at_alloc == [size - 48] and mirror.nbytes == size + 48, held_at_alloc
+    ck = CheckpointManager(str(tmp_path / "ck"), rt=None, format="sharded", async_save=False)
+    fmt = ck.formats["sharded"]
+    fmt.mirror.stage(state)
+    ck.close()
+    assert getattr(fmt, "_mirror", None) is None

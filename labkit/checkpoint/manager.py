@@ -38,6 +38,14 @@ when nothing was saved (ShardedCheckpointManager.restore speaks the same protoco
 one file (the whole state gathered on the host), "sharded" forces the sharded format. Under torchrun with rt
 (FSDP2: every process holds its own shards) a sharded save runs in the background on every process and restore is
 one decision every process takes together: labkit.checkpoint.dcp's docstring says how and what it costs.
+
+Collective under torchrun (rt given, several processes): the constructor (it makes the checkpoint's gloo group and
+reads process 0's `latest`), latest(), restore(), save() and close(). Every process calls each at the same point, in
+the same order: `if rt.is_master: CheckpointManager(root, rt=rt)` would wait for the others until the checkpoint
+group's timeout (LABKIT_CKPT_TIMEOUT_S, an hour), then fail naming what it waited for. A one-file save is written by
+process 0 alone; a prune that fails after its commit is a warning there, not its next save()'s error (which would
+stop process 0 alone). A sharded background save stages into a CpuMirror kept until close(): one host copy of this
+process's shards (labkit.checkpoint.staging).
 """
 
 from __future__ import annotations
@@ -83,6 +91,8 @@ class CheckpointManager(Together):
         retry_deadline_s: float = 60,
         format: str = "auto",
     ):
+        """Under torchrun with rt: a collective (every process constructs it at the same point; see the module's
+        docstring), as latest() and restore() are."""
         if format not in FORMATS:
             raise ValueError(f"format={format!r}: expected one of {', '.join(map(repr, FORMATS))}")
         if mode not in ("max", "min"):
@@ -202,7 +212,14 @@ class CheckpointManager(Together):
         except BaseException:
             fmt.abort(step)
             raise
-        self._prune(step, kept, entries)
+        try:
+            self._prune(step, kept, entries)
+        except Exception as e:  # the step is committed: raised, it failed process 0's next save() alone (torchrun)
+            warnings.warn(
+                f"{self.store.url(name)} is committed, but removing the steps it replaces failed ({type(e).__name__}: "
+                f"{e}); they stay until the next save prunes them",
+                stacklevel=2,
+            )
 
     def _may_replace(self, fmt, step) -> None:
         """`step` exists already: this run's own earlier save, one a killed writer stored without committing, or one
@@ -250,6 +267,7 @@ class CheckpointManager(Together):
         finally:
             if self.writer.pending is None:  # an abandoned save that did not stop keeps the lock
                 self.store.release_writer()
+                self.formats["sharded"].release_mirror()  # the host copy of the state the saves staged into
 
     # -- reading -----------------------------------------------------------------------------------
     def restore(self, step: int | None = None, map_location="cpu", into: dict | None = None, check=None):

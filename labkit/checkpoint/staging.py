@@ -18,6 +18,12 @@ torch's own stager (FileSystemWriter(cache_staged_state_dict=True), BlockingAsyn
 but copies each tensor blocking. bench/bench_stage.py times both on whatever device is there and prints the ratio.
 The mirror may be refilled only once the previous save's writer is done with it: CheckpointManager waits for the
 previous save before it stages the next (at most one in flight).
+
+Its footprint: one host copy of this process's share of the state (its shards of the weights and of the optimizer's
+state; `nbytes` says how much), from the first background save until the manager's close(), which frees it. A tensor
+whose shape, dtype or placement changed gives its old host tensor up before the new one is made, so a save never holds
+two copies of it. On the CPU, where the live state is host memory too, that is the state twice while the manager
+lives: measured with tests/test_staging.py's state, nbytes equals the state's bytes after any number of saves.
 """
 
 from __future__ import annotations
@@ -49,6 +55,11 @@ class CpuMirror:
     def __init__(self):
         self._bufs: dict = {}  # path -> (staged tensor or DTensor, its local CPU tensor)
         self.allocations = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the mirror holds now (its local CPU tensors)."""
+        return sum(buf.numel() * buf.element_size() for _, buf in self._bufs.values())
 
     def stage(self, state):
         """A copy of `state` that later training steps cannot change: every tensor copied into this mirror's CPU
@@ -86,6 +97,8 @@ class CpuMirror:
         kept = self._bufs.get(path)
         if kept is not None and _fits(kept, o, src):
             return kept
+        self._bufs.pop(path, None)  # the old host tensor is freed before the new one is made
+        del kept
         self.allocations += 1
         pin = src.device.type == "cuda" and torch.cuda.is_available()  # page-locked host memory: CUDA only
         buf = torch.empty_like(src, device="cpu", pin_memory=pin)

@@ -57,6 +57,10 @@ class ShardedTogether:
             self._mirror = CpuMirror()
         return self._mirror
 
+    def release_mirror(self) -> None:
+        """Free the mirror's host tensors (the manager's close(): no save is in flight any more)."""
+        self._mirror = None
+
     def begin_together(self, step, state, rt, group, replace, background: bool) -> dict:
         """Every process, on the training thread: the NaN check, the old step's removal (process 0, after the
         manager allowed it), one agreement; then DCP's save of this process's shards into a temp folder of its own
