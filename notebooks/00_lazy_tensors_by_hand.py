@@ -28,9 +28,9 @@
 # - cause a recompilation and a host sync, find each, and fix it;
 # - check that `labkit.Trainer` computes exactly what your hand-written loop computes.
 #
-# **Time**: from under half a minute to about two minutes of run time in fast mode. The range is the machine's load:
-# XLA compiles each graph on the same cores that everything else uses. Reading and the three exercises take 20–40
-# minutes.
+# **Time**: from 25 s on a quiet machine to 1.7 minutes on a busy one, of run time in fast mode. The range is the
+# machine's load: XLA compiles each graph on the same cores that everything else uses. Reading and the three exercises
+# take 20–40 minutes.
 #
 # *Measured on: 2-core x86_64 CPU, XLA:CPU, torch_xla 2.9, fast mode: 25 s quiet; 79–102 s at a load of 10–12,
 # with the exercises solved or not; full mode about 45 s quiet.*

@@ -616,8 +616,8 @@ print(f"{trainer.step} steps in {TRAIN_S:.0f} s; val loss {final['val_loss']:.3f
 # layout, eager, a ResNet-50 step took 28.7 ms under labkit. A hand-written loop took 29.1 ms, Lightning Fabric
 # 29.1 ms and Accelerate 29.5 ms. There the GPU's work hides the loop's own cost.
 #
-# That holds only while the device is the bottleneck. On a small MLP at batch 64, labkit took 1.75 ms a step against
-# the hand loop's 1.50. Compiled, a ResNet-50 step under labkit took 1.21× the hand loop's. A faster step leaves
+# That holds only while the device is the bottleneck. On a small MLP at batch 64, a step took 1.75 ms under labkit
+# against the hand loop's 1.50. Compiled, a ResNet-50 step under labkit took 1.21× the hand loop's. A faster step leaves
 # more of the loop's host work exposed. Each figure is one run, so no spread.
 #
 # **Memory format.** A GPU's tensor cores want images in channels_last layout (NHWC), not PyTorch's default NCHW. A

@@ -38,10 +38,10 @@
 # You can also predict its memory: weights, gradients, AdamW state and activations. From that you can say whether it
 # fits one TPU chip.
 #
-# **Time**: a few minutes of run time in fast mode on a 2-core CPU, and up to about 5 on a busy one. The range is
-# the machine's load: XLA compiles the graphs on the same cores as everything else, and compiling is most of a
-# short run. On an NVIDIA H200 the notebook runs in 17 s. On a Colab TPU v5e-1, full mode should take about 3–6
-# minutes, an estimate *not verified here*. Reading and the exercises take 45–60 minutes.
+# **Time**: 1.5–5 minutes of run time in fast mode on a 2-core CPU, quiet machine to busy. The range is the machine's
+# load: XLA compiles the graphs on the same cores as everything else, and compiling is most of a short run. On an NVIDIA
+# H200 the notebook runs in 17 s. On a Colab TPU v5e-1, full mode should take about 3–6 minutes, an estimate *not
+# verified here*. Reading and the exercises take 45–60 minutes.
 #
 # *Measured on: 2-core x86_64 CPU, XLA:CPU, torch_xla 2.9, fast mode: 4.4 min at a load of 14–16, beside a run of
 # notebook 01, with 75 s of it compiling. NVIDIA H200 (141 GB), torch 2.11.0+cu130, exercises unsolved: 17 s,
@@ -452,6 +452,9 @@ if ex.check("02.params", lambda: nb02.check_gpt_params(gpt_params)):
 # the cell after counts them.
 
 # %%
+import functools
+
+
 def state_bytes(model, opt):
     """Bytes of weights, gradients (where allocated) and optimizer state, as they are (measured)."""
     seen, total = set(), 0
@@ -472,11 +475,19 @@ print(f"between steps: predicted 12 x {n_all:,} = {12 * n_all / 1e6:.2f} MB, mea
       f"16 x = {16 * n_all / 1e6:.2f} MB during a step")
 assert abs(measured - 12 * n_all) <= 0.01 * 12 * n_all, (measured, 12 * n_all)
 HBM = 16e9  # TPU v5e, per chip (Google Cloud's TPU page; not verified here)
+
+
+@functools.cache  # a shape's count once: the cells below ask again for each batch size
+def params_of(L, H, d, T, V):
+    """Parameters of labkit's GPT at this shape, counted on a build on the meta device: shapes only, no memory."""
+    with torch.device("meta"):
+        big = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=d))
+    return sum(p.numel() for p in big.parameters())  # the tied output layer is counted once
+
+
 for name, (L_, H_, d_, T_, V_) in {"GPT-2 small shape": (12, 12, 768, 1024, 50257),
                                    "1.3 B": (24, 16, 2048, 2048, 50257)}.items():
-    with torch.device("meta"):  # shapes only: no memory is allocated, so the count costs nothing
-        big = GPT(GPTConfig(vocab_size=V_, block_size=T_, n_layer=L_, n_head=H_, n_embd=d_))
-    n = sum(p.numel() for p in big.parameters())  # the tied output layer is counted once
+    n = params_of(L_, H_, d_, T_, V_)
     need = 16 * n
     verdict = "fits one v5e chip" if need < HBM else f"needs FSDP over at least {math.ceil(need / HBM)} chips"
     print(f"{name}: {n / 1e6:,.0f} M parameters, {need / 1e9:.1f} GB of weights + gradients + AdamW state: {verdict}")
@@ -568,7 +579,7 @@ else:
     print(f"on {rt.kind} attention is a fused kernel here: the (B, H, T, T) probabilities are not kept")
 
 for name, (L_, d_, H_, T_) in {"GPT-2 small shape": (12, 768, 12, 1024), "1.3 B": (24, 2048, 16, 2048)}.items():
-    n = 50257 * d_ + T_ * d_ + L_ * (12 * d_ * d_ + 13 * d_) + 2 * d_
+    n = params_of(L_, H_, d_, T_, 50257)
     for B_ in (8, 32):
         act = activation_bytes(L_, d_, 50257, B_ * T_) + 4 * B_ * T_ * L_ * H_ * T_  # with the attention matrix
         need = 16 * n + act
@@ -661,7 +672,7 @@ assert kept[True] < kept[False] / 4
 def v5e_need(L, d, H, T, V, batch, recompute):
     """Bytes one chip needs: weights + gradients + AdamW state (16 per parameter) and activations, XLA's (B, H, T, T)
     attention probabilities included; recomputing, the blocks' inputs plus one block rebuilt at a time."""
-    n = V * d + T * d + L * (12 * d * d + 13 * d) + 2 * d
+    n = params_of(L, H, d, T, V)
     per_block = 16 * d + H * T  # floats per token a block keeps (XLA's attention: its probabilities too)
     kept = (L * d + 2 * d + V + per_block) if recompute else (L * per_block + 2 * d + V)
     return 16 * n + 4 * batch * T * kept

@@ -996,8 +996,8 @@ exercises.check("08.overhead", lambda: nb08.check_overhead(step_time_us))
 # 28.7 ms under labkit's Trainer. It took 29.1 ms in a hand-written loop, 29.1 ms under Lightning Fabric and 29.5 ms
 # under Accelerate. There the GPU's work hides each loop's own cost.
 #
-# Where the step is short, the loop's host work shows. A small MLP at batch 64 took 1.75 ms a step under labkit and
-# 1.50 ms in the hand loop. Compiled, a ResNet-50 step under labkit took 1.21× the hand loop's. Each figure is one
+# Where the step is short, the loop's host work shows. On a small MLP at batch 64, a step took 1.75 ms under labkit
+# and 1.50 ms in the hand loop. Compiled, a ResNet-50 step under labkit took 1.21× the hand loop's. Each figure is one
 # run, so no spread: they say where to look, not how large the gap is.
 #
 # **Memory format.** A GPU's tensor cores want a convolution's activations in channels_last order (NHWC). PyTorch's
