@@ -137,32 +137,31 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 # torch 2.11 to 2.15. So one Python environment holds one stack or the other, never both: installing TorchTPU into
 # Colab's TPU image would replace its torch and break its torch_xla.
 #
-# The next cell reads what this environment has, from the installed packages' metadata. It imports neither stack. It
-# then checks the claim above on the version numbers themselves.
+# The next cell reads what this environment has: torch's version, and the other packages' versions from their
+# metadata, without importing them. It then checks the claim above on the version numbers themselves.
 
 # %%
-import importlib.metadata as md
 import importlib.util
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
+import torch
 
+from labkit.envsetup import pair_problem, satisfies, version_of  # package metadata: imports neither stack
 
-def installed(name):
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return None
-
-
-have = {name: installed(name) for name in ("torch", "torch_xla", "torch_tpu", "libtpu")}
+have = {"torch": str(torch.__version__)} | {name: version_of(name) for name in ("torch_xla", "torch-tpu", "libtpu")}
 print("here:", ", ".join(f"{n} {v or 'absent'}" for n, v in have.items()))
-TORCH_XLA_NEEDS = SpecifierSet("==2.9.*")  # torch_xla 2.9.0's requirement on torch
-TORCH_TPU_NEEDS = SpecifierSet(">=2.11.0,<=2.15.0")  # torch-tpu 0.2.0's wheel metadata (Requires-Dist)
-torch_here = Version(Version(have["torch"]).base_version)
-print(f"torch {torch_here} suits torch_xla 2.9: {torch_here in TORCH_XLA_NEEDS}; "
-      f"suits torch-tpu 0.2.0: {torch_here in TORCH_TPU_NEEDS}")
-both = [v for v in (f"2.{m}.{p}" for m in range(8, 17) for p in range(4)) if v in TORCH_XLA_NEEDS and v in TORCH_TPU_NEEDS]
+TORCH_TPU_NEEDS = "torch>=2.11.0,<=2.15.0"  # torch-tpu 0.2.0's wheel metadata (Requires-Dist)
+
+
+def suits_xla(torch_version):  # torch_xla 2.9 is built against torch 2.9 (labkit's set-up checks the pair the same way)
+    return pair_problem(torch_version, "2.9.0") is None
+
+
+print(
+    f"torch {have['torch']} suits torch_xla 2.9: {suits_xla(have['torch'])}; "
+    f"suits torch-tpu 0.2.0: {satisfies(have['torch'], TORCH_TPU_NEEDS)}"
+)
+releases = [f"2.{m}.{p}" for m in range(8, 17) for p in range(4)]
+both = [v for v in releases if suits_xla(v) and satisfies(v, TORCH_TPU_NEEDS)]
 assert both == [], both  # no torch release suits both stacks
 HAVE_XLA = importlib.util.find_spec("torch_xla") is not None
 print("the torch_xla side runs here" if HAVE_XLA else "no torch_xla here: the torch_xla cells say so and go on")
