@@ -793,8 +793,8 @@ assert err_bf16_pass > 100 * err32
 #
 # - Every parameter takes part in one multiply-add per token in the forward pass, and backward costs twice that.
 # - Count every parameter of exercise 2 except the position table, which is a lookup, not a matmul. Biases and
-#   LayerNorms are a few % of the parameters. labkit's count gives them 6 FLOPs each too, as if each were a weight;
-#   what it leaves out is their own elementwise work (`flops_per_token`'s docstring in `labkit/models/gpt.py`).
+#   LayerNorms are a few % of the parameters. labkit's count gives them 6 FLOPs each too, as if each were a weight.
+#   What it leaves out is their own elementwise work (`flops_per_token`'s docstring in `labkit/models/gpt.py`).
 # - Attention adds two products without weights in every layer: the scores Q·Kᵀ, and the mix of the values. Each
 #   runs over all T positions of the window. Count the full T×T square, as the usual convention does, although the
 #   causal mask makes half of it zeros.

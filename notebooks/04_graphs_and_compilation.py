@@ -525,19 +525,21 @@ ex.check("04.graphs", lambda: nb04.check_predict_graphs(predict_graphs, rt))
 # function runs, `guarded_loop` refuses, and the device must do nothing. Here is its source, from
 # `labkit/lessons/exercises/nb04.py`; the next cell prints the same text:
 #
-#     def guarded_loop(w, steps: int, log_every: int, sync) -> float:
-#         """A loop as many are written: a NaN guard every step, a loss printed every `log_every` steps (from step 0),
-#         the mean loss returned at the end. `w` lives on the device; `sync` cuts the graph (torch_xla.sync)."""
-#         total = torch.zeros((), device=w.device)
-#         for step in range(steps):
-#             loss = (w @ w).tanh().mean()
-#             total = total + loss
-#             sync()
-#             if loss.isnan():  # the guard
-#                 raise FloatingPointError(f"loss is NaN at step {step}")
-#             if step % log_every == 0:  # the log
-#                 print(f"step {step}: loss {loss.item():.4f}")
-#         return total.item() / steps  # the mean loss
+# ```python
+# def guarded_loop(w, steps: int, log_every: int, sync) -> float:
+#     """A loop as many are written: a NaN guard every step, a loss printed every `log_every` steps (from step 0),
+#     the mean loss returned at the end. `w` lives on the device; `sync` cuts the graph (torch_xla.sync)."""
+#     total = torch.zeros((), device=w.device)
+#     for step in range(steps):
+#         loss = (w @ w).tanh().mean()
+#         total = total + loss
+#         sync()
+#         if loss.isnan():  # the guard
+#             raise FloatingPointError(f"loss is NaN at step {step}")
+#         if step % log_every == 0:  # the log
+#             print(f"step {step}: loss {loss.item():.4f}")
+#     return total.item() / steps  # the mean loss
+# ```
 #
 # One fact you need: a value that `sync()` has already computed still lives on the device. So reading it is still a
 # transfer. Each `.item()`, `bool(t)` or `if t:` copies one value, whether or not the graph behind it has run.

@@ -268,9 +268,11 @@ torch._dynamo.reset()
 # The cell times the first step, which compiles, and then every later step alone. Eager and compiled run side by
 # side on the same batches. Read the **minimum** of each: the fastest step is the one the rest of the machine disturbed
 # least. On a busy machine, a step of about a millisecond can have a median far above its minimum. An average over a
-# few steps can then make either engine look many times slower than the other. So each line gives the minimum, the
-# median and the maximum: the spread says how far the machine moved the steps. The cell says which way the minima
-# point, and by how much. Where the two ranges overlap widely, the run cannot order the engines.
+# few steps can then make either engine look many times slower than the other.
+#
+# So each line gives the minimum, the median and the maximum: the spread says how far the machine moved the steps. The
+# cell says which way the minima point, and by how much. Where the two ranges overlap widely, the run cannot order the
+# engines.
 #
 # With Inductor on a machine without a GPU, the cell may also print `No CUDA runtime is found, using CUDA_HOME=...`.
 # This torch build was made for CUDA, and Inductor's C++ compiler set-up looks for the CUDA toolkit. The CPU code it
@@ -650,11 +652,13 @@ torch._dynamo.reset()
 # Read the first line's counts. *Frames* are the Python functions Dynamo compiled, each compile counted: eight here.
 # The watched `forward` counts twice: the part before the break, and the rest after it, which Dynamo compiles as a frame
 # of its own. `smoothed_loss` counts six times: its first compile and five recompiles. The time is Dynamo's and
-# AOTAutograd's work with the `aot_eager` backend. One break is yours, the `.item()`. None is torch's own, because no
-# optimizer ran in this cell; section 2's two were `Optimizer.step`'s. The five recompiles come in two lines. The
-# first counts four new smoothing values. The second is the last step, which brought a short batch *and* a new
-# smoothing value. Dynamo reports the first guard that fails, and it checks the tensor's size before the number, so
-# that line names only the batch. The graph it compiled then took in the new value too.
+# AOTAutograd's work with the `aot_eager` backend.
+#
+# One break is yours, the `.item()`. None is torch's own, because no optimizer ran in this cell; section 2's two were
+# `Optimizer.step`'s. The five recompiles come in two lines. The first counts four new smoothing values. The second is
+# the last step, which brought a short batch *and* a new smoothing value. Dynamo reports the first guard that fails, and
+# it checks the tensor's size before the number, so that line names only the batch. The graph it compiled then took in
+# the new value too.
 #
 # **Every kind of guard, once.** Section 3 showed a size guard and a value guard. Dynamo checks more about each tensor
 # argument: its size, its stride, its dtype, its device and `requires_grad`. The stride says how the elements are laid

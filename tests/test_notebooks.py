@@ -342,3 +342,15 @@ def test_every_printed_warning_is_read_or_silenced():
         if " ".join(text.split()) not in body:
             wrong.append(f"{stem}: {text!r} is printed but no {where} cell reads or silences it")
     assert not wrong, "\n".join(wrong)
+
+
+def test_notebook_04_shows_the_loop_its_reads_exercise_asks_about():
+    """04.reads says "read the loop, do not run it": the loop's source is in the text, as the code has it, so a
+    learner sees it before any cell runs (it once showed only in the output of the exercise's own cell)."""
+    import inspect
+
+    from labkit.lessons.exercises import nb04
+
+    cells = nbformat.read(ROOT / "notebooks" / "04_graphs_and_compilation.ipynb", as_version=4).cells
+    text = "\n".join(c.source for c in cells if c.cell_type == "markdown")
+    assert inspect.getsource(nb04.guarded_loop).strip() in text, "copy nb04.guarded_loop's source into the text again"
