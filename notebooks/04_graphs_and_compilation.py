@@ -240,8 +240,9 @@ if XLA:
 # took it to 22.9 ms.
 #
 # By hand, the switch is `model.to(memory_format=torch.channels_last)` and the same call on every batch. labkit's CUDA
-# runtime trains convolutional models in channels_last, so on a GPU you write nothing. On a TPU you write nothing
-# either: XLA chooses the layout of every tensor itself when it compiles the graph.
+# runtime trains convolutional models in channels_last, so on a GPU you write nothing. No GPU has run that code yet:
+# the table's figures are the hand loop's. On a TPU you write nothing either: XLA chooses the layout of every tensor
+# itself when it compiles the graph.
 #
 # *Source: PyTorch's tutorial "Channels Last Memory Format in PyTorch", on pytorch.org.*
 #
