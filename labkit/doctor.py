@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
 
 from labkit import device as _device
 from labkit import envsetup
+from labkit.torchrun import gloo_address, gloo_reach_warnings  # noqa: F401  (gloo's check: torchrun's)
 
 # variable -> what to do instead
 DEPRECATED_ENV = {
@@ -107,72 +107,6 @@ def _torch_tpu_chips() -> int:
     from labkit.runtime import torch_tpu
 
     return torch_tpu.chips()
-
-
-def _interface_address(name: str) -> str | None:
-    """The IPv4 address of network interface `name` (Linux: ioctl SIOCGIFADDR), None when it has none."""
-    import fcntl
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
-
-
-def gloo_address(env=None) -> tuple[str | None, str]:
-    """(the address gloo binds to, how it was picked): GLOO_SOCKET_IFNAME's interface where set (its first name),
-    else what this host's name resolves to, as gloo's own device does (torch.distributed's gloo backend)."""
-    env = os.environ if env is None else env
-    ifname = (env.get("GLOO_SOCKET_IFNAME") or "").split(",")[0].strip()
-    if ifname:
-        return _interface_address(ifname), f"GLOO_SOCKET_IFNAME={ifname}"
-    host = socket.gethostname()
-    try:
-        return socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0], f"the host name {host!r}"
-    except OSError:
-        return None, f"the host name {host!r}"
-
-
-def gloo_reach_warnings(env=None, timeout_s: float = 3.0) -> list[str]:
-    """torchrun over several hosts (WORLD_SIZE > LOCAL_WORLD_SIZE): whether a TCP connection from the address gloo
-    picks reaches MASTER_ADDR:MASTER_PORT (the rendezvous, which listens there while the job runs). A host whose name
-    resolves to a loopback address, or a wrong interface, fails here, before a collective waits its timeout out."""
-    env = os.environ if env is None else env
-    try:
-        world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
-    except ValueError:
-        return []
-    if world <= local:
-        return []
-    addr, how = gloo_address(env)
-    fix = (
-        "set GLOO_SOCKET_IFNAME to the interface the hosts share (the one whose address the others reach, e.g. "
-        f"eth0; this host has {', '.join(n for _, n in socket.if_nameindex())})"
-    )
-    if addr is None:
-        return [f"torchrun over {world // local} hosts: gloo finds no IPv4 address from {how}: {fix}"]
-    master, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-    if not master or not port:
-        return []
-    loop = addr.startswith("127.")
-    if loop and not master.startswith("127.") and master != "localhost":
-        return [
-            f"torchrun over {world // local} hosts: gloo would use {addr} (from {how}), a loopback address the "
-            f"other hosts cannot reach: {fix}"
-        ]
-    try:
-        with socket.create_connection((master, int(port)), timeout=timeout_s, source_address=(addr, 0)):
-            pass
-    except OSError as e:
-        return [
-            f"torchrun over {world // local} hosts: from {addr} (gloo's address, from {how}) the rendezvous "
-            f"{master}:{port} does not answer ({type(e).__name__}: {e}): gloo's side groups (the step vote, the "
-            f"lockstep evaluation, checkpoints) would wait their timeout out. {fix[0].upper() + fix[1:]}"
-        ]
-    return []
 
 
 def doctor(rt=None, *, quiet: bool = False) -> dict:  # rt optional: the doctor also runs before setup()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import torch
 
@@ -102,6 +103,94 @@ def wait_for_all(rt, tag: str, what: str, timeout_s: float = 3600) -> None:
         ) from e
 
 
+def _interface_address(name: str) -> str | None:
+    """The IPv4 address of network interface `name` (Linux: ioctl SIOCGIFADDR), None when it has none."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def gloo_address(env=None) -> tuple[str | None, str]:
+    """(the address gloo binds to, how it was picked): GLOO_SOCKET_IFNAME's interface where set (its first name),
+    else the first address this host's name resolves to, IPv6 included (getaddrinfo with AF_UNSPEC), as gloo's own
+    device resolves it (torch.distributed's gloo backend)."""
+    env = os.environ if env is None else env
+    ifname = (env.get("GLOO_SOCKET_IFNAME") or "").split(",")[0].strip()
+    if ifname:
+        return _interface_address(ifname), f"GLOO_SOCKET_IFNAME={ifname}"
+    host = socket.gethostname()
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_UNSPEC, socket.SOCK_STREAM)[0][4][0], f"the host name {host!r}"
+    except (OSError, IndexError):
+        return None, f"the host name {host!r}"
+
+
+def gloo_reach_warnings(env=None, timeout_s: float = 3.0) -> list[str]:
+    """torchrun over several hosts (WORLD_SIZE > LOCAL_WORLD_SIZE): whether a TCP connection from the address gloo
+    picks reaches MASTER_ADDR:MASTER_PORT (the rendezvous, which listens there while the job runs). A host whose name
+    resolves to a loopback address (127.x, ::1), or a wrong interface, fails here, before a collective waits its
+    timeout out. labkit.setup() runs it once per host (local rank 0) on such runs; labkit.doctor() too."""
+    import ipaddress
+
+    env = os.environ if env is None else env
+    try:
+        world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return []
+    if world <= local:
+        return []
+    addr, how = gloo_address(env)
+    fix = (
+        "set GLOO_SOCKET_IFNAME to the interface the hosts share (the one whose address the others reach, e.g. "
+        f"eth0; this host has {', '.join(n for _, n in socket.if_nameindex())})"
+    )
+    if addr is None:
+        kind = "IPv4 address" if how.startswith("GLOO_SOCKET_IFNAME") else "address"
+        return [f"torchrun over {world // local} hosts: gloo finds no {kind} from {how}: {fix}"]
+    master, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if not master or not port:
+        return []
+    loop = ipaddress.ip_address(addr.split("%")[0]).is_loopback
+
+    def local_name(name):
+        try:
+            return ipaddress.ip_address(name).is_loopback
+        except ValueError:
+            return name == "localhost"
+
+    if loop and not local_name(master):
+        return [
+            f"torchrun over {world // local} hosts: gloo would use {addr} (from {how}), a loopback address the "
+            f"other hosts cannot reach: {fix}"
+        ]
+    try:
+        with socket.create_connection((master, int(port)), timeout=timeout_s, source_address=(addr, 0)):
+            pass
+    except OSError as e:
+        return [
+            f"torchrun over {world // local} hosts: from {addr} (gloo's address, from {how}) the rendezvous "
+            f"{master}:{port} does not answer ({type(e).__name__}: {e}): gloo's side groups (the step vote, the "
+            f"lockstep evaluation, checkpoints) would wait their timeout out. {fix[0].upper() + fix[1:]}"
+        ]
+    return []
+
+
+def _check_gloo_reach() -> None:
+    """Once per run and host (labkit.setup(), local rank 0), on torchrun over several hosts: gloo_reach_warnings,
+    printed. The cost: one TCP connection to the rendezvous (a network round trip; 3 s at most where nothing
+    answers)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    for line in gloo_reach_warnings():
+        print(f"[labkit] {line}", flush=True)
+
+
 def setup_cpu() -> Runtime:
     """Plain PyTorch on the CPU; under torchrun one process per rank, joined over gloo (the CPU
     collective backend), over which DDP or FSDP2 (labkit.parallel) reduce gradients."""
@@ -110,6 +199,7 @@ def setup_cpu() -> Runtime:
     world = torchrun_world()
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timeout())  # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+        _check_gloo_reach()
     rank = dist.get_rank() if dist.is_initialized() else 0
     local = int(os.environ.get("LOCAL_RANK", "0"))
     return Runtime("cpu", torch.device("cpu"), world, rank, local, 1, False, {"dist": "gloo" if world > 1 else None})
@@ -126,6 +216,7 @@ def setup_cuda() -> Runtime:
     torch.cuda.set_device(local)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl", timeout=timeout(), device_id=torch.device("cuda", local))
+        _check_gloo_reach()  # the side groups are gloo's, under NCCL too
     rank = dist.get_rank() if dist.is_initialized() else 0
     return Runtime(
         "cuda",

@@ -224,3 +224,37 @@ def test_side_groups_under_nccl_get_labkit_dist_timeout_s(monkeypatch):
     monkeypatch.setenv("LABKIT_CKPT_TIMEOUT_S", "soon")
     with pytest.raises(RuntimeError, match="LABKIT_CKPT_TIMEOUT_S=.soon."):
         checkpoint_group()
+
+
+def test_gloo_reach_resolves_as_gloo_does_and_runs_once_per_host_at_setup(monkeypatch, capsys):
+    """The host name resolved with AF_UNSPEC (gloo's getaddrinfo): an IPv6-only ::1 is found, and named as a loopback
+    address the other hosts cannot reach. labkit.setup() on torchrun over 2 hosts runs the check on local rank 0
+    only, printing what it finds."""
+    import socket
+
+    import torch.distributed as dist
+
+    from labkit import torchrun
+
+    asked = []
+
+    def resolve(host, port, family=0, *a):
+        asked.append(family)
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "29500"}
+    assert torchrun.gloo_address(env)[0] == "::1" and asked == [socket.AF_UNSPEC]
+    said = torchrun.gloo_reach_warnings(env)
+    assert len(said) == 1 and "gloo would use ::1" in said[0] and "loopback address" in said[0], said
+    for k, v in {**env, "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
+    torchrun.setup_cpu()
+    out = capsys.readouterr().out
+    assert out.count("[labkit] torchrun over 2 hosts: gloo would use ::1") == 1, out
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    torchrun.setup_cpu()
+    assert "gloo" not in capsys.readouterr().out
