@@ -98,7 +98,7 @@ def main(argv=None):
             ck.wait()
             done = time.perf_counter() - t
             mirror_mb = fmt.mirror.nbytes / 2**20
-            print(f"STALL fsdp2 agreed save blocked the loop {stall * 1e3:.1f} ms, committed after {done:.2f} s, "
+            print(f"STALL fsdp2 async save (labkit's agreed sharded save) blocked the loop {stall * 1e3:.1f} ms, committed after {done:.2f} s, "
                   f"mirror {mirror_mb:.1f} MB of host memory", flush=True)  # fmt: skip
             before = {k: v.full_tensor().clone() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
             with torch.no_grad():
