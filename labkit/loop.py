@@ -31,7 +31,7 @@ Nothing fails silently: a loader error stops fit() with its traceback; a NaN/inf
 keeps skipping, stop the run naming the step (cfg.continue_on_nonfinite to train on); a resume on another batch size,
 chip count or optimizer continues at the same sample or says why not (labkit.resume); Ctrl-C or SIGTERM lets the pending
 upload finish, then is re-raised; torchrun: SIGTERM, a NaN or a callback's stop or save request on one process is
-every process's at one step (labkit.interrupts.StepVote).
+every process's at one step, or at the epoch's end (labkit.interrupts.vote).
 """
 
 from __future__ import annotations

@@ -10,10 +10,13 @@ folders committed by a COMMITTED marker), which the manager picks when the state
 sharded.py: why that format is built so, and ShardedCheckpointManager (the manager with format="sharded");
 shards.py: what that format writes (is_sharded, the CPU copy of this host's shards, DCP's planners);
 writer.py: the one background writer both formats use (one save at a time, errors surface, test hook);
-state.py: what a checkpoint holds and how it is checked (to_cpu, verify, check_compatible).
+state.py: what a checkpoint holds and how it is checked (to_cpu, verify, check_compatible);
+together.py, together_dcp.py, together_manager.py: what torchrun's processes do together for a checkpoint (their
+own gloo group, the agreements, the sharded save on every process, one restore decision); staging.py: the CpuMirror
+a background save of the shards is copied into, and the NaN check before it.
 safe_load.py: reading runs no code (DCP metadata through a restricted unpickler, plain values weights_only)
 and writes only into its temp folder; runs.py: a run that did not restore may not save below the folder's newest step.
-Where the bytes go (a local folder or a GCS prefix) is labkit.cloud.store: one interface for both.
+Where the bytes go (a local folder, a gs:// or s3:// prefix) is labkit.cloud.store: one interface for all.
 Both restore the same way: restore(into=state) fills live tensors where it can and returns
 the state; restore() returns CPU tensors; None when there is nothing.
 """

@@ -3,7 +3,9 @@
     is_sharded(state)     # any tensor split over devices? (then labkit.checkpoint saves it with DCP)
     cpu = stage(state)    # this host's shards on the CPU, with their offsets; never the global tensor
 
-Used by labkit.checkpoint.sharded (the manager: folders, commit marker, background writes).
+Used by labkit.checkpoint.dcp (the sharded format: folders, commit marker, background writes) and the manager
+(is_sharded: which format a state takes). Under torchrun a background save stages into labkit.checkpoint.staging's
+CpuMirror instead of stage().
 """
 
 from __future__ import annotations

@@ -37,10 +37,12 @@ class StepVote:
     only sets `got`; raising would leave the other processes waiting in the step's collectives for ever) and a
     problem (a NaN/inf loss, a stalled fp16 loss scale: labkit.steplog reads the losses on process 0 only, so the
     others would train on into the next collective and wait there until a timeout). At each step boundary `cast()`
-    takes the MAX of both flags over all processes: every process then saves the same step and stops (SIGTERM), or
+    takes the MAX of every flag over all processes: every process then saves the same step and stops (SIGTERM), or
     raises the same FloatingPointError before any save (a problem, its text sent to all with one all_gather_object,
     only when there is one). share() carries a callback's requests the same way (a stop, a stop after the epoch, a
-    save: on_log runs on process 0 only), so every process stops or saves at the same step.
+    save: on_log runs on process 0 only), so every process stops or saves at the same step. One more vote at each
+    epoch's end, after its evaluation (Requests._epoch_end): a save asked from on_eval or SIGTERM during the
+    evaluation saves that position and, for SIGTERM, stops there.
 
     The cost: one all_reduce of five int32 per optimizer step, on a gloo group over the host's CPUs (a group of its
     own under NCCL), so it never waits for the accelerator: a round trip of a few bytes between the processes, 0.5-1.9

@@ -24,8 +24,9 @@ and a replicate or one-process run of the same seed train alike (tests/test_fsdp
    history on the CPU, one tensor at a time. Each process cuts its own shard on the CPU (DTensor's split, any
    mesh) and copies only that shard to its device. Peak memory per process: its shards plus one whole tensor.
 
-The cost: the initialisation runs 1 + (processes) times over (once to record, once per process to replay).
-Measured on ResNet-50 (23.5 M weights), one CPU core: CPU build 0.8 s, record 1.4-1.8 s, whole replay 0.6-0.8 s.
+The cost: recording runs every op on the meta device (no values) and every random op once more on the CPU (so the
+generator advances as a CPU build's); each process then replays what its tensors need, once. Measured on ResNet-50
+(23.5 M weights), one CPU thread, a 2-core host at load 5-6: CPU build 0.6-0.8 s, record 1.0 s, whole replay 0.4 s.
 
 Refused by name:
 - while building, a random op whose inputs the recorder cannot reproduce, or one given its own torch.Generator:
