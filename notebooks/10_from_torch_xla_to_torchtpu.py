@@ -41,7 +41,9 @@
 #
 # *Measured on: 2-core CPU shared with other jobs, torch 2.9 and torch_xla 2.9 on XLA:CPU. Fast mode: 36 s under nbval
 # with the solutions on, 64 s unsolved on a busier machine. Full mode: 44 s unsolved, Inductor's cache warm. With
-# torch_xla hidden, as on an image without it, its cells are skipped: 17 s.*
+# torch_xla hidden, as on an image without it, its cells are skipped: 17 s. TorchTPU's image without chips (torch 2.11,
+# torch-tpu 0.2.0, Python 3.13, no torch_xla), run as a script after the set-up: 30 s, 18 s of it a cold Inductor
+# compile.*
 #
 # **In the course**: after 07; next: the appendix, 05. It comes after the capstone because every row of its map
 # points back to something the course taught: 00's lazy step, 03's meshes, 04's and 07's detectives, 08's and 09's
@@ -927,8 +929,9 @@ if exercises.check("10.step_flops", lambda: nb10.check_step_flops(step_flops)):
 # | checkpoints | DCP, upstream torch | CPU (gloo): an FSDP2 save and load (section 8) |
 # | FLOP and byte arithmetic | the same | CPU and XLA:CPU: equal FLOP counts (section 8) |
 #
-# Notebook 08 also ran on an NVIDIA H200 (README's time table): the compiled engine itself is verified on a GPU. No
-# row here was run on a TPU, with either stack.
+# The CPU rows also ran with torch 2.11 and torch-tpu 0.2.0 installed (Python 3.13, no chips, no torch_xla), with the
+# same losses and counts. Notebook 08 also ran on an NVIDIA H200 (README's time table): the compiled engine itself is
+# verified on a GPU. No row here was run on a TPU, with either stack.
 #
 # Next, the appendix: notebook 05 serves the trained models on a CPU.
 
