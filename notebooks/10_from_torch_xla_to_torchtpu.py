@@ -42,7 +42,7 @@
 # *Measured on: 2-core CPU shared with other jobs, torch 2.9 and torch_xla 2.9 on XLA:CPU. Fast mode: 36 s under nbval
 # with the solutions on, 64 s unsolved on a busier machine. Full mode: 44 s unsolved, Inductor's cache warm. With
 # torch_xla hidden, as on an image without it, its cells are skipped: 17 s. TorchTPU's image without chips (torch 2.11,
-# torch-tpu 0.2.0, Python 3.13, no torch_xla), run as a script after the set-up: 30 s, 18 s of it a cold Inductor
+# torch-tpu 0.2.0, Python 3.13, no torch_xla), run as a script without the set-up cell: 30 s, 18 s of it a cold Inductor
 # compile.*
 #
 # **In the course**: after 07; next: the appendix, 05. It comes after the capstone because every row of its map
@@ -215,7 +215,7 @@ print(f"{len(batches)} batches of {B}; the TorchTPU side runs on {dev} with torc
 # First the torch_xla side, as notebook 00 wrote it. Notebook 03's SPMD mode is switched on before the first step,
 # over `P.xla_devices` virtual XLA:CPU devices, so that section 4 can shard on the same runtime. The loop keeps its
 # losses on the device and reads them once, at the end. It also starts torch_xla's persistent compile cache in a
-# temporary folder; section 6 reads it.
+# temporary folder; section 7 reads it.
 
 # %%
 xla_cache = tempfile.mkdtemp(prefix="labkit-nb10-xla-cache-")
@@ -265,8 +265,9 @@ else:
 # cache.
 #
 # Now the TorchTPU side, twice. First eager, TorchTPU's default: no sync, no graph. Then the same step with the model
-# compiled, `dynamic=False` as TorchTPU's compiler requires. The backward is compiled with the model's forward, by
-# AOTAutograd. The optimizer runs eager.
+# compiled, with `dynamic=False`: TorchTPU's backend supports no other value (its docstring in
+# `torch_tpu/_internal/compile/_backend.py`: "Only False is supported"). AOTAutograd compiles the backward with the
+# model's forward. The optimizer runs eager.
 
 # %%
 def train(model, step_model=None, device=dev):
@@ -299,7 +300,8 @@ else:
     print(f"eager and compiled agree within {tol:g}")
 
 # %% [markdown]
-# Three engines, one set of losses. The printed time is mostly the compile. The compiled run's first step waited for
+# The last line says which engines ran and how closely their losses agree: lazy, eager and compiled, or eager and
+# compiled where torch_xla is missing. The printed time is mostly the compile. The compiled run's first step waited for
 # it; the others reused the graph.
 #
 # What changed for the code: nothing but the lines that talk to the engine. The lazy loop needs `torch_xla.sync()` to
@@ -346,7 +348,7 @@ else:
 
 # %% [markdown]
 # The IR lists the step's ops as XLA nodes; its first nodes are the inputs, the weights among them. The HLO is the
-# program XLA compiles, with one `dot` per matmul.
+# program XLA compiles, with `dot` instructions for its matmuls.
 #
 # The compiled side has no IR to print before a run. `torch._dynamo.explain` runs the function once under Dynamo and
 # reports what it captured: the FX graphs, their ops, and every graph break with its reason.
@@ -740,9 +742,8 @@ else:
 
 # %% [markdown]
 # The compiled step splits in two at `.item()`, and the reason names it. Dynamo also prints its own warning about
-# the break, with the line that caused it. On torch_xla the same line costs a
-# device-to-host transfer. The fix is the same on both: keep the value on the device (`torch.where`), and read once
-# per log interval.
+# the break, with the line that caused it. On torch_xla the same line costs a device-to-host transfer. The fix is
+# the same on both: keep the value on the device (`torch.where`), and read once per log interval.
 #
 # **Checkpoints.** torch.distributed.checkpoint (DCP) writes each process's shards into one folder and loads them
 # into any layout (notebooks 08 and 09). It is upstream torch, so it is TorchTPU's checkpoint format as it is. The
@@ -932,6 +933,11 @@ if exercises.check("10.step_flops", lambda: nb10.check_step_flops(step_flops)):
 # The CPU rows also ran with torch 2.11 and torch-tpu 0.2.0 installed (Python 3.13, no chips, no torch_xla), with the
 # same losses and counts. Notebook 08 also ran on an NVIDIA H200 (README's time table): the compiled engine itself is
 # verified on a GPU. No row here was run on a TPU, with either stack.
+#
+# What stays unverified until TorchTPU runs on a chip: what `backend="tpu"` compiles and how fast it runs; what each
+# eager mode queues; the `"tpu"` process groups and `topology_aware_mesh`; whether `pin_memory` pins for the `tpu`
+# device; TorchTPU's compiled programs found again in AOTAutograd's cache by a second process; its Kineto backend in a
+# profile.
 #
 # Next, the appendix: notebook 05 serves the trained models on a CPU.
 

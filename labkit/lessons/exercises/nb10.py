@@ -91,7 +91,7 @@ def _show(ps) -> str:
 
 def check_placements(placements) -> str:
     """10.placements: placements(partition_spec, mesh_axes) -> DTensor placements, one per mesh axis (see
-    placements_rule). Judged on 5 specs over meshes of 1 to 3 axes, drawn anew."""
+    placements_rule). Judged on 5 specs over meshes of 2 and 3 axes, drawn anew."""
     todo(placements)
     rng = random.Random(next(_calls))
     cases = [(("data", None), ("data", "model"))]
