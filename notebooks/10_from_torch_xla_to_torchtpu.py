@@ -460,7 +460,8 @@ assert regions and "TorchDynamo Cache Lookup" in names
 #
 # The cell below lays out a 10 × 6 weight both ways over 4 devices. 10 rows do not split evenly over 4. The DTensor
 # side runs on torch's test process group `"fake"` (`torch.testing._internal.distributed.fake_pg`), as notebook 08
-# did: one process stands in for each rank in turn. Its shapes are real; it moves no data.
+# did: one process stands in for each rank in turn. Its shapes are real; it moves no data. The torch_xla side needs
+# exactly 4 XLA devices: the virtual ones here, or a TPU host with 4 chips. Elsewhere it says so and is skipped.
 
 # %%
 import warnings
