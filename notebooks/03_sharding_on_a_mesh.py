@@ -1201,11 +1201,13 @@ assert len(same_m) == len(moments), sorted(set(moments) - set(same_m))
 assert tiles == {(0, 0): []}, "the target keeps its own layout"
 
 # %% [markdown]
-# **Where this goes next.** PyTorch/XLA's README says that TorchTPU will replace torch_xla once it is public. TorchTPU
-# shards with DTensor and one process per chip, instead of GSPMD's one process per host. It is not run here, since it
-# needs TPU chips.
+# **Where this goes next.** Google's PyTorch/XLA pages now say that PyTorch/XLA is deprecated and replaced by TorchTPU,
+# and that its repository is archived on November 15, 2026. TorchTPU shards with DTensor and one process per chip,
+# instead of GSPMD's one process per host. Notebook 10 maps this notebook's meshes and `mark_sharding` to DTensor
+# placements. TorchTPU is not run on a chip here.
 #
-# *Source: github.com/pytorch/xla, README, its note dated 2026-04-22; read 2026-11.*
+# *Source: cloud.google.com/tpu/docs, the "PyTorch on Cloud TPU" page and the banner of its PyTorch/XLA pages; read
+# 2026-11-29.*
 #
 # * Ends with torch_xla: `xs.Mesh`, `xs.mark_sharding`, `SpmdFullyShardedDataParallel`, the SPMD planners of the sharded
 #   checkpoint, and reading the partitioned HLO dump.

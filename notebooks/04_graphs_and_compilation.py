@@ -821,10 +821,13 @@ if ex.check("04.slowest", lambda: nb04.check_slowest_op(slowest_op, rt)):
     print("this capture's slowest op:", slowest_op(prof.op_events), "- labkit's ranking:", prof.ops[0][0])
 
 # %% [markdown]
-# **Where this goes next.** PyTorch/XLA's README says that TorchTPU will replace torch_xla once it is public. TorchTPU
-# is eager by default and builds graphs with `torch.compile`. It is not run here.
+# **Where this goes next.** Google's PyTorch/XLA pages now say that PyTorch/XLA is deprecated and replaced by TorchTPU,
+# and that its repository is archived on November 15, 2026. TorchTPU is eager by default and builds graphs with
+# `torch.compile(backend="tpu", dynamic=False)`. Notebook 10 maps this notebook's detectives to `torch._dynamo.explain`,
+# the recompile log and `torch.profiler`. TorchTPU is not run on a chip here.
 #
-# *Source: github.com/pytorch/xla, README, its note dated 2026-04-22; read 2026-11.*
+# *Source: cloud.google.com/tpu/docs, the "PyTorch on Cloud TPU" page and the banner of its PyTorch/XLA pages; read
+# 2026-11-29.*
 #
 # * Ends with torch_xla: lazy tensors and `torch_xla.sync()`, `torch_xla.compile`, the `CompileTime` and transfer
 #   counters behind the detective and the checks, and `torch_xla.debug.profiler`'s trace.

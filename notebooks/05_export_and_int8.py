@@ -733,8 +733,8 @@ ex.check("05.to_host", lambda: nb05.check_to_host(to_host, rt))
 #   not the file. Hence a tolerance on logits rather than bit equality.
 # * Any backend: `torch.export` with a dynamic batch, PT2E int8 quantization with `X86InductorQuantizer`, Inductor
 #   compilation and key/value caching are plain PyTorch. What they buy depends on the CPU (see section 1).
-# * TorchTPU: PyTorch/XLA's README names it as torch_xla's replacement once it is public. It is not run here. Nothing in
+# * TorchTPU: Google's PyTorch/XLA pages name it as torch_xla's replacement (read 2026-11-29). It is not run here. Nothing in
 #   this notebook depends on torch_xla except loading a checkpoint that a TPU run wrote. That checkpoint holds plain CPU
 #   tensors either way, so every lesson here carries over.
 #
-# *Source: github.com/pytorch/xla, README, its note dated 2026-04-22; read 2026-11.*
+# *Source: cloud.google.com/tpu/docs, the banner of its PyTorch/XLA pages, read 2026-11-29; torch_xla's lines: github.com/pytorch/xla, README, read 2026-11.*
