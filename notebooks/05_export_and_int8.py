@@ -135,11 +135,21 @@ print("labkit", labkit.__version__, "from", os.path.dirname(labkit.__file__))
 # - AMX, int8 tile matrix multiplies, on Xeon Sapphire Rapids and later.
 
 # %%
+import re
 import time
+import warnings
 
 import torch
 
 from labkit.serve import export, quantize
+
+# Three warnings that torch 2.9's own code raises here and that ask nothing of the learner, silenced by their text:
+# torch.export.load's frombuffer over a read-only buffer (the loaded program never writes its weights), the PT2E
+# quantizer's internal call of the deprecated export_for_training (six times), and Inductor's mkldnn lowering copying a
+# tensor with torch.tensor(). Anything else still prints.
+for text in ("The given buffer is not writable", "`torch.export.export_for_training` is deprecated",
+             "To copy construct from a tensor, it is recommended"):
+    warnings.filterwarnings("ignore", message=".*" + re.escape(text))
 
 if P.threads:
     torch.set_num_threads(P.threads)
@@ -368,6 +378,10 @@ else:
 # %% [markdown]
 # The output above gives the calibration images, the seconds that quantizing took, and the two programs' sizes on disk.
 # The int8 program must be under 0.35 of the float32 one: a quarter for the weights, plus scales and zero points.
+#
+# On a machine without a GPU, Inductor's first compile may also print `No CUDA runtime is found, using
+# CUDA_HOME=...`. This torch build was made for CUDA, and Inductor's C++ set-up looks for the CUDA toolkit. The CPU
+# code it compiles does not need it.
 #
 # Now the measurement, all in this one run, one model after another on the same cores. The models are float32 eager,
 # float32 compiled by Inductor, and int8 compiled by Inductor. Each compiled model is compiled once per batch size. That

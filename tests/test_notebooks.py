@@ -327,6 +327,10 @@ def test_timing_comparisons_print_a_spread():
 # Every warning a notebook's run prints, seen in a fast-mode run, with the words the notebook uses to read it for the
 # learner (markdown) or to silence it (code). A warning left bare costs a learner more than the lesson it interrupts.
 PRINTED_WARNINGS = [
+    ("05_export_and_int8", "The given buffer is not writable", "code"),
+    ("05_export_and_int8", "`torch.export.export_for_training` is deprecated", "code"),
+    ("05_export_and_int8", "To copy construct from a tensor, it is recommended", "code"),
+    ("05_export_and_int8", "No CUDA runtime is found", "markdown"),
     ("06_bring_your_own_webdataset", "This DataLoader will create 8 worker", "markdown"),
     ("08_the_compiled_engine", "Profiler function <class 'torch.autograd.profiler.record_function'> will", "markdown"),
     ("08_the_compiled_engine", "No CUDA runtime is found", "markdown"),
