@@ -31,12 +31,13 @@
 # - follow a SIGTERM from torchrun to every process, and say what fits in the 30 s before SIGKILL;
 # - size a 7B model on 8 x 80 GB and choose a plan for 2 hosts of 8 GPUs, sizes this CPU cannot show.
 #
-# **Time**: 30 s to 2 minutes of run time. Most of it is the one torchrun launch of section 2, whose time depends on
-# the machine's load (section 2 gives the range). Fast mode only shortens the counted runs, so full mode takes about the
-# same. Reading and the three exercises take 30-45 minutes.
+# **Time**: 15–51 s of run time, quiet machine to busy. Most of it is the one torchrun launch of section 2, whose time
+# depends on the machine's load. Fast mode only shortens the counted runs, so full mode takes about the same. Reading
+# and the three exercises take 30-45 minutes.
 #
-# *Measured on: 2-core CPU shared with other jobs, torch 2.9, gloo, fast mode: the whole notebook 32-51 s, the
-# launch 19-52 s of it.*
+# *Measured on: 2-core CPU shared with other jobs, torch 2.9, gloo, fast mode, 2026-11-29: two runs at a load of 3–5,
+# the whole notebook 14.7 s and 15.4 s, the launch 9 s of each. Earlier runs on a busier machine took 32–51 s for the
+# whole notebook; their launch times were not kept.*
 #
 # **In the course**: after 08; next: 07. It builds on 08: DTensor, FSDP2, the Trainer under torchrun. It also builds
 # on 03's bytes and collectives per device.
@@ -221,8 +222,8 @@ print(f"replicate: one all-reduce of the whole gradients, {whole:,d} B, per opti
 #   (`sigterm_at`). That is how one process of a preempted job gets it.
 #
 # The cell prints how long the launch took. Most of that time is starting the processes: each one imports torch and
-# labkit and joins the gloo group. So the time follows the machine's load: 10-52 s measured on a 2-core machine,
-# quiet to busy.
+# labkit and joins the gloo group. So the time follows the machine's load. At a load of 3–5 on a 2-core machine it
+# took 9 s; the first cell gives the runs.
 
 # %%
 tmp = tempfile.mkdtemp(prefix="labkit-nb09-")
