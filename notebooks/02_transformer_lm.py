@@ -265,9 +265,10 @@ print("peak for MFU:", PEAK_SOURCE)
 # With the plain call below, a click waits for the cell to end, as notebook 01 explains.
 #
 # The dashboard's first interval includes the compiles, so its first rate is too low and its first ETA too long.
-# Both settle once the compiles are done. The cell first prints a `[labkit]` line that says who copies batches to
-# the device; notebook 00 explains it. Its last line gives the steps, the seconds, and the final validation loss in
-# nats and in bits per byte.
+# Both settle once the compiles are done. The cell first prints a few `[labkit]` lines. Each is a decision the runtime
+# took once, with its reason. On XLA:CPU there are two: the memory format, and who copies batches to the device
+# (notebook 00 explains the second). Another backend may add its own, such as cuDNN's autotuner on a GPU. The cell's
+# last line gives the steps, the seconds, and the final validation loss in nats and in bits per byte.
 
 # %%
 # GPT(gcfg) seeded on host and device; labkit.models.gpt.adamw (decay on matrices only, capturable on XLA);
@@ -620,7 +621,7 @@ def fwd_bwd_s(model, xb):
 
 
 L_, d_, H_, B_, T_ = 4, 128, 8, 4, 64
-ROUNDS = 9  # about 20 ms a round here: the spread costs well under a second
+ROUNDS = 9  # about 0.15 s a round on a 2-core CPU: the spread costs a second or two
 xb = torch.randint(0, 256, (B_, T_))
 models, kept, losses = {}, {}, {}
 for rc in (False, True):
@@ -648,10 +649,11 @@ assert kept[True] < kept[False] / 4
 
 # %% [markdown]
 # The first two lines compare the bytes, and the bytes match the prediction on any machine. The next three compare
-# the time. On a quiet machine the rounds agree within a few %, and the median ratio lands near the predicted 1.33×.
-# On a busy one a single round can take several times as long, whichever model it timed. Then the range spans far more
-# than the 33 % the prediction is about, and the run cannot confirm it or refute it. Only the median of a narrow range
-# is a measurement; the bytes are the lesson's result.
+# the time. Compare the median ratio with the predicted 1.33×, and read the range beside it. One run at a load of 3–5
+# on a 2-core CPU gave a median of 1.46×, with rounds from 1.20× to 2.09×: near the prediction, but a range that wide
+# cannot tell 1.33× from 1.5×. On a busier machine a single round can take several times as long, whichever model it
+# timed. A range far wider than the 33 % the prediction is about neither confirms it nor refutes it. The bytes are the
+# lesson's result; the time is a check that only a quiet machine makes sharp.
 
 # %% [markdown]
 # **An out-of-memory on a v5e, predicted, read and fixed.** Take the GPT-2 small shape: 12 layers, d = 768,
