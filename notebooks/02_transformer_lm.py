@@ -651,9 +651,11 @@ assert kept[True] < kept[False] / 4
 # The first two lines compare the bytes, and the bytes match the prediction on any machine. The next three compare
 # the time. Compare the median ratio with the predicted 1.33×, and read the range beside it. One run at a load of 3–5
 # on a 2-core CPU gave a median of 1.46×, with rounds from 1.20× to 2.09×: near the prediction, but a range that wide
-# cannot tell 1.33× from 1.5×. On a busier machine a single round can take several times as long, whichever model it
-# timed. A range far wider than the 33 % the prediction is about neither confirms it nor refutes it. The bytes are the
-# lesson's result; the time is a check that only a quiet machine makes sharp.
+# cannot tell 1.33× from 1.5×.
+#
+# On a busier machine a single round can take several times as long, whichever model it timed. A range far wider than
+# the 33 % the prediction is about neither confirms it nor refutes it. The bytes are the lesson's result; the time is a
+# check that only a quiet machine makes sharp.
 
 # %% [markdown]
 # **An out-of-memory on a v5e, predicted, read and fixed.** Take the GPT-2 small shape: 12 layers, d = 768,
