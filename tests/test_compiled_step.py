@@ -304,3 +304,22 @@ def test_resnet_compiled_matches_eager_with_buffers_and_eval(resnet_runs):
     assert last["frames"] == warm["frames"], "recompiled after warm-up"
     assert not unexpected_breaks(last["breaks"])
     assert compiled.state_dict()["model"].keys() == eager.module.state_dict().keys()
+
+
+def test_the_readme_quotes_each_payback_row():
+    """The README's table "When compile='auto' compiles" gives the measured rows' figures (cpu, cuda) as PAYBACK_STEPS
+    holds them, and so does any other row it lists."""
+    import math
+    import re
+    from pathlib import Path
+
+    from labkit.runtime import step as step_mod
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for kind, row in step_mod.PAYBACK_STEPS.items():
+        line = re.search(rf"^\| `{kind}` \| ([^|]+) \|", readme, re.M)
+        assert line or kind not in ("cpu", "cuda"), f"no README row for {kind!r}"
+        if line is None:
+            continue
+        want = "never" if math.isinf(row.steps) else f"{row.steps:,.0f}"
+        assert want in line.group(1), (kind, line.group(1), want)
