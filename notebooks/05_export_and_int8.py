@@ -245,11 +245,11 @@ assert all(t.device.type == "cpu" for t in ckpt["model"].values())
 # The output names the checkpoint that loaded, or says in capitals that a stand-in was trained. It also says on which
 # device the reference logits were computed, and whether bf16 autocast was on.
 #
-# The validation shards lie where notebook 01 wrote them. In fast mode, as in CI, notebook 01 writes them to a
-# stand-in for a Cloud Storage bucket. It is a small server on this machine that speaks the GCS API, and it keeps its
-# files in a local folder, `data/local-gcs`. The folder survives the kernel; this cell serves it again. On Colab after notebook 01
-# in full mode, the shards lie in the folder or bucket you gave it. If the shards are gone, they are written again from the same
-# source. The digits and CIFAR-10 splits are fixed, so they are the same images.
+# The validation shards lie where notebook 01 wrote them. In fast mode, as in CI, notebook 01 writes them to a stand-in
+# for a Cloud Storage bucket. It is a small server on this machine that speaks the GCS API, and it keeps its files in a
+# local folder, `data/local-gcs`. The folder survives the kernel; this cell serves it again. On Colab after notebook 01
+# in full mode, the shards lie in the folder or bucket you gave it. If the shards are gone, they are written again from
+# the same source. The digits and CIFAR-10 splits are fixed, so they are the same images.
 
 # %%
 from data_tools import load_manifest, make_loader, write_dataset

@@ -312,8 +312,8 @@ print(f"a step takes {step_s * 1e3:.0f} ms with data in memory; waiting: {feed_o
 # batches to the device a few steps ahead, so that a copy never holds up the loop. The last line is the step time with
 # data in memory, and its small wait. That step time is the pace the loader must keep.
 #
-# On a busy machine the wait can be larger: the step then waits for the host's cores, not for data. The dashboard knows the batches were in memory,
-# so it never advises more workers for this run.
+# On a busy machine the wait can be larger: the step then waits for the host's cores, not for data. The dashboard knows
+# the batches were in memory, so it never advises more workers for this run.
 
 # %% [markdown]
 # Now stream from a **slow link**. Every photo takes `slow.delay_s` seconds to arrive before it is decoded. That is a
