@@ -74,3 +74,12 @@ def test_without_pt2e_the_error_says_what_to_install(monkeypatch):
     assert reason is not None and "torchao>=0.11" in reason and "no torchao" in reason
     with pytest.raises(ImportError, match="PT2E"):
         quantize.pt2e_api()
+
+
+def test_throughput_spread_reads_the_same_calls_three_ways():
+    """(median, slowest, fastest) examples per second, ordered on any machine; throughput() is its median."""
+    calls = []
+    x = torch.zeros(4, 2)
+    med, slow, fast = quantize.throughput_spread(lambda t: calls.append(t), x, seconds=0.0, warmup=1, min_iters=5)
+    assert len(calls) == 1 + 5 and 0 < slow <= med <= fast
+    assert quantize.throughput(lambda t: t, x, seconds=0.0, min_iters=3) > 0

@@ -201,6 +201,14 @@ def throughput(fn, x: torch.Tensor, seconds: float = 2.0, warmup: int = 2, min_i
     """Examples per second of fn(x): warm-up calls (compiles happen there), then calls for at least
     `seconds` and `min_iters` iterations; the median per-call time, so one slow call on a busy machine
     does not decide the figure."""
+    return throughput_spread(fn, x, seconds, warmup, min_iters)[0]
+
+
+def throughput_spread(
+    fn, x: torch.Tensor, seconds: float = 2.0, warmup: int = 2, min_iters: int = 3
+) -> tuple[float, float, float]:
+    """throughput()'s calls, read three ways: (median, slowest, fastest) examples per second. The same calls, so
+    the spread costs no extra time; two figures whose ranges overlap are not ordered by this measurement."""
     for _ in range(warmup):
         fn(x)
     times: list[float] = []
@@ -210,7 +218,8 @@ def throughput(fn, x: torch.Tensor, seconds: float = 2.0, warmup: int = 2, min_i
         fn(x)
         times.append(time.perf_counter() - t0)
     times.sort()
-    return x.shape[0] / times[len(times) // 2]
+    n = x.shape[0]
+    return n / times[len(times) // 2], n / times[-1], n / times[0]
 
 
 def batch_export(model, example: torch.Tensor) -> torch.export.ExportedProgram:
