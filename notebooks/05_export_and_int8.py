@@ -400,19 +400,25 @@ if INT8_MISSING is None:  # section 4 needs the PT2E flow (see section 1's line)
             runs[name](xb[b])                       # the other batch sizes' graphs
         compile_s[name] = time.perf_counter() - t0
         print(f"{name}: compiled for batch sizes {BATCHES} in {compile_s[name]:.0f} s")
-    speed = {name: {b: quantize.throughput(fn, xb[b], seconds=P.time_s) for b in BATCHES} for name, fn in runs.items()}
+    spread = {name: {b: quantize.throughput_spread(fn, xb[b], seconds=P.time_s) for b in BATCHES}
+              for name, fn in runs.items()}          # (median, slowest, fastest) images/s over the same calls
+    speed = {name: {b: s[0] for b, s in per.items()} for name, per in spread.items()}
     acc = {name: export.evaluate(fn, val_loader)["val_acc"] for name, fn in runs.items()}
-    print(f"\n{'':14s} " + " ".join(f"{'batch ' + str(b) + ' img/s':>16s}" for b in BATCHES) + f" {'val acc':>9s} {'size MB':>8s}")
+    print(f"\n{'':14s} " + " ".join(f"{'batch ' + str(b) + ' img/s (range)':>26s}" for b in BATCHES)
+          + f" {'val acc':>9s} {'size MB':>8s}")
     for name in runs:
         size = SIZES["int8" if name.startswith("int8") else "fp32"] / 1e6
-        print(f"{name:14s} " + " ".join(f"{speed[name][b]:16.1f}" for b in BATCHES) + f" {acc[name]:9.2%} {size:8.1f}")
+        cols = (f"{m:9.1f} ({lo:.1f}-{hi:.1f})" for m, lo, hi in (spread[name][b] for b in BATCHES))
+        print(f"{name:14s} " + " ".join(f"{c:>26s}" for c in cols) + f" {acc[name]:9.2%} {size:8.1f}")
 else:
     print(f"skipped: {INT8_MISSING}")
 
 
 # %% [markdown]
 # The lines above give each compiled model's compile seconds. Then a table gives, for each model, images/s at each batch
-# size timed, validation accuracy and size in MB. Fast mode times batch 32 only.
+# size timed, validation accuracy and size in MB. Fast mode times batch 32 only. The images/s is the median over the
+# calls, and the brackets give the slowest and the fastest call. Two models whose ranges overlap are not ordered by this
+# run.
 #
 # The sentences below the next cell are printed from the measurements, whatever they are on this machine. Accuracy comes
 # first: calibrated int8 should cost at most a point or two.

@@ -302,6 +302,7 @@ TIMED_COMPARISONS = [
     ("02_transformer_lm", "seconds[rc].append(fwd_bwd_s(models[rc], xb))"),
     ("04_graphs_and_compilation", "loops[name](P.steps)"),
     ("05_export_and_int8", "runs[name].append(N_GEN / (time.perf_counter() - t0))"),
+    ("05_export_and_int8", "quantize.throughput_spread(fn, xb[b], seconds=P.time_s)"),
     ("08_the_compiled_engine", "eager_s = sorted(timed(eager_step, x, y)[0] for x, y in batches[1:])"),
 ]
 
