@@ -1,5 +1,8 @@
 """Notebook sources: every .ipynb equals the jupytext py:percent file beside it, and the set-up cell is the same
-in every notebook."""
+in every notebook. What the text may say: figures a run prints are read from its output; fast mode's quoted steps and
+intervals follow from the parameters cell; each Time line gives the README table's figures; no exercise's answer
+shows outside its hidden solution; timing comparisons print a spread; each warning a run prints is read or
+silenced."""
 
 import importlib.util
 from pathlib import Path
