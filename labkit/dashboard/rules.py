@@ -275,7 +275,7 @@ def feed_finding(
             "copy to the device, or the loader's thread waiting for a host core that other work holds: check the "
             "machine's load, and that the device copy runs ahead (DeviceLoader)."
         )
-        return [Finding("input_bound", short, advice)]
+        return [Finding("waiting_in_memory", short, advice)]
     cores = ""
     if workers is not None and wait_s is not None and step_s:
         need = cores_needed(wait_s, step_s, workers)
