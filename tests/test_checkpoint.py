@@ -456,13 +456,14 @@ def test_a_failed_prune_after_a_one_file_commit_is_a_warning_not_the_next_saves_
     m = CheckpointManager(tmp_path, keep=1, best_metric=None)
     m.save(1, _state(1))
     m.wait()
-    prune = m._prune
+    fmt = m.formats["file"]
+    remove = fmt.remove
 
     def failing(*a, **k):
-        m._prune = prune
+        fmt.remove = remove
         raise OSError(13, "Permission denied (simulated)")
 
-    m._prune = failing
+    fmt.remove = failing
     with pytest.warns(UserWarning, match=r"ckpt-00000002.pt is committed, but removing .* Permission denied"):
         m.save(2, _state(2))
         m.wait()

@@ -204,23 +204,29 @@ def test_a_local_lock_planted_as_a_link_is_not_written_through(tmp_path):
 def test_a_forked_child_does_not_keep_the_local_writer_lock(tmp_path):
     """A DataLoader worker forked while a manager holds the folder's flock (persistent_workers=True) gets a copy of
     its descriptor. After close(), a new manager on the folder in the same process must take the lock, the child
-    still alive."""
+    still alive. The child says it started (its fork hooks have run by then, as a worker's have long before a
+    notebook closes its manager); the test waits for that, so no scheduling decides the verdict."""
     root = str(tmp_path / "ck")
     first = CheckpointManager(root, **_opts())
     first.save(1, _state(1, 1))
-    read_end, write_end = os.pipe()
+    (wait_r, wait_w), (ready_r, ready_w) = os.pipe(), os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: waits until the parent has tried, as a persistent worker would
-        os.close(write_end)
-        os.read(read_end, 1)
-        os._exit(0)
-    os.close(read_end)
+    if pid == 0:  # the child: says it runs, then waits until the parent has tried, as a persistent worker would
+        try:
+            os.write(ready_w, b"r")
+            os.read(wait_r, 1)
+        finally:
+            os._exit(0)
+    os.close(wait_r)
+    os.close(ready_w)
     try:
+        assert os.read(ready_r, 1) == b"r"
         first.close()
         second = CheckpointManager(root, **_opts())
         second.save(2, _state(2, 2))  # takes the writer lock: refused while the child held a copy
         second.close()
     finally:
-        os.write(write_end, b"x")
-        os.close(write_end)
+        os.write(wait_w, b"x")
+        os.close(wait_w)
+        os.close(ready_r)
         os.waitpid(pid, 0)

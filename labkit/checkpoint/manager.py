@@ -212,14 +212,7 @@ class CheckpointManager(Together):
         except BaseException:
             fmt.abort(step)
             raise
-        try:
-            self._prune(step, kept, entries)
-        except Exception as e:  # the step is committed: raised, it failed process 0's next save() alone (torchrun)
-            warnings.warn(
-                f"{self.store.url(name)} is committed, but removing the steps it replaces failed ({type(e).__name__}: "
-                f"{e}); they stay until the next save prunes them",
-                stacklevel=2,
-            )
+        self._prune(step, kept, entries, warn=True)
 
     def _may_replace(self, fmt, step) -> None:
         """`step` exists already: this run's own earlier save, one a killed writer stored without committing, or one
@@ -245,15 +238,27 @@ class CheckpointManager(Together):
             keep.add(best["name"])
         return keep
 
-    def _prune(self, newest: int, keep: set, entries) -> None:
+    def _prune(self, newest: int, keep: set, entries, warn: bool = False) -> None:
         """Drop every step not kept, but not an uncommitted one newer than `newest` (another save's, in flight
         or killed: its own next save replaces it). `entries` were listed before the commit of `newest`: only
-        its own flag changed since, and `newest` is kept."""
+        its own flag changed since, and `newest` is kept. warn=True (the one-file save, in the writer's thread): a
+        removal that fails is a warning, since `newest` is committed; raised, it failed process 0's next save() alone
+        under torchrun. A lock another writer took still raises."""
         doomed = [(s, f) for s, f, c in entries if f.name(s) not in keep and (c or s < newest)]
         if doomed:
             self.store.check_writer()  # a writer whose lock was taken deletes nothing
         for s, f in doomed:
-            f.remove(s)
+            try:
+                f.remove(s)
+            except Exception as e:
+                if not warn:
+                    raise
+                warnings.warn(
+                    f"{self.store.url(f.name(newest))} is committed, but removing the steps it replaces failed "
+                    f"({type(e).__name__}: {e}); they stay until the next save prunes them",
+                    stacklevel=2,
+                )
+                return
 
     def wait(self) -> None:
         """Block until the pending save finished; re-raise its error."""
