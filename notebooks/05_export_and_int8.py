@@ -626,18 +626,20 @@ print(repr(text.decode(torch.cat([prompt[0], base[0]]))))
 # the weights of convolutions and linear layers as int8. Everything else stays float32. The check tries two other
 # models, then this one against the file that section 4 wrote.
 #
-# **Reading the tokens/s.** The cache should win. Eager, it did in the runs measured; exported and compiled, it need
-# not. One run on a 2-core CPU printed 1,866 tokens/s for the eager cache, 833 for the exported program and 1,497
-# exported and compiled. The no-cache window ran at 1,082, faster than the exported cache.
+# **Reading the tokens/s.** The cache should win, and eager it did in every run measured. Exported and compiled, the
+# order changed from run to run. One run on a 2-core CPU printed 1,866 tokens/s for the eager cache, 833 for the
+# exported program and 1,497 exported and compiled; the no-cache window ran at 1,082, faster than the exported cache.
+# A later run printed medians of 1,113 eager, 736 exported and 1,528 compiled, with the window at 794.
 #
 # The exported program runs the same ATen ops as eager (82 op calls for a 2-layer GPT), and writes the cache in place.
 # But a token of this tiny model costs well under a millisecond of arithmetic, so each call's fixed costs decide. The
-# loaded program's module checks every input's shape against the program's ranges before each call, in Python. A
-# compiled module first checks Dynamo's guards. Those costs are a likely cause; they were not measured apart here.
+# loaded program's module checks every input's shape against the program's ranges before each call, in Python. That
+# is a likely reason why the exported program ran slowest of the cached variants in both runs; it was not measured
+# apart here. Compiling removes some of eager's per-op cost and adds Dynamo's guard checks, so whether it wins depends
+# on the run.
 #
-# So on this model compiling did not remove the overhead: it exchanged one overhead for another. Compare the ranges
-# before you conclude. Where two variants' ranges overlap, this run cannot order them. On a model whose token costs
-# milliseconds of arithmetic, fixed costs per call matter less; that was not measured here.
+# So compare the ranges before you conclude. Where two variants' ranges overlap, this run cannot order them. On a
+# model whose token costs milliseconds of arithmetic, fixed costs per call matter less; that was not measured here.
 
 # %%
 from labkit.lessons import exercises as ex
