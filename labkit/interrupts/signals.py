@@ -42,14 +42,36 @@ class Preempted(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
+def handlers(pairs: dict):
+    """{signal: handler} installed while the block runs, the old ones put back in a `finally`; yields True, or False
+    where nothing was installed: outside the main thread (Python allows handlers there only) or where the
+    interpreter refuses (an embedded one). The one place labkit installs and restores a signal handler in
+    labkit.interrupts (the dashboard's buttons, a layer below, keep their own: labkit.dashboard.controls)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+    old: dict = {}
+    try:
+        for signum, handler in pairs.items():
+            old[signum] = signal.signal(signum, handler)
+    except (ValueError, OSError):  # not allowed here: leave them all alone
+        for signum, prev in old.items():
+            signal.signal(signum, prev)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        for signum, prev in old.items():
+            signal.signal(signum, prev)
+
+
+@contextlib.contextmanager
 def sigterm_raises(vote=None):
     """During fit, SIGTERM raises Preempted in the main thread (its default action kills the
     process on the spot, losing the pending upload). Elsewhere (a worker thread) nothing changes.
     With an active StepVote (torchrun's processes: labkit.interrupts.vote) it only sets vote.got: the next step
     boundary, or the epoch's end, acts on it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def handler(signum, frame):
         if vote is not None and vote.active:
@@ -57,18 +79,9 @@ def sigterm_raises(vote=None):
             return
         raise Preempted(f"SIGTERM (signal {signum}) during training")
 
-    try:
-        old = signal.signal(signal.SIGTERM, handler)
-        # Python's own Ctrl-C handler, re-installed: a native library may have replaced it at the C level
-        old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
-    except (ValueError, OSError):  # not allowed here (embedded interpreters): leave it alone
+    # with Python's own Ctrl-C handler, re-installed: a native library may have replaced it at the C level
+    with handlers({signal.SIGTERM: handler, signal.SIGINT: signal.default_int_handler}):
         yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-        signal.signal(signal.SIGINT, old_int)
 
 
 @contextlib.contextmanager
@@ -77,18 +90,8 @@ def sigterm_deferred():
     finish); yields a list that holds True afterwards if one came, for the caller to stop then. Outside the main
     thread, nothing changes."""
     got: list = []
-    if threading.current_thread() is not threading.main_thread():
+    with handlers({signal.SIGTERM: lambda signum, frame: got.append(True)}):
         yield got
-        return
-    try:
-        old = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(True))
-    except (ValueError, OSError):
-        yield got
-        return
-    try:
-        yield got
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def finish_pending_save(ck, rt, step: int, interrupt=None, raise_errors: bool = False) -> None:
