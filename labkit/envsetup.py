@@ -160,11 +160,12 @@ def tpu_hardware(root: str | None = None) -> int:
 
 # libtpu, loaded by torch_tpu, asks the cloud metadata server for this VM's TPU settings when it finds no chip: 30
 # tries for each key. A CPU backward with torch-tpu 0.2.0 installed and no chip waited past 200 s for it; with
-# TPU_SKIP_MDS_QUERY set, 0.15 s (torch 2.12.1, libtpu 0.0.52). It then still logs a dozen lines of failed TPU start-up
-# at the first backward (worker hostnames, "PjRt backend unavailable"), which TF_CPP_MIN_LOG_LEVEL=3 (absl's level,
-# libtpu's logs) keeps out of the notebook, and torch_tpu warns at import that tcmalloc is not the allocator, a speed
-# hint for a chip. Only where no chip is found: a TPU VM's libtpu needs the server, and its logs are worth reading.
-NO_CHIP_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+# TPU_SKIP_MDS_QUERY set, 0.15 s (torch 2.12.1, libtpu 0.0.52). libtpu then still tries to start at the first backward
+# and logs a dozen lines of its failure: TF_CPP_MIN_LOG_LEVEL=3 (absl's level) keeps its logs out of the notebook, and
+# TPU_WORKER_HOSTNAMES=localhost answers the one error it writes before that level applies (the worker list the metadata
+# server would have given). torch_tpu also warns at import that tcmalloc is not the allocator: a speed hint for a chip.
+# Only where no chip is found: a TPU VM's libtpu needs the server, and its logs are worth reading there.
+NO_CHIP_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "TPU_WORKER_HOSTNAMES": "localhost"}
 NO_CHIP_WARNING = r".*tcmalloc is not loaded"  # torch_tpu/_tcmalloc_check.py's UserWarning
 
 

@@ -82,7 +82,7 @@ def test_no_chip_settings_only_with_torch_tpu_and_no_chip(tmp_path, monkeypatch)
     env = {}
     assert es.no_chip_settings(env, str(tmp_path)) == es.NO_CHIP_ENV == env
     assert env["TPU_SKIP_MDS_QUERY"] == "1"
-    mine = {"TPU_SKIP_MDS_QUERY": "0", "TF_CPP_MIN_LOG_LEVEL": "1"}
+    mine = {"TPU_SKIP_MDS_QUERY": "0", "TF_CPP_MIN_LOG_LEVEL": "1", "TPU_WORKER_HOSTNAMES": "w0,w1"}
     assert es.no_chip_settings(dict(mine), str(tmp_path)) == {}  # the user's own values stay
     chip = tmp_path / "sys/bus/pci/devices/0000:00:04.0"
     chip.mkdir(parents=True)
