@@ -34,7 +34,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass(frozen=True)
 class Precision:
     name: str  # "bf16" | "fp16" | "fp32": what the matmuls compute in (flops.peak_flops takes it)
-    device_type: str  # autocast's device type: "xla" | "cuda" | "cpu"
+    device_type: str  # autocast's device type: "xla" | "cuda" | "cpu" | "tpu" (TorchTPU)
     reason: str
     # fp16 only: the GradScaler this precision steps through (its loss scale is state, saved in checkpoints)
     scaler: object = dataclasses.field(default=None, init=False, repr=False, compare=False)
