@@ -201,7 +201,10 @@ def parser() -> argparse.ArgumentParser:
             )
         sub.add_argument("--fast", action="store_true", help="the CI-sized run (as LABKIT_FAST=1)")
         sub.add_argument(
-            "--backend", default=None, choices=BACKENDS, help="tpu (torch_xla) | torch-tpu (TorchTPU) | cuda | xla-cpu | cpu (default: detect)"
+            "--backend",
+            default=None,
+            choices=BACKENDS,
+            help="tpu (torch_xla) | torch-tpu (TorchTPU) | cuda | xla-cpu | cpu (default: detect)",
         )
         sub.add_argument(
             "--parallel",
