@@ -4,7 +4,7 @@
 #                   and figures in artifacts/). CI-sized by default: LABKIT_FAST=0 for a full run.
 #   make test-quick the unit tests only (a developer's loop; not what CI runs)
 #   make test       the whole test suite (unit tests + both notebooks under nbval) on XLA:CPU, plus
-#                   both notebooks in the Colab TPU/GPU and Kaggle TPU images and the unit suite on
+#                   the notebooks in the Colab TPU/GPU, Kaggle TPU and TorchTPU VM images and the unit suite on
 #                   Python 3.13 (venvs in .venvs/, built by the tests with uv from images/*.txt).
 #   make images     only build or reuse those venvs, and print their disk use.
 #   make book       every notebook executed (fast mode), then the course as a static site in
