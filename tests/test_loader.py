@@ -176,6 +176,7 @@ def test_length_under_a_distributed_sampler_is_this_process_share_and_the_last_i
     """DDP's canonical loader: a DistributedSampler gives process 0 of 4 13 of 50 samples, 3 whole batches of 4 (the
     short one dropped), not the whole dataset's 12. The Trainer plans 3 steps, and the run's last interval (step 3,
     log_every=2) is recorded."""
+    labkit.setup("xla-cpu")  # XLA's devices start before any backward in this process (labkit.device says why)
     rt = labkit.setup("cpu")
     data = blobs(n=50)
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=4, rank=0, shuffle=False)
@@ -189,6 +190,7 @@ def test_length_under_a_distributed_sampler_is_this_process_share_and_the_last_i
 
 
 def test_fit_records_the_steps_after_the_last_log_when_a_callback_stops_it():
+    labkit.setup("xla-cpu")  # XLA's devices start before any backward in this process
     rt = labkit.setup("cpu")
 
     class StopAt6:

@@ -210,6 +210,9 @@ def _one_step(model, opt):
 
 
 def test_a_tied_weight_stays_one_tensor_and_steps_as_the_cpu_build():
+    import labkit
+
+    labkit.setup("xla-cpu")  # XLA's devices start before this backward (labkit.device says why)
     from types import SimpleNamespace
 
     from labkit.parallel.plans import Single
