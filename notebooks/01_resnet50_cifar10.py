@@ -768,7 +768,7 @@ assert hist2[0]["loss"] < first - 0.3, "the resumed run did not start from the t
 # It does not fit. So checkpoints are saved on a schedule, and SIGTERM only finishes the one in flight.
 #
 # The metadata server's key `instance/preempted` turns TRUE with the soft-off, not before. It tells a script that
-# the shutdown is a preemption, but it gives no extra warning. `labkit/interrupts.py` gives the address.
+# the shutdown is a preemption, but it gives no extra warning. `labkit/interrupts/signals.py` gives the address.
 #
 # Here a small run trains in a child process on the CPU. It comes from `labkit.lessons.preempt`: an MLP on numbered
 # samples, read in order, with a checkpoint every 4 steps. Each upload is held 2 s, like a large file going to a

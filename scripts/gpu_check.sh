@@ -9,8 +9,9 @@
 #   2. peers_resnet50_cl, peers_resnet50_nchw, peers_mlp: labkit / a hand loop / Lightning Fabric / Accelerate
 #      (bench/bench_gpu_peers.py: each in its own process, 3 segments of 30 steps), ResNet-50 bf16 batch 64 at 224 px
 #      in channels_last and in NCHW, and the MLP at batch 64 (the host tax);
-#   3. fsdp2_case: FSDP2 on one GPU (bench/gpu_fsdp_case.py: "cpu:gloo,cuda:nccl", a bf16 ResNet with float32
-#      BatchNorm units, materialize on CUDA, async_save of CUDA DTensors and its STALL);
+#   3. fsdp2_case: FSDP2 on one GPU through labkit's own code (bench/gpu_fsdp_case.py: "cpu:gloo,cuda:nccl",
+#      labkit.parallel.FullyShard of a bf16 ResNet with float32 BatchNorm units, labkit.meta_init materialized on
+#      CUDA, the agreed sharded save into the CpuMirror with its STALL, restored and compared);
 #   4. bench_stage (only where bench/bench_stage.py exists): labkit's stager against torch's;
 #      feed_gpu_decode: torchvision's batched decode_jpeg on the GPU with a crop + resize to 224 (bench_feed.py
 #      --gpu-decode), images/s against one H200's demand;
