@@ -112,7 +112,7 @@ def test_channels_last_trains_with_the_losses_of_nchw(precision):
     """A small ResNet on the CPU, channels_last against NCHW: the loader hands the images over in the run's format and
     the weights follow it. Each step's loss equals an NCHW copy's on the same weights within bf16 rounding (2^-8
     relative, two roundings) under bf16 autocast, within float32 rounding in fp32; in fp32 the two runs' 3-step
-    trajectories agree too (under bf16 BatchNorm's cancellations amplify a rounding within a step or two, so the
+    trajectories agree too, within 1e-3 (under bf16 BatchNorm's cancellations amplify a rounding within a step or two, so the
     trajectories are compared in fp32 only)."""
     runs = {}
     for fmt in ("channels_last", "contiguous"):
@@ -126,8 +126,11 @@ def test_channels_last_trains_with_the_losses_of_nchw(precision):
     tol = 2 * 2**-8 if precision == "bf16" else 1e-5
     assert len(cl.pairs) == 3 and all(abs(a - b) <= tol * abs(b) for a, b in cl.pairs), cl.pairs
     if precision == "fp32":
+        # Two trajectories drift apart by float32 rounding that BatchNorm amplifies step by step: the losses agreed to
+        # 1e-7 on one x86 CPU and differed by 6.6e-5 relative at step 3 on an AMD EPYC (oneDNN sums an NHWC convolution
+        # in another order there). A layout bug (weights and images in different formats) is off by tenths.
         a, b = [r["loss"] for r in cl.history], [r["loss"] for r in nchw.history]
-        assert len(a) == 3 and all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b)), (a, b)
+        assert len(a) == 3 and all(abs(x - y) <= 1e-3 * abs(y) for x, y in zip(a, b)), (a, b)
 
 
 def test_checkpoints_are_free_of_layout():
